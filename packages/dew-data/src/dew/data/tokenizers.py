@@ -1,0 +1,93 @@
+"""Tokenizers: ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus an end-of-document id and a padding id.
+
+    ``vocab_size`` is 264: 256 bytes, ``end_id`` 256, ``pad_id`` 257, and
+    unused ids up to a multiple of 8 so the vocab axis shards evenly.
+    """
+
+    end_id = 256
+    pad_id = 257
+    vocab_size = 264
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def __eq__(self, other):
+        return type(other) is ByteTokenizer
+
+    def __hash__(self):
+        return hash(ByteTokenizer)
+
+    def fingerprint(self) -> str:
+        """A string that changes whenever the ids this tokenizer produces would."""
+        return "bytes-v1"
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library.
+
+    path: a ``tokenizer.json`` file, or a directory holding one (with an
+      optional ``tokenizer_config.json`` naming the end-of-sequence token).
+    add_special_tokens: whether ``encode`` adds the tokenizer's own specials (BOS).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, add_special_tokens: bool = True):
+        from tokenizers import Tokenizer  # the [hf] extra
+
+        path = os.fspath(path)
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"no tokenizer.json at {file}")
+        self.path = file
+        self._tokenizer = Tokenizer.from_file(file)
+        self.add_special_tokens = add_special_tokens
+        self.config = {}
+        config_file = os.path.join(directory, "tokenizer_config.json")
+        if os.path.exists(config_file):
+            with open(config_file) as f:
+                self.config = json.load(f)
+        self.end_id = self._special_id("eos_token")
+        self.pad_id = self._special_id("pad_token")
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``tokenizer.json`` (and ``tokenizer_config.json``) into ``directory``."""
+        os.makedirs(directory, exist_ok=True)
+        self._tokenizer.save(os.path.join(directory, "tokenizer.json"))
+        if self.config:
+            with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+                json.dump(self.config, f, indent=2)
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        with open(self.path, "rb") as f:
+            return "hf-" + hashlib.sha256(f.read()).hexdigest()[:16]

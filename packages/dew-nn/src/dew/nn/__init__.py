@@ -1,0 +1,22 @@
+"""dew.nn: Flax modules whose parameters name logical axes, and the model registry."""
+
+from dew.nn import axes, backbones, models
+from dew.nn.attention import Attention
+from dew.nn.backbones import CausalTransformer
+from dew.nn.mlp import MLP
+from dew.nn.norms import LayerNorm, RMSNorm
+from dew.nn.rope import RopeScaling
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "CausalTransformer",
+    "LayerNorm",
+    "RMSNorm",
+    "RopeScaling",
+    "axes",
+    "backbones",
+    "models",
+]

@@ -1,0 +1,126 @@
+"""Multi-head attention with grouped-query heads, RoPE, sliding windows and a KV cache."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn import axes
+from dew.nn.rope import RopeScaling, apply_rope, inverse_frequencies
+
+
+def attention_mask(
+    query_positions: jax.Array,
+    key_positions: jax.Array,
+    key_valid: jax.Array,
+    query_index: jax.Array,
+    key_index: jax.Array,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Boolean ``[batch, 1, query, key]`` mask: causal by position and by slot.
+
+    A key is visible when it holds a real token, its position is not after the
+    query's, its cache slot is not after the query's, and (with a sliding
+    window) it lies fewer than ``sliding_window`` positions back. A query
+    always sees its own slot, so padded rows never produce an empty softmax.
+    """
+    qp = query_positions[:, :, None]  # [batch, query, 1]
+    kp = key_positions[:, None, :]  # [batch, 1, key]
+    mask = key_valid[:, None, :] & (kp <= qp) & (key_index[None, None, :] <= query_index[None, :, None])
+    if sliding_window is not None:
+        mask = mask & (qp - kp < sliding_window)
+    mask = mask | (key_index[None, None, :] == query_index[None, :, None])
+    return mask[:, None, :, :]
+
+
+class Attention(nn.Module):
+    """Causal self-attention (Vaswani et al., 2017) with grouped-query heads
+    (Ainslie et al., 2023): ``num_heads`` query heads share ``num_kv_heads``
+    key/value heads.
+
+    With ``decode=True`` keys and values go into the ``cache`` collection
+    (``key``, ``value``, ``positions``, ``valid`` ``[batch, cache_length, ...]``
+    and ``index``); the cache length is the length of the sequence the cache
+    was initialised with.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float | None = 10000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    use_qkv_bias: bool = False
+    use_out_bias: bool = False
+    init_std: float = 0.02
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    def _param(self, name, init, shape, names):
+        return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
+
+    def _project(self, name, x, heads, head_axis):
+        """``x [batch, length, embed] -> [batch, length, heads, head_dim]``."""
+        kernel = self._param(
+            f"{name}_kernel", nn.initializers.normal(self.init_std),
+            (x.shape[-1], heads, self.head_dim), (axes.EMBED, head_axis, axes.HEAD_DIM),
+        )
+        y = jnp.einsum("ble,ehd->blhd", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_qkv_bias:
+            bias = self._param(
+                f"{name}_bias", nn.initializers.zeros, (heads, self.head_dim),
+                (head_axis, axes.HEAD_DIM),
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+    @nn.compact
+    def __call__(self, x, positions, valid, *, decode: bool = False):
+        """``x [batch, length, embed]``, ``positions``/``valid`` ``[batch, length]``."""
+        length = x.shape[1]
+        q = self._project("query", x, self.num_heads, axes.HEADS)  # [batch, length, heads, head_dim]
+        k = self._project("key", x, self.num_kv_heads, axes.KV_HEADS)
+        v = self._project("value", x, self.num_kv_heads, axes.KV_HEADS)
+        if self.rope_theta is not None:
+            inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+
+        query_index = jnp.arange(length)
+        key_positions, key_valid, key_index = positions, valid, query_index
+        if decode:
+            is_initialized = self.has_variable("cache", "key")
+            cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
+            cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+            cached_pos = self.variable("cache", "positions", jnp.zeros, positions.shape, jnp.int32)
+            cached_valid = self.variable("cache", "valid", jnp.zeros, valid.shape, jnp.bool_)
+            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+            if is_initialized:
+                start = index.value
+                cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
+                cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
+                cached_pos.value = jax.lax.dynamic_update_slice(
+                    cached_pos.value, positions.astype(jnp.int32), (0, start)
+                )
+                cached_valid.value = jax.lax.dynamic_update_slice(cached_valid.value, valid, (0, start))
+                index.value = start + length
+                k, v = cached_k.value, cached_v.value
+                key_positions, key_valid = cached_pos.value, cached_valid.value
+                key_index = jnp.arange(k.shape[1])
+                query_index = start + query_index
+
+        mask = attention_mask(
+            positions, key_positions, key_valid, query_index, key_index, self.sliding_window
+        )
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        kernel = self._param(
+            "out_kernel", nn.initializers.normal(self.init_std),
+            (self.num_heads, self.head_dim, x.shape[-1]), (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
+        )
+        y = jnp.einsum("blhd,hde->ble", out.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_out_bias:
+            y = y + self._param(
+                "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)
+            ).astype(self.dtype)
+        return y  # [batch, length, embed]

@@ -1,0 +1,80 @@
+"""Token sampling rules: temperature, top-k, top-p (nucleus) and min-p."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """How the next token is drawn from the logits.
+
+    temperature: divide logits by this; 0 picks the most likely token (greedy).
+    top_k: keep the k most likely tokens; 0 = off.
+    top_p: keep the smallest set of most likely tokens whose probability
+      reaches p (Holtzman et al., 2019); 1.0 = off.
+    min_p: keep tokens with probability >= min_p * the top probability
+      (Nguyen et al., 2024); 0.0 = off.
+
+    Filters apply in that order, after the temperature, as in Hugging Face.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """Logits ``[..., vocab]`` with the tokens ``sampling`` excludes set to -inf."""
+    scaled = logits.astype(jnp.float32) / (sampling.temperature or 1.0)
+    neg_inf = jnp.finfo(jnp.float32).min
+    if sampling.top_k > 0:
+        kth = jax.lax.top_k(scaled, sampling.top_k)[0][..., -1:]
+        scaled = jnp.where(scaled < kth, neg_inf, scaled)
+    if sampling.top_p < 1.0:
+        sorted_logits = jnp.sort(scaled, axis=-1)[..., ::-1]  # descending
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = mass_before < sampling.top_p  # the top token is always kept
+        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < threshold, neg_inf, scaled)
+    if sampling.min_p > 0.0:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        floor = sampling.min_p * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(probs < floor, neg_inf, scaled)
+    return scaled
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling):
+    """Draw one token per row of ``logits [batch, vocab]``.
+
+    Returns ``(tokens [batch] int32, logprobs [batch])``; the log-probability is
+    the model's own (``log_softmax`` of the raw logits), which is what policy
+    ratios in RL objectives need.
+    """
+    if sampling.is_greedy:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        tokens = jax.random.categorical(key, filter_logits(logits, sampling), axis=-1)
+    logprobs = jnp.take_along_axis(
+        jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[:, None], axis=-1
+    )[:, 0]
+    return tokens.astype(jnp.int32), logprobs

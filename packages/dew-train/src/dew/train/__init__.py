@@ -1,0 +1,20 @@
+"""dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
+
+from dew.train.goodput import Goodput
+from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
+from dew.train.state import TrainState
+from dew.train.step import build_train_step
+from dew.train.trainer import NonFiniteError, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "Goodput",
+    "MeshSpec",
+    "NonFiniteError",
+    "TrainState",
+    "Trainer",
+    "build_train_step",
+]

@@ -1,0 +1,92 @@
+"""Where metrics go: stdout lines (or a progress bar on a TTY), a JSONL file
+and TensorBoard event files in the run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+
+
+def format_value(value: float) -> str:
+    if isinstance(value, str):
+        return value
+    if value != value or math.isinf(value):
+        return str(value)
+    return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}"
+
+
+class MetricsLog:
+    """Writes one record per log step.
+
+    run_dir: directory for ``metrics.jsonl`` and TensorBoard events; None =
+      stdout only.
+    is_main: only the main process (``jax.process_index() == 0``) writes.
+    progress: a tqdm bar on a TTY; None decides from ``sys.stdout.isatty()``.
+    """
+
+    def __init__(self, run_dir: str | None, *, is_main: bool = True, progress: bool | None = None,
+                 total_steps: int = 0, start_step: int = 0):
+        self.is_main = is_main
+        self.run_dir = run_dir
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not is_main:
+            return
+        if run_dir is not None:
+            os.makedirs(run_dir, exist_ok=True)
+            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if progress is None:
+            progress = sys.stdout.isatty()
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self._last_time = time.perf_counter()
+        self._last_step = start_step
+
+    def print(self, line: str) -> None:
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log(self, step: int, metrics: Mapping[str, float], *, kind: str = "train",
+            line: str | None = None) -> None:
+        """Record ``metrics`` at ``step``; ``line`` is what stdout shows."""
+        if not self.is_main:
+            return
+        now = time.perf_counter()
+        record = {"step": step, "kind": kind, "time": time.time(), **metrics}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record, default=float) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in metrics.items():
+                if isinstance(value, int | float):
+                    self._tb.add_scalar(f"{kind}/{name}", value, step)
+        if self._bar is not None and kind == "train":
+            rate = (step - self._last_step) / max(now - self._last_time, 1e-9)
+            self._bar.set_postfix(loss=format_value(metrics.get("loss", float("nan"))),
+                                  steps_per_s=f"{rate:.2f}")
+            self._bar.update(step - self._last_step)
+            self._last_step, self._last_time = step, now
+        if line is not None:
+            self.print(line)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,171 @@
+"""The device mesh: ``MeshSpec`` axis sizes, and the rules table that maps
+logical axis names (``dew.nn.axes``) onto mesh axes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from dew.nn import axes
+
+MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    (axes.BATCH, ("data", "fsdp", "expert")),
+    (axes.LENGTH, "sequence"),
+    (axes.EMBED, "fsdp"),
+    (axes.HEADS, "tensor"),
+    (axes.KV_HEADS, "tensor"),
+    (axes.MLP, "tensor"),
+    (axes.VOCAB, "tensor"),
+    (axes.EXPERT, "expert"),
+    (axes.LAYERS, "stage"),
+    (axes.HEAD_DIM, None),
+    (axes.HEIGHT, None),
+    (axes.WIDTH, None),
+    (axes.FRAMES, None),
+    (axes.CHANNELS, None),
+)
+"""Logical axis -> mesh axes. Flax takes the first rule whose mesh axes are
+not already used by another dimension of the same array, so ``embed`` is
+split over ``fsdp`` in parameters but not in activations, where ``batch``
+already holds ``fsdp``. Override with ``Trainer(..., rules=...)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the six mesh axes, in this order.
+
+    data: pure data parallelism (replicated parameters).
+    expert: experts of a mixture-of-experts layer; also splits the batch.
+    fsdp: parameters, gradients and optimizer state split (ZeRO-3); also
+      splits the batch.
+    tensor: heads, MLP features and vocab split (Megatron-style).
+    sequence: activations split along the sequence (context parallelism).
+    stage: the layer stack split into pipeline stages.
+
+    One axis may be -1: it absorbs the devices the others leave. ``data``
+    left as None means -1 when no other axis is -1, else 1, so the default
+    puts every device on ``data``.
+    """
+
+    data: int | None = None
+    expert: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    stage: int = 1
+
+    def __post_init__(self):
+        for name in MESH_AXES:
+            size = getattr(self, name)
+            if size is not None and (size == 0 or size < -1):
+                raise ValueError(f"MeshSpec.{name} must be >= 1 or -1 (fill), got {size}")
+        fills = [n for n in MESH_AXES if getattr(self, n) == -1]
+        if len(fills) > 1:
+            raise ValueError(f"only one MeshSpec axis may be -1, got {fills}")
+
+    def sizes(self, num_devices: int) -> dict[str, int]:
+        """The resolved ``{axis: size}`` for ``num_devices`` devices."""
+        raw = {n: getattr(self, n) for n in MESH_AXES}
+        if raw["data"] is None:
+            raw["data"] = 1 if -1 in raw.values() else -1
+        fixed = math.prod(v for v in raw.values() if v != -1)
+        if -1 in raw.values():
+            fill = next(n for n, v in raw.items() if v == -1)
+            if num_devices % fixed:
+                raise ValueError(
+                    f"MeshSpec {self._show(raw)} cannot fill {fill!r}: the other axes use "
+                    f"{fixed} devices, which does not divide the {num_devices} devices present"
+                )
+            raw[fill] = num_devices // fixed
+        elif fixed != num_devices:
+            raise ValueError(
+                f"MeshSpec {self._show(raw)} needs {fixed} devices but {num_devices} are "
+                f"present ({jax.devices()[0].platform}); make the product {num_devices} or "
+                f"set one axis to -1"
+            )
+        return raw
+
+    @staticmethod
+    def _show(raw):
+        return "{" + ", ".join(f"{k}={v}" for k, v in raw.items()) + "}"
+
+    def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
+        devices = list(devices if devices is not None else jax.devices())
+        sizes = self.sizes(len(devices))
+        return jax.make_mesh(
+            tuple(sizes.values()),
+            MESH_AXES,
+            axis_types=(AxisType.Auto,) * len(MESH_AXES),
+            devices=devices,
+        )
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    return {name: int(mesh.shape[name]) for name in MESH_AXES}
+
+
+def batch_axes(rules: Rules) -> tuple[str, ...]:
+    """Mesh axes the batch dimension is split over."""
+    for logical, mesh_axes in rules:
+        if logical == axes.BATCH:
+            if mesh_axes is None:
+                return ()
+            return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    return ()
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
+    """Rows split over the batch axes; other dimensions replicated."""
+    return NamedSharding(mesh, PartitionSpec(batch_axes(rules), *([None] * (ndim - 1))))
+
+
+def data_parallel_size(mesh: Mesh, rules: Rules) -> int:
+    return math.prod(int(mesh.shape[a]) for a in batch_axes(rules))
+
+
+def logical_shardings(specs, mesh: Mesh, rules: Rules):
+    """Logical ``PartitionSpec`` tree -> ``NamedSharding`` tree."""
+    return nn.logical_to_mesh_sharding(specs, mesh, list(rules))
+
+
+def check_divisible(abstract, specs, mesh: Mesh, rules: Rules) -> None:
+    """Every dimension divides over the mesh axes it is split on, or a clear error."""
+    shardings = logical_shardings(specs, mesh, rules)
+    flat_abs = jax.tree_util.tree_leaves_with_path(abstract)
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    flat_shard = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    for (path, leaf), logical, sharding in zip(flat_abs, flat_specs, flat_shard):
+        for dim, (size, mesh_axes) in enumerate(zip(leaf.shape, sharding.spec)):
+            if mesh_axes is None:
+                continue
+            names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+            ways = math.prod(int(mesh.shape[a]) for a in names)
+            if size % ways:
+                name = logical[dim] if dim < len(logical) else None
+                raise ValueError(
+                    f"{jax.tree_util.keystr(path)}: dimension {dim} ({name!r}) of size {size} "
+                    f"does not divide over mesh axis {'x'.join(names)} of size {ways}; "
+                    f"change the model size or the MeshSpec"
+                )
+
+
+def unbox_abstract(tree):
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )
+
+
+def host_array(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))

@@ -1,0 +1,78 @@
+"""Built wheels, installed the ways downstream teams install them."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+UV = shutil.which("uv")
+pytestmark = pytest.mark.skipif(UV is None, reason="uv is not on PATH")
+
+
+def run(*args, **kwargs):
+    result = subprocess.run(args, capture_output=True, text=True, **kwargs)
+    assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    run(UV, "build", "--all-packages", "--wheel", "-o", str(out), "-q", cwd=ROOT)
+    wheels = sorted(p.name for p in out.glob("*.whl"))
+    assert len(wheels) == 6, wheels
+    return out
+
+
+def venv(tmp_path, name, *wheels, dist):
+    path = tmp_path / name
+    run(UV, "venv", "-q", "--python", sys.executable, str(path))
+    python = str(path / "bin" / "python")
+    files = [str(next(dist.glob(f"{w}-*.whl"))) for w in wheels]
+    run(UV, "pip", "install", "-q", "--python", python, "--find-links", str(dist), *files)
+    return python
+
+
+def test_dew_nn_wheel_alone(dist, tmp_path):
+    python = venv(tmp_path, "nn", "dew_nn", dist=dist)
+    run(python, "-c", textwrap.dedent("""
+        import importlib.util, sys
+        import jax, jax.numpy as jnp
+        from dew.nn import models
+        m = models.build("causal_transformer", vocab_size=16, emb_features=8, num_layers=1,
+                         num_heads=2, mlp_features=16, max_seq_len=8)
+        v = m.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+        assert m.apply(v, jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 16)
+        for absent in ("dew.train", "dew.data", "dew.objectives", "dew.sampling"):
+            assert importlib.util.find_spec(absent) is None, absent
+        assert "orbax" not in sys.modules
+    """))
+
+
+def test_dew_data_wheel_alone_has_no_jax(dist, tmp_path):
+    python = venv(tmp_path, "data", "dew_data", dist=dist)
+    run(python, "-c", textwrap.dedent("""
+        import importlib.util
+        from dew.data import ByteTokenizer, Dataset, Partition
+        assert importlib.util.find_spec("jax") is None
+        t = ByteTokenizer()
+        assert t.decode(t.encode("héllo")) == "héllo"
+        assert Partition(1, 2).slice(8) == slice(4, 8)
+    """))
+
+
+def test_all_wheels_umbrella_tests_pass(dist, tmp_path):
+    python = venv(tmp_path, "all", "dew_jax", "dew_nn", "dew_data", "dew_sampling",
+                  "dew_objectives", "dew_train", dist=dist)
+    run(UV, "pip", "install", "-q", "--python", python, "pytest")
+    # run from a folder without the sources so the installed wheels are what is tested
+    tests = tmp_path / "umbrella_tests"
+    shutil.copytree(ROOT / "packages/dew/tests", tests)
+    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), cwd=tmp_path,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"})

@@ -1,0 +1,66 @@
+"""The model registry: build by name, rebuild from the stored name and config."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn import CausalTransformer, RopeScaling, models
+from dew.nn.backbones import CausalTransformer as FromBackbones
+
+CONFIG = dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=4, mlp_features=32,
+              max_seq_len=16)
+
+
+def test_build_gives_the_registered_class():
+    model = models.build("causal_transformer", **CONFIG)
+    assert type(model) is CausalTransformer is FromBackbones
+    assert "causal_transformer" in models.names()
+
+
+def test_config_round_trips_through_json_to_an_identical_module():
+    model = models.build("causal_transformer", **CONFIG, num_kv_heads=2, dtype=jnp.bfloat16,
+                         rope_scaling=RopeScaling(kind="llama3", factor=8.0))
+    name, config = models.config_of(model)
+    rebuilt = models.build(name, **json.loads(json.dumps(config)))
+    assert rebuilt == model
+    tokens = jnp.arange(8, dtype=jnp.int32)[None]
+    a = model.init(jax.random.key(3), tokens)
+    b = rebuilt.init(jax.random.key(3), tokens)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_unknown_name_lists_registered_models():
+    with pytest.raises(KeyError, match="registered models: .*causal_transformer"):
+        models.build("causal_transfomer", **CONFIG)
+    with pytest.raises(KeyError, match="Did you mean 'causal_transformer'"):
+        models.get("causal_transfomer")
+
+
+def test_unknown_option_lists_the_options():
+    with pytest.raises(TypeError, match="no option.*'emb_size'.*emb_features"):
+        models.build("causal_transformer", emb_size=8, **CONFIG)
+
+
+def test_unregistered_module_cannot_be_saved():
+    import flax.linen as nn
+
+    class Plain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="not registered"):
+        models.config_of(Plain())
+
+
+def test_register_refuses_a_taken_name():
+    import flax.linen as nn
+
+    with pytest.raises(ValueError, match="already registered"):
+
+        @models.register("causal_transformer")
+        class Other(nn.Module):
+            pass

@@ -1,8 +1,35 @@
-"""dew.data: datasets as two iterator factories, partitions, tokenizers and readers."""
+"""dew.data: datasets as two iterator factories, partitions, tokenizers and Grain readers.
+
+Readers describe a dataset and build a :class:`Dataset` with ``.load(batch=...)``:
+:class:`TokenWindows` (text for language models), :class:`HFImages` (images of
+the ``datasets`` library), :class:`Videos` (local clips), :class:`PreferencePairs`
+(DPO) and :class:`Prompts` (GRPO, PPO). :func:`from_records` turns any
+random-access source into a Grain-backed :class:`Dataset` the same way.
+"""
 
 from dew.data.dataset import Batch, Dataset, Partition
+from dew.data.images import HFImages
+from dew.data.preferences import PreferencePairs
+from dew.data.prompts import Prompts
+from dew.data.records import RecordError, Records, from_records
+from dew.data.token_windows import TokenWindows
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
+from dew.data.videos import Videos
 
 __version__ = "0.1.0"
 
-__all__ = ["Batch", "ByteTokenizer", "Dataset", "HFTokenizer", "Partition"]
+__all__ = [
+    "Batch",
+    "ByteTokenizer",
+    "Dataset",
+    "HFImages",
+    "HFTokenizer",
+    "Partition",
+    "PreferencePairs",
+    "Prompts",
+    "RecordError",
+    "Records",
+    "TokenWindows",
+    "Videos",
+    "from_records",
+]

@@ -21,6 +21,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        """``encode`` of each text."""
+        return [self.encode(text) for text in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
@@ -75,6 +79,13 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
 
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        """``encode`` of each text, in parallel inside the ``tokenizers`` library."""
+        encodings = self._tokenizer.encode_batch(
+            list(texts), add_special_tokens=self.add_special_tokens
+        )
+        return [encoding.ids for encoding in encodings]
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -89,5 +100,8 @@ class HFTokenizer:
     def fingerprint(self) -> str:
         import hashlib
 
+        digest = hashlib.sha256()
         with open(self.path, "rb") as f:
-            return "hf-" + hashlib.sha256(f.read()).hexdigest()[:16]
+            digest.update(f.read())
+        digest.update(b"|add_special_tokens=%d" % self.add_special_tokens)
+        return "hf-" + digest.hexdigest()[:16]

@@ -1,0 +1,142 @@
+"""``PreferencePairs``: (prompt, chosen, rejected) texts as padded token batches, for DPO."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from dew.data._corpus import columns
+from dew.data._padding import pad_id_of
+from dew.data.dataset import Dataset
+from dew.data.records import from_records, held_out_count
+from dew.data.tokenizers import ByteTokenizer
+
+
+def completion_ids(tokenizer, text: str, end_id: int | None) -> list[int]:
+    """A completion's ids followed by the end id (None = no end id)."""
+    ids = list(tokenizer.encode(text or ""))
+    return ids if end_id is None else ids + [end_id]
+
+
+def pack(prompt: list[int], completion: list[int], *, prompt_len: int, completion_len: int,
+         pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompt (its last ``prompt_len`` ids) then completion (its first ``completion_len``)
+    then padding: ``(ids, prompt_mask, completion_mask)``, each ``[prompt_len + completion_len]``."""
+    prompt = prompt[-prompt_len:] if prompt_len else []
+    completion = completion[:completion_len]
+    length = prompt_len + completion_len
+    ids = np.full((length,), pad_id, np.int32)
+    ids[: len(prompt)] = prompt
+    ids[len(prompt): len(prompt) + len(completion)] = completion
+    positions = np.arange(length)
+    prompt_mask = positions < len(prompt)
+    completion_mask = (positions >= len(prompt)) & (positions < len(prompt) + len(completion))
+    return ids, prompt_mask, completion_mask
+
+
+class _Pairs:
+    def __init__(self, rows: dict[str, list], indices: np.ndarray, fields: tuple[str, str, str],
+                 *, tokenizer, end_id, pad_id, prompt_len, completion_len):
+        self._rows, self._indices, self._fields = rows, indices, fields
+        self._tokenizer, self._end_id, self._pad_id = tokenizer, end_id, pad_id
+        self._prompt_len, self._completion_len = prompt_len, completion_len
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        row = int(self._indices[index])
+        prompt_field, chosen_field, rejected_field = self._fields
+        prompt = list(self._tokenizer.encode(self._rows[prompt_field][row] or ""))
+        example = {}
+        for name, field in (("chosen", chosen_field), ("rejected", rejected_field)):
+            ids, prompt_mask, mask = pack(
+                prompt, completion_ids(self._tokenizer, self._rows[field][row], self._end_id),
+                prompt_len=self._prompt_len, completion_len=self._completion_len,
+                pad_id=self._pad_id,
+            )
+            example[name], example[f"{name}_mask"] = ids, mask
+        example["prompt_mask"] = prompt_mask
+        return example
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferencePairs:
+    """Preference pairs: a prompt with a preferred and a rejected completion.
+
+    Each row becomes two sequences of ``prompt_len + completion_len`` ids: the
+    prompt (cut to its last ``prompt_len`` ids) immediately followed by the
+    completion and the end id (cut to ``completion_len`` ids; a cut completion
+    loses its end id), then padding. Batch keys, all ``[rows, prompt_len +
+    completion_len]``:
+
+    - ``"chosen"``, ``"rejected"``: int32 ids.
+    - ``"chosen_mask"``, ``"rejected_mask"``: bool, True on the completion's
+      ids (end id included): the positions whose log-probabilities DPO sums.
+    - ``"prompt_mask"``: bool, True on the prompt's ids (the same columns in
+      both sequences).
+
+    The sequences are right-padded, so a causal model reads them without an
+    attention mask. ``LMObjective(model, seq_len=prompt_len + completion_len
+    - 1, text_key="chosen", loss_mask_key="chosen_mask")`` fine-tunes on the
+    chosen completions (SFT) from the same batches.
+
+    source: JSON-lines or parquet files (paths, directories or patterns), or a
+      ``datasets.Dataset``.
+    prompt_len: prompt ids kept, in tokens.
+    completion_len: completion ids kept (end id included), in tokens.
+    tokenizer: encodes the texts (``encode``, ``end_id``, ``pad_id``).
+    prompt_field, chosen_field, rejected_field: the fields or columns read.
+    end_id: put after each completion; None = ``tokenizer.end_id`` (none if it has none).
+    pad_id: fills the rest; None = ``tokenizer.pad_id`` (else its end id, else 0).
+    val_fraction: share of rows (the last ones) held out for validation; 0 = none.
+    seed: shuffle seed of the training rows.
+    read_threads: Grain threads reading ahead (0 = in the caller's thread).
+    prefetch: batches read ahead.
+    """
+
+    source: Any
+    _: dataclasses.KW_ONLY
+    prompt_len: int = 128
+    completion_len: int = 128
+    tokenizer: Any = dataclasses.field(default_factory=ByteTokenizer)
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    end_id: int | None = None
+    pad_id: int | None = None
+    val_fraction: float = 0.0
+    seed: int = 0
+    read_threads: int = 2
+    prefetch: int = 4
+
+    def __post_init__(self):
+        if self.prompt_len < 0 or self.completion_len < 1:
+            raise ValueError(
+                f"PreferencePairs needs prompt_len >= 0 and completion_len >= 1 tokens, got "
+                f"{self.prompt_len} and {self.completion_len}"
+            )
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(
+                f"PreferencePairs.val_fraction must be in [0, 1), got {self.val_fraction}"
+            )
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` pairs per global batch (see ``dew.data.records``)."""
+        fields = (self.prompt_field, self.chosen_field, self.rejected_field)
+        rows = columns(self.source, fields, what="PreferencePairs")
+        count = len(rows[self.prompt_field])
+        held_out = held_out_count(count, self.val_fraction, what="PreferencePairs")
+        end_id = self.end_id if self.end_id is not None else getattr(self.tokenizer, "end_id", None)
+        options = dict(tokenizer=self.tokenizer, end_id=end_id,
+                       pad_id=pad_id_of(self.tokenizer, self.pad_id),
+                       prompt_len=self.prompt_len, completion_len=self.completion_len)
+        indices = np.arange(count)
+        train = _Pairs(rows, indices[: count - held_out], fields, **options)
+        val = _Pairs(rows, indices[count - held_out:], fields, **options) if held_out else None
+        return from_records(train, val, batch=batch, seed=self.seed,
+                            read_threads=self.read_threads, prefetch=self.prefetch,
+                            name="PreferencePairs")
+

@@ -1,0 +1,91 @@
+"""LMObjective: the loss against numpy, masks, evaluation sums, bad batches."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn import CausalTransformer
+from dew.objectives import Step
+from dew.objectives.lm import LMObjective
+
+MODEL = CausalTransformer(vocab_size=24, emb_features=16, num_layers=1, num_heads=2,
+                          mlp_features=32, max_seq_len=16)
+STEP = Step(index=jnp.int32(0), key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    objective = LMObjective(MODEL, seq_len=8)
+    variables = nn.unbox(objective.init(jax.random.key(0)))
+    tokens = np.random.default_rng(0).integers(0, 24, (4, 9)).astype(np.int32)
+    return objective, variables, tokens
+
+
+def numpy_nll(logits, targets):
+    logits = np.asarray(logits, np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return logz - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+
+
+def test_loss_is_mean_next_token_nll(setup):
+    objective, variables, tokens = setup
+    loss, metrics = objective.loss(variables, {"text": tokens}, STEP)
+    logits = MODEL.apply(variables, tokens[:, :-1])
+    nll = numpy_nll(logits, tokens[:, 1:])
+    assert float(loss) == pytest.approx(nll.mean(), rel=1e-5)
+    assert float(metrics["nll_sum"]) == pytest.approx(nll.sum(), rel=1e-5)
+    assert float(metrics["tokens"]) == 4 * 8
+
+
+def test_loss_mask_and_example_mask_weight_the_sums(setup):
+    objective, variables, tokens = setup
+    masked = LMObjective(MODEL, seq_len=8, loss_mask_key="completion")
+    completion = np.zeros((4, 9), np.int32)
+    completion[:, 5:] = 1
+    example_mask = np.array([True, True, False, True])
+    batch = {"text": tokens, "completion": completion, "example_mask": example_mask}
+    loss, metrics = masked.loss(variables, batch, STEP)
+    nll = numpy_nll(MODEL.apply(variables, tokens[:, :-1]), tokens[:, 1:])
+    weights = completion[:, 1:] * example_mask[:, None]
+    assert float(loss) == pytest.approx((nll * weights).sum() / weights.sum(), rel=1e-5)
+    assert float(metrics["tokens"]) == weights.sum()
+
+
+def test_evaluate_sums_add_up_over_batches(setup):
+    objective, variables, tokens = setup
+    whole = objective.evaluate(variables, {"text": tokens}, STEP)
+    halves = [objective.evaluate(variables, {"text": t}, STEP) for t in (tokens[:2], tokens[2:])]
+    totals = {k: sum(float(h[k]) for h in halves) for k in whole}
+    for key in whole:
+        assert totals[key] == pytest.approx(float(whole[key]), rel=1e-5)
+    summary = objective.summarize(totals)
+    logits = MODEL.apply(variables, tokens[:, :-1])
+    nll = numpy_nll(logits, tokens[:, 1:])
+    assert summary["loss"] == pytest.approx(nll.mean(), rel=1e-5)
+    assert summary["perplexity"] == pytest.approx(np.exp(nll.mean()), rel=1e-5)
+    accuracy = (np.argmax(logits, -1) == tokens[:, 1:]).mean()
+    assert summary["accuracy"] == pytest.approx(accuracy)
+
+
+def test_bad_batches_are_named(setup):
+    objective, _, tokens = setup
+    with pytest.raises(ValueError, match=r"rows of seq_len \+ 1 = 9 ids"):
+        objective.check_batch({"text": tokens[:, :8]})
+    bad = tokens.copy()
+    bad[1, 3] = 30
+    with pytest.raises(ValueError, match="token id 30 .*vocab_size 24, largest id 30"):
+        objective.check_batch({"text": bad})
+    with pytest.raises(KeyError, match="batch has keys"):
+        objective.check_batch({"tokens": tokens})
+    with pytest.raises(ValueError, match="longer than the model's max_seq_len 16"):
+        LMObjective(MODEL, seq_len=32)
+
+
+def test_init_params_start_from_given_weights(setup):
+    objective, variables, _ = setup
+    shifted = jax.tree.map(lambda x: x + 1.0, variables["params"])
+    tuned = LMObjective(MODEL, seq_len=8, init_params=shifted)
+    got = nn.unbox(tuned.init(jax.random.key(5)))["params"]
+    jax.tree.map(np.testing.assert_array_equal, got, shifted)

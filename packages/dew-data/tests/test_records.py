@@ -31,7 +31,7 @@ def take(iterator, count):
 def test_partitions_put_side_by_side_are_the_one_process_batch(threads):
     data = from_records(Numbers(20), batch=8, seed=3, read_threads=threads)
     whole = take(data.train(Partition()), 6)
-    for count in (2, 4):
+    for count in (2, 4, 8):  # 8: one row per process
         shares = [take(data.train(Partition(i, count)), 6) for i in range(count)]
         for step in range(6):
             rows = [r for share in shares for r in share[step]]

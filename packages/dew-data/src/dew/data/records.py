@@ -255,7 +255,7 @@ def from_records(
     def open_train(partition: Partition):
         shuffled = grain.MapDataset.source(train_source).shuffle(seed=seed).repeat()
         local = _PartitionRows(shuffled, batch=batch, partition=partition)
-        batches = local.batch(partition.rows(batch), batch_fn=stack)
+        batches = local.batch(partition.rows(batch), drop_remainder=True, batch_fn=stack)
         return iter(batches.to_iter_dataset(options))
 
     open_val: Callable[[Partition], Any] | None = None
@@ -266,7 +266,7 @@ def from_records(
         def open_val(partition: Partition):
             local = _PartitionRows(grain.MapDataset.source(val_source), batch=batch,
                                    partition=partition)
-            batches = local.batch(partition.rows(batch), batch_fn=stack)
+            batches = local.batch(partition.rows(batch), drop_remainder=True, batch_fn=stack)
             return iter(batches.to_iter_dataset(options))
 
     return Dataset(train=open_train, val=open_val, records=len(train), batch=batch)

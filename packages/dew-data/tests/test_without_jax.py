@@ -1,0 +1,58 @@
+"""dew-data works with jax absent: nothing imports it, and the readers run without it."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+SOURCE = pathlib.Path(__file__).parents[1] / "src" / "dew" / "data"
+FORBIDDEN = ("jax", "jaxlib", "flax", "optax", "orbax", "dew.nn", "dew.train", "dew.objectives",
+             "dew.sampling")
+
+
+def imported_modules(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_no_module_imports_jax_or_a_higher_package():
+    found = {
+        (path.name, name)
+        for path in SOURCE.glob("*.py")
+        for name in imported_modules(path)
+        if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+    }
+    assert not found
+
+
+def test_readers_run_with_jax_blocked(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        for name in ("jax", "jaxlib", "flax"):
+            sys.modules[name] = None  # any import of them now fails
+        import numpy as np
+        from dew.data import Partition, TokenWindows, Videos
+
+        open("corpus.txt", "w").write("no jax needed here. " * 20)
+        data = TokenWindows("corpus.txt", seq_len=8, cache_dir="cache").load(batch=4)
+        iterator = data.train(Partition(1, 2))
+        next(iterator)
+        state = iterator.get_state()
+        expected = next(iterator)["text"]
+        fresh = data.train(Partition(1, 2))
+        fresh.set_state(state)
+        assert (next(fresh)["text"] == expected).all()
+        np.save("clip.npy", np.zeros((4, 2, 2, 3), np.uint8))
+        assert next(Videos("clip.npy", frames=2).load(batch=2).train(Partition()))[
+            "video"].shape == (2, 2, 2, 2, 3)
+        assert "jax" not in [m for m in sys.modules if sys.modules[m] is not None]
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -1,0 +1,144 @@
+"""Dew's Trainer.fit against a hand-written jax/flax/optax loop, side by side.
+
+Same model, same optimizer, same batches, same process and allocator
+setting; the two sides alternate and each number is the median of
+``--repeats`` runs. Reports steady-state tokens/s and time to the first
+step (init + compile + one step), as ratios Dew / hand-written.
+
+    python tools/bench_train.py                 # seed and medium sizes
+    python tools/bench_train.py --sizes seed --steps 30 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import pathlib
+import platform
+import statistics
+import tempfile
+import time
+
+
+def tune_allocator() -> None:
+    """glibc malloc: keep XLA's large buffers instead of mmap/munmap each step
+    (PACKAGING.md). Applied once, so both sides run under the same setting."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, -1)  # never trim
+    libc.mallopt(m_arena_max, 1)
+
+
+tune_allocator()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from dew import Dataset, Trainer, models  # noqa: E402
+from dew.objectives.lm import LMObjective  # noqa: E402
+
+SIZES = {
+    "seed": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, seq_len=64,
+                 batch=8),
+    "medium": dict(emb_features=256, num_layers=4, num_heads=8, mlp_features=1024,
+                   seq_len=256, batch=16),
+}
+VOCAB = 264
+
+
+def make(size):
+    cfg = dict(SIZES[size])
+    seq_len, batch = cfg.pop("seq_len"), cfg.pop("batch")
+    model = models.build("causal_transformer", vocab_size=VOCAB, max_seq_len=seq_len, **cfg)
+    rows = np.random.default_rng(0).integers(0, 256, (4, batch, seq_len + 1)).astype(np.int32)
+    return model, seq_len, batch, rows
+
+
+def run_dew(size, steps):
+    model, seq_len, batch, rows = make(size)
+    data = Dataset(train=lambda p: ({"text": r} for r in itertools.cycle(rows)), val=None,
+                   records=batch * 4, batch=batch)
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(LMObjective(model, seq_len=seq_len), optax.adamw(3e-3),
+                          key=jax.random.key(0), run_dir=run_dir, progress=False)
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit(data, steps=steps, log_every=steps)
+        records = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl")]
+    goodput = next(r for r in records if r["kind"] == "goodput")
+    first, wall = goodput["first_step"], goodput["wall"]
+    return first, (wall - first) / (steps - 1)
+
+
+def run_hand(size, steps):
+    model, seq_len, batch, rows = make(size)
+    optimizer = optax.adamw(3e-3)
+    start = time.perf_counter()
+
+    @jax.jit
+    def init(key):
+        params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
+        params = jax.tree.map(lambda x: getattr(x, "value", x), params,
+                              is_leaf=lambda x: hasattr(x, "value"))
+        return params, optimizer.init(params)
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
+    params, opt_state = init(jax.random.key(0))
+    params, opt_state, loss = step(params, opt_state, jnp.asarray(rows[0]))
+    loss.block_until_ready()
+    first = time.perf_counter() - start
+    begin = time.perf_counter()
+    for i in range(1, steps):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(rows[i % len(rows)]))
+    jax.block_until_ready((params, loss))
+    return first, (time.perf_counter() - begin) / (steps - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
+          f"{jax.devices()[0].platform} device(s), jax {jax.__version__}; steps {args.steps}, "
+          f"median of {args.repeats}")
+    for size in args.sizes:
+        _, seq_len, batch, _ = make(size)
+        dew, hand = [], []
+        for r in range(args.repeats):
+            order = [(run_dew, dew), (run_hand, hand)]
+            for fn, out in order if r % 2 == 0 else order[::-1]:
+                out.append(fn(size, args.steps))
+        d_first = statistics.median(x[0] for x in dew)
+        h_first = statistics.median(x[0] for x in hand)
+        d_step = statistics.median(x[1] for x in dew)
+        h_step = statistics.median(x[1] for x in hand)
+        tokens = batch * seq_len
+        print(f"{size}: tokens/s dew {tokens / d_step:,.0f} hand {tokens / h_step:,.0f} "
+              f"ratio {h_step / d_step:.3f}; first step dew {d_first:.2f} s hand "
+              f"{h_first:.2f} s ratio {d_first / h_first:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,7 @@ import numpy as np
 from dew.data._hf import load_split, pick_column
 from dew.data._padding import pad_id_of, pad_right
 from dew.data.dataset import Dataset
-from dew.data.records import RecordError, from_records, held_out_count
+from dew.data.records import RecordError, from_records, held_out_count, stack
 from dew.data.tokenizers import ByteTokenizer
 
 
@@ -86,7 +86,16 @@ class _Images:
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         row_index = int(self._indices[index])
-        row = self._dataset[row_index]
+        return self._example(self._dataset[row_index], row_index)
+
+    def read_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows ``indices`` fetched from the table in one call, then decoded."""
+        row_indices = [int(i) for i in self._indices[np.asarray(indices)]]
+        table = self._dataset[row_indices]
+        return stack([self._example({name: values[k] for name, values in table.items()}, row)
+                      for k, row in enumerate(row_indices)])
+
+    def _example(self, row: dict, row_index: int) -> dict[str, np.ndarray]:
         value = row[self._image]
         try:
             pixels = fit_image(open_image(value), self._size)

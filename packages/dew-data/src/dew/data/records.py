@@ -1,12 +1,13 @@
 """A ``Dataset`` from random-access records, on Grain.
 
 Every built-in reader describes its examples as a random-access source
-(``len(source)`` and ``source[i] -> dict of numpy arrays``) and hands it to
+(``len(source)`` and ``source[i] -> dict of numpy arrays``, optionally
+``source.read_batch(indices)`` for a faster vectorized read) and hands it to
 :func:`from_records`, which does the rest the same way for all of them:
 
-- **train** is endless: the records are shuffled with ``seed``, and shuffled
-  again differently each epoch (Grain's ``MapDataset.shuffle(seed).repeat()``).
-  Global batch ``g`` is the examples ``g * batch ... (g + 1) * batch - 1`` of
+- **train** is endless and shuffled: epoch ``e`` visits the records in a
+  permutation drawn from ``(seed, e)``, so every epoch is shuffled anew.
+  Global batch ``g`` is positions ``g * batch ... (g + 1) * batch - 1`` of
   that stream; process ``p`` of ``count`` reads the contiguous rows
   ``p * rows ... (p + 1) * rows - 1`` of it (``rows = batch / count``), so the
   processes' shares put side by side are exactly the one-process batch.
@@ -15,9 +16,12 @@ Every built-in reader describes its examples as a random-access source
   once); every validation batch carries ``example_mask`` (bool ``[rows]``),
   False on padding. Objectives weight their sums by it, so evaluation totals
   are exactly the sums over the real examples.
-- The train iterator is a Grain ``DatasetIterator``: ``get_state()`` /
-  ``set_state()`` save and restore its position exactly, and the trainer's
-  checkpoints store it.
+- Both are Grain pipelines (``MapDataset.range(...).map(read a batch)``,
+  read ahead by Grain's threads): the train iterator is a Grain
+  ``DatasetIterator`` whose ``get_state()`` / ``set_state()`` save and restore
+  its position (the number of batches read) exactly, and the trainer's
+  checkpoints store it. A position is computed, not replayed: restoring one
+  is instant however far into the run it is.
 
 Unreadable records: a reader raises :class:`RecordError` naming the record.
 By default that stops the run. With ``skip_errors=True`` the record is
@@ -57,7 +61,13 @@ class RecordError(ValueError):
 
 
 class Records(Protocol):
-    """What :func:`from_records` reads: a sized, random-access source of examples."""
+    """What :func:`from_records` reads: a sized, random-access source of examples.
+
+    ``source[i]`` returns one example, a dict of numpy arrays with the same
+    keys and shapes for every ``i``, or raises :class:`RecordError`. A source
+    may also define ``read_batch(indices) -> dict of arrays`` (the examples
+    ``indices`` stacked), which is then used instead of one call per example.
+    """
 
     def __len__(self) -> int: ...
 
@@ -91,38 +101,115 @@ def stack(examples: Sequence[dict[str, Any]]) -> Batch:
     return {name: np.stack([example[name] for example in examples]) for name in first}
 
 
-class _Guarded:
-    """A source whose unreadable records are raised with a hint, or skipped.
+class EpochOrder:
+    """The record order of every epoch: epoch ``e`` is a permutation of ``0..count-1``
+    drawn from ``(seed, e)``, so each epoch is shuffled anew and any position of the
+    endless stream is computed, not replayed. The most recent epochs' permutations
+    are kept (threads reading ahead ask for neighbouring epochs).
 
-    In "train" mode a skipped record is replaced by the next readable one. In
-    "val" mode the source is padded to ``length`` records; padding and skipped
-    records become rows shaped like a real one, zeros, ``example_mask`` False.
+    count: records per epoch.
+    seed: the shuffle seed.
     """
 
-    def __init__(self, source: Records, *, mode: str, skips: SkipCount | None,
-                 length: int | None = None):
+    def __init__(self, count: int, seed: int):
+        self.count, self.seed = count, seed
+        self._cache: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            order = self._cache.get(epoch)
+            if order is None:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+                self._cache[epoch] = order
+                while len(self._cache) > 3:
+                    del self._cache[min(self._cache)]
+            return order
+
+    def records(self, positions: np.ndarray) -> np.ndarray:
+        """The record at each position of the endless stream."""
+        epochs, within = np.divmod(positions, self.count)
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            out[chosen] = self.permutation(int(epoch))[within[chosen]]
+        return out
+
+
+class _Reader:
+    """Reads one process's rows of a batch from a source, with the unreadable-record policy.
+
+    A source with ``read_batch(indices) -> Batch`` is read in one call (the
+    fast path); otherwise, or when that call meets an unreadable record while
+    skipping, record by record.
+    """
+
+    def __init__(self, source: Records, *, skips: SkipCount | None):
         self._source = source
         self._size = len(source)
-        self._mode = mode
         self._skips = skips
-        self._length = self._size if length is None else length
+        self._read_batch = getattr(source, "read_batch", None)
         self._template: dict[str, np.ndarray] | None = None
 
-    def __len__(self) -> int:
-        return self._length
+    def _hint(self, error: RecordError) -> RecordError:
+        return RecordError(error.record, f"{error.reason}; pass skip_errors=True to skip "
+                                         f"unreadable records (they are counted in the log)")
 
     def _read(self, index: int) -> dict[str, np.ndarray]:
+        """Record ``index``; an unreadable one is raised with a hint, or noted and raised."""
         try:
             return self._source[index]
         except RecordError as error:
             if self._skips is None:
-                raise RecordError(
-                    error.record,
-                    f"{error.reason}; pass skip_errors=True to skip unreadable records "
-                    f"(they are counted in the log)",
-                ) from error
+                raise self._hint(error) from error
             self._skips.note(error)
             raise
+
+    def _fast(self, indices: np.ndarray) -> Batch | None:
+        if self._read_batch is None:
+            return None
+        try:
+            return self._read_batch(indices)
+        except RecordError as error:
+            if self._skips is None:
+                raise self._hint(error) from error
+            return None  # read record by record, skipping the bad ones
+
+    def train(self, indices: np.ndarray) -> Batch:
+        """Records ``indices``; a skipped record is replaced by the next readable one."""
+        batch = self._fast(indices)
+        if batch is not None:
+            return batch
+        return stack([self._train_record(int(i)) for i in indices])
+
+    def _train_record(self, index: int) -> dict[str, np.ndarray]:
+        if self._skips is None:
+            return self._read(index)
+        for offset in range(self._size):
+            try:
+                return self._read((index + offset) % self._size)
+            except RecordError:
+                continue
+        raise RecordError(f"0..{self._size - 1}", "no record of the training source is readable")
+
+    def val(self, indices: np.ndarray) -> Batch:
+        """Records ``indices`` with ``example_mask``; indices past the end, and skipped
+        records, are padding rows (zeros shaped like a record, mask False)."""
+        real = indices < self._size
+        batch = self._fast(indices) if real.all() else None
+        if batch is not None:
+            return {**batch, "example_mask": np.ones(len(indices), bool)}
+        rows = []
+        for index in indices:
+            example = None
+            if index < self._size:
+                try:
+                    example = {**self._read(int(index)), "example_mask": np.asarray(True)}
+                except RecordError:
+                    if self._skips is None:
+                        raise
+            rows.append(example if example is not None else self._padding())
+        return stack(rows)
 
     def _padding(self) -> dict[str, np.ndarray]:
         if self._template is None:
@@ -138,63 +225,6 @@ class _Guarded:
                     f"0..{self._size - 1}", "no record of the validation source is readable"
                 )
         return {**self._template, "example_mask": np.asarray(False)}
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        if self._mode == "val":
-            if index >= self._size:
-                return self._padding()
-            try:
-                example = self._read(index)
-            except RecordError:
-                if self._skips is None:
-                    raise
-                return self._padding()
-            return {**example, "example_mask": np.asarray(True)}
-        if self._skips is None:
-            return self._read(index)
-        for offset in range(self._size):
-            try:
-                return self._read((index + offset) % self._size)
-            except RecordError:
-                continue
-        raise RecordError(f"0..{self._size - 1}", "no record of the training source is readable")
-
-
-class _PartitionRows(grain.MapDataset):
-    """This process's contiguous rows of each global batch of its parent.
-
-    Local element ``i`` is row ``i % rows`` of this process's share of global
-    batch ``i // rows``: parent index ``(i // rows) * batch + index * rows + i % rows``.
-    """
-
-    def __init__(self, parent: grain.MapDataset, *, batch: int, partition: Partition):
-        super().__init__(parent)
-        self._batch = batch
-        self._rows = partition.rows(batch)
-        self._first = partition.index * self._rows
-        parent_length = len(parent)
-        self._length = (
-            sys.maxsize if parent_length >= sys.maxsize
-            else parent_length // batch * self._rows
-        )
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __str__(self) -> str:
-        return f"PartitionRows(batch={self._batch}, rows={self._rows}, first={self._first})"
-
-    def _global_index(self, index: int) -> int:
-        group, row = divmod(index, self._rows)
-        return group * self._batch + self._first + row
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        return self._parent[self._global_index(index)]
-
-    def _getitems(self, indices):
-        return self._parent._getitems([self._global_index(i) for i in indices])
 
 
 def held_out_count(count: int, val_fraction: float, *, what: str) -> int:
@@ -250,23 +280,29 @@ def from_records(
         val = None
     skips = SkipCount(name) if skip_errors else None
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
-    train_source = _Guarded(train, mode="train", skips=skips)
+    train_reader = _Reader(train, skips=skips)
+    order = EpochOrder(len(train), seed)
+
+    def rows_of(partition: Partition) -> np.ndarray:
+        """This process's rows of a global batch: a contiguous share."""
+        rows = partition.rows(batch)
+        return np.arange(partition.index * rows, (partition.index + 1) * rows)
 
     def open_train(partition: Partition):
-        shuffled = grain.MapDataset.source(train_source).shuffle(seed=seed).repeat()
-        local = _PartitionRows(shuffled, batch=batch, partition=partition)
-        batches = local.batch(partition.rows(batch), drop_remainder=True, batch_fn=stack)
+        rows = rows_of(partition)
+        steps = grain.MapDataset.range(sys.maxsize)  # global batch numbers, endless
+        batches = steps.map(lambda step: train_reader.train(order.records(step * batch + rows)))
         return iter(batches.to_iter_dataset(options))
 
     open_val: Callable[[Partition], Any] | None = None
     if val is not None:
-        padded = -(-len(val) // batch) * batch
-        val_source = _Guarded(val, mode="val", skips=skips, length=padded)
+        val_reader = _Reader(val, skips=skips)
+        val_steps = -(-len(val) // batch)
 
         def open_val(partition: Partition):
-            local = _PartitionRows(grain.MapDataset.source(val_source), batch=batch,
-                                   partition=partition)
-            batches = local.batch(partition.rows(batch), drop_remainder=True, batch_fn=stack)
+            rows = rows_of(partition)
+            steps = grain.MapDataset.range(val_steps)
+            batches = steps.map(lambda step: val_reader.val(step * batch + rows))
             return iter(batches.to_iter_dataset(options))
 
     return Dataset(train=open_train, val=open_val, records=len(train), batch=batch)

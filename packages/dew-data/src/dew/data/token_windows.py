@@ -32,6 +32,12 @@ class _Windows:
         start = (self._first + index) * self._seq_len
         return {"text": np.asarray(self._ids[start:start + self._seq_len + 1], np.int32)}
 
+    def read_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Windows ``indices`` in one gather: int32 ``[len(indices), seq_len + 1]``."""
+        starts = (self._first + np.asarray(indices)) * self._seq_len
+        positions = starts[:, None] + np.arange(self._seq_len + 1)
+        return {"text": np.asarray(self._ids[positions], np.int32)}
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:

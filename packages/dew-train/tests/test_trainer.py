@@ -97,3 +97,19 @@ def test_mesh_product_mismatch_names_devices():
         MeshSpec(data=2, tensor=2).sizes(8)
     assert MeshSpec(fsdp=4).sizes(8) == {"data": 2, "expert": 1, "fsdp": 4, "tensor": 1,
                                          "sequence": 1, "stage": 1}
+
+
+def test_eval_every_logs_evaluation_and_a_preview(capsys):
+    rows = np.tile(np.arange(9, dtype=np.int32), (2, 8, 1))
+    objective = LMObjective(MODEL, seq_len=8, preview_prompt="", preview_tokens=4)
+    objective.tokenizer = type("Ids", (), {"encode": lambda self, s: [0, 1],
+                                           "decode": lambda self, ids: ",".join(map(str, ids))})()
+    trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(0))
+    state = trainer.fit(data(rows), steps=30, log_every=30, eval_every=30)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("eval step 30: "))
+    assert "perplexity" in line and "accuracy" in line
+    reported = float(line.split("loss ")[1].split(",")[0])
+    assert reported == pytest.approx(trainer.evaluate(state, data(rows))["loss"], abs=1e-4)
+    # the model learned "i -> i + 1"; its greedy preview continues 0, 1 with 2, 3, 4, 5
+    assert "preview step 30: '0,1,2,3,4,5'" in out

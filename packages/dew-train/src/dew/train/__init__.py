@@ -1,5 +1,6 @@
 """dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
 
+from dew.train.checkpoints import CheckpointMismatchError, Checkpoints, load_model
 from dew.train.goodput import Goodput
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.state import TrainState
@@ -9,6 +10,8 @@ from dew.train.trainer import NonFiniteError, Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointMismatchError",
+    "Checkpoints",
     "DEFAULT_RULES",
     "MESH_AXES",
     "Goodput",
@@ -17,4 +20,5 @@ __all__ = [
     "TrainState",
     "Trainer",
     "build_train_step",
+    "load_model",
 ]

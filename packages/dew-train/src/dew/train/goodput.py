@@ -1,8 +1,12 @@
 """Goodput: where the wall time of ``fit`` went.
 
-Buckets are measured with ``with goodput.measure("compile"):``; ``steps`` is
-the time spent dispatching and waiting for training steps, and ``other``
-what no bucket measured, so the parts add up to the wall time.
+Buckets are measured with ``with goodput.measure("compile"):`` and never
+nest. ``steps`` is the time spent dispatching and waiting for training
+steps; ``init`` building the initial state; ``compile`` compiling the step;
+``data`` waiting for the next batch (and fast-forwarding a resumed stream);
+``eval`` evaluation and previews; ``checkpoint`` reading, starting and
+finishing checkpoint writes; ``logging`` metrics records; ``other`` what no
+bucket measured, so the parts add up to the wall time exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import contextlib
 import time
 
 BUCKETS = ("init", "compile", "steps", "data", "eval", "checkpoint", "logging")
+PARTS = (*BUCKETS, "other")
 
 
 class Goodput:
@@ -32,17 +37,22 @@ class Goodput:
             self.first_step_at = time.perf_counter() - self.start
 
     def report(self) -> dict[str, float]:
+        """``wall``, ``first_step`` and the parts (:data:`PARTS`), in seconds;
+        the parts sum to ``wall``."""
         wall = time.perf_counter() - self.start
         parts = dict(self.seconds)
-        parts["other"] = max(0.0, wall - sum(parts.values()))
+        measured = sum(parts.values())
+        # Buckets never nest, so ``measured <= wall``; if clocks say otherwise
+        # by rounding, stretch the wall rather than report a negative part.
+        wall = max(wall, measured)
+        parts["other"] = wall - measured
         return {"wall": wall, "first_step": self.first_step_at or wall, **parts}
 
-    def line(self) -> str:
-        r = self.report()
+    def line(self, report: dict[str, float] | None = None) -> str:
+        """``Goodput: first step after X s, Y% of the wall time in steps (...)``."""
+        r = report if report is not None else self.report()
         wall = max(r["wall"], 1e-9)
-        parts = ", ".join(
-            f"{name} {r[name]:.2f} s" for name in (*BUCKETS, "other") if name != "steps"
-        )
+        parts = ", ".join(f"{name} {r[name]:.2f} s" for name in PARTS if name != "steps")
         return (
             f"Goodput: first step after {r['first_step']:.2f} s, "
             f"{100 * r['steps'] / wall:.1f}% of the wall time in steps "

@@ -29,28 +29,51 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str | None, *, is_main: bool = True, progress: bool | None = None,
-                 total_steps: int = 0, start_step: int = 0):
+                 total_steps: int = 0, start_step: int = 0, examples_per_step: int = 0):
         self.is_main = is_main
         self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.examples_per_step = examples_per_step
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._last_time = time.perf_counter()
+        self._last_step = start_step
         if not is_main:
             return
         if run_dir is not None:
-            os.makedirs(run_dir, exist_ok=True)
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            except OSError as error:
+                raise PermissionError(
+                    f"cannot write metrics to {run_dir!r} ({type(error).__name__}: {error}); "
+                    f"choose a run_dir this process can create and write") from error
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if progress is None:
             progress = sys.stdout.isatty()
-        if progress:
-            from tqdm import tqdm
+        self._progress = progress
+        self.start(start_step)
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        self._last_time = time.perf_counter()
-        self._last_step = start_step
+    def start(self, step: int) -> None:
+        """Training (re)starts at ``step``: the progress bar begins there."""
+        self._last_time, self._last_step = time.perf_counter(), step
+        if not self.is_main or not self._progress:
+            return
+        from tqdm import tqdm
+
+        if self._bar is not None:
+            self._bar.close()
+        # tqdm shows step/total, steps per second and the ETA; the postfix
+        # adds the loss and examples per second at each log step.
+        self._bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
+
+    def advance(self, step: int) -> None:
+        """Move the progress bar to ``step`` (cheap; called every step)."""
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
 
     def print(self, line: str) -> None:
         if not self.is_main:
@@ -76,9 +99,11 @@ class MetricsLog:
                     self._tb.add_scalar(f"{kind}/{name}", value, step)
         if self._bar is not None and kind == "train":
             rate = (step - self._last_step) / max(now - self._last_time, 1e-9)
-            self._bar.set_postfix(loss=format_value(metrics.get("loss", float("nan"))),
-                                  steps_per_s=f"{rate:.2f}")
-            self._bar.update(step - self._last_step)
+            postfix = {"loss": format_value(metrics.get("loss", float("nan")))}
+            if self.examples_per_step:
+                postfix["examples_per_s"] = f"{rate * self.examples_per_step:.1f}"
+            self._bar.set_postfix(postfix, refresh=False)
+            self.advance(step)
             self._last_step, self._last_time = step, now
         if line is not None:
             self.print(line)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -15,6 +15,7 @@ import optax
 
 from dew.data import Dataset, Partition
 from dew.objectives import Objective, Step
+from dew.train.checkpoints import Checkpoints, resume_position
 from dew.train.goodput import Goodput
 from dew.train.logs import MetricsLog, format_value
 from dew.train.mesh import (
@@ -28,6 +29,7 @@ from dew.train.mesh import (
     mesh_sizes,
     unbox_abstract,
 )
+from dew.train.preemption import StopSignals
 from dew.train.state import TrainState
 from dew.train.step import build_train_step, microbatch_key
 
@@ -63,7 +65,7 @@ class Trainer:
     accumulate: int = dataclasses.field(default=1, kw_only=True)
     max_rejected: int = dataclasses.field(default=10, kw_only=True)
     run_dir: str | None = dataclasses.field(default=None, kw_only=True)
-    checkpoints: Any = dataclasses.field(default=None, kw_only=True)
+    checkpoints: Checkpoints | None = dataclasses.field(default=None, kw_only=True)
     progress: bool | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
@@ -73,6 +75,9 @@ class Trainer:
             )
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 microbatches, got {self.accumulate}")
+        if self.checkpoints is not None and not isinstance(self.checkpoints, Checkpoints):
+            raise TypeError(f"checkpoints must be a dew.train.Checkpoints (e.g. "
+                            f"Checkpoints('runs/x')), got {type(self.checkpoints).__name__}")
         if self.max_rejected < 0:
             raise ValueError(f"max_rejected must be >= 0, got {self.max_rejected}")
         if self.rules is None:
@@ -127,9 +132,10 @@ class Trainer:
     def init_state(self) -> TrainState:
         """Create the state already sharded (initialisation compiled with output shardings)."""
         _, shardings = self.state_shardings()
+        if getattr(self, "_init_fn", None) is None:
+            self._init_fn = jax.jit(lambda k: nn.unbox(self._create(k)), out_shardings=shardings)
         with self._context():
-            init = jax.jit(lambda k: nn.unbox(self._create(k)), out_shardings=shardings)
-            return init(self.key)
+            return self._init_fn(self.key)
 
     def _check_batch_rows(self, data: Dataset, partition: Partition) -> None:
         dp = data_parallel_size(self.device_mesh, self.rules)
@@ -179,9 +185,14 @@ class Trainer:
         log_every: print and record metrics every this many steps (0 = never).
         eval_every: run ``objective.evaluate`` over ``data.val`` (and a preview)
           every this many steps (0 = never).
-        checkpoint_every: save a checkpoint every this many steps (needs
-          ``checkpoints=``); one is always written at the end.
+        checkpoint_every: save a checkpoint every this many steps; 0 = only at
+          the end. Needs ``checkpoints=``, which always saves at the end.
         eval_batches: stop each evaluation after this many batches (0 = all).
+
+        With ``checkpoints=``, a directory that holds a checkpoint continues
+        from the newest usable one (see :mod:`dew.train.checkpoints`). SIGTERM
+        or SIGINT finish the step in flight, write a checkpoint and return
+        the state early (see :mod:`dew.train.preemption`).
         """
         for name, value in (("steps", steps), ("log_every", log_every),
                             ("eval_every", eval_every), ("eval_batches", eval_batches)):
@@ -190,29 +201,61 @@ class Trainer:
         if checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 1 steps (or 0 = only at the end), "
                              f"got {checkpoint_every}")
+        if checkpoint_every > 0 and self.checkpoints is None:
+            raise ValueError(f"checkpoint_every={checkpoint_every} needs somewhere to write: pass "
+                             f"Trainer(..., checkpoints=Checkpoints(directory)), or leave "
+                             f"checkpoint_every=0")
         goodput = Goodput()
-        mesh = self.device_mesh
         partition = Partition(jax.process_index(), jax.process_count())
         self._check_batch_rows(data, partition)
+        run_dir = self.run_dir
+        if run_dir is None and self.checkpoints is not None:
+            run_dir = self.checkpoints.directory
+        session = None
+        if self.checkpoints is not None:  # checks the directory can be written
+            session = self.checkpoints.open(print_fn=lambda line: log.print(line))
+        log = MetricsLog(run_dir, is_main=jax.process_index() == 0, progress=self.progress,
+                         total_steps=steps, examples_per_step=data.batch)
+        try:
+            return self._fit(data, partition, goodput, log, session, steps=steps,
+                             log_every=log_every, eval_every=eval_every,
+                             checkpoint_every=checkpoint_every, eval_batches=eval_batches)
+        finally:
+            if session is not None:
+                session.close()
+            log.close()
 
-        with goodput.measure("init"):
-            state = self.init_state()
+    def _fit(self, data, partition, goodput, log, session, *, steps, log_every, eval_every,
+             checkpoint_every, eval_batches) -> TrainState:
+        mesh = self.device_mesh
+        abstract, shardings = self.state_shardings()
+        restored = None
+        if session is not None:
+            with goodput.measure("checkpoint"), self._context():
+                restored = session.restore(abstract, shardings, root_key=self.key)
+        if restored is None:
+            with goodput.measure("init"):
+                state = self.init_state()
+        else:
+            state = restored.state
         start = int(jax.device_get(state.step))
-        log = MetricsLog(self.run_dir, is_main=jax.process_index() == 0, progress=self.progress,
-                         total_steps=steps, start_step=start)
+        log.start(start)
+        resuming = f"Resuming from step {start} ({restored.path}). " if restored else ""
         log.print(
-            f"Training from step {start} to {steps} on {mesh_sizes(mesh)} "
+            f"{resuming}Training from step {start} to {steps} on {mesh_sizes(mesh)} "
             f"({jax.process_count()} process(es))"
         )
-        train_iter: Iterator = iter(data.train(partition))
-        _, shardings = self.state_shardings()
-        step_fn = build_train_step(self.objective, self.optimizer, accumulate_steps=self.accumulate)
+        with goodput.measure("data"):
+            train_iter: Iterator = resume_position(iter(data.train(partition)), restored,
+                                                   print_fn=log.print)
+        meta = self._checkpoint_meta() if session is not None else {}
+        saved_at = restored.step if restored else None
 
         compiled = None
         pending: list[tuple[int, Any]] = []  # (step, metrics on device) since the last fetch
         rejected_run: list[int] = []
         step = start
-        with self._context():
+        with self._context(), StopSignals() as stop:
             while step < steps:
                 with goodput.measure("data"):
                     local = next(train_iter)
@@ -220,23 +263,19 @@ class Trainer:
                     batch = self._to_global(local, partition, data.batch)
                 if compiled is None:
                     with goodput.measure("compile"):
-                        batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
-                        replicated = jax.sharding.NamedSharding(mesh, jax.P())
-                        compiled = jax.jit(
-                            step_fn,
-                            in_shardings=(shardings, batch_shardings),
-                            out_shardings=(shardings, replicated),
-                            donate_argnums=0,
-                        ).lower(state, batch).compile()
+                        compiled = self._compiled_step(state, batch, shardings)
                 with goodput.measure("steps"):
                     state, metrics = compiled(state, batch)
                     step += 1
                     if goodput.first_step_at is None:
                         jax.block_until_ready(metrics)
                         goodput.first_step_done()
+                log.advance(step)
+                stopping = stop.requested()
                 pending.append((step, metrics))
                 is_log = log_every and step % log_every == 0
-                if is_log or len(pending) >= max(self.max_rejected, 1) or step == steps:
+                if (is_log or len(pending) >= max(self.max_rejected, 1) or step == steps
+                        or stopping):
                     with goodput.measure("steps"):
                         fetched = jax.device_get([m for _, m in pending])
                     with goodput.measure("logging"):
@@ -249,11 +288,61 @@ class Trainer:
                 if eval_every and step % eval_every == 0:
                     with goodput.measure("eval"):
                         self._evaluate(state, data, partition, step, log, eval_batches)
-        jax.block_until_ready(state)
-        log.print(goodput.line())
-        log.log(step, goodput.report(), kind="goodput")
-        log.close()
+                if session is not None and checkpoint_every and step % checkpoint_every == 0:
+                    with goodput.measure("checkpoint"):
+                        session.save(step, state, train_iter, meta)
+                        saved_at = step
+                if stopping:
+                    break
+            if session is not None:
+                with goodput.measure("checkpoint"):
+                    if saved_at != step:
+                        session.save(step, state, train_iter, meta)
+                    session.wait()
+        with goodput.measure("steps"):
+            jax.block_until_ready(state)
+        if stop.received is not None:
+            where = (f"checkpoint written to {session.path(step)}" if session is not None
+                     else "no checkpoint written (no checkpoints= given)")
+            log.print(f"Stopped by {stop.received} at step {step}; {where}")
+        report = goodput.report()
+        log.print(goodput.line(report))
+        log.log(step, report, kind="goodput")
         return state
+
+    def _compiled_step(self, state, batch, shardings):
+        """The step compiled for this batch layout; a later ``fit`` with the
+        same layout reuses it."""
+        signature = tuple((name, x.shape, x.dtype, x.sharding) for name, x in sorted(batch.items()))
+        cache = self.__dict__.setdefault("_compiled", {})
+        if signature not in cache:
+            step_fn = build_train_step(self.objective, self.optimizer,
+                                       accumulate_steps=self.accumulate)
+            batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
+            replicated = jax.sharding.NamedSharding(self.device_mesh, jax.P())
+            cache[signature] = jax.jit(
+                step_fn,
+                in_shardings=(shardings, batch_shardings),
+                out_shardings=(shardings, replicated),
+                donate_argnums=0,
+            ).lower(state, batch).compile()
+        return cache[signature]
+
+    def _checkpoint_meta(self) -> dict:
+        """What a checkpoint records besides the state: the model's registry
+        name and config (so ``load_model`` can rebuild it)."""
+        from dew.nn import models
+
+        meta: dict[str, Any] = {"averaged": self.objective.ema is not None}
+        try:
+            name, config = models.config_of(self.objective.model)
+            json.dumps(config)
+        except (ValueError, TypeError) as error:
+            meta["model"] = None
+            meta["model_note"] = str(error)
+        else:
+            meta["model"] = {"name": name, "config": config}
+        return meta
 
     def _account(self, pending, fetched, rejected_run: list[int], log: MetricsLog) -> None:
         for (step, _), values in zip(pending, fetched):

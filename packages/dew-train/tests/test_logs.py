@@ -1,0 +1,133 @@
+"""Where metrics go: stdout, metrics.jsonl, TensorBoard events, the progress
+bar; and the goodput record, whose parts add up to the wall time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset
+from dew.objectives import Objective
+from dew.train import Checkpoints, Goodput, Trainer
+from dew.train import goodput as goodput_module
+from dew.train.goodput import PARTS
+from dew.train.logs import MetricsLog
+
+
+class Quadratic(Objective):
+    """``loss = mean (x - w)^2`` over a batch of rows: a tiny, fast step."""
+
+    model = None
+
+    def init(self, key):
+        return {"params": {"w": jnp.zeros(4)}}
+
+    def loss(self, variables, batch, step):
+        err = batch["x"] - variables["params"]["w"]
+        return jnp.mean(err**2), {"se_sum": jnp.sum(err**2)}
+
+
+def read_events(path) -> list[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every scalar in a TensorBoard event file
+    (TFRecord framing: length, crc, Event proto, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    with open(path, "rb") as f:
+        while header := f.read(12):
+            (length,) = struct.unpack("<Q", header[:8])
+            event = event_pb2.Event.FromString(f.read(length))
+            f.read(4)
+            for value in event.summary.value:
+                out.append((value.tag, event.step, value.simple_value))
+    return out
+
+
+def test_metrics_go_to_jsonl_tensorboard_and_stdout(tmp_path, capsys):
+    rows = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    data = Dataset(train=lambda p: itertools.repeat({"x": rows}), val=None, records=8, batch=8)
+    # checkpoints given and no run_dir: the metrics go to the checkpoint directory
+    trainer = Trainer(Quadratic(), optax.sgd(0.1), key=jax.random.key(0),
+                      checkpoints=Checkpoints(tmp_path), progress=False)
+    trainer.fit(data, steps=4, log_every=2, checkpoint_every=2)
+    out = capsys.readouterr().out.splitlines()
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4]
+    # numpy: SGD on the mean over 8 x 4 squared errors, grad = 2 / 4 (w - mean_rows x)
+    w, want = np.zeros(4), []
+    for _ in range(4):
+        want.append(float(np.mean((rows - w) ** 2)))
+        w = w - 0.1 * 2 / 4 * (w - rows.mean(0))
+    np.testing.assert_allclose([r["loss"] for r in train], [want[1], want[3]], rtol=1e-6)
+    assert [line for line in out if line.startswith("step ")] == [
+        f"step 2: loss {want[1]:.4f}", f"step 4: loss {want[3]:.4f}"]
+    assert [r["se_sum"] for r in train] == pytest.approx([32 * want[1], 32 * want[3]], rel=1e-6)
+
+    (good,) = [r for r in records if r["kind"] == "goodput"]
+    assert sum(good[name] for name in PARTS) == pytest.approx(good["wall"], rel=1e-12)
+    assert good["checkpoint"] > 0 and good["compile"] > 0 and good["steps"] > 0
+    assert 0 < good["first_step"] <= good["wall"]
+    (line,) = [line for line in out if line.startswith("Goodput: ")]
+    assert line.startswith("Goodput: first step after ")
+    for name in ("compile", "data", "eval", "checkpoint", "other"):
+        assert f" {name} " in line
+
+    (events,) = (tmp_path / "tensorboard").iterdir()
+    scalars = read_events(events)
+    losses = [(step, value) for tag, step, value in scalars if tag == "train/loss"]
+    assert [s for s, _ in losses] == [2, 4]
+    np.testing.assert_allclose([v for _, v in losses], [want[1], want[3]], rtol=1e-6)
+    assert any(tag == "goodput/wall" for tag, _, _ in scalars)
+
+
+def test_goodput_line_with_a_fake_clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(goodput_module.time, "perf_counter", lambda: now[0])
+    goodput = Goodput()
+    for bucket, seconds in (("init", 1.0), ("compile", 2.0), ("steps", 4.0), ("data", 0.5),
+                            ("checkpoint", 1.5)):
+        with goodput.measure(bucket):
+            now[0] += seconds
+        if bucket == "steps":
+            goodput.first_step_done()
+    now[0] += 1.0  # unmeasured
+    report = goodput.report()
+    assert report == {"wall": 10.0, "first_step": 7.0, "init": 1.0, "compile": 2.0,
+                      "steps": 4.0, "data": 0.5, "eval": 0.0, "checkpoint": 1.5,
+                      "logging": 0.0, "other": 1.0}
+    assert goodput.line(report) == (
+        "Goodput: first step after 7.00 s, 40.0% of the wall time in steps (4.00 of 10.00 s; "
+        "init 1.00 s, compile 2.00 s, data 0.50 s, eval 0.00 s, checkpoint 1.50 s, "
+        "logging 0.00 s, other 1.00 s)")
+
+
+def test_progress_bar_shows_step_loss_throughput_and_eta(capsys):
+    log = MetricsLog(None, progress=True, total_steps=10, examples_per_step=8)
+    for step in range(1, 6):
+        log.advance(step)
+    log.log(5, {"loss": 1.5}, line="step 5: loss 1.5000")
+    log.close()
+    captured = capsys.readouterr()
+    bar = captured.err.replace("\r", "\n").strip().splitlines()[-1]
+    assert " 5/10 " in bar and "loss=1.5000" in bar and "examples_per_s=" in bar
+    assert "<" in bar and "step/s" in bar  # elapsed<remaining (the ETA), rate
+    assert "step 5: loss 1.5000" in captured.out
+
+
+def test_plain_lines_off_a_tty(capsys):
+    log = MetricsLog(None, progress=None, total_steps=10)  # pytest's stdout is no TTY
+    log.advance(5)
+    log.log(5, {"loss": 1.5}, line="step 5: loss 1.5000")
+    log.close()
+    captured = capsys.readouterr()
+    assert captured.out == "step 5: loss 1.5000\n"
+    assert captured.err == ""

@@ -1,0 +1,192 @@
+"""The compiled step's features against numpy: gradient accumulation,
+rejection of non-finite steps, the moving average; and the trainer's use of
+them (log lines, NonFiniteError, averaged weights in evaluation/preview)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset
+from dew.objectives import EMA, Objective
+from dew.objectives.lm import LMObjective
+from dew.train import NonFiniteError, Trainer, TrainState, build_train_step
+
+ROWS, IN, OUT = 8, 3, 2
+
+
+class Linear(Objective):
+    """Least squares, ``loss = mean_rows sum_out (x W + b - y)^2``; its
+    gradient has the closed form ``(2/n) X^T E`` (:func:`numpy_grads`)."""
+
+    model = None
+
+    def __init__(self, ema=None, evaluate_averaged=True):
+        self.ema, self.evaluate_averaged = ema, evaluate_averaged
+        self.previews = []
+
+    def init(self, key):
+        return {"params": {"w": jax.random.normal(key, (IN, OUT)), "b": jnp.zeros(OUT)}}
+
+    def loss(self, variables, batch, step):
+        p = variables["params"]
+        err = batch["x"] @ p["w"] + p["b"] - batch["y"]
+        total = jnp.sum(err**2)
+        return total / batch["x"].shape[0], {"se_sum": total}
+
+    def evaluate(self, variables, batch, step):
+        return {"w_sum": jnp.sum(variables["params"]["w"])}
+
+    def preview(self, variables, key):
+        self.previews.append(np.asarray(variables["params"]["w"]))
+        return None
+
+
+def numpy_grads(params, x, y):
+    err = x @ params["w"] + params["b"] - y
+    return {"w": 2 / len(x) * x.T @ err, "b": 2 / len(x) * err.sum(0)}
+
+
+def batch_at(i: int, poison=False):
+    rng = np.random.default_rng(i)
+    x = rng.normal(size=(ROWS, IN)).astype(np.float32)
+    if poison:
+        x[3, 1] = np.nan
+    return {"x": x, "y": rng.normal(size=(ROWS, OUT)).astype(np.float32)}
+
+
+def fresh_state(objective, optimizer) -> TrainState:
+    params = objective.init(jax.random.key(0))["params"]
+    return TrainState(params=params, opt_state=optimizer.init(params), key=jax.random.key(1),
+                      step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0),
+                      averaged=params if objective.ema is not None else None)
+
+
+def as_numpy(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def test_accumulated_gradient_equals_full_batch_and_numpy():
+    objective, lr = Linear(), 0.1
+    state = fresh_state(objective, optax.sgd(lr))
+    batch = batch_at(0)
+    full, _ = jax.jit(build_train_step(objective, optax.sgd(lr)))(state, batch)
+    accumulated, metrics = jax.jit(build_train_step(objective, optax.sgd(lr), accumulate_steps=4))(
+        state, batch)
+    # 4 microbatches of 2 rows, averaged: the same float32 gradient up to
+    # summation order (a few ulps of values of order 1).
+    for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(full.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    want = jax.tree.map(lambda p, g: p - lr * g, as_numpy(state.params),
+                        numpy_grads(as_numpy(state.params), *map(np.float64, batch.values())))
+    for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32 vs float64
+    # metrics are summed over microbatches; loss is their mean
+    err = batch["x"] @ np.asarray(state.params["w"]) - batch["y"]
+    assert float(metrics["se_sum"]) == pytest.approx(float((err**2).sum()), rel=1e-5)
+    assert float(metrics["loss"]) == pytest.approx(float((err**2).sum()) / ROWS, rel=1e-5)
+    assert (int(accumulated.step), int(accumulated.microstep), int(accumulated.updates)) == (1, 4, 1)
+
+
+def test_non_finite_step_changes_nothing_but_the_step_counter():
+    objective = Linear(ema=EMA(decay=0.5))
+    optimizer = optax.adam(0.1)
+    step = jax.jit(build_train_step(objective, optimizer, accumulate_steps=2))
+    state, _ = step(fresh_state(objective, optimizer), batch_at(0))
+    after, metrics = step(state, batch_at(1, poison=True))
+    assert float(metrics["accepted"]) == 0.0
+    for field in ("params", "opt_state", "averaged"):
+        for a, b in zip(jax.tree.leaves(getattr(after, field)), jax.tree.leaves(getattr(state, field))):
+            np.testing.assert_array_equal(a, b)
+    assert (int(after.step), int(after.microstep), int(after.updates)) == (2, 2, 1)
+    again, metrics = step(after, batch_at(2))
+    assert float(metrics["accepted"]) == 1.0
+    assert (int(again.step), int(again.microstep), int(again.updates)) == (3, 4, 2)
+
+
+@pytest.mark.parametrize("ema", [
+    EMA(decay=0.8, warmup_steps=2, include=lambda path: path.endswith("w")),
+    EMA(decay=lambda updates: 0.5 + 0.1 * jnp.minimum(updates, 4.0)),
+], ids=["constant-warmup-include", "schedule"])
+def test_moving_average_matches_numpy(ema):
+    objective, optimizer = Linear(ema=ema), optax.sgd(0.3)
+    step = jax.jit(build_train_step(objective, optimizer))
+    state = fresh_state(objective, optimizer)
+    averaged = as_numpy(state.params)
+    for i in range(5):
+        state, _ = step(state, batch_at(i))
+        decay = (0.8 * min(1.0, i / 2)) if ema.warmup_steps else 0.5 + 0.1 * min(i, 4)
+        averaged = {name: decay * averaged[name] + (1 - decay) * np.asarray(state.params[name])
+                    for name in averaged}
+        if ema.include is not None:  # not averaged: the live values
+            averaged["b"] = np.asarray(state.params["b"], np.float64)
+        for name in averaged:
+            np.testing.assert_allclose(state.averaged[name], averaged[name], rtol=1e-6, atol=1e-7)
+    if ema.include is not None:
+        np.testing.assert_array_equal(state.averaged["b"], state.params["b"])
+    assert not np.allclose(state.averaged["w"], state.params["w"])
+
+
+def data(poisoned: set[int]) -> Dataset:
+    return Dataset(train=lambda p: (batch_at(i, poison=i + 1 in poisoned) for i in itertools.count()),
+                   val=lambda p: iter([batch_at(100)]), records=0, batch=ROWS)
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return Trainer(Linear(ema=EMA(decay=0.9)), optax.adam(0.05), key=jax.random.key(0),
+                   max_rejected=2, progress=False)
+
+
+def test_trainer_logs_a_rejected_step_and_goes_on(trainer, capsys):
+    state = trainer.fit(data({3}), steps=5, log_every=0)
+    out = capsys.readouterr().out
+    assert "step 3: rejected (loss nan or its gradients not finite); nothing applied" in out
+    assert (int(state.step), int(state.microstep), int(state.updates)) == (5, 4, 4)
+
+
+def test_too_many_consecutive_rejections_stop_the_run(trainer):
+    with pytest.raises(NonFiniteError, match=r"3 consecutive steps .*\(steps \[3, 4, 5\]\), "
+                                             r"more than max_rejected=2"):
+        trainer.fit(data({3, 4, 5, 6, 7, 8}), steps=8, log_every=0)
+    # a rejection run that ends in time does not stop it
+    state = trainer.fit(data({2, 3, 5, 6}), steps=7, log_every=0)
+    assert (int(state.step), int(state.updates)) == (7, 3)
+
+
+@pytest.mark.parametrize("use_averaged", [True, False])
+def test_evaluation_and_preview_use_averaged_weights_when_asked(use_averaged, capsys):
+    objective = Linear(ema=EMA(decay=0.9), evaluate_averaged=use_averaged)
+    trainer = Trainer(objective, optax.sgd(0.3), key=jax.random.key(0), progress=False)
+    state = trainer.fit(data(set()), steps=3, log_every=0, eval_every=3)
+    weights = state.averaged if use_averaged else state.params
+    assert not np.allclose(state.averaged["w"], state.params["w"])
+    assert trainer.evaluate(state, data(set()))["w_sum"] == pytest.approx(
+        float(np.sum(weights["w"])), rel=1e-6)
+    np.testing.assert_array_equal(objective.previews[-1], weights["w"])
+    assert "eval step 3: w_sum" in capsys.readouterr().out
+
+
+def test_pipeline_wraps_averaged_weights():
+    from dew.nn import models
+
+    model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1,
+                         num_heads=2, mlp_features=32, max_seq_len=8)
+    state = TrainState(params={"live": 1}, opt_state=None, key=None, step=0, microstep=0,
+                       updates=0, averaged={"averaged": 1})
+    assert LMObjective(model, seq_len=8, ema=EMA()).pipeline(state).params == {"averaged": 1}
+    assert LMObjective(model, seq_len=8).pipeline(state).params == {"live": 1}
+
+
+def test_accumulate_that_does_not_divide_the_batch_is_refused(trainer):
+    bad = Trainer(trainer.objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=3)
+    with pytest.raises(ValueError, match=r"global batch 8 does not split into accumulate=3 "
+                                         r"microbatches of a multiple of 8 data-parallel"):
+        bad.fit(data(set()), steps=1)
+    with pytest.raises(ValueError, match="accumulate must be >= 1 microbatches, got 0"):
+        Trainer(trainer.objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=0)

@@ -44,11 +44,21 @@ def recorded(data: Dataset, seen: list) -> Dataset:
 
 
 def fit(data, directory, steps):
-    model = models.build("causal_transformer", vocab_size=264, emb_features=16, num_layers=1,
-                         num_heads=2, mlp_features=32, max_seq_len=SEQ_LEN)
-    trainer = Trainer(LMObjective(model, seq_len=SEQ_LEN), optax.sgd(0.1),
-                      key=jax.random.key(0),
-                      checkpoints=Checkpoints(directory, use_async=False))
+    model = models.build(
+        "causal_transformer",
+        vocab_size=264,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=SEQ_LEN,
+    )
+    trainer = Trainer(
+        LMObjective(model, seq_len=SEQ_LEN),
+        optax.sgd(0.1),
+        key=jax.random.key(0),
+        checkpoints=Checkpoints(directory, use_async=False),
+    )
     return trainer.fit(data, steps=steps, log_every=0, checkpoint_every=2)
 
 

@@ -64,8 +64,14 @@ def bench_tokens(workdir: str, *, megabytes: int, seq_len: int, batch: int, batc
     with open(corpus, "w") as f:
         for _ in range(megabytes):
             f.write(" ".join(rng.choice(words, 180_000)) + "\n")
-    reader = TokenWindows(corpus, seq_len=seq_len, cache_dir=os.path.join(workdir, "cache"),
-                          val_fraction=0, read_threads=0, prefetch=0)
+    reader = TokenWindows(
+        corpus,
+        seq_len=seq_len,
+        cache_dir=os.path.join(workdir, "cache"),
+        val_fraction=0,
+        read_threads=0,
+        prefetch=0,
+    )
     start = time.perf_counter()
     ids = reader.tokens()
     tokenize_s = time.perf_counter() - start
@@ -98,8 +104,15 @@ def bench_tokens(workdir: str, *, megabytes: int, seq_len: int, batch: int, batc
     }
 
 
-def bench_images(workdir: str, *, count: int, source_size: tuple[int, int], image_size: int,
-                 batch: int, batches: int):
+def bench_images(
+    workdir: str,
+    *,
+    count: int,
+    source_size: tuple[int, int],
+    image_size: int,
+    batch: int,
+    batches: int,
+):
     import datasets
     from PIL import Image
 
@@ -134,8 +147,9 @@ def bench_images(workdir: str, *, count: int, source_size: tuple[int, int], imag
             np.stack([fit_image(Image.open(io.BytesIO(encoded[r])), image_size) for r in rows])
 
     decoded_file = os.path.join(workdir, "decoded.npy")
-    decoded = np.lib.format.open_memmap(decoded_file, mode="w+", dtype=np.uint8,
-                                        shape=(count, image_size, image_size, 3))
+    decoded = np.lib.format.open_memmap(
+        decoded_file, mode="w+", dtype=np.uint8, shape=(count, image_size, image_size, 3)
+    )
     for i, blob in enumerate(encoded):
         decoded[i] = fit_image(Image.open(io.BytesIO(blob)), image_size)
     decoded.flush()
@@ -168,16 +182,32 @@ def bench_training(workdir: str, steps: int):
     with open(corpus, "w") as f:
         f.write("dew trains jax models. " * 2000)
     data = TokenWindows(corpus, seq_len=64, cache_dir=os.path.join(workdir, "cache")).load(batch=8)
-    model = models.build("causal_transformer", vocab_size=264, emb_features=64, num_layers=2,
-                         num_heads=4, mlp_features=256, max_seq_len=128)
+    model = models.build(
+        "causal_transformer",
+        vocab_size=264,
+        emb_features=64,
+        num_layers=2,
+        num_heads=4,
+        mlp_features=256,
+        max_seq_len=128,
+    )
     run_dir = os.path.join(workdir, "run")
-    Trainer(LMObjective(model, seq_len=64), optax.adamw(3e-3), key=jax.random.key(0),
-            run_dir=run_dir, progress=False).fit(data, steps=steps, log_every=0)
+    Trainer(
+        LMObjective(model, seq_len=64),
+        optax.adamw(3e-3),
+        key=jax.random.key(0),
+        run_dir=run_dir,
+        progress=False,
+    ).fit(data, steps=steps, log_every=0)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     goodput = next(r for r in records if r.get("kind") == "goodput")
-    return {"train_steps": steps, "train_wall_s": goodput["wall"],
-            "train_steps_s": goodput["steps"], "train_data_s": goodput["data"]}
+    return {
+        "train_steps": steps,
+        "train_wall_s": goodput["wall"],
+        "train_steps_s": goodput["steps"],
+        "train_data_s": goodput["data"],
+    }
 
 
 def main() -> None:
@@ -189,36 +219,63 @@ def main() -> None:
     quick = args.quick
     with tempfile.TemporaryDirectory() as workdir:
         allowed = pin_to_one_core()
-        tokens = bench_tokens(workdir, megabytes=2 if quick else 16, seq_len=1024, batch=32,
-                              batches=20 if quick else 200)
-        images = bench_images(workdir, count=64 if quick else 512, source_size=(240, 320),
-                              image_size=64, batch=32, batches=4 if quick else 32)
+        tokens = bench_tokens(
+            workdir,
+            megabytes=2 if quick else 16,
+            seq_len=1024,
+            batch=32,
+            batches=20 if quick else 200,
+        )
+        images = bench_images(
+            workdir,
+            count=64 if quick else 512,
+            source_size=(240, 320),
+            image_size=64,
+            batch=32,
+            batches=4 if quick else 32,
+        )
         if allowed is not None:
             os.sched_setaffinity(0, allowed)
         training = {} if args.no_train else bench_training(workdir, 30 if quick else 100)
     results = {**tokens, **images, **training}
-    print(f"one core ({'pinned' if allowed is not None else 'not pinned'}), "
-          f"read_threads=0, best of 3 alternating runs")
-    print(f"  tokenize once (ByteTokenizer)   {tokens['tokenize_tokens_per_s'] / 1e6:9.1f} "
-          f"M tokens/s ({tokens['corpus_tokens'] / 1e6:.1f} M tokens)")
-    print(f"  TokenWindows                    {tokens['token_windows_tokens_per_s'] / 1e6:9.1f} "
-          f"M tokens/s")
-    print(f"  raw memmap numpy windows        {tokens['raw_memmap_tokens_per_s'] / 1e6:9.1f} "
-          f"M tokens/s")
-    print(f"  ratio TokenWindows / raw        "
-          f"{tokens['token_windows_tokens_per_s'] / tokens['raw_memmap_tokens_per_s']:9.2f}")
+    print(
+        f"one core ({'pinned' if allowed is not None else 'not pinned'}), "
+        f"read_threads=0, best of 3 alternating runs"
+    )
+    print(
+        f"  tokenize once (ByteTokenizer)   {tokens['tokenize_tokens_per_s'] / 1e6:9.1f} "
+        f"M tokens/s ({tokens['corpus_tokens'] / 1e6:.1f} M tokens)"
+    )
+    print(
+        f"  TokenWindows                    {tokens['token_windows_tokens_per_s'] / 1e6:9.1f} "
+        f"M tokens/s"
+    )
+    print(
+        f"  raw memmap numpy windows        {tokens['raw_memmap_tokens_per_s'] / 1e6:9.1f} "
+        f"M tokens/s"
+    )
+    print(
+        f"  ratio TokenWindows / raw        "
+        f"{tokens['token_windows_tokens_per_s'] / tokens['raw_memmap_tokens_per_s']:9.2f}"
+    )
     print(f"  HFImages (JPEG 320x240 -> 64)   {images['hf_images_per_s']:9.0f} images/s")
     print(f"  plain PIL decode loop           {images['decode_loop_images_per_s']:9.0f} images/s")
     print(f"  raw memmap numpy (pre-decoded)  {images['raw_memmap_images_per_s']:9.0f} images/s")
-    print(f"  ratio HFImages / decode loop    "
-          f"{images['hf_images_per_s'] / images['decode_loop_images_per_s']:9.2f}")
-    print(f"  ratio HFImages / raw memmap     "
-          f"{images['hf_images_per_s'] / images['raw_memmap_images_per_s']:9.4f}")
+    print(
+        f"  ratio HFImages / decode loop    "
+        f"{images['hf_images_per_s'] / images['decode_loop_images_per_s']:9.2f}"
+    )
+    print(
+        f"  ratio HFImages / raw memmap     "
+        f"{images['hf_images_per_s'] / images['raw_memmap_images_per_s']:9.4f}"
+    )
     if training:
         share = training["train_data_s"] / training["train_wall_s"]
-        print(f"quickstart-size training, {training['train_steps']} steps fed by TokenWindows: "
-              f"data {training['train_data_s']:.3f} s of {training['train_wall_s']:.2f} s wall "
-              f"({100 * share:.2f}%), steps {training['train_steps_s']:.2f} s")
+        print(
+            f"quickstart-size training, {training['train_steps']} steps fed by TokenWindows: "
+            f"data {training['train_data_s']:.3f} s of {training['train_wall_s']:.2f} s wall "
+            f"({100 * share:.2f}%), steps {training['train_steps_s']:.2f} s"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -58,7 +58,7 @@ def test_image_folder_gives_cropped_uint8_images_and_labels(folder, tmp_path):
     iterator = data.train(Partition())
     batches = [next(iterator) for _ in range(2)]
     got = {(int(b["label"][r]), b["image"][r].tobytes()) for b in batches for r in range(3)}
-    expected = {(label, array[:, i:i + 8].tobytes()) for (label, i), array in images.items()}
+    expected = {(label, array[:, i : i + 8].tobytes()) for (label, i), array in images.items()}
     assert got == expected  # one epoch: every image once, centre-cropped, with its label
     assert batches[0]["image"].dtype == np.uint8 and batches[0]["image"].shape == (3, 8, 8, 3)
     assert batches[0]["label"].dtype == np.int32
@@ -71,13 +71,20 @@ def test_parquet_with_captions_and_a_validation_fraction(tmp_path):
 
     arrays = [pixels(6, 6) for _ in range(5)]
     captions = ["a red fox", "", "sky", "x" * 20, "dew"]
-    table = pa.table({
-        "img": [{"bytes": png_bytes(a), "path": f"{i}.png"} for i, a in enumerate(arrays)],
-        "caption": captions,
-    })
+    table = pa.table(
+        {
+            "img": [{"bytes": png_bytes(a), "path": f"{i}.png"} for i, a in enumerate(arrays)],
+            "caption": captions,
+        }
+    )
     pq.write_table(table, tmp_path / "images.parquet")
-    data = HFImages(tmp_path / "images.parquet", image_size=6, text_len=8,
-                    val_fraction=0.2, cache_dir=tmp_path / "hf").load(batch=2)
+    data = HFImages(
+        tmp_path / "images.parquet",
+        image_size=6,
+        text_len=8,
+        val_fraction=0.2,
+        cache_dir=tmp_path / "hf",
+    ).load(batch=2)
     assert data.records == 4
     val = next(iter(data.val(Partition())))
     # The last row is held out; the second validation row is padding.
@@ -96,8 +103,12 @@ def test_unreadable_image_names_the_record_or_is_skipped_and_counted(tmp_path, c
 
     good = png_bytes(pixels(4, 4))
     dataset = datasets.Dataset.from_dict(
-        {"image": [{"bytes": good, "path": "good.png"},
-                   {"bytes": b"not an image", "path": "broken.png"}]},
+        {
+            "image": [
+                {"bytes": good, "path": "good.png"},
+                {"bytes": b"not an image", "path": "broken.png"},
+            ]
+        },
         features=datasets.Features({"image": datasets.Image()}),
     )
     data = HFImages(dataset, image_size=4, read_threads=0).load(batch=2)
@@ -108,8 +119,10 @@ def test_unreadable_image_names_the_record_or_is_skipped_and_counted(tmp_path, c
         batch = next(skipping.train(Partition()))
     # The broken row is replaced by the next readable one (row 0, wrapping around).
     assert (batch["image"][0] == batch["image"][1]).all()
-    assert any("broken.png" in r.getMessage() and "1 skipped so far" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "broken.png" in r.getMessage() and "1 skipped so far" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_unknown_columns_and_splits_list_what_exists(folder, tmp_path):

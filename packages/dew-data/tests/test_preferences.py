@@ -16,8 +16,9 @@ def ids(text):
 
 
 def test_pack_hand_worked():
-    out, prompt_mask, completion_mask = pack([1, 2, 3], [7, 8], prompt_len=2, completion_len=3,
-                                             pad_id=0)
+    out, prompt_mask, completion_mask = pack(
+        [1, 2, 3], [7, 8], prompt_len=2, completion_len=3, pad_id=0
+    )
     # The prompt keeps its last 2 ids, the completion follows at once, then padding.
     assert out.tolist() == [2, 3, 7, 8, 0]
     assert prompt_mask.tolist() == [True, True, False, False, False]
@@ -33,11 +34,14 @@ def write_jsonl(path, rows):
 
 
 def test_preference_pairs_from_jsonl(tmp_path):
-    rows = [{"prompt": "Q1?", "chosen": "yes", "rejected": "no", "extra": 1},
-            {"prompt": "Q2 long prompt", "chosen": "fine answer", "rejected": "b"}]
+    rows = [
+        {"prompt": "Q1?", "chosen": "yes", "rejected": "no", "extra": 1},
+        {"prompt": "Q2 long prompt", "chosen": "fine answer", "rejected": "b"},
+    ]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
-    data = PreferencePairs(tmp_path / "pairs.jsonl", prompt_len=4, completion_len=5,
-                           val_fraction=0.5).load(batch=1)
+    data = PreferencePairs(
+        tmp_path / "pairs.jsonl", prompt_len=4, completion_len=5, val_fraction=0.5
+    ).load(batch=1)
     train = next(data.train(Partition()))
     assert set(train) == {"chosen", "rejected", "chosen_mask", "rejected_mask", "prompt_mask"}
     assert train["chosen"].tolist() == [ids("Q1?") + ids("yes") + [END] + [PAD] * 2]
@@ -56,9 +60,16 @@ def test_preference_pairs_from_datasets_with_other_fields():
     import datasets
 
     dataset = datasets.Dataset.from_dict({"q": ["hi"], "good": ["a"], "bad": ["bc"]})
-    data = PreferencePairs(dataset, prompt_len=2, completion_len=3, prompt_field="q",
-                           chosen_field="good", rejected_field="bad", end_id=9,
-                           pad_id=0).load(batch=2)
+    data = PreferencePairs(
+        dataset,
+        prompt_len=2,
+        completion_len=3,
+        prompt_field="q",
+        chosen_field="good",
+        rejected_field="bad",
+        end_id=9,
+        pad_id=0,
+    ).load(batch=2)
     batch = next(data.train(Partition()))
     assert batch["chosen"].tolist() == [ids("hi") + ids("a") + [9, 0]] * 2
     assert batch["rejected"].tolist() == [ids("hi") + ids("bc") + [9]] * 2
@@ -78,10 +89,18 @@ def test_prompts_are_left_padded_with_answers_right_padded(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"question": ["2+2=", "a much longer question"],
-                             "answer": ["4", "42"]}), tmp_path / "q.parquet")
-    data = Prompts(tmp_path / "q.parquet", prompt_len=6, prompt_field="question",
-                   answer_field="answer", answer_len=3, seed=0).load(batch=2)
+    pq.write_table(
+        pa.table({"question": ["2+2=", "a much longer question"], "answer": ["4", "42"]}),
+        tmp_path / "q.parquet",
+    )
+    data = Prompts(
+        tmp_path / "q.parquet",
+        prompt_len=6,
+        prompt_field="question",
+        answer_field="answer",
+        answer_len=3,
+        seed=0,
+    ).load(batch=2)
     batch = next(data.train(Partition()))
     order = np.argsort(batch["prompt_mask"].sum(axis=1))  # the short prompt first
     prompt, mask = batch["prompt"][order], batch["prompt_mask"][order]

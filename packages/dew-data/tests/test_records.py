@@ -42,12 +42,12 @@ def test_partitions_put_side_by_side_are_the_one_process_batch(threads):
 def test_each_epoch_is_a_new_permutation_of_all_records():
     data = from_records(Numbers(12), batch=4, seed=0)
     stream = [r for batch in take(data.train(Partition()), 9) for r in batch]  # 3 epochs
-    epochs = [stream[i * 12:(i + 1) * 12] for i in range(3)]
+    epochs = [stream[i * 12 : (i + 1) * 12] for i in range(3)]
     for epoch in epochs:
         assert sorted(epoch) == list(range(12))
     assert epochs[0] != epochs[1] != epochs[2]
     other_seed = from_records(Numbers(12), batch=4, seed=1)
-    assert take(other_seed.train(Partition()), 3) != [epochs[0][i:i + 4] for i in (0, 4, 8)]
+    assert take(other_seed.train(Partition()), 3) != [epochs[0][i : i + 4] for i in (0, 4, 8)]
 
 
 def test_last_validation_batch_is_padded_and_masked_so_sums_are_exact():
@@ -87,8 +87,14 @@ def test_unreadable_record_is_an_error_naming_it():
 
 
 def test_skipped_records_are_replaced_in_training_and_masked_in_validation(caplog):
-    data = from_records(Numbers(6, bad={2}), Numbers(3, bad={1}), batch=6, skip_errors=True,
-                        read_threads=0, name="numbers")
+    data = from_records(
+        Numbers(6, bad={2}),
+        Numbers(3, bad={1}),
+        batch=6,
+        skip_errors=True,
+        read_threads=0,
+        name="numbers",
+    )
     with caplog.at_level(logging.WARNING, logger="dew.data"):
         epoch = take(data.train(Partition()), 1)[0]
         val = next(iter(data.val(Partition())))

@@ -6,8 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from dew.data import ByteTokenizer, HFTokenizer, Partition, TokenWindows
-from dew.data import _corpus
+from dew.data import ByteTokenizer, HFTokenizer, Partition, TokenWindows, _corpus
 
 DOCS = ["the first document", "a second one, longer than the first", "3rd"]
 
@@ -19,9 +18,9 @@ def reference_ids(docs, end_id=256):
     return np.asarray(ids, np.int64)
 
 
-def all_windows(data, partition=Partition()):
+def all_windows(data):
     """Every training window of the first epoch (batches until each window was seen)."""
-    iterator = data.train(partition)
+    iterator = data.train(Partition())
     rows = [next(iterator)["text"] for _ in range(-(-data.records // (data.batch)))]
     return np.concatenate(rows)[: data.records]
 
@@ -34,15 +33,16 @@ def write_jsonl(path, docs, field="text"):
 
 def test_windows_are_the_tokenized_stream_cut_every_seq_len(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", DOCS)
-    reader = TokenWindows(tmp_path / "docs.jsonl", seq_len=8, cache_dir=tmp_path / "c",
-                          val_fraction=0.2, seed=1)
+    reader = TokenWindows(
+        tmp_path / "docs.jsonl", seq_len=8, cache_dir=tmp_path / "c", val_fraction=0.2, seed=1
+    )
     ids = reference_ids(DOCS)
     np.testing.assert_array_equal(reader.tokens(), ids)
     data = reader.load(batch=2)
     windows = (len(ids) - 1) // 8
     held_out = round(windows * 0.2)
     assert data.records == windows - held_out
-    expected = [ids[i * 8:i * 8 + 9] for i in range(windows)]
+    expected = [ids[i * 8 : i * 8 + 9] for i in range(windows)]
     seen = all_windows(data)
     assert seen.dtype == np.int32 and seen.shape == (data.records, 9)
     # One epoch shuffles the training windows: each exactly once, not in order.
@@ -50,9 +50,10 @@ def test_windows_are_the_tokenized_stream_cut_every_seq_len(tmp_path):
     assert [tuple(w) for w in seen] != [tuple(w) for w in expected[: windows - held_out]]
     # Validation is the last windows of the corpus, in order, padded to the batch.
     val = list(data.val(Partition()))
-    rows = np.concatenate([b["text"] for b in val])[np.concatenate(
-        [b["example_mask"] for b in val])]
-    np.testing.assert_array_equal(rows, np.stack(expected[windows - held_out:]))
+    rows = np.concatenate([b["text"] for b in val])[
+        np.concatenate([b["example_mask"] for b in val])
+    ]
+    np.testing.assert_array_equal(rows, np.stack(expected[windows - held_out :]))
 
 
 def test_txt_parquet_and_datasets_sources_agree(tmp_path):
@@ -67,8 +68,9 @@ def test_txt_parquet_and_datasets_sources_agree(tmp_path):
     from_dir = TokenWindows(tmp_path, seq_len=4, field="body", cache_dir=tmp_path / "c")
     # The directory holds the three .txt files and the parquet file (sorted by name).
     np.testing.assert_array_equal(from_dir.tokens(), np.concatenate([expected, expected]))
-    parquet = TokenWindows(tmp_path / "docs.parquet", seq_len=4, field="body",
-                           cache_dir=tmp_path / "c")
+    parquet = TokenWindows(
+        tmp_path / "docs.parquet", seq_len=4, field="body", cache_dir=tmp_path / "c"
+    )
     np.testing.assert_array_equal(parquet.tokens(), expected)
     hf = datasets.Dataset.from_dict({"body": DOCS})
     from_hf = TokenWindows(hf, seq_len=4, field="body", cache_dir=tmp_path / "c")
@@ -80,8 +82,9 @@ def test_corpus_is_tokenized_once_and_again_when_an_input_changes(tmp_path, monk
     path.write_text("hello cache")
     reads = []
     real_texts = _corpus.texts
-    monkeypatch.setattr("dew.data.token_windows.texts",
-                        lambda p, f: reads.append(p) or real_texts(p, f))
+    monkeypatch.setattr(
+        "dew.data.token_windows.texts", lambda p, f: reads.append(p) or real_texts(p, f)
+    )
     cache = tmp_path / "cache"
     TokenWindows(path, seq_len=4, cache_dir=cache).tokens()
     TokenWindows(path, seq_len=2, seed=7, cache_dir=cache).tokens()  # same inputs: cached
@@ -112,8 +115,9 @@ def make_hf_tokenizer(directory):
 def test_hf_tokenizer_ids_and_end_id(tmp_path):
     tokenizer = make_hf_tokenizer(tmp_path / "tok")
     write_jsonl(tmp_path / "d.jsonl", ["the first document", "a document"])
-    reader = TokenWindows(tmp_path / "d.jsonl", seq_len=2, tokenizer=tokenizer,
-                          cache_dir=tmp_path / "c")
+    reader = TokenWindows(
+        tmp_path / "d.jsonl", seq_len=2, tokenizer=tokenizer, cache_dir=tmp_path / "c"
+    )
     # Hand-worked: the=3 first=4 document=5 <eos>=1 a=6 document=5 <eos>=1
     assert reader.tokens().tolist() == [3, 4, 5, 1, 6, 5, 1]
     assert reader.tokens().dtype == np.uint16

@@ -19,8 +19,9 @@ def patterned(frames, height, width):
 
 def write_gif(path, video):
     frames = [Image.fromarray(f) for f in video]
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=40, loop=0,
-                   optimize=False)
+    frames[0].save(
+        path, save_all=True, append_images=frames[1:], duration=40, loop=0, optimize=False
+    )
 
 
 def test_npy_clips_follow_frames_stride_and_hop(tmp_path):
@@ -32,7 +33,7 @@ def test_npy_clips_follow_frames_stride_and_hop(tmp_path):
     data = reader.load(batch=3)
     batch = next(data.train(Partition()))
     assert batch["video"].dtype == np.uint8 and batch["video"].shape == (3, 3, 2, 3, 3)
-    expected = {video[s:s + 5:2].tobytes() for s in (0, 2, 4)}
+    expected = {video[s : s + 5 : 2].tobytes() for s in (0, 2, 4)}
     assert {clip.tobytes() for clip in batch["video"]} == expected
     assert len(Videos(tmp_path / "a.npy", frames=3, stride=2).clips()) == 2  # hop = span = 5
 

@@ -7,8 +7,17 @@ import sys
 import textwrap
 
 SOURCE = pathlib.Path(__file__).parents[1] / "src" / "dew" / "data"
-FORBIDDEN = ("jax", "jaxlib", "flax", "optax", "orbax", "dew.nn", "dew.train", "dew.objectives",
-             "dew.sampling")
+FORBIDDEN = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax",
+    "dew.nn",
+    "dew.train",
+    "dew.objectives",
+    "dew.sampling",
+)
 
 
 def imported_modules(path):
@@ -52,7 +61,8 @@ def test_readers_run_with_jax_blocked(tmp_path):
         assert "jax" not in [m for m in sys.modules if sys.modules[m] is not None]
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

@@ -27,7 +27,8 @@ _DOCUMENTS_PER_CHUNK = 512
 
 
 def default_cache_dir() -> str:
-    """``$DEW_CACHE_DIR/tokens``, else ``$XDG_CACHE_HOME/dew/tokens``, else ``~/.cache/dew/tokens``."""
+    """``$DEW_CACHE_DIR/tokens``, else ``$XDG_CACHE_HOME/dew/tokens``, else
+    ``~/.cache/dew/tokens``."""
     if "DEW_CACHE_DIR" in os.environ:
         return os.path.join(os.environ["DEW_CACHE_DIR"], "tokens")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -60,8 +61,9 @@ def _encode_chunks(tokenizer, documents: Iterable[str]) -> Iterator[list[np.ndar
         yield encode(chunk)
 
 
-def tokenize_cached(documents: Iterable[str], *, key_parts: dict, tokenizer, end_id: int,
-                    cache_dir: str) -> tuple[np.memmap, dict]:
+def tokenize_cached(
+    documents: Iterable[str], *, key_parts: dict, tokenizer, end_id: int, cache_dir: str
+) -> tuple[np.memmap, dict]:
     """The token ids of ``documents`` (each followed by ``end_id``), memory-mapped.
 
     documents: iterated only when the cache is missing.
@@ -93,9 +95,15 @@ def tokenize_cached(documents: Iterable[str], *, key_parts: dict, tokenizer, end
                         text_tokens += ids.size
                         tokens += ids.size + 1
                         count += 1
-            meta = {"format": FORMAT, "dtype": np.dtype(dtype).name, "tokens": tokens,
-                    "text_tokens": text_tokens, "documents": count, "end_id": end_id,
-                    "sources": key_parts}
+            meta = {
+                "format": FORMAT,
+                "dtype": np.dtype(dtype).name,
+                "tokens": tokens,
+                "text_tokens": text_tokens,
+                "documents": count,
+                "end_id": end_id,
+                "sources": key_parts,
+            }
             os.replace(tmp_data, data_file)
         except BaseException:
             if os.path.exists(tmp_data):

@@ -17,8 +17,9 @@ def is_hf_dataset(value: Any) -> bool:
     return type(value).__module__.startswith("datasets") and hasattr(value, "column_names")
 
 
-def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike], suffixes: tuple[str, ...],
-                 *, what: str) -> list[str]:
+def expand_paths(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], suffixes: tuple[str, ...], *, what: str
+) -> list[str]:
     """Files named by ``paths``: files, directories (their files with ``suffixes``, sorted,
     recursively) and glob patterns. A missing path or a path that holds no such file is
     an error naming it."""
@@ -34,9 +35,7 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike], suffixe
             candidates = matches
         elif os.path.isdir(path):
             candidates = sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(path)
-                for name in names
+                os.path.join(root, name) for root, _, names in os.walk(path) for name in names
             )
             candidates = [c for c in candidates if c.endswith(suffixes)]
             if not candidates:
@@ -66,9 +65,7 @@ def signature(path: str) -> list:
 
 
 def _missing_field(path: str, where: str, field: str, present) -> KeyError:
-    return KeyError(
-        f"{path}{where}: no field {field!r}; the fields there are {sorted(present)}"
-    )
+    return KeyError(f"{path}{where}: no field {field!r}; the fields there are {sorted(present)}")
 
 
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
@@ -127,8 +124,9 @@ def _as_text(value: Any, path: str, field: str) -> str:
     return value
 
 
-def columns(source: Any, fields: Sequence[str], *, what: str,
-            optional: Sequence[str] = ()) -> dict[str, list]:
+def columns(
+    source: Any, fields: Sequence[str], *, what: str, optional: Sequence[str] = ()
+) -> dict[str, list]:
     """``fields`` (and those of ``optional`` that exist) of every row of ``source``:
     JSON-lines or parquet files, or a ``datasets.Dataset``, into lists. A missing
     field is an error listing the fields that exist."""
@@ -136,8 +134,9 @@ def columns(source: Any, fields: Sequence[str], *, what: str,
         present = list(source.column_names)
         for field in fields:
             if field not in present:
-                raise KeyError(f"{what}: the dataset has no column {field!r}; "
-                               f"its columns are {present}")
+                raise KeyError(
+                    f"{what}: the dataset has no column {field!r}; its columns are {present}"
+                )
         wanted = list(fields) + [f for f in optional if f in present]
         return {field: list(source[field]) for field in wanted}
     out: dict[str, list] = {}

@@ -10,8 +10,11 @@ _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "
 
 def _looks_local(path: str) -> bool:
     """A path rather than a Hub name ("name" or "owner/name")."""
-    return (path.startswith(("/", ".", "~")) or path.count("/") >= 2
-            or os.path.splitext(path)[1] in _BUILDERS)
+    return (
+        path.startswith(("/", ".", "~"))
+        or path.count("/") >= 2
+        or os.path.splitext(path)[1] in _BUILDERS
+    )
 
 
 def load_split(source: Any, split: str, *, what: str, cache_dir: str | None = None):
@@ -59,8 +62,9 @@ def load_split(source: Any, split: str, *, what: str, cache_dir: str | None = No
     return loaded[split]
 
 
-def pick_column(dataset, requested: str | None, *, auto: tuple[str, ...], what: str,
-                role: str) -> str | None:
+def pick_column(
+    dataset, requested: str | None, *, auto: tuple[str, ...], what: str, role: str
+) -> str | None:
     """The column to read for ``role``: ``requested`` (which must exist), the first of
     ``auto`` present when ``requested`` is "auto", or None."""
     present = list(dataset.column_names)

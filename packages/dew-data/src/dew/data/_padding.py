@@ -34,6 +34,6 @@ def pad_left(ids: Sequence[int], length: int, pad_id: int) -> tuple[np.ndarray, 
     out = np.full((length,), pad_id, np.int32)
     mask = np.zeros((length,), bool)
     if ids:
-        out[length - len(ids):] = ids
-        mask[length - len(ids):] = True
+        out[length - len(ids) :] = ids
+        mask[length - len(ids) :] = True
     return out, mask

@@ -58,16 +58,30 @@ def open_image(value: Any):
 
 
 def _record_name(value: Any, row: int, what: str) -> str:
-    path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
+    if isinstance(value, dict):
+        path = value.get("path")
+    else:
+        path = value if isinstance(value, str) else None
     return f"row {row} of {what}" + (f" ({path})" if path else "")
 
 
 class _Images:
     """Rows ``indices`` of a dataset, decoded to fixed-size images (and labels, captions)."""
 
-    def __init__(self, dataset, indices: np.ndarray, *, image: str, label: str | None,
-                 text: str | None, size: int, tokenizer, text_len: int, pad_id: int,
-                 what: str):
+    def __init__(
+        self,
+        dataset,
+        indices: np.ndarray,
+        *,
+        image: str,
+        label: str | None,
+        text: str | None,
+        size: int,
+        tokenizer,
+        text_len: int,
+        pad_id: int,
+        what: str,
+    ):
         import datasets
 
         columns = [c for c in (image, label, text) if c is not None]
@@ -92,16 +106,21 @@ class _Images:
         """Rows ``indices`` fetched from the table in one call, then decoded."""
         row_indices = [int(i) for i in self._indices[np.asarray(indices)]]
         table = self._dataset[row_indices]
-        return stack([self._example({name: values[k] for name, values in table.items()}, row)
-                      for k, row in enumerate(row_indices)])
+        return stack(
+            [
+                self._example({name: values[k] for name, values in table.items()}, row)
+                for k, row in enumerate(row_indices)
+            ]
+        )
 
     def _example(self, row: dict, row_index: int) -> dict[str, np.ndarray]:
         value = row[self._image]
         try:
             pixels = fit_image(open_image(value), self._size)
         except (OSError, ValueError, TypeError, SyntaxError) as error:  # PIL's decode errors
-            raise RecordError(_record_name(value, row_index, self._what),
-                              f"{type(error).__name__}: {error}") from error
+            raise RecordError(
+                _record_name(value, row_index, self._what), f"{type(error).__name__}: {error}"
+            ) from error
         example = {"image": pixels}
         if self._label is not None:
             label = row[self._label]
@@ -184,22 +203,35 @@ class HFImages:
             typed = [n for n, f in dataset.features.items() if isinstance(f, datasets.Image)]
             named = [n for n in ("image", "img") if n in dataset.column_names]
             if not (typed or named):
-                raise KeyError(f"{what}: no image column (of type Image, or named 'image'); "
-                               f"the columns are {list(dataset.column_names)}")
+                raise KeyError(
+                    f"{what}: no image column (of type Image, or named 'image'); "
+                    f"the columns are {list(dataset.column_names)}"
+                )
             image = (typed or named)[0]
         else:
             image = pick_column(dataset, self.image_field, auto=(), what=what, role="image")
-        label = pick_column(dataset, self.label_field, auto=("label", "labels"), what=what,
-                            role="label")
-        text = pick_column(dataset, self.text_field, auto=("text", "caption"), what=what,
-                           role="caption")
+        label = pick_column(
+            dataset, self.label_field, auto=("label", "labels"), what=what, role="label"
+        )
+        text = pick_column(
+            dataset, self.text_field, auto=("text", "caption"), what=what, role="caption"
+        )
         return image, label, text
 
     def _source(self, dataset, indices, columns) -> _Images:
         image, label, text = columns
-        return _Images(dataset, indices, image=image, label=label, text=text,
-                       size=self.image_size, tokenizer=self.tokenizer, text_len=self.text_len,
-                       pad_id=pad_id_of(self.tokenizer, None), what=f"HFImages({self.split})")
+        return _Images(
+            dataset,
+            indices,
+            image=image,
+            label=label,
+            text=text,
+            size=self.image_size,
+            tokenizer=self.tokenizer,
+            text_len=self.text_len,
+            pad_id=pad_id_of(self.tokenizer, None),
+            what=f"HFImages({self.split})",
+        )
 
     def load(self, *, batch: int) -> Dataset:
         """A :class:`Dataset` of ``batch`` images per global batch (see ``dew.data.records``)."""
@@ -211,16 +243,24 @@ class HFImages:
         rows = np.arange(len(dataset))
         val = None
         if self.val_split is not None:
-            val_dataset = load_split(self.path_or_name, self.val_split, what="HFImages",
-                                     cache_dir=cache_dir)
-            val = self._source(val_dataset, np.arange(len(val_dataset)),
-                               self._columns(val_dataset))
+            val_dataset = load_split(
+                self.path_or_name, self.val_split, what="HFImages", cache_dir=cache_dir
+            )
+            val = self._source(val_dataset, np.arange(len(val_dataset)), self._columns(val_dataset))
         elif self.val_fraction > 0:
-            held_out = held_out_count(len(rows), self.val_fraction,
-                                      what=f"HFImages (split {self.split!r})")
+            held_out = held_out_count(
+                len(rows), self.val_fraction, what=f"HFImages (split {self.split!r})"
+            )
             val = self._source(dataset, rows[-held_out:], columns)
             rows = rows[:-held_out]
         train = self._source(dataset, rows, columns)
-        return from_records(train, val, batch=batch, seed=self.seed, skip_errors=self.skip_errors,
-                            read_threads=self.read_threads, prefetch=self.prefetch,
-                            name="HFImages")
+        return from_records(
+            train,
+            val,
+            batch=batch,
+            seed=self.seed,
+            skip_errors=self.skip_errors,
+            read_threads=self.read_threads,
+            prefetch=self.prefetch,
+            name="HFImages",
+        )

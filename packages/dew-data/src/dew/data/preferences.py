@@ -20,16 +20,18 @@ def completion_ids(tokenizer, text: str, end_id: int | None) -> list[int]:
     return ids if end_id is None else ids + [end_id]
 
 
-def pack(prompt: list[int], completion: list[int], *, prompt_len: int, completion_len: int,
-         pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pack(
+    prompt: list[int], completion: list[int], *, prompt_len: int, completion_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Prompt (its last ``prompt_len`` ids) then completion (its first ``completion_len``)
-    then padding: ``(ids, prompt_mask, completion_mask)``, each ``[prompt_len + completion_len]``."""
+    then padding: ``(ids, prompt_mask, completion_mask)``, each of
+    ``[prompt_len + completion_len]``."""
     prompt = prompt[-prompt_len:] if prompt_len else []
     completion = completion[:completion_len]
     length = prompt_len + completion_len
     ids = np.full((length,), pad_id, np.int32)
     ids[: len(prompt)] = prompt
-    ids[len(prompt): len(prompt) + len(completion)] = completion
+    ids[len(prompt) : len(prompt) + len(completion)] = completion
     positions = np.arange(length)
     prompt_mask = positions < len(prompt)
     completion_mask = (positions >= len(prompt)) & (positions < len(prompt) + len(completion))
@@ -37,8 +39,18 @@ def pack(prompt: list[int], completion: list[int], *, prompt_len: int, completio
 
 
 class _Pairs:
-    def __init__(self, rows: dict[str, list], indices: np.ndarray, fields: tuple[str, str, str],
-                 *, tokenizer, end_id, pad_id, prompt_len, completion_len):
+    def __init__(
+        self,
+        rows: dict[str, list],
+        indices: np.ndarray,
+        fields: tuple[str, str, str],
+        *,
+        tokenizer,
+        end_id,
+        pad_id,
+        prompt_len,
+        completion_len,
+    ):
         self._rows, self._indices, self._fields = rows, indices, fields
         self._tokenizer, self._end_id, self._pad_id = tokenizer, end_id, pad_id
         self._prompt_len, self._completion_len = prompt_len, completion_len
@@ -53,8 +65,10 @@ class _Pairs:
         example = {}
         for name, field in (("chosen", chosen_field), ("rejected", rejected_field)):
             ids, prompt_mask, mask = pack(
-                prompt, completion_ids(self._tokenizer, self._rows[field][row], self._end_id),
-                prompt_len=self._prompt_len, completion_len=self._completion_len,
+                prompt,
+                completion_ids(self._tokenizer, self._rows[field][row], self._end_id),
+                prompt_len=self._prompt_len,
+                completion_len=self._completion_len,
                 pad_id=self._pad_id,
             )
             example[name], example[f"{name}_mask"] = ids, mask
@@ -130,13 +144,22 @@ class PreferencePairs:
         count = len(rows[self.prompt_field])
         held_out = held_out_count(count, self.val_fraction, what="PreferencePairs")
         end_id = self.end_id if self.end_id is not None else getattr(self.tokenizer, "end_id", None)
-        options = dict(tokenizer=self.tokenizer, end_id=end_id,
-                       pad_id=pad_id_of(self.tokenizer, self.pad_id),
-                       prompt_len=self.prompt_len, completion_len=self.completion_len)
+        options = dict(
+            tokenizer=self.tokenizer,
+            end_id=end_id,
+            pad_id=pad_id_of(self.tokenizer, self.pad_id),
+            prompt_len=self.prompt_len,
+            completion_len=self.completion_len,
+        )
         indices = np.arange(count)
         train = _Pairs(rows, indices[: count - held_out], fields, **options)
-        val = _Pairs(rows, indices[count - held_out:], fields, **options) if held_out else None
-        return from_records(train, val, batch=batch, seed=self.seed,
-                            read_threads=self.read_threads, prefetch=self.prefetch,
-                            name="PreferencePairs")
-
+        val = _Pairs(rows, indices[count - held_out :], fields, **options) if held_out else None
+        return from_records(
+            train,
+            val,
+            batch=batch,
+            seed=self.seed,
+            read_threads=self.read_threads,
+            prefetch=self.prefetch,
+            name="PreferencePairs",
+        )

@@ -15,9 +15,18 @@ from dew.data.tokenizers import ByteTokenizer
 
 
 class _Prompts:
-    def __init__(self, rows: dict[str, list], indices: np.ndarray, *, prompt_field: str,
-                 answer_field: str | None, tokenizer, pad_id: int, prompt_len: int,
-                 answer_len: int):
+    def __init__(
+        self,
+        rows: dict[str, list],
+        indices: np.ndarray,
+        *,
+        prompt_field: str,
+        answer_field: str | None,
+        tokenizer,
+        pad_id: int,
+        prompt_len: int,
+        answer_len: int,
+    ):
         self._rows, self._indices = rows, indices
         self._prompt_field, self._answer_field = prompt_field, answer_field
         self._tokenizer, self._pad_id = tokenizer, pad_id
@@ -29,13 +38,15 @@ class _Prompts:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         row = int(self._indices[index])
         ids = self._tokenizer.encode(self._rows[self._prompt_field][row] or "")
-        example = dict(zip(("prompt", "prompt_mask"),
-                           pad_left(ids, self._prompt_len, self._pad_id)))
+        example = dict(
+            zip(("prompt", "prompt_mask"), pad_left(ids, self._prompt_len, self._pad_id))
+        )
         if self._answer_field is not None:
             answer = self._rows[self._answer_field][row]
             ids = self._tokenizer.encode("" if answer is None else str(answer))
-            example["answer"], example["answer_mask"] = pad_right(ids, self._answer_len,
-                                                                   self._pad_id)
+            example["answer"], example["answer_mask"] = pad_right(
+                ids, self._answer_len, self._pad_id
+            )
         return example
 
 
@@ -95,12 +106,23 @@ class Prompts:
         rows = columns(self.source, fields, what="Prompts")
         count = len(rows[self.prompt_field])
         held_out = held_out_count(count, self.val_fraction, what="Prompts")
-        options = dict(prompt_field=self.prompt_field, answer_field=self.answer_field,
-                       tokenizer=self.tokenizer, pad_id=pad_id_of(self.tokenizer, self.pad_id),
-                       prompt_len=self.prompt_len, answer_len=self.answer_len)
+        options = dict(
+            prompt_field=self.prompt_field,
+            answer_field=self.answer_field,
+            tokenizer=self.tokenizer,
+            pad_id=pad_id_of(self.tokenizer, self.pad_id),
+            prompt_len=self.prompt_len,
+            answer_len=self.answer_len,
+        )
         indices = np.arange(count)
         train = _Prompts(rows, indices[: count - held_out], **options)
-        val = _Prompts(rows, indices[count - held_out:], **options) if held_out else None
-        return from_records(train, val, batch=batch, seed=self.seed,
-                            read_threads=self.read_threads, prefetch=self.prefetch,
-                            name="Prompts")
+        val = _Prompts(rows, indices[count - held_out :], **options) if held_out else None
+        return from_records(
+            train,
+            val,
+            batch=batch,
+            seed=self.seed,
+            read_threads=self.read_threads,
+            prefetch=self.prefetch,
+            name="Prompts",
+        )

@@ -91,7 +91,10 @@ class SkipCount:
             count = self.count
         logger.warning(
             "%s: skipped unreadable record %s (%s); %d skipped so far",
-            self.name, error.record, error.reason, count,
+            self.name,
+            error.record,
+            error.reason,
+            count,
         )
 
 
@@ -152,8 +155,11 @@ class _Reader:
         self._template: dict[str, np.ndarray] | None = None
 
     def _hint(self, error: RecordError) -> RecordError:
-        return RecordError(error.record, f"{error.reason}; pass skip_errors=True to skip "
-                                         f"unreadable records (they are counted in the log)")
+        return RecordError(
+            error.record,
+            f"{error.reason}; pass skip_errors=True to skip "
+            f"unreadable records (they are counted in the log)",
+        )
 
     def _read(self, index: int) -> dict[str, np.ndarray]:
         """Record ``index``; an unreadable one is raised with a hint, or noted and raised."""

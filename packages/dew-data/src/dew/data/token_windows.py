@@ -30,7 +30,7 @@ class _Windows:
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         start = (self._first + index) * self._seq_len
-        return {"text": np.asarray(self._ids[start:start + self._seq_len + 1], np.int32)}
+        return {"text": np.asarray(self._ids[start : start + self._seq_len + 1], np.int32)}
 
     def read_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Windows ``indices`` in one gather: int32 ``[len(indices), seq_len + 1]``."""
@@ -102,22 +102,32 @@ class TokenWindows:
         if is_hf_dataset(self.paths):
             dataset = self.paths
             if self.field not in dataset.column_names:
-                raise KeyError(f"TokenWindows: the dataset has no column {self.field!r}; "
-                               f"its columns are {list(dataset.column_names)}")
+                raise KeyError(
+                    f"TokenWindows: the dataset has no column {self.field!r}; "
+                    f"its columns are {list(dataset.column_names)}"
+                )
             described = f"the datasets.Dataset {dataset._fingerprint}"
             key_parts = {"dataset": dataset._fingerprint, "field": self.field}
             documents = (
-                text or "" for rows in dataset.select_columns([self.field]).iter(batch_size=1024)
+                text or ""
+                for rows in dataset.select_columns([self.field]).iter(batch_size=1024)
                 for text in rows[self.field]
             )
         else:
             files = expand_paths(self.paths, TEXT_SUFFIXES, what="TokenWindows")
-            described = ", ".join(files) if len(files) <= 3 else f"{files[0]} and {len(files) - 1} more files"
+            described = ", ".join(files[:3]) + (
+                f" and {len(files) - 3} more files" if len(files) > 3 else ""
+            )
             key_parts = {"files": [signature(f) for f in files], "field": self.field}
             documents = itertools.chain.from_iterable(texts(f, self.field) for f in files)
         cache_dir = os.fspath(self.cache_dir) if self.cache_dir is not None else default_cache_dir()
-        ids, meta = tokenize_cached(documents, key_parts=key_parts, tokenizer=self.tokenizer,
-                                    end_id=self.document_end_id, cache_dir=cache_dir)
+        ids, meta = tokenize_cached(
+            documents,
+            key_parts=key_parts,
+            tokenizer=self.tokenizer,
+            end_id=self.document_end_id,
+            cache_dir=cache_dir,
+        )
         if meta["text_tokens"] == 0:
             raise ValueError(f"TokenWindows: the corpus {described} is empty (no text)")
         return ids
@@ -141,6 +151,12 @@ class TokenWindows:
             )
         train = _Windows(ids, self.seq_len, 0, windows - held_out)
         val = _Windows(ids, self.seq_len, windows - held_out, held_out) if held_out else None
-        return from_records(train, val, batch=batch, seed=self.seed,
-                            read_threads=self.read_threads, prefetch=self.prefetch,
-                            name="TokenWindows")
+        return from_records(
+            train,
+            val,
+            batch=batch,
+            seed=self.seed,
+            read_threads=self.read_threads,
+            prefetch=self.prefetch,
+            name="TokenWindows",
+        )

@@ -87,7 +87,9 @@ class HFTokenizer:
         return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=skip_special_tokens
+        )
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` (and ``tokenizer_config.json``) into ``directory``."""

@@ -48,7 +48,7 @@ def read_frames(path: str, frame_indices: range) -> np.ndarray:
     """Frames ``frame_indices`` of a clip file: uint8 ``[frames, height, width, 3]``."""
     if path.endswith(".npy"):
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-        return np.array(array[frame_indices.start:frame_indices.stop:frame_indices.step])
+        return np.array(array[frame_indices.start : frame_indices.stop : frame_indices.step])
     from PIL import Image
 
     with Image.open(path) as image:
@@ -62,8 +62,7 @@ def read_frames(path: str, frame_indices: range) -> np.ndarray:
 class _Clips:
     """Clips ``(file, first frame)``, read and resized on demand."""
 
-    def __init__(self, clips: list[tuple[str, int]], *, frames: int, stride: int,
-                 size: int | None):
+    def __init__(self, clips: list[tuple[str, int]], *, frames: int, stride: int, size: int | None):
         self._clips = clips
         self._frames, self._stride, self._size = frames, stride, size
 
@@ -80,8 +79,10 @@ class _Clips:
 
                 video = np.stack([fit_image(Image.fromarray(f), self._size) for f in video])
         except (OSError, ValueError, EOFError, SyntaxError) as error:
-            raise RecordError(f"{path} (frames {indices.start}..{indices[-1]})",
-                              f"{type(error).__name__}: {error}") from error
+            raise RecordError(
+                f"{path} (frames {indices.start}..{indices[-1]})",
+                f"{type(error).__name__}: {error}",
+            ) from error
         return {"video": video}
 
 
@@ -154,9 +155,11 @@ class Videos:
                 count, height, width = read_header(path)
             except RecordError as error:
                 if not self.skip_errors:
-                    raise RecordError(error.record, f"{error.reason}; pass skip_errors=True to "
-                                      f"skip unreadable clips (they are counted in the log)"
-                                      ) from error
+                    raise RecordError(
+                        error.record,
+                        f"{error.reason}; pass skip_errors=True to "
+                        f"skip unreadable clips (they are counted in the log)",
+                    ) from error
                 skips.note(error)
                 continue
             longest = max(longest, count)
@@ -186,6 +189,14 @@ class Videos:
         held_out = held_out_count(len(clips), self.val_fraction, what="Videos")
         options = {"frames": self.frames, "stride": self.stride, "size": self.size}
         train = _Clips(clips[: len(clips) - held_out], **options)
-        val = _Clips(clips[len(clips) - held_out:], **options) if held_out else None
-        return from_records(train, val, batch=batch, seed=self.seed, skip_errors=self.skip_errors,
-                            read_threads=self.read_threads, prefetch=self.prefetch, name="Videos")
+        val = _Clips(clips[len(clips) - held_out :], **options) if held_out else None
+        return from_records(
+            train,
+            val,
+            batch=batch,
+            seed=self.seed,
+            skip_errors=self.skip_errors,
+            read_threads=self.read_threads,
+            prefetch=self.prefetch,
+            name="Videos",
+        )

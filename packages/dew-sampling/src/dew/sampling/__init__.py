@@ -1,5 +1,7 @@
-"""dew.sampling: generation with a KV cache, inference pipelines, pretrained checkpoints."""
+"""dew.sampling: generation with a KV cache, beam search, inference pipelines and
+pretrained checkpoints (Hugging Face and Dew formats)."""
 
+from dew.sampling.beam import beam_decode, beam_search
 from dew.sampling.generate import Generation, decode, generate, init_cache, pad_prompts
 from dew.sampling.pipelines import TextGeneration
 from dew.sampling.sampling import Sampling, filter_logits, sample_logits
@@ -10,6 +12,8 @@ __all__ = [
     "Generation",
     "Sampling",
     "TextGeneration",
+    "beam_decode",
+    "beam_search",
     "decode",
     "filter_logits",
     "generate",

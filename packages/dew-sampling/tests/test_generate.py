@@ -1,0 +1,137 @@
+"""generate: cached == uncached, batching, keys, end ids, sharded params, bad input.
+
+Every call uses 8 new tokens and few sampling rules, so the tests share compiled programs.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dew.sampling import Sampling, generate
+from dew.sampling.generate import pad_prompts
+
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 2, 6, 11, 4, 5, 60], [42]]  # different lengths
+NEW = 8
+GREEDY = Sampling(temperature=0)
+NUCLEUS = Sampling(temperature=1.0, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny):
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def sampled(llama):
+    model, params = llama
+    return generate(model, params, PROMPTS, NEW, jax.random.key(1), sampling=NUCLEUS)
+
+
+@pytest.mark.parametrize("name", ["llama", "sliding", "gpt2"])
+def test_cached_greedy_equals_uncached(tiny, uncached, name):
+    # The reference runs each prompt unpadded, so this also checks that rows
+    # of a left-padded batch do not see each other.
+    model, params = tiny(name)
+    out = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY)
+    ref_tokens, ref_logprobs = uncached(model, params).greedy(PROMPTS, NEW)
+    assert out.tokens == ref_tokens
+    assert out.lengths == [NEW] * len(PROMPTS)
+    for got, want in zip(out.logprobs, ref_logprobs):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_top_k_1_equals_greedy(llama):
+    model, params = llama
+    greedy = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY)
+    top1 = generate(model, params, PROMPTS, NEW, jax.random.key(3),
+                    sampling=Sampling(temperature=1.3, top_k=1))
+    assert top1.tokens == greedy.tokens
+
+
+def test_same_key_same_output_and_another_key_differs(llama, sampled):
+    model, params = llama
+    again = generate(model, params, PROMPTS, NEW, jax.random.key(1), sampling=NUCLEUS)
+    other = generate(model, params, PROMPTS, NEW, jax.random.key(2), sampling=NUCLEUS)
+    assert again.tokens == sampled.tokens and again.logprobs == sampled.logprobs
+    assert other.tokens != sampled.tokens
+
+
+def test_sampled_logprobs_are_the_models(llama, sampled, uncached):
+    model, params = llama
+    ref = uncached(model, params)
+    prefixes, targets, got = [], [], []
+    for prompt, row, logprobs in zip(PROMPTS, sampled.tokens, sampled.logprobs):
+        for i in range(len(prompt), len(row)):
+            prefixes.append(row[:i])
+            targets.append(row[i])
+            got.append(logprobs[i - len(prompt)])
+    want = ref.logprobs(prefixes)[np.arange(len(targets)), targets]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_end_id_stops_a_row(llama, uncached):
+    model, params = llama
+    full = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY)
+    end = full.tokens[0][len(PROMPTS[0]) + 3]  # row 0's 4th new token
+    out = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY,
+                   end_ids=[end])
+    ref, _ = uncached(model, params).greedy(PROMPTS, NEW, end_ids=(end,))
+    assert out.tokens == ref
+    assert out.lengths[0] <= 4 and out.tokens[0][-1] == end
+    assert out.lengths == [len(r) - len(p) for r, p in zip(ref, PROMPTS)]
+    assert [len(lp) for lp in out.logprobs] == out.lengths
+
+
+def test_sharded_params_equal_unsharded(llama, sampled):
+    model, params = llama
+    devices = np.asarray(jax.devices()[:8])
+    if devices.size < 8:
+        pytest.fail("needs 8 emulated devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(devices.reshape(2, 4), ("data", "model"))
+
+    def place(x):  # shard the last axis divisible by 4 over 'model', replicate otherwise
+        spec = [None] * x.ndim
+        for axis in reversed(range(x.ndim)):
+            if x.shape[axis] % 4 == 0:
+                spec[axis] = "model"
+                break
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    sharded = jax.tree.map(place, params)
+    assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(sharded))
+    out = generate(model, sharded, PROMPTS, NEW, jax.random.key(1), sampling=NUCLEUS)
+    assert out.tokens == sampled.tokens
+    for x, y in zip(out.logprobs, sampled.logprobs):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def test_pad_prompts_left_pads():
+    tokens, mask = pad_prompts([[1, 2], [3]], pad_id=9, multiple=4)
+    np.testing.assert_array_equal(tokens, [[9, 9, 1, 2], [9, 9, 9, 3]])
+    np.testing.assert_array_equal(mask, [[0, 0, 1, 1], [0, 0, 0, 1]])
+
+
+@pytest.mark.parametrize(
+    "prompt, new, message",
+    [
+        ([[1, 2], [3, 64, 70]], 4, "token id 70, the largest id in the batch.*vocab_size is 64"),
+        ([[1, -1]], 4, "negative"),
+        ([list(range(49))], 1, "49 tokens is longer than the model's max_seq_len 48"),
+        ([[1] * 40], 9, "overruns max_seq_len 48; use max_new_tokens <= 8"),
+        ([[1], []], 4, "prompt 1 is empty"),
+        ([[1]], 0, "max_new_tokens must be >= 1"),
+    ],
+)
+def test_bad_input_is_named_before_compiling(llama, prompt, new, message):
+    model, params = llama
+    with pytest.raises(ValueError, match=message):
+        generate(model, params, prompt, new, jax.random.key(0))
+
+
+def test_flat_prompt_and_text_are_rejected(llama):
+    model, params = llama
+    with pytest.raises(TypeError, match="wrap a single prompt"):
+        generate(model, params, [1, 2, 3], 4, jax.random.key(0))
+    with pytest.raises(TypeError, match="encode text"):
+        generate(model, params, "hello", 4, jax.random.key(0))

@@ -11,13 +11,39 @@ from dew.nn import CausalTransformer
 # Three small decoders that cover the options generation touches: grouped-query
 # RoPE attention, a sliding window, and GPT-2's learned positions + biases + ties.
 CONFIGS = {
-    "llama": dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  mlp_features=64, max_seq_len=48),
-    "sliding": dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                    mlp_features=64, max_seq_len=48, sliding_window=3),
-    "gpt2": dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, mlp_features=64,
-                 max_seq_len=48, norm="layer", norm_eps=1e-5, mlp_activation="gelu",
-                 position_embedding="learned", use_bias=True, tie_embeddings=True),
+    "llama": dict(
+        vocab_size=64,
+        emb_features=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_features=64,
+        max_seq_len=48,
+    ),
+    "sliding": dict(
+        vocab_size=64,
+        emb_features=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_features=64,
+        max_seq_len=48,
+        sliding_window=3,
+    ),
+    "gpt2": dict(
+        vocab_size=64,
+        emb_features=32,
+        num_layers=2,
+        num_heads=4,
+        mlp_features=64,
+        max_seq_len=48,
+        norm="layer",
+        norm_eps=1e-5,
+        mlp_activation="gelu",
+        position_embedding="learned",
+        use_bias=True,
+        tie_embeddings=True,
+    ),
 }
 
 
@@ -77,8 +103,11 @@ class Uncached:
             tokens[r, : len(s)] = s
         logits = np.asarray(self.forward(self.params, tokens), np.float64)
         last = logits[np.arange(len(sequences)), [len(s) - 1 for s in sequences]]
-        return last - np.log(np.sum(np.exp(last - last.max(-1, keepdims=True)), -1,
-                                    keepdims=True)) - last.max(-1, keepdims=True)
+        return (
+            last
+            - np.log(np.sum(np.exp(last - last.max(-1, keepdims=True)), -1, keepdims=True))
+            - last.max(-1, keepdims=True)
+        )
 
     def greedy(self, prompts, max_new_tokens, end_ids=()):
         """Greedy continuations and the log-prob of each new token."""

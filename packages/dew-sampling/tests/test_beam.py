@@ -65,8 +65,16 @@ def test_matches_the_reference_with_end_ids(tiny, uncached, length_penalty):
     ref = uncached(model, params)
     greedy, _ = ref.greedy(PROMPTS, 3)
     end_ids = tuple(row[-1] for row in greedy)  # each prompt's third greedy token ends
-    out = generate(model, params, PROMPTS, 6, jax.random.key(0), num_beams=3,
-                   length_penalty=length_penalty, end_ids=end_ids)
+    out = generate(
+        model,
+        params,
+        PROMPTS,
+        6,
+        jax.random.key(0),
+        num_beams=3,
+        length_penalty=length_penalty,
+        end_ids=end_ids,
+    )
     finished_early = False
     for prompt, tokens, logprobs, score in zip(PROMPTS, out.tokens, out.logprobs, out.scores):
         want_score, want_new, want_logprobs = reference_beam(
@@ -81,8 +89,9 @@ def test_matches_the_reference_with_end_ids(tiny, uncached, length_penalty):
 
 def test_one_beam_is_greedy(tiny):
     model, params = tiny("llama")
-    greedy = generate(model, params, PROMPTS, 8, jax.random.key(0),
-                      sampling=Sampling(temperature=0))
+    greedy = generate(
+        model, params, PROMPTS, 8, jax.random.key(0), sampling=Sampling(temperature=0)
+    )
     one = beam_search(model, params, PROMPTS, 8, num_beams=1)
     assert one.tokens == greedy.tokens
     np.testing.assert_allclose(one.scores, [sum(lp) / 8 for lp in greedy.logprobs], atol=1e-5)
@@ -91,7 +100,14 @@ def test_one_beam_is_greedy(tiny):
 def test_beam_search_refuses_sampling(tiny):
     model, params = tiny("llama")
     with pytest.raises(ValueError, match="beam search .* is deterministic"):
-        generate(model, params, PROMPTS, 4, jax.random.key(0), num_beams=2,
-                 sampling=Sampling(temperature=0.8))
+        generate(
+            model,
+            params,
+            PROMPTS,
+            4,
+            jax.random.key(0),
+            num_beams=2,
+            sampling=Sampling(temperature=0.8),
+        )
     with pytest.raises(ValueError, match="num_beams must be >= 1"):
         beam_search(model, params, PROMPTS, 4, num_beams=0)

@@ -44,8 +44,9 @@ def test_cached_greedy_equals_uncached(tiny, uncached, name):
 def test_top_k_1_equals_greedy(llama):
     model, params = llama
     greedy = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY)
-    top1 = generate(model, params, PROMPTS, NEW, jax.random.key(3),
-                    sampling=Sampling(temperature=1.3, top_k=1))
+    top1 = generate(
+        model, params, PROMPTS, NEW, jax.random.key(3), sampling=Sampling(temperature=1.3, top_k=1)
+    )
     assert top1.tokens == greedy.tokens
 
 
@@ -74,8 +75,7 @@ def test_end_id_stops_a_row(llama, uncached):
     model, params = llama
     full = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY)
     end = full.tokens[0][len(PROMPTS[0]) + 3]  # row 0's 4th new token
-    out = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY,
-                   end_ids=[end])
+    out = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY, end_ids=[end])
     ref, _ = uncached(model, params).greedy(PROMPTS, NEW, end_ids=(end,))
     assert out.tokens == ref
     assert out.lengths[0] <= 4 and out.tokens[0][-1] == end

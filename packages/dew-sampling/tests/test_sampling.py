@@ -85,7 +85,8 @@ def test_draws_follow_the_renormalised_kept_distribution():
     n = 20000
     keys = jax.random.split(jax.random.key(7), n)
     row = jnp.asarray(LOGITS[0])
-    tokens = np.asarray(jax.jit(jax.vmap(lambda k: sample_logits(row[None], k, sampling)[0][0]))(keys))
+    draw = jax.vmap(lambda k: sample_logits(row[None], k, sampling)[0][0])
+    tokens = np.asarray(jax.jit(draw)(keys))
     kept = sorted(np_kept(LOGITS[0], temperature=0.7, top_p=0.9))
     assert set(np.unique(tokens).tolist()) <= set(kept)
     want = softmax(LOGITS[0][kept].astype(np.float64) / 0.7)

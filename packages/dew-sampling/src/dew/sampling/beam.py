@@ -112,8 +112,19 @@ def beam_decode(
         return (t < steps) & ~jnp.all(full & hopeless)
 
     def body(carry):
-        (t, cache, position, logprobs_next, live_tokens, live_logprobs, live_scores,
-         pool_scores, pool_tokens, pool_logprobs, pool_lengths) = carry
+        (
+            t,
+            cache,
+            position,
+            logprobs_next,
+            live_tokens,
+            live_logprobs,
+            live_scores,
+            pool_scores,
+            pool_tokens,
+            pool_logprobs,
+            pool_lengths,
+        ) = carry
         step_logprobs = logprobs_next.reshape(batch, beams, vocab)
         candidates = (live_scores[:, :, None] + step_logprobs).reshape(batch, beams * vocab)
         top_scores, top_index = jax.lax.top_k(candidates, 2 * beams)  # [batch, 2 * beams]
@@ -127,8 +138,11 @@ def beam_decode(
         is_end = jnp.isin(top_token, end)
 
         # Finished candidates join the pool; keep its best num_beams.
-        finished = jnp.where(is_end & rank_mask & (top_scores > neg_inf),
-                             _normalise(top_scores, t + 1, length_penalty), neg_inf)
+        finished = jnp.where(
+            is_end & rank_mask & (top_scores > neg_inf),
+            _normalise(top_scores, t + 1, length_penalty),
+            neg_inf,
+        )
         merged_scores = jnp.concatenate([pool_scores, finished], axis=1)
         keep_scores, keep = jax.lax.top_k(merged_scores, beams)
         pool_tokens = gather(jnp.concatenate([pool_tokens, top_tokens], axis=1), keep)
@@ -145,12 +159,26 @@ def beam_decode(
         rows = (jnp.arange(batch)[:, None] * beams + parent).reshape(-1)
         token = jnp.take_along_axis(top_token, pick, axis=1).reshape(-1)
         logits, cache = decode_step(model, params, _take_rows(cache, axes, rows), token, position)
-        return (t + 1, cache, position + 1, jax.nn.log_softmax(logits, axis=-1), live_tokens,
-                live_logprobs, live_scores, keep_scores, pool_tokens, pool_logprobs, pool_lengths)
+        return (
+            t + 1,
+            cache,
+            position + 1,
+            jax.nn.log_softmax(logits, axis=-1),
+            live_tokens,
+            live_logprobs,
+            live_scores,
+            keep_scores,
+            pool_tokens,
+            pool_logprobs,
+            pool_lengths,
+        )
 
     live_scores = jnp.where(jnp.arange(beams) == 0, 0.0, neg_inf)  # one real beam at first
     carry = (
-        jnp.int32(0), cache, position, logprobs_next,
+        jnp.int32(0),
+        cache,
+        position,
+        logprobs_next,
         jnp.full((batch, beams, steps), pad_id, jnp.int32),
         jnp.zeros((batch, beams, steps), jnp.float32),
         jnp.broadcast_to(live_scores, (batch, beams)),
@@ -160,8 +188,19 @@ def beam_decode(
         jnp.zeros((batch, beams), jnp.int32),
     )
     carry = jax.lax.while_loop(cond, body, carry)
-    (t, _, _, _, live_tokens, live_logprobs, live_scores,
-     pool_scores, pool_tokens, pool_logprobs, pool_lengths) = carry
+    (
+        t,
+        _,
+        _,
+        _,
+        live_tokens,
+        live_logprobs,
+        live_scores,
+        pool_scores,
+        pool_tokens,
+        pool_logprobs,
+        pool_lengths,
+    ) = carry
     # Live beams that ran the full length join the pool (a row stopped early
     # keeps its pool: no live beam could beat it).
     ran_out = t == steps
@@ -183,8 +222,12 @@ def _compiled(model, max_new_tokens, num_beams, end_ids, pad_id):
     # length_penalty is traced: changing it does not recompile.
     return jax.jit(
         functools.partial(
-            beam_decode, model, max_new_tokens=max_new_tokens, num_beams=num_beams,
-            end_ids=end_ids, pad_id=pad_id,
+            beam_decode,
+            model,
+            max_new_tokens=max_new_tokens,
+            num_beams=num_beams,
+            end_ids=end_ids,
+            pad_id=pad_id,
         )
     )
 

@@ -90,7 +90,7 @@ def prefill(model, params, tokens: jax.Array, mask: jax.Array, cache_length: int
 
 
 def decode_step(model, params, cache, token: jax.Array, position: jax.Array):
-    """One cached step: ``token [batch]`` at ``position [batch]`` -> ``(logits [batch, vocab], cache)``."""
+    """One cached step of ``token``/``position`` ``[batch]``: ``(logits [batch, vocab], cache)``."""
     logits, variables = model.apply(
         {"params": params, "cache": cache},
         token[:, None],
@@ -160,8 +160,12 @@ def decode(
 def _compiled(model, sampling, max_new_tokens, end_ids, pad_id):
     return jax.jit(
         functools.partial(
-            decode, model, max_new_tokens=max_new_tokens, sampling=sampling,
-            end_ids=end_ids, pad_id=pad_id,
+            decode,
+            model,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            end_ids=end_ids,
+            pad_id=pad_id,
         )
     )
 
@@ -177,8 +181,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0, *, multiple: 
     mask = np.zeros((len(prompts), longest), bool)
     for row, prompt in enumerate(prompts):
         if len(prompt):
-            tokens[row, longest - len(prompt):] = prompt
-            mask[row, longest - len(prompt):] = True
+            tokens[row, longest - len(prompt) :] = prompt
+            mask[row, longest - len(prompt) :] = True
     return tokens, mask
 
 
@@ -192,8 +196,10 @@ def check_prompts(model, prompts, max_new_tokens: int, *, pad_id: int = 0) -> li
     if isinstance(prompts, np.ndarray | jax.Array):
         prompts = np.asarray(prompts).tolist()
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], str)):
-        raise TypeError("generate takes token ids; encode text with a tokenizer (or use "
-                        "TextGeneration, which takes strings)")
+        raise TypeError(
+            "generate takes token ids; encode text with a tokenizer (or use "
+            "TextGeneration, which takes strings)"
+        )
     if not prompts:
         raise ValueError("generate needs at least one prompt; got an empty list")
     if isinstance(prompts[0], int | np.integer):
@@ -219,8 +225,9 @@ def check_prompts(model, prompts, max_new_tokens: int, *, pad_id: int = 0) -> li
                 f"tokenizer matches the model)"
             )
         if smallest < 0:
-            raise ValueError(f"prompt token id {smallest} is negative; ids must be in "
-                             f"0..{vocab - 1}")
+            raise ValueError(
+                f"prompt token id {smallest} is negative; ids must be in 0..{vocab - 1}"
+            )
         if not 0 <= pad_id < vocab:
             raise ValueError(f"pad_id {pad_id} is outside the vocabulary 0..{vocab - 1}")
     max_len = getattr(model, "max_seq_len", None)
@@ -288,16 +295,22 @@ def generate(
                 f"beam search (num_beams={num_beams}) is deterministic; drop sampling={sampling} "
                 f"or use num_beams=1 to sample"
             )
-        return beam_search(model, params, rows, max_new_tokens, num_beams=num_beams,
-                           length_penalty=length_penalty, end_ids=end_ids, pad_id=pad_id)
+        return beam_search(
+            model,
+            params,
+            rows,
+            max_new_tokens,
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            end_ids=end_ids,
+            pad_id=pad_id,
+        )
     sampling = Sampling() if sampling is None else sampling
     if sampling.is_greedy:  # every greedy rule is one program
         sampling = Sampling(temperature=0)
     tokens, mask = pad_prompts(rows, pad_id, multiple=PROMPT_BUCKET)
     fn = _compiled(model, sampling, int(max_new_tokens), end_ids, int(pad_id))
-    new_tokens, logprobs, lengths = jax.device_get(
-        fn(nn.meta.unbox(params), tokens, mask, key=key)
-    )
+    new_tokens, logprobs, lengths = jax.device_get(fn(nn.meta.unbox(params), tokens, mask, key=key))
     out, out_logprobs = [], []
     for r, (row, n) in enumerate(zip(rows, lengths.tolist())):
         out.append(row + new_tokens[r, :n].tolist())

@@ -39,8 +39,13 @@ class TextGeneration:
             key = jax.random.key(0)  # unused by greedy decoding
         end_id = getattr(self.tokenizer, "end_id", None)
         out = generate(
-            self.model, self.params, [self.tokenizer.encode(t) for t in texts],
-            max_new_tokens or self.max_new_tokens, key, sampling=sampling, end_ids=end_id,
+            self.model,
+            self.params,
+            [self.tokenizer.encode(t) for t in texts],
+            max_new_tokens or self.max_new_tokens,
+            key,
+            sampling=sampling,
+            end_ids=end_id,
         )
         decoded = [self.tokenizer.decode(ids) for ids in out.tokens]
         return decoded[0] if single else decoded

@@ -1,5 +1,6 @@
-"""A dew.data reader's position goes into the trainer's checkpoint: a run stopped and
-resumed reads the same next batches as one that never stopped."""
+"""dew.data readers with the trainer: a reader's position goes into the checkpoint (a
+run stopped and resumed reads the same next batches as one that never stopped), and
+the padded last validation batch leaves evaluation totals exact."""
 
 import dataclasses
 import io
@@ -104,3 +105,38 @@ def test_hf_images_resume_at_the_same_batch(tmp_path):
     # The LM objective trains on the captions; the images ride along in the same batches.
     data = HFImages(table, image_size=4, text_len=SEQ_LEN + 1).load(batch=8)
     check_resume(data, tmp_path)
+
+
+def test_padded_validation_gives_the_exact_loss_of_the_real_windows(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"row {i} of the held-out text.\n" for i in range(40)))
+    reader = TokenWindows(corpus, seq_len=SEQ_LEN, val_fraction=0.2, cache_dir=tmp_path / "c")
+    data = reader.load(batch=8)
+    ids = np.asarray(reader.tokens(), np.int64)
+    windows = (len(ids) - 1) // SEQ_LEN
+    first = data.records  # validation windows follow the training ones
+    real = np.stack([ids[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] for i in range(first, windows)])
+    assert len(real) % 8, "the test needs a partial last validation batch"
+
+    model = models.build(
+        "causal_transformer",
+        vocab_size=264,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=SEQ_LEN,
+    )
+    trainer = Trainer(LMObjective(model, seq_len=SEQ_LEN), optax.sgd(0.1), key=jax.random.key(1))
+    state = trainer.init_state()
+    results = trainer.evaluate(state, data)
+
+    # Reference: the mean next-token negative log-likelihood over the real windows only,
+    # in numpy from the model's logits (float64 log-softmax).
+    params = jax.device_get(state.params)
+    logits = np.asarray(model.apply({"params": params}, real[:, :-1]), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, real[:, 1:, None], axis=-1)[..., 0]
+    assert results["tokens"] == real.shape[0] * SEQ_LEN
+    np.testing.assert_allclose(results["loss"], nll.mean(), rtol=1e-5)

@@ -2,6 +2,7 @@
 
 import logging
 
+import grain
 import numpy as np
 import pytest
 
@@ -72,6 +73,7 @@ def test_last_validation_batch_is_padded_and_masked_so_sums_are_exact():
 def test_iterator_position_restores_exactly():
     data = from_records(Numbers(10), batch=4, seed=5)
     iterator = data.train(Partition(1, 2))
+    assert isinstance(iterator, grain.DatasetIterator)
     take(iterator, 7)  # crosses epoch boundaries
     state = iterator.get_state()
     expected = take(iterator, 5)

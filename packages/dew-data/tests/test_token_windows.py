@@ -121,6 +121,8 @@ def test_hf_tokenizer_ids_and_end_id(tmp_path):
     # Hand-worked: the=3 first=4 document=5 <eos>=1 a=6 document=5 <eos>=1
     assert reader.tokens().tolist() == [3, 4, 5, 1, 6, 5, 1]
     assert reader.tokens().dtype == np.uint16
+    plain = HFTokenizer(tmp_path / "tok", add_special_tokens=False)
+    assert plain.fingerprint() != tokenizer.fingerprint()  # other ids, another cache
     data = reader.load(batch=1)
     assert data.records == 2  # windows [3 4 5] [5 1 6]; [6 5 1] held out
     assert next(iter(data.val(Partition())))["text"].tolist() == [[6, 5, 1]]

@@ -52,7 +52,12 @@ class Dataset:
       process's share). An iterator with ``get_state``/``set_state`` (a Grain
       iterator) has its position saved in checkpoints.
     val: ``val(partition)`` opens one pass over held-out batches, then stops;
-      None when there is no validation set.
+      None when there is no validation set. Policy for the last, partial
+      batch: it is padded to the full batch (every process sees the same
+      shapes, the evaluation step compiles once) and every validation batch
+      carries ``example_mask``, bool ``[rows]``, False on padding rows.
+      Objectives weight their sums by it, so evaluation totals are exactly
+      the sums over the real examples (``dew.data.from_records`` does this).
     records: number of training examples (used for epochs in logs; 0 = unknown).
     batch: the global batch size, in examples, summed over all processes.
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -15,6 +16,21 @@ def _looks_local(path: str) -> bool:
         or path.count("/") >= 2
         or os.path.splitext(path)[1] in _BUILDERS
     )
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """``datasets``' progress bars off while it prepares a local folder (a trainer's
+    log is no place for them), then back as they were."""
+    from datasets.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_split(source: Any, split: str, *, what: str, cache_dir: str | None = None):
@@ -48,9 +64,11 @@ def load_split(source: Any, split: str, *, what: str, cache_dir: str | None = No
                     f"{what}: cannot read {path!r}; give a directory, a dataset name, or a "
                     f"file ending in {', '.join(_BUILDERS)}"
                 )
-            loaded = datasets.load_dataset(builder, data_files=path, cache_dir=cache_dir)
+            with _quiet_progress():
+                loaded = datasets.load_dataset(builder, data_files=path, cache_dir=cache_dir)
         elif os.path.isdir(path):
-            loaded = datasets.load_dataset(path, cache_dir=cache_dir)
+            with _quiet_progress():
+                loaded = datasets.load_dataset(path, cache_dir=cache_dir)
         elif _looks_local(path):
             raise FileNotFoundError(f"{what}: no such file or directory: {path!r}")
         else:

@@ -43,6 +43,10 @@ class LMObjective(Objective):
     preview_tokens: new tokens in a preview.
     init_params: start from these parameters (fine-tuning a ``Pretrained``)
       instead of a random initialisation.
+    aux_loss_weight: weight of the auxiliary losses the model sows as
+      ``intermediates/.../aux_loss`` (a mixture of experts' load balance):
+      ``loss = nll / tokens + aux_loss_weight * mean(aux_loss)``; the mean is
+      reported as the ``aux_loss`` metric. Models that sow none add nothing.
     """
 
     model: Any
@@ -54,6 +58,7 @@ class LMObjective(Objective):
     preview_prompt: str = "The"
     preview_tokens: int = 32
     init_params: Any = None
+    aux_loss_weight: float = 0.01
 
     def __post_init__(self):
         if self.seq_len < 1:
@@ -92,9 +97,14 @@ class LMObjective(Objective):
             weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
         return weights
 
-    def _sums(self, variables, batch):
+    def _sums(self, variables, batch, *, aux: list | None = None):
         tokens = batch[self.text_key]
-        logits = self.model.apply({"params": variables["params"]}, tokens[:, :-1])
+        logits, sown = self.model.apply(
+            {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"]
+        )
+        if aux is not None:
+            aux.extend(jnp.mean(v) for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                       if any(getattr(k, "key", None) == "aux_loss" for k in path))
         targets = tokens[:, 1:]
         weights = self._weights(batch, tokens)
         nll = token_nll(logits, targets)  # [batch, seq_len]
@@ -106,8 +116,12 @@ class LMObjective(Objective):
         }
 
     def loss(self, variables, batch, step: Step):
-        sums = self._sums(variables, batch)
+        aux: list = []
+        sums = self._sums(variables, batch, aux=aux)
         loss = sums["nll_sum"] / jnp.maximum(sums["tokens"], 1.0)
+        if aux:
+            sums["aux_loss"] = sum(aux) / len(aux)
+            loss = loss + self.aux_loss_weight * sums["aux_loss"]
         return loss, sums
 
     def evaluate(self, variables, batch, step: Step):

@@ -19,7 +19,9 @@ MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: Rules = (
+    (axes.EXPERT, "expert"),
     (axes.BATCH, ("data", "fsdp", "expert")),
+    (axes.BATCH, ("data", "fsdp")),
     (axes.LENGTH, "sequence"),
     (axes.EMBED, "fsdp"),
     (axes.HEADS, "tensor"),
@@ -34,10 +36,13 @@ DEFAULT_RULES: Rules = (
     (axes.FRAMES, None),
     (axes.CHANNELS, None),
 )
-"""Logical axis -> mesh axes. Flax takes the first rule whose mesh axes are
-not already used by another dimension of the same array, so ``embed`` is
-split over ``fsdp`` in parameters but not in activations, where ``batch``
-already holds ``fsdp``. Override with ``Trainer(..., rules=...)``."""
+"""Logical axis -> mesh axes. Flax goes through the rules in order and gives a
+dimension the first rule for its name whose mesh axes no other dimension of
+the same array holds yet. So ``embed`` is split over ``fsdp`` in parameters
+but not in activations, where ``batch`` already holds ``fsdp``; and in the
+per-expert activations of a mixture of experts (``[expert, batch, ...]``)
+``expert`` takes the ``expert`` mesh axis first and ``batch`` falls back to
+``data`` and ``fsdp``. Override with ``Trainer(..., rules=...)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +60,10 @@ class MeshSpec:
     One axis may be -1: it absorbs the devices the others leave. ``data``
     left as None means -1 when no other axis is -1, else 1, so the default
     puts every device on ``data``.
+
+    devices: the devices the mesh spans, in mesh order (keyword only); None =
+      ``jax.devices()``, every device of every process. A subset runs a
+      reference on one device: ``MeshSpec(data=1, devices=jax.devices()[:1])``.
     """
 
     data: int | None = None
@@ -63,6 +72,7 @@ class MeshSpec:
     tensor: int = 1
     sequence: int = 1
     stage: int = 1
+    devices: tuple[jax.Device, ...] | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         for name in MESH_AXES:
@@ -72,6 +82,10 @@ class MeshSpec:
         fills = [n for n in MESH_AXES if getattr(self, n) == -1]
         if len(fills) > 1:
             raise ValueError(f"only one MeshSpec axis may be -1, got {fills}")
+        if self.devices is not None:
+            if not self.devices:
+                raise ValueError("MeshSpec.devices is empty; give at least one device or None")
+            object.__setattr__(self, "devices", tuple(self.devices))
 
     def sizes(self, num_devices: int) -> dict[str, int]:
         """The resolved ``{axis: size}`` for ``num_devices`` devices."""
@@ -88,9 +102,11 @@ class MeshSpec:
                 )
             raw[fill] = num_devices // fixed
         elif fixed != num_devices:
+            where = "given in MeshSpec.devices" if self.devices is not None else "present"
             raise ValueError(
                 f"MeshSpec {self._show(raw)} needs {fixed} devices but {num_devices} are "
-                f"present ({jax.devices()[0].platform}); make the product {num_devices} or "
+                f"{where} ({num_devices} x {jax.devices()[0].device_kind}, "
+                f"{jax.process_count()} process(es)); make the product {num_devices} or "
                 f"set one axis to -1"
             )
         return raw
@@ -100,7 +116,12 @@ class MeshSpec:
         return "{" + ", ".join(f"{k}={v}" for k, v in raw.items()) + "}"
 
     def make(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        devices = list(devices if devices is not None else jax.devices())
+        """The ``jax.sharding.Mesh`` over ``devices`` (default ``self.devices``,
+        else every device), axes in :data:`MESH_AXES` order, ``Auto`` axis types
+        (what Flax's logical partitioning needs)."""
+        if devices is None:
+            devices = self.devices if self.devices is not None else jax.devices()
+        devices = list(devices)
         sizes = self.sizes(len(devices))
         return jax.make_mesh(
             tuple(sizes.values()),

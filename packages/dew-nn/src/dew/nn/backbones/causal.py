@@ -17,7 +17,10 @@ import jax.numpy as jnp
 from dew.nn import axes, models
 from dew.nn.attention import Attention
 from dew.nn.mlp import MLP
+from dew.nn.moe import MoE
 from dew.nn.norms import make_norm
+from dew.nn.pipeline import check_pipeline, pipeline
+from dew.nn.shards import check_divides
 from dew.nn.rope import RopeScaling
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)
@@ -42,6 +45,8 @@ class BlockConfig:
     init_std: float
     dtype: Any
     param_dtype: Any
+    num_experts: int = 0
+    experts_per_token: int = 2
 
 
 class DecoderBlock(nn.Module):
@@ -70,15 +75,27 @@ class DecoderBlock(nn.Module):
         )(h, positions, valid, decode=self.decode)
         x = x + h
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
-        h = MLP(
-            features=c.mlp_features,
-            activation=c.mlp_activation,
-            use_bias=c.use_bias,
-            init_std=c.init_std,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="mlp",
-        )(h)
+        if c.num_experts:
+            h = MoE(
+                num_experts=c.num_experts,
+                experts_per_token=c.experts_per_token,
+                features=c.mlp_features,
+                activation=c.mlp_activation,
+                init_std=c.init_std,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                name="mlp",
+            )(h)
+        else:
+            h = MLP(
+                features=c.mlp_features,
+                activation=c.mlp_activation,
+                use_bias=c.use_bias,
+                init_std=c.init_std,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                name="mlp",
+            )(h)
         x = nn.with_logical_constraint(x + h, ACTIVATION_AXES)
         return x, None
 
@@ -112,6 +129,19 @@ class CausalTransformer(nn.Module):
       use_scan: one scanned layer with a leading 'layers' axis (fast compiles).
       init_std: standard deviation of the normal weight initialiser; None =
         ``emb_features ** -0.5`` (0.125 at width 64, 0.016 at 4096).
+      num_experts: experts of a mixture-of-experts feed-forward block in every
+        layer (:class:`dew.nn.moe.MoE`: dropless top-k routing, a
+        load-balancing loss sown as ``intermediates/.../aux_loss``); 0 = the
+        dense MLP.
+      experts_per_token: experts each token is routed to (k); read only when
+        ``num_experts > 0``.
+      num_stages: pipeline stages of the layer stack (:mod:`dew.nn.pipeline`,
+        a GPipe schedule); 1 = no pipeline. Needs ``use_scan`` and
+        ``num_layers`` a multiple of it; the trainer's ``stage`` mesh axis
+        should equal it. Decoding (``decode=True``) runs the plain stack.
+      pipeline_microbatches: microbatches the batch is cut into for the
+        pipeline; None = ``num_stages``. More microbatches, a smaller bubble
+        (``(stages - 1) / (microbatches + stages - 1)`` of the time idle).
     """
 
     vocab_size: int
@@ -137,6 +167,10 @@ class CausalTransformer(nn.Module):
     use_remat: bool = False
     use_scan: bool = True
     init_std: float | None = None
+    num_experts: int = 0
+    experts_per_token: int = 2
+    num_stages: int = 1
+    pipeline_microbatches: int | None = None
 
     config_decoders = {"rope_scaling": RopeScaling}
 
@@ -159,6 +193,23 @@ class CausalTransformer(nn.Module):
             raise ValueError(
                 f"unknown position_embedding {self.position_embedding!r}; use 'rope' or 'learned'"
             )
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0 = dense MLP), got {self.num_experts}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} must be between 1 and "
+                f"num_experts {self.num_experts}"
+            )
+        if self.num_stages > 1 and not self.use_scan:
+            raise ValueError(
+                f"num_stages {self.num_stages} (a pipeline) needs use_scan=True: the pipeline "
+                f"splits the scanned [layers, ...] parameters into stages"
+            )
+        check_pipeline(self.num_layers, self.num_stages, self.microbatches, self.microbatches)
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline_microbatches or self.num_stages
 
     def block_config(self) -> BlockConfig:
         return BlockConfig(
@@ -177,6 +228,8 @@ class CausalTransformer(nn.Module):
             init_std=self.weight_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            num_experts=self.num_experts,
+            experts_per_token=self.experts_per_token,
         )
 
     @property
@@ -201,6 +254,8 @@ class CausalTransformer(nn.Module):
         """
         self.check()
         batch, length = tokens.shape
+        if not decode:
+            check_divides(length, axes.LENGTH, "CausalTransformer tokens [batch, length]")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         valid = (
@@ -235,7 +290,9 @@ class CausalTransformer(nn.Module):
         if self.use_remat:
             block = nn.remat(block, prevent_cse=not self.use_scan)
         config = self.block_config()
-        if self.use_scan:
+        if self.num_stages > 1 and not decode and not self.is_initializing():
+            x = self._pipelined_layers(config, x, positions, valid)
+        elif self.use_scan:
             x, _ = nn.scan(
                 block,
                 variable_axes={"params": 0, "cache": 0, "intermediates": 0},
@@ -263,3 +320,26 @@ class CausalTransformer(nn.Module):
                 name="lm_head",
             )(x)
         return logits.astype(jnp.float32)  # [batch, length, vocab]
+
+    def _pipelined_layers(self, config: BlockConfig, x, positions, valid):
+        """The layer stack as a pipeline over the ``layers`` parameters that
+        ``nn.scan`` created (same tree, same values as the plain stack)."""
+        layer_params = nn.meta.unbox(self.variables["params"]["layers"])
+        block = DecoderBlock(config, parent=None)
+
+        def layer_fn(params, carry):
+            h, pos, ok = carry
+            (h, _), sown = block.apply({"params": params}, h, pos, ok, mutable=["intermediates"])
+            aux = [v for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                   if any(getattr(k, "key", None) == "aux_loss" for k in path)]
+            return (h, pos, ok), (sum(aux) if aux else jnp.zeros((), jnp.float32))
+
+        if self.use_remat:
+            layer_fn = jax.checkpoint(layer_fn)
+        (x, _, _), aux = pipeline(
+            layer_fn, layer_params, (x, positions, valid),
+            num_stages=self.num_stages, num_microbatches=self.microbatches,
+        )
+        if self.num_experts:
+            self.sow("intermediates", "aux_loss", aux)
+        return x

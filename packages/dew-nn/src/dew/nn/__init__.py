@@ -4,6 +4,7 @@ from dew.nn import axes, backbones, models
 from dew.nn.attention import Attention
 from dew.nn.backbones import CausalTransformer
 from dew.nn.mlp import MLP
+from dew.nn.moe import MoE
 from dew.nn.norms import LayerNorm, RMSNorm
 from dew.nn.rope import RopeScaling
 
@@ -14,6 +15,7 @@ __all__ = [
     "Attention",
     "CausalTransformer",
     "LayerNorm",
+    "MoE",
     "RMSNorm",
     "RopeScaling",
     "axes",

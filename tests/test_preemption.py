@@ -15,28 +15,62 @@ STEPS = 10
 
 
 def child(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHILD), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, str(CHILD), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+    )
 
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path):
     directory = tmp_path / "run"
     # SIGTERM arrives while batch 4 is read: step 5 is in flight and finishes.
-    stopped = child("--dir", directory, "--steps", STEPS, "--data", "grain", "--signal-at", 4,
-                    "--signal", "SIGTERM", "--checkpoint-every", 0,
-                    "--out", tmp_path / "stopped.npz")
+    stopped = child(
+        "--dir",
+        directory,
+        "--steps",
+        STEPS,
+        "--data",
+        "grain",
+        "--signal-at",
+        4,
+        "--signal",
+        "SIGTERM",
+        "--checkpoint-every",
+        0,
+        "--out",
+        tmp_path / "stopped.npz",
+    )
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert f"Stopped by SIGTERM at step 5; checkpoint written to {directory}/5" in stopped.stdout
     assert "step 6:" not in stopped.stdout
     assert stopped.stdout.rstrip().endswith("child: done")  # fit returned the state
     assert int(np.load(tmp_path / "stopped.npz")["step"]) == 5
     assert sorted(os.listdir(directory / "5")) == [
-        "_CHECKPOINT_METADATA", "commit_success.txt", "data_iter", "meta", "state"]
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "data_iter",
+        "meta",
+        "state",
+    ]
 
-    resumed = child("--dir", directory, "--steps", STEPS, "--data", "grain",
-                    "--checkpoint-every", 0, "--out", tmp_path / "resumed.npz",
-                    "--reference-out", tmp_path / "reference.npz")
+    resumed = child(
+        "--dir",
+        directory,
+        "--steps",
+        STEPS,
+        "--data",
+        "grain",
+        "--checkpoint-every",
+        0,
+        "--out",
+        tmp_path / "resumed.npz",
+        "--reference-out",
+        tmp_path / "reference.npz",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from step 5 ({directory}/5). Training from step 5 to 10 on" in resumed.stdout
     got, want = np.load(tmp_path / "resumed.npz"), np.load(tmp_path / "reference.npz")

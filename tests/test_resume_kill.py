@@ -20,25 +20,55 @@ STEPS, KILL_AT, EVERY = 10, 7, 3
 
 
 def child(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHILD), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env=os.environ.copy(), **kwargs)
+    return subprocess.run(
+        [sys.executable, str(CHILD), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+        **kwargs,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["repeat", "grain"])
 def test_killed_run_resumes_bit_identical(data, tmp_path):
     directory = tmp_path / "run"
-    killed = child("--dir", directory, "--steps", STEPS, "--data", data, "--kill-at", KILL_AT,
-                   "--checkpoint-every", EVERY, "--out", tmp_path / "never.npz")
+    killed = child(
+        "--dir",
+        directory,
+        "--steps",
+        STEPS,
+        "--data",
+        data,
+        "--kill-at",
+        KILL_AT,
+        "--checkpoint-every",
+        EVERY,
+        "--out",
+        tmp_path / "never.npz",
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert f"step {KILL_AT}: loss" in killed.stdout and "child: done" not in killed.stdout
 
-    resumed = child("--dir", directory, "--steps", STEPS, "--data", data,
-                    "--checkpoint-every", EVERY, "--out", tmp_path / "resumed.npz",
-                    "--reference-out", tmp_path / "reference.npz")
+    resumed = child(
+        "--dir",
+        directory,
+        "--steps",
+        STEPS,
+        "--data",
+        data,
+        "--checkpoint-every",
+        EVERY,
+        "--out",
+        tmp_path / "resumed.npz",
+        "--reference-out",
+        tmp_path / "reference.npz",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    start = re.search(r"Resuming from step (\d+) \(.*\)\. Training from step \1 to 10 on ",
-                      resumed.stdout)
+    start = re.search(
+        r"Resuming from step (\d+) \(.*\)\. Training from step \1 to 10 on ", resumed.stdout
+    )
     assert start, resumed.stdout
     # the newest committed checkpoint before the kill: 6, or 3 when the
     # asynchronous save of 6 had not finished (then it is set aside, named)

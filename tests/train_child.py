@@ -67,8 +67,10 @@ class Hook:
 
     def __next__(self):
         if self.count == self.at:
-            print(f"child: sending {signal.Signals(self.signum).name} at batch {self.count}",
-                  flush=True)
+            print(
+                f"child: sending {signal.Signals(self.signum).name} at batch {self.count}",
+                flush=True,
+            )
             os.kill(os.getpid(), self.signum)
         self.count += 1
         return next(self.inner)
@@ -95,28 +97,49 @@ def main():
             return Hook(inner, args.signal_at, getattr(signal, args.signal))
         return inner
 
-    model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=16, num_layers=1,
-                         num_heads=2, mlp_features=32, max_seq_len=SEQ_LEN)
+    model = models.build(
+        "causal_transformer",
+        vocab_size=VOCAB,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=SEQ_LEN,
+    )
     objective = LMObjective(model, seq_len=SEQ_LEN)
-    trainer = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(0),
-                      checkpoints=Checkpoints(args.dir, keep=2))
+    trainer = Trainer(
+        objective,
+        optax.adamw(1e-2),
+        key=jax.random.key(0),
+        checkpoints=Checkpoints(args.dir, keep=2),
+    )
     data = Dataset(train=train, val=None, records=64, batch=BATCH)
-    state = trainer.fit(data, steps=args.steps, log_every=1,
-                        checkpoint_every=args.checkpoint_every)
+    state = trainer.fit(data, steps=args.steps, log_every=1, checkpoint_every=args.checkpoint_every)
     save(state, args.out)
     if args.reference_out:
-        plain = Dataset(train=lambda p: grain_iterator() if args.data == "grain"
-                        else repeat_iterator(), val=None, records=64, batch=BATCH)
+        plain = Dataset(
+            train=lambda p: grain_iterator() if args.data == "grain" else repeat_iterator(),
+            val=None,
+            records=64,
+            batch=BATCH,
+        )
         reference = Trainer(objective, optax.adamw(1e-2), key=jax.random.key(0))
         save(reference.fit(plain, steps=args.steps, log_every=0), args.reference_out)
     print("child: done", flush=True)
 
 
 def save(state, path):
-    leaves = {jax.tree_util.keystr(p): np.asarray(v)
-              for p, v in jax.tree_util.tree_leaves_with_path(state.params)}
-    np.savez(path, step=int(state.step), microstep=int(state.microstep),
-             updates=int(state.updates), **leaves)
+    leaves = {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_leaves_with_path(state.params)
+    }
+    np.savez(
+        path,
+        step=int(state.step),
+        microstep=int(state.microstep),
+        updates=int(state.updates),
+        **leaves,
+    )
 
 
 if __name__ == "__main__":

@@ -32,15 +32,26 @@ class WithReference(LMObjective):
     def init(self, key):
         variables = dict(super().init(key))
         variables["reference"] = jax.tree.map(
-            lambda x: 2 * x, jax.tree.map(lambda b: b.unbox() if hasattr(b, "unbox") else b,
-                                          variables["params"],
-                                          is_leaf=lambda b: hasattr(b, "unbox")))
+            lambda x: 2 * x,
+            jax.tree.map(
+                lambda b: b.unbox() if hasattr(b, "unbox") else b,
+                variables["params"],
+                is_leaf=lambda b: hasattr(b, "unbox"),
+            ),
+        )
         return variables
 
 
 def make_trainer(directory=None, *, emb=16, **kwargs) -> Trainer:
-    model = models.build("causal_transformer", vocab_size=VOCAB, emb_features=emb, num_layers=1,
-                         num_heads=2, mlp_features=32, max_seq_len=SEQ)
+    model = models.build(
+        "causal_transformer",
+        vocab_size=VOCAB,
+        emb_features=emb,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=SEQ,
+    )
     objective = WithReference(model, seq_len=SEQ, ema=EMA(decay=0.9))
     if directory is not None:
         kwargs["checkpoints"] = Checkpoints(directory, keep=None)
@@ -54,8 +65,9 @@ def row(index: int) -> np.ndarray:
 def grain_data() -> Dataset:
     """A Grain pipeline whose batches change every step (position saved)."""
     ds = grain.MapDataset.range(64).shuffle(seed=3).repeat().map(lambda i: {"text": row(i)})
-    return Dataset(train=lambda p: iter(ds.batch(BATCH).to_iter_dataset()), val=None,
-                   records=64, batch=BATCH)
+    return Dataset(
+        train=lambda p: iter(ds.batch(BATCH).to_iter_dataset()), val=None, records=64, batch=BATCH
+    )
 
 
 def plain_data() -> Dataset:
@@ -74,8 +86,9 @@ def assert_same_state(a, b):
     for name in ("step", "microstep", "updates"):
         assert int(getattr(a, name)) == int(getattr(b, name)), name
     for field in ("params", "opt_state", "averaged", "frozen"):
-        for x, y in zip(jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field)),
-                        strict=True):
+        for x, y in zip(
+            jax.tree.leaves(getattr(a, field)), jax.tree.leaves(getattr(b, field)), strict=True
+        ):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=field)
     np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
 
@@ -115,22 +128,26 @@ def test_checkpoint_holds_the_whole_state(run):
     step_dir = os.path.join(directory, "6")
     saved = ocp.StandardCheckpointer().restore(os.path.join(step_dir, "state"))
     for field in ("params", "averaged", "frozen"):
-        for x, y in zip(jax.tree.leaves(saved[field]), jax.tree.leaves(getattr(state, field)),
-                        strict=True):
+        for x, y in zip(
+            jax.tree.leaves(saved[field]), jax.tree.leaves(getattr(state, field)), strict=True
+        ):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     np.testing.assert_array_equal(saved["key"], jax.random.key_data(state.key))
-    for x, y in zip(jax.tree.leaves(saved["opt_state"]), jax.tree.leaves(state.opt_state),
-                    strict=True):
+    for x, y in zip(
+        jax.tree.leaves(saved["opt_state"]), jax.tree.leaves(state.opt_state), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert (int(saved["step"]), int(saved["microstep"]), int(saved["updates"])) == (6, 6, 6)
     # the frozen collection is twice the initial params, and never optimized
     init = run.trainer.init_state()
     np.testing.assert_array_equal(
         np.asarray(state.frozen["reference"]["embed"]["embedding"]),
-        2 * np.asarray(init.params["embed"]["embedding"]))
+        2 * np.asarray(init.params["embed"]["embedding"]),
+    )
     meta = json.load(open(os.path.join(step_dir, "meta", "metadata")))
-    assert meta["model"] == dict(zip(("name", "config"),
-                                     models.config_of(run.trainer.objective.model)))
+    assert meta["model"] == dict(
+        zip(("name", "config"), models.config_of(run.trainer.objective.model))
+    )
     position = json.load(open(os.path.join(step_dir, "data_iter", "process_0-of-1.json")))
     it = grain_data().train(None)
     for _ in range(6):
@@ -144,8 +161,7 @@ def test_resume_continues_exactly_from_grain_position(run, capsys):
     capsys.readouterr()
     state = run.trainer.fit(grain_data(), steps=STEPS, log_every=0)
     out = capsys.readouterr().out
-    assert (f"Resuming from step 2 ({run.directory}/2). Training from step 2 to {STEPS} on "
-            in out)
+    assert f"Resuming from step 2 ({run.directory}/2). Training from step 2 to {STEPS} on " in out
     assert "Warning" not in out
     assert_same_state(state, run.final)
 
@@ -204,15 +220,20 @@ def test_load_model_rebuilds_model_and_weights(run):
     _, averaged = load_model(run.reference, averaged=True)
     for x, y in zip(jax.tree.leaves(averaged), jax.tree.leaves(state.averaged), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    with pytest.raises(FileNotFoundError, match="no checkpoint for step 5"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="no committed checkpoint for step 5 in .*committed steps: \\[2, 4, 6\\]",
+    ):
         load_model(run.reference, step=5)
 
 
 def test_checkpoint_of_another_model_names_the_parameter(run, tmp_path):
     shutil.copytree(run.reference / "6", tmp_path / "6")
-    with pytest.raises(CheckpointMismatchError,
-                       match=r"'params/embed/embedding' has shape \(32, 16\) in the checkpoint "
-                             r"and \(32, 24\) in this run"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"'params/embed/embedding' has shape \(32, 16\) in the checkpoint "
+        r"and \(32, 24\) in this run",
+    ):
         make_trainer(tmp_path, emb=24).fit(grain_data(), steps=STEPS)
     assert Checkpoints(tmp_path).steps() == [6]  # an error, not skipped
 

@@ -54,8 +54,13 @@ def test_metrics_go_to_jsonl_tensorboard_and_stdout(tmp_path, capsys):
     rows = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
     data = Dataset(train=lambda p: itertools.repeat({"x": rows}), val=None, records=8, batch=8)
     # checkpoints given and no run_dir: the metrics go to the checkpoint directory
-    trainer = Trainer(Quadratic(), optax.sgd(0.1), key=jax.random.key(0),
-                      checkpoints=Checkpoints(tmp_path), progress=False)
+    trainer = Trainer(
+        Quadratic(),
+        optax.sgd(0.1),
+        key=jax.random.key(0),
+        checkpoints=Checkpoints(tmp_path),
+        progress=False,
+    )
     trainer.fit(data, steps=4, log_every=2, checkpoint_every=2)
     out = capsys.readouterr().out.splitlines()
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -69,7 +74,9 @@ def test_metrics_go_to_jsonl_tensorboard_and_stdout(tmp_path, capsys):
         w = w - 0.1 * 2 / 4 * (w - rows.mean(0))
     np.testing.assert_allclose([r["loss"] for r in train], [want[1], want[3]], rtol=1e-6)
     assert [line for line in out if line.startswith("step ")] == [
-        f"step 2: loss {want[1]:.4f}", f"step 4: loss {want[3]:.4f}"]
+        f"step 2: loss {want[1]:.4f}",
+        f"step 4: loss {want[3]:.4f}",
+    ]
     assert [r["se_sum"] for r in train] == pytest.approx([32 * want[1], 32 * want[3]], rel=1e-6)
 
     (good,) = [r for r in records if r["kind"] == "goodput"]
@@ -93,21 +100,36 @@ def test_goodput_line_with_a_fake_clock(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(goodput_module.time, "perf_counter", lambda: now[0])
     goodput = Goodput()
-    for bucket, seconds in (("init", 1.0), ("compile", 2.0), ("steps", 4.0), ("data", 0.5),
-                            ("checkpoint", 1.5)):
+    for bucket, seconds in (
+        ("init", 1.0),
+        ("compile", 2.0),
+        ("steps", 4.0),
+        ("data", 0.5),
+        ("checkpoint", 1.5),
+    ):
         with goodput.measure(bucket):
             now[0] += seconds
         if bucket == "steps":
             goodput.first_step_done()
     now[0] += 1.0  # unmeasured
     report = goodput.report()
-    assert report == {"wall": 10.0, "first_step": 7.0, "init": 1.0, "compile": 2.0,
-                      "steps": 4.0, "data": 0.5, "eval": 0.0, "checkpoint": 1.5,
-                      "logging": 0.0, "other": 1.0}
+    assert report == {
+        "wall": 10.0,
+        "first_step": 7.0,
+        "init": 1.0,
+        "compile": 2.0,
+        "steps": 4.0,
+        "data": 0.5,
+        "eval": 0.0,
+        "checkpoint": 1.5,
+        "logging": 0.0,
+        "other": 1.0,
+    }
     assert goodput.line(report) == (
         "Goodput: first step after 7.00 s, 40.0% of the wall time in steps (4.00 of 10.00 s; "
         "init 1.00 s, compile 2.00 s, data 0.50 s, eval 0.00 s, checkpoint 1.50 s, "
-        "logging 0.00 s, other 1.00 s)")
+        "logging 0.00 s, other 1.00 s)"
+    )
 
 
 def test_progress_bar_shows_step_loss_throughput_and_eta(capsys):

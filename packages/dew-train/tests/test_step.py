@@ -62,9 +62,15 @@ def batch_at(i: int, poison=False):
 
 def fresh_state(objective, optimizer) -> TrainState:
     params = objective.init(jax.random.key(0))["params"]
-    return TrainState(params=params, opt_state=optimizer.init(params), key=jax.random.key(1),
-                      step=jnp.int32(0), microstep=jnp.int32(0), updates=jnp.int32(0),
-                      averaged=params if objective.ema is not None else None)
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        key=jax.random.key(1),
+        step=jnp.int32(0),
+        microstep=jnp.int32(0),
+        updates=jnp.int32(0),
+        averaged=params if objective.ema is not None else None,
+    )
 
 
 def as_numpy(tree):
@@ -77,20 +83,25 @@ def test_accumulated_gradient_equals_full_batch_and_numpy():
     batch = batch_at(0)
     full, _ = jax.jit(build_train_step(objective, optax.sgd(lr)))(state, batch)
     accumulated, metrics = jax.jit(build_train_step(objective, optax.sgd(lr), accumulate_steps=4))(
-        state, batch)
+        state, batch
+    )
     # 4 microbatches of 2 rows, averaged: the same float32 gradient up to
     # summation order (a few ulps of values of order 1).
     for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(full.params)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    want = jax.tree.map(lambda p, g: p - lr * g, as_numpy(state.params),
-                        numpy_grads(as_numpy(state.params), *map(np.float64, batch.values())))
+    want = jax.tree.map(
+        lambda p, g: p - lr * g,
+        as_numpy(state.params),
+        numpy_grads(as_numpy(state.params), *map(np.float64, batch.values())),
+    )
     for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32 vs float64
     # metrics are summed over microbatches; loss is their mean
     err = batch["x"] @ np.asarray(state.params["w"]) - batch["y"]
     assert float(metrics["se_sum"]) == pytest.approx(float((err**2).sum()), rel=1e-5)
     assert float(metrics["loss"]) == pytest.approx(float((err**2).sum()) / ROWS, rel=1e-5)
-    assert (int(accumulated.step), int(accumulated.microstep), int(accumulated.updates)) == (1, 4, 1)
+    counters = (accumulated.step, accumulated.microstep, accumulated.updates)
+    assert tuple(map(int, counters)) == (1, 4, 1)
 
 
 def test_non_finite_step_changes_nothing_but_the_step_counter():
@@ -101,7 +112,9 @@ def test_non_finite_step_changes_nothing_but_the_step_counter():
     after, metrics = step(state, batch_at(1, poison=True))
     assert float(metrics["accepted"]) == 0.0
     for field in ("params", "opt_state", "averaged"):
-        for a, b in zip(jax.tree.leaves(getattr(after, field)), jax.tree.leaves(getattr(state, field))):
+        for a, b in zip(
+            jax.tree.leaves(getattr(after, field)), jax.tree.leaves(getattr(state, field))
+        ):
             np.testing.assert_array_equal(a, b)
     assert (int(after.step), int(after.microstep), int(after.updates)) == (2, 2, 1)
     again, metrics = step(after, batch_at(2))
@@ -109,10 +122,14 @@ def test_non_finite_step_changes_nothing_but_the_step_counter():
     assert (int(again.step), int(again.microstep), int(again.updates)) == (3, 4, 2)
 
 
-@pytest.mark.parametrize("ema", [
-    EMA(decay=0.8, warmup_steps=2, include=lambda path: path.endswith("w")),
-    EMA(decay=lambda updates: 0.5 + 0.1 * jnp.minimum(updates, 4.0)),
-], ids=["constant-warmup-include", "schedule"])
+@pytest.mark.parametrize(
+    "ema",
+    [
+        EMA(decay=0.8, warmup_steps=2, include=lambda path: path.endswith("w")),
+        EMA(decay=lambda updates: 0.5 + 0.1 * jnp.minimum(updates, 4.0)),
+    ],
+    ids=["constant-warmup-include", "schedule"],
+)
 def test_moving_average_matches_numpy(ema):
     objective, optimizer = Linear(ema=ema), optax.sgd(0.3)
     step = jax.jit(build_train_step(objective, optimizer))
@@ -121,8 +138,10 @@ def test_moving_average_matches_numpy(ema):
     for i in range(5):
         state, _ = step(state, batch_at(i))
         decay = (0.8 * min(1.0, i / 2)) if ema.warmup_steps else 0.5 + 0.1 * min(i, 4)
-        averaged = {name: decay * averaged[name] + (1 - decay) * np.asarray(state.params[name])
-                    for name in averaged}
+        averaged = {
+            name: decay * averaged[name] + (1 - decay) * np.asarray(state.params[name])
+            for name in averaged
+        }
         if ema.include is not None:  # not averaged: the live values
             averaged["b"] = np.asarray(state.params["b"], np.float64)
         for name in averaged:
@@ -133,14 +152,24 @@ def test_moving_average_matches_numpy(ema):
 
 
 def data(poisoned: set[int]) -> Dataset:
-    return Dataset(train=lambda p: (batch_at(i, poison=i + 1 in poisoned) for i in itertools.count()),
-                   val=lambda p: iter([batch_at(100)]), records=0, batch=ROWS)
+    """Batch i feeds step i + 1; the steps in ``poisoned`` get a NaN input."""
+    return Dataset(
+        train=lambda p: (batch_at(i, poison=i + 1 in poisoned) for i in itertools.count()),
+        val=lambda p: iter([batch_at(100)]),
+        records=0,
+        batch=ROWS,
+    )
 
 
 @pytest.fixture(scope="module")
 def trainer():
-    return Trainer(Linear(ema=EMA(decay=0.9)), optax.adam(0.05), key=jax.random.key(0),
-                   max_rejected=2, progress=False)
+    return Trainer(
+        Linear(ema=EMA(decay=0.9)),
+        optax.adam(0.05),
+        key=jax.random.key(0),
+        max_rejected=2,
+        progress=False,
+    )
 
 
 def test_trainer_logs_a_rejected_step_and_goes_on(trainer, capsys):
@@ -151,8 +180,11 @@ def test_trainer_logs_a_rejected_step_and_goes_on(trainer, capsys):
 
 
 def test_too_many_consecutive_rejections_stop_the_run(trainer):
-    with pytest.raises(NonFiniteError, match=r"3 consecutive steps .*\(steps \[3, 4, 5\]\), "
-                                             r"more than max_rejected=2"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"3 consecutive steps .*\(steps \[3, 4, 5\]\), "
+        r"more than max_rejected=2",
+    ):
         trainer.fit(data({3, 4, 5, 6, 7, 8}), steps=8, log_every=0)
     # a rejection run that ends in time does not stop it
     state = trainer.fit(data({2, 3, 5, 6}), steps=7, log_every=0)
@@ -167,7 +199,8 @@ def test_evaluation_and_preview_use_averaged_weights_when_asked(use_averaged, ca
     weights = state.averaged if use_averaged else state.params
     assert not np.allclose(state.averaged["w"], state.params["w"])
     assert trainer.evaluate(state, data(set()))["w_sum"] == pytest.approx(
-        float(np.sum(weights["w"])), rel=1e-6)
+        float(np.sum(weights["w"])), rel=1e-6
+    )
     np.testing.assert_array_equal(objective.previews[-1], weights["w"])
     assert "eval step 3: w_sum" in capsys.readouterr().out
 
@@ -175,18 +208,35 @@ def test_evaluation_and_preview_use_averaged_weights_when_asked(use_averaged, ca
 def test_pipeline_wraps_averaged_weights():
     from dew.nn import models
 
-    model = models.build("causal_transformer", vocab_size=32, emb_features=16, num_layers=1,
-                         num_heads=2, mlp_features=32, max_seq_len=8)
-    state = TrainState(params={"live": 1}, opt_state=None, key=None, step=0, microstep=0,
-                       updates=0, averaged={"averaged": 1})
+    model = models.build(
+        "causal_transformer",
+        vocab_size=32,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=8,
+    )
+    state = TrainState(
+        params={"live": 1},
+        opt_state=None,
+        key=None,
+        step=0,
+        microstep=0,
+        updates=0,
+        averaged={"averaged": 1},
+    )
     assert LMObjective(model, seq_len=8, ema=EMA()).pipeline(state).params == {"averaged": 1}
     assert LMObjective(model, seq_len=8).pipeline(state).params == {"live": 1}
 
 
 def test_accumulate_that_does_not_divide_the_batch_is_refused(trainer):
     bad = Trainer(trainer.objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=3)
-    with pytest.raises(ValueError, match=r"global batch 8 does not split into accumulate=3 "
-                                         r"microbatches of a multiple of 8 data-parallel"):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch 8 does not split into accumulate=3 "
+        r"microbatches of a multiple of 8 data-parallel",
+    ):
         bad.fit(data(set()), steps=1)
     with pytest.raises(ValueError, match="accumulate must be >= 1 microbatches, got 0"):
         Trainer(trainer.objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=0)

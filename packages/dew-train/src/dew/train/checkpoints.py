@@ -13,11 +13,12 @@ One checkpoint is one directory per step::
     <directory>/<step>/commit_success.txt   Orbax's commit marker, written last
 
 A ``fit`` whose directory holds checkpoints continues from the newest usable
-one. A checkpoint is unusable when it has no commit marker (the save never
-finished) or cannot be read (a truncated or corrupt file); it is renamed to
+one. A checkpoint is unusable when its save never finished (no commit marker,
+or an Orbax temporary directory ``<step>.orbax-checkpoint-tmp*`` left by a
+kill) or it cannot be read (a truncated or corrupt file); it is renamed to
 ``<step>.unusable`` (nothing is deleted) with a message saying why, and the
-one before it is used. A checkpoint written for another model (a parameter
-path or shape differs) is an error, not skipped.
+one before it is used. A checkpoint written for another model or optimizer
+(an array path or shape differs) is an error, not skipped.
 
 The data stream resumes exactly: an iterator with ``get_state``/``set_state``
 (a Grain ``DatasetIterator``, ``dew.data`` readers) is put back where it was;
@@ -72,13 +73,16 @@ class Checkpoints:
 
     def __post_init__(self):
         if self.keep is not None and self.keep < 1:
-            raise ValueError(f"Checkpoints.keep must be >= 1 checkpoints or None (all), got {self.keep}")
+            raise ValueError(
+                f"Checkpoints.keep must be >= 1 checkpoints or None (all), got {self.keep}"
+            )
         object.__setattr__(self, "directory", os.path.abspath(os.fspath(self.directory)))
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints in the directory, oldest first."""
-        return sorted(step for step, path in _step_dirs(self.directory)
-                      if _incomplete(path) is None)
+        return sorted(
+            step for step, path in _step_dirs(self.directory) if _incomplete(path) is None
+        )
 
     def open(self, *, print_fn: Callable[[str], None] = print) -> CheckpointSession:
         """Check the directory can be written and open it for one ``fit``."""
@@ -129,16 +133,18 @@ class CheckpointSession:
                 enable_async_checkpointing=self.spec.use_async,
             )
             with _quiet_orbax():
-                self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                                      item_names=ITEMS)
+                self._manager = ocp.CheckpointManager(
+                    self.directory, options=options, item_names=ITEMS
+                )
         return self._manager
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
     # --------------------------------------------------------------- restore
-    def restore(self, abstract: TrainState, shardings: TrainState, *,
-                root_key: jax.Array) -> Restored | None:
+    def restore(
+        self, abstract: TrainState, shardings: TrainState, *, root_key: jax.Array
+    ) -> Restored | None:
         """The newest usable checkpoint, read into ``shardings``; None when
         there is none. Unusable ones are renamed aside with a message.
 
@@ -172,12 +178,16 @@ class CheckpointSession:
             tree = checkpointer.restore(os.path.join(path, "state"), saved_abstract)
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
         data_state = None
-        if os.path.isdir(os.path.join(path, "data_iter")):
+        index, count = jax.process_index(), jax.process_count()
+        # Written by Grain's handler, one file per process; a run resumed on
+        # another number of processes has none for itself and fast-forwards.
+        if os.path.exists(os.path.join(path, "data_iter", f"process_{index}-of-{count}.json")):
             import grain
 
             position = _Position(None)
-            grain.checkpoint.CheckpointHandler().restore(_epath(os.path.join(path, "data_iter")),
-                                                         item=position)
+            grain.checkpoint.CheckpointHandler().restore(
+                _epath(os.path.join(path, "data_iter")), item=position
+            )
             data_state = position.state
         return Restored(step=step, path=path, state=state, data_state=data_state, meta=meta)
 
@@ -200,8 +210,12 @@ class CheckpointSession:
         import grain
 
         position = iterator_position(iterator)
-        meta = {**meta, "format": FORMAT, "step": step,
-                "data": "position" if position is not None else "fast-forward"}
+        meta = {
+            **meta,
+            "format": FORMAT,
+            "step": step,
+            "data": "position" if position is not None else "fast-forward",
+        }
         items = {"state": ocp.args.StandardSave(to_saved(state)), "meta": ocp.args.JsonSave(meta)}
         if position is not None:
             items["data_iter"] = grain.checkpoint.CheckpointSave(_Position(position))
@@ -239,8 +253,10 @@ def to_saved(state: TrainState, *, shardings: TrainState | None = None) -> dict[
             out[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding_of[name])
         else:
             out[name] = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), value,
-                sharding_of[name])
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                value,
+                sharding_of[name],
+            )
     return out
 
 
@@ -248,8 +264,9 @@ def from_saved(tree: dict[str, Any], *, key_impl: Any, key_sharding: Any) -> Tra
     """The TrainState of a tree read back by :func:`to_saved`'s inverse."""
     fields = dict(tree)
     if key_impl is not None:
-        fields["key"] = jax.device_put(jax.random.wrap_key_data(fields["key"], impl=key_impl),
-                                       key_sharding)
+        fields["key"] = jax.device_put(
+            jax.random.wrap_key_data(fields["key"], impl=key_impl), key_sharding
+        )
     return TrainState(**fields)
 
 
@@ -264,27 +281,33 @@ def check_compatible(saved_abstract, saved_metadata, path: str, meta: dict) -> N
 
     ours = _flat_shapes(ocp.tree.serialize_tree(saved_abstract))
     theirs = _flat_shapes(saved_metadata)
-    hint = ("; resume with the model and optimizer that wrote it, or point Checkpoints at "
-            "another directory")
+    hint = (
+        "; resume with the model and optimizer that wrote it, or point Checkpoints at "
+        "another directory"
+    )
     model = meta.get("model") or {}
     if model:
-        hint = f" (written for model {model.get('name')!r} with config {model.get('config')})" + hint
+        written = f" (written for model {model.get('name')!r} with config {model.get('config')})"
+        hint = written + hint
     # Parameters first: a different model shows as its first parameter, not
     # as its moving average or optimizer state.
     for name, shape in sorted(ours.items(), key=lambda item: not item[0].startswith("params/")):
         if name not in theirs:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not match this run: {name!r} (shape {shape}) is not in "
-                f"the checkpoint{hint}")
+                f"the checkpoint{hint}"
+            )
         if tuple(theirs[name]) != tuple(shape):
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not match this run: {name!r} has shape "
-                f"{tuple(theirs[name])} in the checkpoint and {tuple(shape)} in this run{hint}")
+                f"{tuple(theirs[name])} in the checkpoint and {tuple(shape)} in this run{hint}"
+            )
     for name, shape in sorted(theirs.items(), key=lambda item: not item[0].startswith("params/")):
         if name not in ours:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not match this run: {name!r} (shape {tuple(shape)}) is "
-                f"in the checkpoint but not in this run{hint}")
+                f"in the checkpoint but not in this run{hint}"
+            )
 
 
 def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
@@ -304,8 +327,9 @@ def iterator_position(iterator: Iterator) -> Any:
     return get_state()
 
 
-def resume_position(iterator: Iterator, restored: Restored | None, *,
-                    print_fn: Callable[[str], None]) -> Iterator:
+def resume_position(
+    iterator: Iterator, restored: Restored | None, *, print_fn: Callable[[str], None]
+) -> Iterator:
     """Put a freshly opened training iterator where the restored run left
     off: ``set_state`` when both sides have a position, else skip the
     ``restored.step`` batches the run consumed (with a one-line warning)."""
@@ -314,12 +338,16 @@ def resume_position(iterator: Iterator, restored: Restored | None, *,
     if restored.data_state is not None and callable(getattr(iterator, "set_state", None)):
         iterator.set_state(restored.data_state)
         return iterator
-    reason = ("cannot save its position (no get_state/set_state)"
-              if iterator_position_supported(iterator) is False
-              else "has no saved position in the checkpoint")
-    print_fn(f"Warning: the training iterator ({type(iterator).__name__}) {reason}; "
-             f"skipping the {restored.step} batches steps 0..{restored.step - 1} consumed, "
-             f"which resumes a deterministic stream exactly")
+    reason = (
+        "cannot save its position (no get_state/set_state)"
+        if iterator_position_supported(iterator) is False
+        else "has no saved position in the checkpoint"
+    )
+    print_fn(
+        f"Warning: the training iterator ({type(iterator).__name__}) {reason}; "
+        f"skipping the {restored.step} batches steps 0..{restored.step - 1} consumed, "
+        f"which resumes a deterministic stream exactly"
+    )
     for _ in range(restored.step):
         next(iterator)
     return iterator
@@ -327,7 +355,8 @@ def resume_position(iterator: Iterator, restored: Restored | None, *,
 
 def iterator_position_supported(iterator: Iterator) -> bool:
     return callable(getattr(iterator, "get_state", None)) and callable(
-        getattr(iterator, "set_state", None))
+        getattr(iterator, "set_state", None)
+    )
 
 
 class _Position:
@@ -356,8 +385,9 @@ class _Position:
 
 
 # ---------------------------------------------------------------- load_model
-def load_model(directory: str | os.PathLike, *, step: int | None = None,
-               averaged: bool = False) -> tuple[Any, Any]:
+def load_model(
+    directory: str | os.PathLike, *, step: int | None = None, averaged: bool = False
+) -> tuple[Any, Any]:
     """``(model, params)`` rebuilt from a checkpoint directory alone.
 
     The model comes from the registry name and config stored with the
@@ -367,50 +397,60 @@ def load_model(directory: str | os.PathLike, *, step: int | None = None,
     averaged: return the moving-average weights (``TrainState.averaged``)
       instead of the live ones.
     """
+    directory = os.path.abspath(os.fspath(directory))
+    candidates = [path for s, path in _step_dirs(directory) if step is None or s == step]
+    skipped = []
+    for path in candidates:
+        why = _incomplete(path)
+        if why is None:
+            if skipped:
+                print(f"load_model: skipped {'; '.join(skipped)}")
+            return _load_model(path, averaged=averaged)
+        skipped.append(f"{path} ({why})")
+    found = Checkpoints(directory).steps()
+    raise FileNotFoundError(
+        f"no committed checkpoint{'' if step is None else f' for step {step}'} in {directory} "
+        f"(committed steps: {found}{'; skipped ' + '; '.join(skipped) if skipped else ''}); "
+        f"train with Trainer(..., checkpoints=Checkpoints(directory)) first"
+    )
+
+
+def _load_model(path: str, *, averaged: bool) -> tuple[Any, Any]:
     import orbax.checkpoint as ocp
 
     from dew.nn import models
 
-    directory = os.path.abspath(os.fspath(directory))
-    candidates = [(s, p) for s, p in _step_dirs(directory) if step is None or s == step]
-    if not candidates:
-        found = Checkpoints(directory).steps() if os.path.isdir(directory) else []
-        raise FileNotFoundError(
-            f"no checkpoint{'' if step is None else f' for step {step}'} in {directory} "
-            f"(committed steps: {found}); train with Trainer(checkpoints=Checkpoints(...)) first")
-    errors = []
-    for s, path in candidates:
-        why = _incomplete(path)
-        if why is not None:
-            errors.append(f"{path}: {why}")
-            continue
-        meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
-        if not meta.get("model"):
+    meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
+    if not meta.get("model"):
+        raise ValueError(
+            f"checkpoint {path} does not record its model ({meta.get('model_note', '')}); "
+            f"register the model with @dew.nn.models.register so runs can rebuild it"
+        )
+    model = models.build(meta["model"]["name"], **meta["model"]["config"])
+    field = "averaged" if averaged else "params"
+    state_dir = os.path.join(path, "state")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with _quiet_orbax():
+        tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
+        if not tree.get(field):
             raise ValueError(
-                f"checkpoint {path} does not record its model: {meta.get('model_note', '')}; "
-                f"register the model with @dew.nn.models.register so runs can rebuild it")
-        model = models.build(meta["model"]["name"], **meta["model"]["config"])
-        field = "averaged" if averaged else "params"
-        with _quiet_orbax():
-            tree = ocp.StandardCheckpointer().metadata(os.path.join(path, "state")).item_metadata.tree
-            if averaged and not tree.get("averaged"):
-                raise ValueError(f"checkpoint {path} keeps no moving average (the objective had "
-                                 f"no ema); load it with averaged=False")
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            target = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree[field])
-            restored = ocp.PyTreeCheckpointer().restore(
-                os.path.join(path, "state"),
-                args=ocp.args.PyTreeRestore(
-                    item={field: target},
-                    restore_args=ocp.checkpoint_utils.construct_restore_args({field: target}),
-                    partial_restore=True,
-                ),
+                f"checkpoint {path} keeps no moving average (its objective had no "
+                f"ema); load it with averaged=False"
             )
-        if errors:
-            print("Skipped " + "; ".join(errors))
-        return model, restored[field]
-    raise FileNotFoundError(f"no usable checkpoint in {directory}: " + "; ".join(errors))
+        target = {
+            field: jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree[field]
+            )
+        }
+        restored = ocp.PyTreeCheckpointer().restore(
+            state_dir,
+            args=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            ),
+        )
+    return model, restored[field]
 
 
 # ------------------------------------------------------------------- helpers
@@ -469,7 +509,8 @@ def check_writable(directory: str, *, what: str) -> None:
     except OSError as error:
         raise PermissionError(
             f"cannot write {what} to {directory!r} ({type(error).__name__}: {error}); choose a "
-            f"directory this process can create and write") from error
+            f"directory this process can create and write"
+        ) from error
 
 
 def _sync(name: str) -> None:
@@ -490,4 +531,3 @@ def _quiet_orbax():
         yield
     finally:
         logger.setLevel(level)
-

@@ -28,8 +28,16 @@ class MetricsLog:
     progress: a tqdm bar on a TTY; None decides from ``sys.stdout.isatty()``.
     """
 
-    def __init__(self, run_dir: str | None, *, is_main: bool = True, progress: bool | None = None,
-                 total_steps: int = 0, start_step: int = 0, examples_per_step: int = 0):
+    def __init__(
+        self,
+        run_dir: str | None,
+        *,
+        is_main: bool = True,
+        progress: bool | None = None,
+        total_steps: int = 0,
+        start_step: int = 0,
+        examples_per_step: int = 0,
+    ):
         self.is_main = is_main
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -48,7 +56,8 @@ class MetricsLog:
             except OSError as error:
                 raise PermissionError(
                     f"cannot write metrics to {run_dir!r} ({type(error).__name__}: {error}); "
-                    f"choose a run_dir this process can create and write") from error
+                    f"choose a run_dir this process can create and write"
+                ) from error
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
@@ -83,8 +92,14 @@ class MetricsLog:
         else:
             print(line, flush=True)
 
-    def log(self, step: int, metrics: Mapping[str, float], *, kind: str = "train",
-            line: str | None = None) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        *,
+        kind: str = "train",
+        line: str | None = None,
+    ) -> None:
         """Record ``metrics`` at ``step``; ``line`` is what stdout shows."""
         if not self.is_main:
             return

@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     parser.add_argument("--no-train", action="store_true", help="skip the training run")
     parser.add_argument("--json", help="also write the numbers to this file")
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # the nox bench session passes the same posargs to all
     quick = args.quick
     with tempfile.TemporaryDirectory() as workdir:
         allowed = pin_to_one_core()

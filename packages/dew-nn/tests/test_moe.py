@@ -1,0 +1,112 @@
+"""The mixture-of-experts block against a per-token numpy loop, its load-balancing
+loss against the formula and its closed-form extremes, and dropless routing."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn import CausalTransformer, MoE, axes
+from dew.nn.moe import load_balancing_loss
+
+EMBED, FEATURES, EXPERTS = 8, 12, 4
+
+
+def np_silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def np_moe(p, x, k):
+    """Route each token on its own: softmax, top-k, renormalised gates, SwiGLU experts."""
+    out = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            logits = x[b, t] @ p["router"]
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            chosen = np.argsort(-probs)[:k]
+            gates = probs[chosen] / (probs[chosen].sum() if k > 1 else 1.0)
+            for e, g in zip(chosen, gates):
+                hidden = np_silu(x[b, t] @ p["gate"][e]) * (x[b, t] @ p["up"][e])
+                out[b, t] += g * (hidden @ p["down"][e])
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_and_params():
+    x = jax.random.normal(jax.random.key(1), (3, 5, EMBED))
+    out = {}
+    for k in (1, 2):
+        module = MoE(num_experts=EXPERTS, experts_per_token=k, features=FEATURES, init_std=0.5)
+        params = nn.unbox(module.init(jax.random.key(0), x)["params"])
+        out[k] = module, params
+    return x, out
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_moe_matches_a_per_token_numpy_loop(moe_and_params, k):
+    x, modules = moe_and_params
+    module, params = modules[k]
+    y, sown = module.apply({"params": params}, x, mutable=["intermediates"])
+    want = np_moe(jax.tree.map(np.asarray, params), np.asarray(x, np.float64), k)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)  # float32 vs float64
+    (aux,) = sown["intermediates"]["aux_loss"]
+    # the formula by hand: f_e from the chosen experts, P_e the mean probability
+    probs = np.asarray(jax.nn.softmax(jnp.einsum("ble,ex->blx", x, params["router"]), -1))
+    chosen = np.argsort(-probs, -1)[..., :k].reshape(-1)
+    f = np.bincount(chosen, minlength=EXPERTS) / chosen.size
+    assert float(aux) == pytest.approx(EXPERTS * np.sum(f * probs.reshape(-1, EXPERTS).mean(0)),
+                                       rel=1e-6)
+
+
+def test_load_balancing_loss_closed_forms():
+    tokens = 64
+    # a uniform router: any assignment gives num_experts * sum_e f_e / num_experts = 1
+    uniform = jnp.full((tokens, EXPERTS), 1 / EXPERTS)
+    chosen = jnp.arange(tokens)[:, None] % EXPERTS
+    assert float(load_balancing_loss(uniform, chosen, EXPERTS)) == pytest.approx(1.0)
+    # everything on expert 0 with probability 1: the maximum, num_experts
+    collapsed = jnp.zeros((tokens, EXPERTS)).at[:, 0].set(1.0)
+    zeros = jnp.zeros((tokens, 1), jnp.int32)
+    assert float(load_balancing_loss(collapsed, zeros, EXPERTS)) == pytest.approx(EXPERTS)
+
+
+def test_routing_is_dropless_and_independent_of_the_batch(moe_and_params):
+    """No capacity limit: a token's output is the same alone or among many tokens
+    that all prefer the same expert."""
+    x, modules = moe_and_params
+    module, params = modules[1]
+    crowd = jnp.concatenate([x[:1], jnp.broadcast_to(x[:1, :1], (1, 40, EMBED))], axis=1)
+    alone = module.apply({"params": params}, x[:1])
+    crowded = module.apply({"params": params}, crowd)
+    np.testing.assert_allclose(np.asarray(crowded[:, :5]), np.asarray(alone), rtol=1e-6, atol=1e-7)
+
+
+def test_causal_transformer_with_experts_names_expert_first():
+    model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
+                              mlp_features=24, max_seq_len=8, num_experts=4, experts_per_token=2)
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    variables = model.init(jax.random.key(0), tokens)
+    specs = nn.get_partition_spec(variables)["params"]["layers"]["mlp"]
+    assert tuple(specs["up"]) == (axes.LAYERS, axes.EXPERT, axes.EMBED, axes.MLP)
+    assert tuple(specs["down"]) == (axes.LAYERS, axes.EXPERT, axes.MLP, axes.EMBED)
+    assert tuple(specs["router"]) == (axes.LAYERS, axes.EMBED, axes.EXPERT)
+    params = nn.unbox(variables["params"])
+    logits, sown = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    aux = sown["intermediates"]["layers"]["mlp"]["aux_loss"][0]  # [layers]
+    # scan == loop with experts, and each layer sows its own balance loss
+    looped = model.clone(use_scan=False)
+    per_layer = {k: v for k, v in params.items() if k != "layers"}
+    per_layer.update({f"layer_{i}": jax.tree.map(lambda a: a[i], params["layers"]) for i in range(2)})
+    want, want_sown = looped.apply({"params": per_layer}, tokens, mutable=["intermediates"])
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-6)
+    want_aux = [want_sown["intermediates"][f"layer_{i}"]["mlp"]["aux_loss"][0] for i in range(2)]
+    np.testing.assert_allclose(np.asarray(aux), np.asarray(want_aux), rtol=1e-6)
+
+
+def test_bad_expert_options_are_refused():
+    with pytest.raises(ValueError, match="experts_per_token 3 must be between 1 and num_experts 2"):
+        CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
+                          mlp_features=24, max_seq_len=8, num_experts=2,
+                          experts_per_token=3).init(jax.random.key(0), jnp.zeros((1, 8), int))

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import os
+import pathlib
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -186,7 +187,7 @@ class CheckpointSession:
 
             position = _Position(None)
             grain.checkpoint.CheckpointHandler().restore(
-                _epath(os.path.join(path, "data_iter")), item=position
+                pathlib.Path(path, "data_iter"), item=position
             )
             data_state = position.state
         return Restored(step=step, path=path, state=state, data_state=data_state, meta=meta)
@@ -490,12 +491,6 @@ def _incomplete(path: str) -> str | None:
 def _read_text(path: str) -> str:
     with open(path) as f:
         return f.read()
-
-
-def _epath(path: str):
-    from etils import epath
-
-    return epath.Path(path)
 
 
 def check_writable(directory: str, *, what: str) -> None:

@@ -76,8 +76,10 @@ class Trainer:
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 microbatches, got {self.accumulate}")
         if self.checkpoints is not None and not isinstance(self.checkpoints, Checkpoints):
-            raise TypeError(f"checkpoints must be a dew.train.Checkpoints (e.g. "
-                            f"Checkpoints('runs/x')), got {type(self.checkpoints).__name__}")
+            raise TypeError(
+                f"checkpoints must be a dew.train.Checkpoints (e.g. "
+                f"Checkpoints('runs/x')), got {type(self.checkpoints).__name__}"
+            )
         if self.max_rejected < 0:
             raise ValueError(f"max_rejected must be >= 0, got {self.max_rejected}")
         if self.rules is None:
@@ -194,17 +196,25 @@ class Trainer:
         or SIGINT finish the step in flight, write a checkpoint and return
         the state early (see :mod:`dew.train.preemption`).
         """
-        for name, value in (("steps", steps), ("log_every", log_every),
-                            ("eval_every", eval_every), ("eval_batches", eval_batches)):
+        for name, value in (
+            ("steps", steps),
+            ("log_every", log_every),
+            ("eval_every", eval_every),
+            ("eval_batches", eval_batches),
+        ):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 1 steps (or 0 = only at the end), "
-                             f"got {checkpoint_every}")
+            raise ValueError(
+                f"checkpoint_every must be >= 1 steps (or 0 = only at the end), "
+                f"got {checkpoint_every}"
+            )
         if checkpoint_every > 0 and self.checkpoints is None:
-            raise ValueError(f"checkpoint_every={checkpoint_every} needs somewhere to write: pass "
-                             f"Trainer(..., checkpoints=Checkpoints(directory)), or leave "
-                             f"checkpoint_every=0")
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every} needs somewhere to write: pass "
+                f"Trainer(..., checkpoints=Checkpoints(directory)), or leave "
+                f"checkpoint_every=0"
+            )
         goodput = Goodput()
         partition = Partition(jax.process_index(), jax.process_count())
         self._check_batch_rows(data, partition)
@@ -214,19 +224,45 @@ class Trainer:
         session = None
         if self.checkpoints is not None:  # checks the directory can be written
             session = self.checkpoints.open(print_fn=lambda line: log.print(line))
-        log = MetricsLog(run_dir, is_main=jax.process_index() == 0, progress=self.progress,
-                         total_steps=steps, examples_per_step=data.batch)
+        log = MetricsLog(
+            run_dir,
+            is_main=jax.process_index() == 0,
+            progress=self.progress,
+            total_steps=steps,
+            examples_per_step=data.batch,
+        )
         try:
-            return self._fit(data, partition, goodput, log, session, steps=steps,
-                             log_every=log_every, eval_every=eval_every,
-                             checkpoint_every=checkpoint_every, eval_batches=eval_batches)
+            return self._fit(
+                data,
+                partition,
+                goodput,
+                log,
+                session,
+                steps=steps,
+                log_every=log_every,
+                eval_every=eval_every,
+                checkpoint_every=checkpoint_every,
+                eval_batches=eval_batches,
+            )
         finally:
             if session is not None:
                 session.close()
             log.close()
 
-    def _fit(self, data, partition, goodput, log, session, *, steps, log_every, eval_every,
-             checkpoint_every, eval_batches) -> TrainState:
+    def _fit(
+        self,
+        data,
+        partition,
+        goodput,
+        log,
+        session,
+        *,
+        steps,
+        log_every,
+        eval_every,
+        checkpoint_every,
+        eval_batches,
+    ) -> TrainState:
         mesh = self.device_mesh
         abstract, shardings = self.state_shardings()
         restored = None
@@ -246,8 +282,9 @@ class Trainer:
             f"({jax.process_count()} process(es))"
         )
         with goodput.measure("data"):
-            train_iter: Iterator = resume_position(iter(data.train(partition)), restored,
-                                                   print_fn=log.print)
+            train_iter: Iterator = resume_position(
+                iter(data.train(partition)), restored, print_fn=log.print
+            )
         meta = self._checkpoint_meta() if session is not None else {}
         saved_at = restored.step if restored else None
 
@@ -274,16 +311,18 @@ class Trainer:
                 stopping = stop.requested()
                 pending.append((step, metrics))
                 is_log = log_every and step % log_every == 0
-                if (is_log or len(pending) >= max(self.max_rejected, 1) or step == steps
-                        or stopping):
+                if is_log or len(pending) >= max(self.max_rejected, 1) or step == steps or stopping:
                     with goodput.measure("steps"):
                         fetched = jax.device_get([m for _, m in pending])
                     with goodput.measure("logging"):
                         self._account(pending, fetched, rejected_run, log)
                         if is_log:
                             values = {k: float(v) for k, v in fetched[-1].items()}
-                            log.log(step, values, line=f"step {step}: loss "
-                                    f"{format_value(values['loss'])}")
+                            log.log(
+                                step,
+                                values,
+                                line=f"step {step}: loss {format_value(values['loss'])}",
+                            )
                     pending = []
                 if eval_every and step % eval_every == 0:
                     with goodput.measure("eval"):
@@ -302,8 +341,11 @@ class Trainer:
         with goodput.measure("steps"):
             jax.block_until_ready(state)
         if stop.received is not None:
-            where = (f"checkpoint written to {session.path(step)}" if session is not None
-                     else "no checkpoint written (no checkpoints= given)")
+            where = (
+                f"checkpoint written to {session.path(step)}"
+                if session is not None
+                else "no checkpoint written (no checkpoints= given)"
+            )
             log.print(f"Stopped by {stop.received} at step {step}; {where}")
         report = goodput.report()
         log.print(goodput.line(report))
@@ -316,16 +358,21 @@ class Trainer:
         signature = tuple((name, x.shape, x.dtype, x.sharding) for name, x in sorted(batch.items()))
         cache = self.__dict__.setdefault("_compiled", {})
         if signature not in cache:
-            step_fn = build_train_step(self.objective, self.optimizer,
-                                       accumulate_steps=self.accumulate)
+            step_fn = build_train_step(
+                self.objective, self.optimizer, accumulate_steps=self.accumulate
+            )
             batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
             replicated = jax.sharding.NamedSharding(self.device_mesh, jax.P())
-            cache[signature] = jax.jit(
-                step_fn,
-                in_shardings=(shardings, batch_shardings),
-                out_shardings=(shardings, replicated),
-                donate_argnums=0,
-            ).lower(state, batch).compile()
+            cache[signature] = (
+                jax.jit(
+                    step_fn,
+                    in_shardings=(shardings, batch_shardings),
+                    out_shardings=(shardings, replicated),
+                    donate_argnums=0,
+                )
+                .lower(state, batch)
+                .compile()
+            )
         return cache[signature]
 
     def _checkpoint_meta(self) -> dict:
@@ -350,8 +397,10 @@ class Trainer:
                 rejected_run.clear()
                 continue
             rejected_run.append(step)
-            log.print(f"step {step}: rejected (loss {format_value(float(values['loss']))} or its "
-                      f"gradients not finite); nothing applied")
+            log.print(
+                f"step {step}: rejected (loss {format_value(float(values['loss']))} or its "
+                f"gradients not finite); nothing applied"
+            )
             if len(rejected_run) > self.max_rejected:
                 raise NonFiniteError(
                     f"{len(rejected_run)} consecutive steps had a non-finite loss or gradient "
@@ -397,7 +446,8 @@ class Trainer:
                 variables, microbatch_key(state.key, state.step, 0x7FFFFFFE)
             )
             if sample is not None:
-                log.print(f"preview step {step}: {sample!r}" if isinstance(sample, str)
-                          else f"preview step {step}: {type(sample).__name__}")
-
-
+                log.print(
+                    f"preview step {step}: {sample!r}"
+                    if isinstance(sample, str)
+                    else f"preview step {step}: {type(sample).__name__}"
+                )

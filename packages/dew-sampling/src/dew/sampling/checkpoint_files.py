@@ -34,16 +34,21 @@ class TensorReader:
             weight_map = json.loads(index.read_text())["weight_map"]
             missing = sorted({f for f in weight_map.values() if not (self.directory / f).exists()})
             if missing:
-                raise FileNotFoundError(f"{index} names shard file(s) {missing} that are not in "
-                                        f"{self.directory}")  # fmt: skip
+                raise FileNotFoundError(
+                    f"{index} names shard file(s) {missing} that are not in {self.directory}"
+                )
             self.files = dict(weight_map)
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:
                 pickles = sorted(p.name for p in self.directory.iterdir() if p.suffix in PICKLES)
-                hint = (f" It holds {pickles}: pickle files, which Dew never loads because "
-                        f"unpickling runs code from the file; convert them to safetensors with "
-                        f"a tool you trust" if pickles else "")  # fmt: skip
+                hint = (
+                    f" It holds {pickles}: pickle files, which Dew never loads because "
+                    f"unpickling runs code from the file; convert them to safetensors with "
+                    f"a tool you trust"
+                    if pickles
+                    else ""
+                )
                 raise FileNotFoundError(f"no *.safetensors weights in {self.directory}.{hint}")
             self.files = {}
             for file in files:
@@ -102,7 +107,9 @@ def write_tensors(
     for file, shard in zip(names, shards):
         save_file(shard, directory / file, metadata=metadata)
         weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-             "weight_map": weight_map}  # fmt: skip
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+        "weight_map": weight_map,
+    }
     (directory / INDEX).write_text(json.dumps(index, indent=2))
     return names

@@ -129,8 +129,12 @@ def family_of(config: dict[str, Any], where: str) -> str:
 
 def _rope(fields: _Fields) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from either the transformers 4 or the 5 form."""
-    spec = dict(fields.get("rope_scaling", None) or {})  # transformers 4
-    spec.update(fields.get("rope_parameters", None) or {})  # transformers 5
+    # As transformers 5 reads them: a non-empty rope_scaling (the 4 form) wins
+    # over rope_parameters (the 5 form); rope_theta inside either wins over the
+    # top-level one.
+    legacy = fields.get("rope_scaling", None)
+    parameters = fields.get("rope_parameters", None)
+    spec = dict(legacy or parameters or {})
     top_level_theta = fields.get("rope_theta", None)  # transformers 4
     theta = spec.pop("rope_theta", None) or top_level_theta or 10000.0
     kind = spec.pop("rope_type", None) or spec.pop("type", None) or "default"

@@ -51,26 +51,43 @@ def _linear(name, path, out_features, in_features):
 
 def _heads_in(name, path, heads, head_dim, embed):
     """Linear ``[heads * head_dim, embed]`` <-> ``[embed, heads, head_dim]``."""
-    return Tensor(name, (path,), (heads * head_dim, embed),
-                  lambda w: (w.T.reshape(embed, heads, head_dim),),
-                  lambda k: k.reshape(embed, heads * head_dim).T)  # fmt: skip
+    return Tensor(
+        name,
+        (path,),
+        (heads * head_dim, embed),
+        lambda w: (w.T.reshape(embed, heads, head_dim),),
+        lambda k: k.reshape(embed, heads * head_dim).T,
+    )
 
 
 def _heads_bias(name, path, heads, head_dim):
-    return Tensor(name, (path,), (heads * head_dim,), lambda b: (b.reshape(heads, head_dim),),
-                  lambda b: b.reshape(heads * head_dim))  # fmt: skip
+    return Tensor(
+        name,
+        (path,),
+        (heads * head_dim,),
+        lambda b: (b.reshape(heads, head_dim),),
+        lambda b: b.reshape(heads * head_dim),
+    )
 
 
 def _heads_out(name, path, heads, head_dim, embed, *, transposed: bool):
     """``[embed, heads * head_dim]`` (Linear) or ``[heads * head_dim, embed]`` (Conv1D)
     <-> ``out_kernel [heads, head_dim, embed]``."""
     if transposed:
-        return Tensor(name, (path,), (embed, heads * head_dim),
-                      lambda w: (w.T.reshape(heads, head_dim, embed),),
-                      lambda k: k.reshape(heads * head_dim, embed).T)  # fmt: skip
-    return Tensor(name, (path,), (heads * head_dim, embed),
-                  lambda w: (w.reshape(heads, head_dim, embed),),
-                  lambda k: k.reshape(heads * head_dim, embed))  # fmt: skip
+        return Tensor(
+            name,
+            (path,),
+            (embed, heads * head_dim),
+            lambda w: (w.T.reshape(heads, head_dim, embed),),
+            lambda k: k.reshape(heads * head_dim, embed).T,
+        )
+    return Tensor(
+        name,
+        (path,),
+        (heads * head_dim, embed),
+        lambda w: (w.reshape(heads, head_dim, embed),),
+        lambda k: k.reshape(heads * head_dim, embed),
+    )
 
 
 def _fused_qkv(name, heads, head_dim, embed, *, bias: bool):
@@ -79,12 +96,20 @@ def _fused_qkv(name, heads, head_dim, embed, *, bias: bool):
     kind = "bias" if bias else "kernel"
     paths = tuple(f"attention/{p}_{kind}" for p in ("query", "key", "value"))
     if bias:
-        return Tensor(name, paths, (3 * width,),
-                      lambda b: tuple(x.reshape(heads, head_dim) for x in np.split(b, 3)),
-                      lambda *bs: np.concatenate([x.reshape(width) for x in bs]))  # fmt: skip
-    return Tensor(name, paths, (embed, 3 * width),
-                  lambda w: tuple(x.reshape(embed, heads, head_dim) for x in np.split(w, 3, 1)),
-                  lambda *ks: np.concatenate([k.reshape(embed, width) for k in ks], 1))  # fmt: skip
+        return Tensor(
+            name,
+            paths,
+            (3 * width,),
+            lambda b: tuple(x.reshape(heads, head_dim) for x in np.split(b, 3)),
+            lambda *bs: np.concatenate([x.reshape(width) for x in bs]),
+        )
+    return Tensor(
+        name,
+        paths,
+        (embed, 3 * width),
+        lambda w: tuple(x.reshape(embed, heads, head_dim) for x in np.split(w, 3, 1)),
+        lambda *ks: np.concatenate([k.reshape(embed, width) for k in ks], 1),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +150,14 @@ def layout(model, family: str) -> Layout:
             _same("ln_f.weight", "final_norm/scale", (e,)),
             _same("ln_f.bias", "final_norm/bias", (e,)),
         ]
-        return Layout("transformer.", "h.{i}.", tuple(globals_), tuple(per_layer), lm_head,
-                      re.compile(r"\.attn\.(masked_)?bias$"))  # fmt: skip
+        return Layout(
+            "transformer.",
+            "h.{i}.",
+            tuple(globals_),
+            tuple(per_layer),
+            lm_head,
+            re.compile(r"\.attn\.(masked_)?bias$"),
+        )
     per_layer = [
         _same("input_layernorm.weight", "attention_norm/scale", (e,)),
         _heads_in("self_attn.q_proj.weight", "attention/query_kernel", h, d, e),
@@ -148,8 +179,14 @@ def layout(model, family: str) -> Layout:
         _same("embed_tokens.weight", "embed/embedding", (v, e)),
         _same("norm.weight", "final_norm/scale", (e,)),
     ]
-    return Layout("model.", "layers.{i}.", tuple(globals_), tuple(per_layer), lm_head,
-                  re.compile(r"\.rotary_emb\.inv_freq$"))  # fmt: skip
+    return Layout(
+        "model.",
+        "layers.{i}.",
+        tuple(globals_),
+        tuple(per_layer),
+        lm_head,
+        re.compile(r"\.rotary_emb\.inv_freq$"),
+    )
 
 
 def _expected_params(model) -> dict[str, jax.ShapeDtypeStruct]:
@@ -157,8 +194,9 @@ def _expected_params(model) -> dict[str, jax.ShapeDtypeStruct]:
     import flax.linen as nn
     import jax.numpy as jnp
 
-    shapes = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
-                            jax.ShapeDtypeStruct((1, 1), jnp.int32))  # fmt: skip
+    shapes = jax.eval_shape(
+        model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    )
     return traverse_util.flatten_dict(nn.unbox(shapes["params"]), sep="/")
 
 
@@ -178,8 +216,10 @@ def read_params(reader: TensorReader, model, family: str) -> dict:
 
     def load(tensor: Tensor, name: str, paths: tuple[str, ...]) -> list[np.ndarray]:
         if name not in names:
-            raise ValueError(f"{reader.directory}: the checkpoint has no tensor {name!r} (the "
-                             f"config needs it, with shape {tensor.shape})")  # fmt: skip
+            raise ValueError(
+                f"{reader.directory}: the checkpoint has no tensor {name!r} (the "
+                f"config needs it, with shape {tensor.shape})"
+            )
         shape = reader.shape(name)
         if shape != tensor.shape:
             raise ValueError(
@@ -211,9 +251,11 @@ def read_params(reader: TensorReader, model, family: str) -> dict:
     unknown = sorted(n for n in names - used if not lay.buffers.search(n))
     if unknown:
         shown = unknown[:8] + (["..."] if len(unknown) > 8 else [])
-        raise ValueError(f"{reader.directory}: the checkpoint holds {len(unknown)} tensor(s) "
-                         f"a {family} model of this config does not have: {shown}; they may "
-                         f"mean an architecture Dew does not support")  # fmt: skip
+        raise ValueError(
+            f"{reader.directory}: the checkpoint holds {len(unknown)} tensor(s) "
+            f"a {family} model of this config does not have: {shown}; they may "
+            f"mean an architecture Dew does not support"
+        )
     _check_against_model(model, flat)
     return traverse_util.unflatten_dict(flat, sep="/")
 
@@ -227,14 +269,18 @@ def _check_against_model(model, flat: dict[str, np.ndarray]) -> None:
         )
     for path, spec in expected.items():
         if tuple(spec.shape) != flat[path].shape:
-            raise AssertionError(f"converted {path} has shape {flat[path].shape}, the model "
-                                 f"expects {tuple(spec.shape)}")  # fmt: skip
+            raise AssertionError(
+                f"converted {path} has shape {flat[path].shape}, the model "
+                f"expects {tuple(spec.shape)}"
+            )
 
 
 def hf_tensors(params, model, family: str) -> dict[str, np.ndarray]:
     """The ``{name: array}`` of a ``family`` checkpoint holding ``params`` (numpy, same dtype)."""
-    flat = {k: np.asarray(jax.device_get(v))
-            for k, v in traverse_util.flatten_dict(params, sep="/").items()}  # fmt: skip
+    flat = {
+        k: np.asarray(jax.device_get(v))
+        for k, v in traverse_util.flatten_dict(params, sep="/").items()
+    }
     _check_against_model(model, flat)
     lay = layout(model, family)
     out = {}
@@ -244,7 +290,9 @@ def hf_tensors(params, model, family: str) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = lay.lm_head.to_hf(flat["lm_head/kernel"])
     for i in range(model.num_layers):
         for tensor in lay.per_layer:
-            arrays = [flat[f"layers/{p}"][i] if model.use_scan else flat[_layer_path(model, i, p)]
-                      for p in tensor.paths]  # fmt: skip
+            arrays = [
+                flat[f"layers/{p}"][i] if model.use_scan else flat[_layer_path(model, i, p)]
+                for p in tensor.paths
+            ]
             out[lay.prefix + lay.layer.format(i=i) + tensor.name] = tensor.to_hf(*arrays)
     return out

@@ -60,9 +60,15 @@ class TextGeneration:
         if end_ids is None:
             end_ids = getattr(self.tokenizer, "end_id", None)
         out = generate(
-            self.model, self.params, prompts, new, key,
-            sampling=None if num_beams > 1 else sampling, end_ids=end_ids, num_beams=num_beams,
-        )  # fmt: skip
+            self.model,
+            self.params,
+            prompts,
+            new,
+            key,
+            sampling=None if num_beams > 1 else sampling,
+            end_ids=end_ids,
+            num_beams=num_beams,
+        )
         decoded = [self.tokenizer.decode(ids) for ids in out.tokens]
         return decoded[0] if single else decoded
 
@@ -75,7 +81,10 @@ class TextGeneration:
 
         format = format or self.checkpoint_format
         return Pretrained(
-            model=self.model, params=self.params, tokenizer=self.tokenizer, format=format,
+            model=self.model,
+            params=self.params,
+            tokenizer=self.tokenizer,
+            format=format,
             hf_config=self.hf_config if format == self.checkpoint_format else None,
             end_ids=self.end_ids,
-        ).save(path)  # fmt: skip
+        ).save(path)

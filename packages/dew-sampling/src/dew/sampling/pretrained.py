@@ -40,6 +40,7 @@ from dew.data import ByteTokenizer, HFTokenizer
 from dew.nn import models
 from dew.nn.backbones import CausalTransformer
 from dew.sampling import hf_config, hf_weights
+from dew.sampling.byte_level import save_byte_tokenizer
 from dew.sampling.checkpoint_files import TensorReader, write_tensors
 
 DEW_CONFIG = "dew_config.json"
@@ -106,28 +107,36 @@ class Pretrained:
         """
         path = pathlib.Path(path)
         if not path.is_dir():
-            raise FileNotFoundError(f"{path} is not a directory; Pretrained.load takes the "
-                                    f"checkpoint directory")  # fmt: skip
+            raise FileNotFoundError(
+                f"{path} is not a directory; Pretrained.load takes the checkpoint directory"
+            )
         if (path / DEW_CONFIG).exists():
             return cls._load_dew(path)
         if (path / HF_CONFIG).exists():
             return cls._load_hf(path, dtype, param_dtype, use_scan, ignore_fields)
-        raise FileNotFoundError(f"{path} has neither {DEW_CONFIG} (a Dew checkpoint) nor "
-                                f"{HF_CONFIG} (a Hugging Face checkpoint)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{path} has neither {DEW_CONFIG} (a Dew checkpoint) nor "
+            f"{HF_CONFIG} (a Hugging Face checkpoint)"
+        )
 
     @classmethod
     def _load_hf(cls, path, dtype, param_dtype, use_scan, ignore_fields) -> Pretrained:
         config = json.loads((path / HF_CONFIG).read_text())
         family = hf_config.family_of(config, str(path))
-        options = hf_config.to_options(config, family, where=str(path),
-                                       ignore_fields=ignore_fields)  # fmt: skip
-        model = CausalTransformer(**options, dtype=dtype, param_dtype=param_dtype,
-                                  use_scan=use_scan)  # fmt: skip
+        options = hf_config.to_options(config, family, where=str(path), ignore_fields=ignore_fields)
+        model = CausalTransformer(
+            **options, dtype=dtype, param_dtype=param_dtype, use_scan=use_scan
+        )
         model.check()
         params = hf_weights.read_params(TensorReader(path), model, family)
         tokenizer = HFTokenizer(path) if (path / "tokenizer.json").exists() else None
-        return cls(model=model, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer,
-                   format=family, hf_config=config)  # fmt: skip
+        return cls(
+            model=model,
+            params=jax.tree.map(jnp.asarray, params),
+            tokenizer=tokenizer,
+            format=family,
+            hf_config=config,
+        )
 
     @classmethod
     def _load_dew(cls, path) -> Pretrained:
@@ -151,21 +160,32 @@ class Pretrained:
         for name, spec in expected.items():
             shape = reader.shape(name)
             if shape != tuple(spec.shape):
-                raise ValueError(f"{path}: tensor {name!r} has shape {shape}, but the model in "
-                                 f"{DEW_CONFIG} needs {tuple(spec.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{path}: tensor {name!r} has shape {shape}, but the model in "
+                    f"{DEW_CONFIG} needs {tuple(spec.shape)}"
+                )
             flat[name] = jnp.asarray(reader.get(name))
         kind = (config.get("tokenizer") or {}).get("kind")
         tokenizer = {None: None, "bytes": ByteTokenizer}.get(kind, HFTokenizer)
         tokenizer = HFTokenizer(path) if kind == "hf" else (tokenizer() if tokenizer else None)
         end_ids = config.get("end_ids")
-        return cls(model=model, params=traverse_util.unflatten_dict(flat, sep="/"),
-                   tokenizer=tokenizer, format="dew",
-                   end_ids=None if end_ids is None else tuple(end_ids))  # fmt: skip
+        return cls(
+            model=model,
+            params=traverse_util.unflatten_dict(flat, sep="/"),
+            tokenizer=tokenizer,
+            format="dew",
+            end_ids=None if end_ids is None else tuple(end_ids),
+        )
 
     # ------------------------------------------------------------------ save
 
-    def save(self, path: str | os.PathLike, *, format: str | None = None,
-             max_shard_bytes: int | None = None) -> pathlib.Path:  # fmt: skip
+    def save(
+        self,
+        path: str | os.PathLike,
+        *,
+        format: str | None = None,
+        max_shard_bytes: int | None = None,
+    ) -> pathlib.Path:
         """Write the checkpoint to directory ``path`` (created if needed).
 
         format: None = :attr:`format` (a Hugging Face checkpoint stays one);
@@ -186,16 +206,18 @@ class Pretrained:
 
     def _save_hf(self, path, family, max_shard_bytes):
         if not isinstance(self.model, CausalTransformer):
-            raise TypeError(f"only a CausalTransformer saves as {family}; got "
-                            f"{type(self.model).__name__} (use format='dew')")  # fmt: skip
+            raise TypeError(
+                f"only a CausalTransformer saves as {family}; got "
+                f"{type(self.model).__name__} (use format='dew')"
+            )
         hf_config.check_expressible(self.model, family)
         tensors = hf_weights.hf_tensors(self.params, self.model, family)
         base = self.hf_config if self.format == family else None
-        config = hf_config.to_config(self.model, family, base=base,
-                                     dtype_name=_dtype_name(tensors))  # fmt: skip
+        config = hf_config.to_config(self.model, family, base=base, dtype_name=_dtype_name(tensors))
         if base is None and self.end_ids:
-            config["eos_token_id"] = self.end_ids[0] if len(self.end_ids) == 1 else \
-                list(self.end_ids)  # fmt: skip
+            config["eos_token_id"] = (
+                self.end_ids[0] if len(self.end_ids) == 1 else list(self.end_ids)
+            )
         write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
         (path / HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
         self._save_tokenizer(path, allow_bytes=False)
@@ -222,8 +244,9 @@ class Pretrained:
             return {"kind": "hf"}
         if isinstance(self.tokenizer, ByteTokenizer) and allow_bytes:
             return {"kind": "bytes"}
-        if isinstance(self.tokenizer, ByteTokenizer):
-            return None  # a Hugging Face checkpoint has no byte-tokenizer file; ids are bytes
+        if isinstance(self.tokenizer, ByteTokenizer):  # the same ids, as a tokenizer.json
+            save_byte_tokenizer(self.tokenizer, path)
+            return {"kind": "hf"}
         raise TypeError(
             f"cannot save a tokenizer of type {type(self.tokenizer).__name__}; "
             f"Pretrained saves ByteTokenizer and HFTokenizer (or tokenizer=None)"
@@ -237,9 +260,15 @@ class Pretrained:
 
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer; build TextGeneration with one")
-        return TextGeneration(self.model, self.params, self.tokenizer, end_ids=self.end_ids,
-                              checkpoint_format=self.format, hf_config=self.hf_config,
-                              **options)  # fmt: skip
+        return TextGeneration(
+            self.model,
+            self.params,
+            self.tokenizer,
+            end_ids=self.end_ids,
+            checkpoint_format=self.format,
+            hf_config=self.hf_config,
+            **options,
+        )
 
 
 def _dtype_name(tensors: dict[str, np.ndarray]) -> str:

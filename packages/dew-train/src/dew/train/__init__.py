@@ -3,6 +3,7 @@
 from dew.train.checkpoints import CheckpointMismatchError, Checkpoints, load_model
 from dew.train.goodput import Goodput
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
+from dew.train.plan import Plan, plan
 from dew.train.state import TrainState
 from dew.train.step import build_train_step
 from dew.train.trainer import NonFiniteError, Trainer
@@ -17,8 +18,10 @@ __all__ = [
     "Goodput",
     "MeshSpec",
     "NonFiniteError",
+    "Plan",
     "TrainState",
     "Trainer",
     "build_train_step",
     "load_model",
+    "plan",
 ]

@@ -28,7 +28,6 @@ DEFAULT_RULES: Rules = (
     (axes.KV_HEADS, "tensor"),
     (axes.MLP, "tensor"),
     (axes.VOCAB, "tensor"),
-    (axes.EXPERT, "expert"),
     (axes.LAYERS, "stage"),
     (axes.HEAD_DIM, None),
     (axes.HEIGHT, None),

@@ -273,7 +273,11 @@ class CausalTransformer(nn.Module):
             param_dtype=self.param_dtype,
             name="embed",
         )
-        x = embed(tokens)  # [batch, length, embed]
+        # Look rows up in a table gathered whole along embed (split only over
+        # vocab): a gather from an embed-split table leaves its output split
+        # along embed, which the partitioner cannot turn into a batch split.
+        table = nn.with_logical_constraint(embed.embedding, (axes.VOCAB, None))
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # [batch, length, embed]
         if self.position_embedding == "learned":
             table = self.param(
                 "position_embed",

@@ -1,6 +1,7 @@
 """Two processes with 4 CPU devices each (``jax.distributed`` on 127.0.0.1, CPU
 collectives through gloo), each reading its own ``Partition`` of every global
-batch, train exactly as one process with 8 devices.
+batch, train exactly as one process with 8 devices; only process 0 prints and
+writes metrics, and both write one committed checkpoint into a shared directory.
 
 This file is also the child: ``python tests/test_multiprocess.py PORT ID OUT``
 runs process ``ID`` of 2 and (process 0) writes its losses and the gathered
@@ -26,7 +27,7 @@ CONFIG = dict(vocab_size=VOCAB, emb_features=32, num_layers=2, num_heads=4, num_
 MESH = dict(data=2, fsdp=2, tensor=2)
 
 
-def train(run_dir: pathlib.Path):
+def train(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path | None = None):
     """The run both sides make: the same code for one process or several."""
     import jax
     import optax
@@ -34,7 +35,7 @@ def train(run_dir: pathlib.Path):
     from dew.data import Dataset
     from dew.nn import CausalTransformer
     from dew.objectives.lm import LMObjective
-    from dew.train import MeshSpec, Trainer
+    from dew.train import Checkpoints, MeshSpec, Trainer
 
     rows = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
     read = []  # (process, rows this process read)
@@ -46,7 +47,8 @@ def train(run_dir: pathlib.Path):
 
     data = Dataset(train=train_batches, val=None, records=STEPS * BATCH, batch=BATCH)
     trainer = Trainer(LMObjective(CausalTransformer(**CONFIG), seq_len=SEQ), optax.sgd(0.5),
-                      key=jax.random.key(0), mesh=MeshSpec(**MESH), run_dir=str(run_dir))
+                      key=jax.random.key(0), mesh=MeshSpec(**MESH), run_dir=str(run_dir),
+                      checkpoints=checkpoint_dir and Checkpoints(checkpoint_dir))
     state = trainer.fit(data, steps=STEPS, log_every=1)
     assert set(read) == {(jax.process_index(), jax.process_count())}
     return state
@@ -66,13 +68,15 @@ def child(port: int, process_id: int, out: pathlib.Path) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=process_id)
     assert (jax.process_count(), jax.local_device_count(), jax.device_count()) == (2, 4, 8)
-    state = train(out / "run")
+    # one run directory and one checkpoint directory, shared by both processes
+    state = train(out.parent / "run", out.parent / "checkpoints")
     params = multihost_utils.process_allgather(state.params, tiled=True)  # every process joins
     if process_id == 0:
+        out.mkdir(parents=True, exist_ok=True)
         flat = {jax.tree_util.keystr(p): np.asarray(v)
                 for p, v in jax.tree_util.tree_leaves_with_path(params)}
         np.savez(out / "params.npz", **flat)
-        (out / "losses.json").write_text(json.dumps(losses_of(out / "run")))
+        (out / "losses.json").write_text(json.dumps(losses_of(out.parent / "run")))
     jax.distributed.shutdown()
 
 
@@ -105,7 +109,10 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     assert f"on {dict(MESH, expert=1, sequence=1, stage=1)}" not in outputs[1][0]
     assert "step 1: loss" in outputs[0][0] and "step 1: loss" not in outputs[1][0]
     assert "(2 process(es))" in outputs[0][0]
-    assert not (tmp_path / "p1" / "run" / "metrics.jsonl").exists()
+    assert len(outputs[0][0]) > 0 and "checkpoint" not in outputs[1][0].lower()
+    from dew.train import Checkpoints
+
+    assert Checkpoints(tmp_path / "checkpoints").steps() == [STEPS]  # written by both, committed
 
     assert jax.device_count() == 8 and jax.process_count() == 1
     state = train(tmp_path / "one")

@@ -241,3 +241,14 @@ def test_moe_balance_loss_is_added_to_the_lm_loss():
     assert float(metrics["aux_loss"]) == pytest.approx(aux, rel=1e-6)
     assert float(loss) == pytest.approx(nll + 0.5 * aux, rel=1e-5)
     assert math.isfinite(aux) and aux > 0
+
+
+def test_pipeline_microbatch_that_does_not_divide_over_data_is_refused():
+    config = {**TINY, "num_stages": 2, "pipeline_microbatches": 4}
+    trainer = trainer_for(config, MeshSpec(data=4, stage=2))
+    rows = np.zeros((8, 17), np.int32)
+    data = Dataset(train=lambda p: itertools.repeat({"text": rows}), val=None, records=8, batch=8)
+    with pytest.raises(ValueError, match=r"pipeline microbatch \(batch 8 / 4 microbatches\): "
+                                         r"'batch' of size 2 does not divide over mesh axis "
+                                         r"dataxfsdpxexpert of size 4"):
+        trainer.fit(data, steps=1)  # raised while tracing the step, before compiling it

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes
+from dew.nn.shards import check_divides
 
 
 def check_pipeline(num_layers: int, num_stages: int, batch: int, num_microbatches: int) -> None:
@@ -93,6 +94,8 @@ def pipeline(
     batch = jax.tree.leaves(inputs)[0].shape[0]
     check_pipeline(num_layers, num_stages, batch, num_microbatches)
     stages, micro_rows, per_stage = num_stages, batch // num_microbatches, num_layers // num_stages
+    check_divides(micro_rows, axes.BATCH,
+                  f"pipeline microbatch (batch {batch} / {num_microbatches} microbatches)")
     iterations = num_microbatches + stages - 1
 
     stage_params = jax.tree.map(

@@ -27,7 +27,11 @@ def attention_mask(
     """
     qp = query_positions[:, :, None]  # [batch, query, 1]
     kp = key_positions[:, None, :]  # [batch, 1, key]
-    mask = key_valid[:, None, :] & (kp <= qp) & (key_index[None, None, :] <= query_index[None, :, None])
+    mask = (
+        key_valid[:, None, :]
+        & (kp <= qp)
+        & (key_index[None, None, :] <= query_index[None, :, None])
+    )
     if sliding_window is not None:
         mask = mask & (qp - kp < sliding_window)
     mask = mask | (key_index[None, None, :] == query_index[None, :, None])
@@ -40,9 +44,9 @@ class Attention(nn.Module):
     key/value heads.
 
     With ``decode=True`` keys and values go into the ``cache`` collection
-    (``key``, ``value``, ``positions``, ``valid`` ``[batch, cache_length, ...]``
-    and ``index``); the cache length is the length of the sequence the cache
-    was initialised with.
+    (``key``, ``value`` ``[batch, kv_heads, cache_length, head_dim]``,
+    ``positions``, ``valid`` ``[batch, cache_length]`` and ``index``); the cache
+    length is the length of the sequence the cache was initialised with.
     """
 
     num_heads: int
@@ -63,13 +67,17 @@ class Attention(nn.Module):
     def _project(self, name, x, heads, head_axis):
         """``x [batch, length, embed] -> [batch, length, heads, head_dim]``."""
         kernel = self._param(
-            f"{name}_kernel", nn.initializers.normal(self.init_std),
-            (x.shape[-1], heads, self.head_dim), (axes.EMBED, head_axis, axes.HEAD_DIM),
+            f"{name}_kernel",
+            nn.initializers.normal(self.init_std),
+            (x.shape[-1], heads, self.head_dim),
+            (axes.EMBED, head_axis, axes.HEAD_DIM),
         )
         y = jnp.einsum("ble,ehd->blhd", x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_qkv_bias:
             bias = self._param(
-                f"{name}_bias", nn.initializers.zeros, (heads, self.head_dim),
+                f"{name}_bias",
+                nn.initializers.zeros,
+                (heads, self.head_dim),
                 (head_axis, axes.HEAD_DIM),
             )
             y = y + bias.astype(self.dtype)
@@ -79,7 +87,9 @@ class Attention(nn.Module):
     def __call__(self, x, positions, valid, *, decode: bool = False):
         """``x [batch, length, embed]``, ``positions``/``valid`` ``[batch, length]``."""
         length = x.shape[1]
-        q = self._project("query", x, self.num_heads, axes.HEADS)  # [batch, length, heads, head_dim]
+        q = self._project(
+            "query", x, self.num_heads, axes.HEADS
+        )  # [batch, length, heads, head_dim]
         k = self._project("key", x, self.num_kv_heads, axes.KV_HEADS)
         v = self._project("value", x, self.num_kv_heads, axes.KV_HEADS)
         if self.rope_theta is not None:
@@ -87,40 +97,69 @@ class Attention(nn.Module):
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
 
-        query_index = jnp.arange(length)
-        key_positions, key_valid, key_index = positions, valid, query_index
-        if decode:
-            is_initialized = self.has_variable("cache", "key")
-            cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
-            cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
-            cached_pos = self.variable("cache", "positions", jnp.zeros, positions.shape, jnp.int32)
-            cached_valid = self.variable("cache", "valid", jnp.zeros, valid.shape, jnp.bool_)
-            index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-            if is_initialized:
-                start = index.value
-                cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
-                cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
-                cached_pos.value = jax.lax.dynamic_update_slice(
-                    cached_pos.value, positions.astype(jnp.int32), (0, start)
-                )
-                cached_valid.value = jax.lax.dynamic_update_slice(cached_valid.value, valid, (0, start))
-                index.value = start + length
-                k, v = cached_k.value, cached_v.value
-                key_positions, key_valid = cached_pos.value, cached_valid.value
-                key_index = jnp.arange(k.shape[1])
-                query_index = start + query_index
-
-        mask = attention_mask(
-            positions, key_positions, key_valid, query_index, key_index, self.sliding_window
-        )
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         kernel = self._param(
-            "out_kernel", nn.initializers.normal(self.init_std),
-            (self.num_heads, self.head_dim, x.shape[-1]), (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
+            "out_kernel",
+            nn.initializers.normal(self.init_std),
+            (self.num_heads, self.head_dim, x.shape[-1]),
+            (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
         )
-        y = jnp.einsum("blhd,hde->ble", out.astype(self.dtype), kernel.astype(self.dtype))
+        if decode:
+            out = self._cached_attention(q, k, v, positions, valid)
+            # One flat contraction: XLA then lays out the small activation, not
+            # the kernel, which it would otherwise transpose at every decode step.
+            heads_dim = self.num_heads * self.head_dim
+            y = out.reshape(*out.shape[:2], heads_dim).astype(self.dtype) @ kernel.reshape(
+                heads_dim, -1
+            ).astype(self.dtype)
+        else:
+            index = jnp.arange(length)
+            mask = attention_mask(positions, positions, valid, index, index, self.sliding_window)
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+            y = jnp.einsum("blhd,hde->ble", out.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_out_bias:
             y = y + self._param(
                 "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)
             ).astype(self.dtype)
         return y  # [batch, length, embed]
+
+    def _cached_attention(self, q, k, v, positions, valid):
+        """Attention over the ``cache`` collection, appending this call's keys and values.
+
+        The cache keeps keys and values as ``[batch, kv_heads, cache_length,
+        head_dim]``: the layout both attention products read as they are, so a
+        decode step does not copy the whole cache into another layout.
+        """
+        batch, length, heads, head_dim = q.shape
+        k = k.transpose(0, 2, 1, 3)  # [batch, kv_heads, length, head_dim]
+        v = v.transpose(0, 2, 1, 3)
+        query_index = jnp.arange(length)
+        key_positions, key_valid, key_index = positions, valid, query_index
+        is_initialized = self.has_variable("cache", "key")
+        cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)
+        cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+        cached_pos = self.variable("cache", "positions", jnp.zeros, positions.shape, jnp.int32)
+        cached_valid = self.variable("cache", "valid", jnp.zeros, valid.shape, jnp.bool_)
+        index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+        if is_initialized:
+            start = index.value
+            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, 0, start, 0))
+            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, 0, start, 0))
+            cached_pos.value = jax.lax.dynamic_update_slice(
+                cached_pos.value, positions.astype(jnp.int32), (0, start)
+            )
+            cached_valid.value = jax.lax.dynamic_update_slice(cached_valid.value, valid, (0, start))
+            index.value = start + length
+            k, v = cached_k.value, cached_v.value
+            key_positions, key_valid = cached_pos.value, cached_valid.value
+            key_index = jnp.arange(k.shape[2])
+            query_index = start + query_index
+        mask = attention_mask(
+            positions, key_positions, key_valid, query_index, key_index, self.sliding_window
+        )  # [batch, 1, query, key]
+        kv_heads = k.shape[1]
+        q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+        scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, :, None], scores * head_dim**-0.5, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [batch, kv, group, query, key]
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+        return out.reshape(batch, length, heads, head_dim)

@@ -38,6 +38,7 @@ from dew.sampling.generate import (
     init_cache,
     pad_prompts,
     prefill,
+    unrolled,
 )
 
 
@@ -84,7 +85,7 @@ def beam_decode(
     """
     batch, prompt_len = tokens.shape
     beams, steps = num_beams, max_new_tokens
-    params = nn.meta.unbox(params)
+    model, params = unrolled(model, nn.meta.unbox(params))
     logits, cache, position = prefill(model, params, tokens, mask, prompt_len + steps)
     vocab = logits.shape[-1]
     if 2 * beams > beams * vocab:

@@ -64,6 +64,27 @@ def init_cache(model, params, batch: int, length: int, *, key: jax.Array | None 
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def unrolled(model, params):
+    """The same model and params with the layer stack unrolled, for decoding.
+
+    A ``use_scan`` model keeps every layer's KV cache in one stacked array
+    that the scan slices and re-stacks at every step; unrolled layers update
+    their own caches in place. Same numbers, ~3x faster decode steps on CPU
+    (tools/bench_generate.py). The slicing of the stacked params happens once
+    per call, in the compiled program.
+    """
+    if not getattr(model, "use_scan", False) or "layers" not in params:
+        return model, params
+    changes = {"use_scan": False}
+    if getattr(model, "num_stages", 1) != 1:
+        changes["num_stages"] = 1  # decoding runs the plain stack anyway
+    layers = params["layers"]
+    flat = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(model.num_layers):
+        flat[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], layers)
+    return model.clone(**changes), flat
+
+
 def prompt_positions(mask: jax.Array) -> jax.Array:
     """Positions ``[batch, prompt]`` of left-padded rows: 0 at each row's first real token."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -122,7 +143,7 @@ def decode(
     lengths [batch])``; positions after a row's end id hold ``pad_id`` (and log-prob 0).
     """
     batch, prompt_len = tokens.shape
-    params = nn.meta.unbox(params)
+    model, params = unrolled(model, nn.meta.unbox(params))
     logits, cache, position = prefill(model, params, tokens, mask, prompt_len + max_new_tokens)
     end = jnp.asarray(end_ids if end_ids else (-1,), jnp.int32)
 

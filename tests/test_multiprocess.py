@@ -92,7 +92,8 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(port), str(i), str(tmp_path / f"p{i}")],
+    procs = [subprocess.Popen([sys.executable, __file__, str(port), str(i),
+                               str(tmp_path / f"p{i}")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
     outputs = []

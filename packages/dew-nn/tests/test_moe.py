@@ -93,13 +93,16 @@ def test_causal_transformer_with_experts_names_expert_first():
     assert tuple(specs["down"]) == (axes.LAYERS, axes.EXPERT, axes.MLP, axes.EMBED)
     assert tuple(specs["router"]) == (axes.LAYERS, axes.EMBED, axes.EXPERT)
     params = nn.unbox(variables["params"])
-    logits, sown = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    logits, sown = jax.jit(lambda v: model.apply(v, tokens, mutable=["intermediates"]))(
+        {"params": params})
     aux = sown["intermediates"]["layers"]["mlp"]["aux_loss"][0]  # [layers]
     # scan == loop with experts, and each layer sows its own balance loss
     looped = model.clone(use_scan=False)
     per_layer = {k: v for k, v in params.items() if k != "layers"}
-    per_layer.update({f"layer_{i}": jax.tree.map(lambda a: a[i], params["layers"]) for i in range(2)})
-    want, want_sown = looped.apply({"params": per_layer}, tokens, mutable=["intermediates"])
+    for i in range(2):
+        per_layer[f"layer_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    want, want_sown = jax.jit(lambda v: looped.apply(v, tokens, mutable=["intermediates"]))(
+        {"params": per_layer})
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-6)
     want_aux = [want_sown["intermediates"][f"layer_{i}"]["mlp"]["aux_loss"][0] for i in range(2)]
     np.testing.assert_allclose(np.asarray(aux), np.asarray(want_aux), rtol=1e-6)

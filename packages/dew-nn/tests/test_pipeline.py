@@ -83,8 +83,9 @@ TINY = dict(vocab_size=32, emb_features=16, num_layers=4, num_heads=2, mlp_featu
             max_seq_len=8)
 
 
-@pytest.mark.slow
 def test_pipelined_transformer_equals_the_plain_stack():
+    """Logits equal; gradients are compared through training in
+    packages/dew-train/tests/test_mesh_equivalence.py (data=4,stage=2)."""
     tokens = jax.random.randint(jax.random.key(3), (4, 8), 0, 32)
     plain = CausalTransformer(**TINY)
     piped = CausalTransformer(**TINY, num_stages=2, pipeline_microbatches=2)
@@ -92,15 +93,9 @@ def test_pipelined_transformer_equals_the_plain_stack():
     # the same parameter tree and values: a checkpoint moves between the two
     same = nn.unbox(piped.init(jax.random.key(0), tokens)["params"])
     jax.tree.map(np.testing.assert_array_equal, same, params)
-
-    def loss(model, p):
-        return jnp.mean(model.apply({"params": p}, tokens) ** 2)
-
-    want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(plain, p)))(params)
-    got_loss, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(piped, p)))(params)
-    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 got_grads, want_grads)  # float32 sums in another order; max rel. error ~2e-6
+    want = jax.jit(plain.apply)({"params": params}, tokens)
+    got = jax.jit(piped.apply)({"params": params}, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_pipeline_options_are_refused():

@@ -40,13 +40,13 @@ def data() -> Dataset:
 
 
 def run(config: dict, mesh: MeshSpec, run_dir) -> tuple[list[float], dict, dict]:
-    """Train five steps; returns (losses, final params on the host, last metrics)."""
+    """Train five steps; returns (losses, final params, last metrics)."""
     trainer = Trainer(LMObjective(CausalTransformer(**config), seq_len=SEQ), optax.sgd(0.5),
                       key=jax.random.key(0), mesh=mesh, run_dir=str(run_dir))
     state = trainer.fit(data(), steps=STEPS, log_every=1)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train = [r for r in records if r["kind"] == "train"]
-    return [r["loss"] for r in train], jax.device_get(state.params), train[-1]
+    return [r["loss"] for r in train], state.params, train[-1]
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,14 @@ def test_mesh_matches_one_device(case, reference, tmp_path, capsys):
     assert f"on {sizes} (1 process(es))" in capsys.readouterr().out  # the start line
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 params, want_params)
-    if ref_name == "moe":  # the load-balancing loss is reported and agrees too
+                 jax.device_get(params), jax.device_get(want_params))
+    if ref_name == "moe":  # the load-balancing loss is reported, agrees, and is in the loss
         assert metrics["aux_loss"] == pytest.approx(want_metrics["aux_loss"], rel=1e-5)
+        assert 0.0 < metrics["aux_loss"] <= MOE["num_experts"]
+        lm_loss = metrics["nll_sum"] / metrics["tokens"]
+        assert metrics["loss"] == pytest.approx(lm_loss + 0.01 * metrics["aux_loss"], rel=1e-6)
+        up = params["layers"]["mlp"]["up"]  # [layers, expert, embed, mlp]
+        assert {s.data.shape[1] for s in up.addressable_shards} == {2}  # 4 experts / expert=2
 
 
 def compiled_forward(config, mesh_spec):
@@ -104,8 +109,8 @@ def compiled_forward(config, mesh_spec):
 def test_each_axis_does_its_own_kind_of_work():
     """Not replicated work in disguise: sequence splits activations along length and
     gathers keys/values; stage holds half the layers per device and passes
-    activations between stages; expert holds half the experts per device and
-    exchanges tokens."""
+    activations between stages. (Expert: the golden shardings in test_mesh.py
+    and the shard shapes in test_mesh_matches_one_device.)"""
     spec, ops, _ = compiled_forward(TINY, MeshSpec(data=4, sequence=2))
     assert spec[1] == "sequence" and ops["all-gather"] > 0  # logits [batch, length, vocab]
 
@@ -114,7 +119,3 @@ def test_each_axis_does_its_own_kind_of_work():
     assert {s.data.shape[0] for s in kernel.addressable_shards} == {1}  # 2 layers / 2 stages
     assert ops["collective-permute"] > 0  # jnp.roll of the stage buffer
 
-    _, ops, params = compiled_forward(MOE, MeshSpec(data=4, expert=2))
-    up = params["layers"]["mlp"]["up"]  # [layers, expert, embed, mlp]
-    assert {s.data.shape[1] for s in up.addressable_shards} == {2}  # 4 experts / 2
-    assert ops["all-to-all"] + ops["all-gather"] > 0

@@ -98,7 +98,8 @@ class MoE(nn.Module):
         top_probs, chosen = jax.lax.top_k(probs, k)  # [batch, length, k]
         if k > 1:
             top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-        gates = jnp.sum(jax.nn.one_hot(chosen, num, dtype=jnp.float32) * top_probs[..., None], axis=-2)
+        one_hot = jax.nn.one_hot(chosen, num, dtype=jnp.float32)  # [batch, length, k, expert]
+        gates = jnp.sum(one_hot * top_probs[..., None], axis=-2)  # [batch, length, expert]
         self.sow("intermediates", "aux_loss", load_balancing_loss(probs, chosen, num))
 
         hidden_axes = (axes.EXPERT, axes.BATCH, axes.LENGTH, axes.MLP)

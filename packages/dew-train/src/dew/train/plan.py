@@ -211,7 +211,8 @@ def count_flops(jaxpr) -> float:
         if name == "dot_general":
             (contract, _), _ = eqn.params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+            out = math.prod(eqn.outvars[0].aval.shape)
+            total += 2.0 * out * math.prod(lhs[d] for d in contract)
         elif name == "conv_general_dilated":
             rhs = eqn.invars[1].aval.shape  # the kernel: out, in / groups, *window
             numbers = eqn.params["dimension_numbers"]

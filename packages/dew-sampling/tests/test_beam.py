@@ -17,6 +17,7 @@ def small_vocab(tiny):
     return tiny("llama", vocab_size=8, max_seq_len=16)
 
 
+@pytest.mark.slow
 def test_enough_beams_is_exhaustive_search(small_vocab, uncached):
     # With num_beams >= vocab ** (steps - 1) every prefix survives, so the best
     # beam is the best of all vocab ** steps continuations.
@@ -59,6 +60,7 @@ def reference_beam(ref, prompt, steps, beams, length_penalty, end_ids):
     return max(pool, key=lambda c: c[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length_penalty", [1.0, -0.5])
 def test_matches_the_reference_with_end_ids(tiny, uncached, length_penalty):
     model, params = tiny("gpt2")
@@ -87,6 +89,7 @@ def test_matches_the_reference_with_end_ids(tiny, uncached, length_penalty):
     assert finished_early, "pick end ids that end some hypothesis, or the test checks less"
 
 
+@pytest.mark.slow
 def test_one_beam_is_greedy(tiny):
     model, params = tiny("llama")
     greedy = generate(

@@ -83,6 +83,7 @@ def test_end_id_stops_a_row(llama, uncached):
     assert [len(lp) for lp in out.logprobs] == out.lengths
 
 
+@pytest.mark.slow
 def test_sharded_params_equal_unsharded(llama, sampled):
     model, params = llama
     devices = np.asarray(jax.devices()[:8])

@@ -15,6 +15,7 @@ def pipeline(tiny):
     return TextGeneration(model, params, ByteTokenizer(), max_new_tokens=8)
 
 
+@pytest.mark.slow
 def test_strings_in_strings_out_equal_generate(pipeline):
     tokenizer = ByteTokenizer()
     out = generate(

@@ -253,3 +253,16 @@ def test_hf_tokenizer_files_load_and_save(llama_dir, tmp_path):
     again = Pretrained.load(out)
     assert again.tokenizer.encode("jax trains dew") == [5, 4, 3]
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == [2, 5]
+
+
+def test_unscanned_load_holds_the_same_layers(llama_dir):
+    scanned = Pretrained.load(llama_dir)
+    unscanned = Pretrained.load(llama_dir, use_scan=False)
+    assert unscanned.model == scanned.model.clone(use_scan=False)
+    for i in range(scanned.model.num_layers):
+        layer = jax.tree.map(lambda x, i=i: x[i], scanned.params["layers"])
+        same_params(unscanned.params[f"layer_{i}"], layer)
+    path = Pretrained(model=unscanned.model, params=unscanned.params, format="llama").save(
+        llama_dir.parent / "again"
+    )
+    same_params(Pretrained.load(path).params, scanned.params)

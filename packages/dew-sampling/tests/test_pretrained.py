@@ -266,3 +266,19 @@ def test_unscanned_load_holds_the_same_layers(llama_dir):
         llama_dir.parent / "again"
     )
     same_params(Pretrained.load(path).params, scanned.params)
+
+
+def test_bfloat16_checkpoint_loads_as_float32_or_as_stored(tiny, tmp_path):
+    model, params = family_model(tiny, "llama")
+    half = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), params)
+    Pretrained(model=model.clone(param_dtype=jnp.bfloat16), params=half, format="llama").save(
+        tmp_path
+    )
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert load_file(tmp_path / "model.safetensors")["model.norm.weight"].dtype == jnp.bfloat16
+    same_params(
+        Pretrained.load(tmp_path).params, jax.tree.map(lambda x: x.astype(np.float32), half)
+    )
+    stored = Pretrained.load(tmp_path, param_dtype=jnp.bfloat16)
+    assert stored.model.param_dtype == jnp.bfloat16
+    same_params(stored.params, half)

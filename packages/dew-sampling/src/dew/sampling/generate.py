@@ -149,6 +149,8 @@ def decode(
 
     def choose(logits_last, i, done):
         token, logprob = sample_logits(logits_last, jax.random.fold_in(key, i), sampling)
+        if not end_ids:  # no row ends early: skip the bookkeeping
+            return token, logprob, done
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)
         return token, logprob, done | jnp.isin(token, end)
@@ -161,7 +163,7 @@ def decode(
 
     def cond(carry):
         i, _, _, _, done, *_ = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
+        return (i < max_new_tokens) & ~jnp.all(done) if end_ids else i < max_new_tokens
 
     def body(carry):
         i, cache, token, position, done, out_tokens, out_logprobs, lengths = carry

@@ -74,7 +74,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling):
         tokens = jnp.argmax(logits, axis=-1)
     else:
         tokens = jax.random.categorical(key, filter_logits(logits, sampling), axis=-1)
-    logprobs = jnp.take_along_axis(
-        jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tokens[:, None], axis=-1
-    )[:, 0]
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    logprobs = chosen - jax.nn.logsumexp(logits, axis=-1)
     return tokens.astype(jnp.int32), logprobs

@@ -20,8 +20,8 @@ from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
 from dew.nn.norms import make_norm
 from dew.nn.pipeline import check_pipeline, pipeline
-from dew.nn.shards import check_divides
 from dew.nn.rope import RopeScaling
+from dew.nn.shards import check_divides
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)
 

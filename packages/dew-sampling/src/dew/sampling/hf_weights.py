@@ -189,7 +189,7 @@ def layout(model, family: str) -> Layout:
     )
 
 
-def _expected_params(model) -> dict[str, jax.ShapeDtypeStruct]:
+def param_shapes(model) -> dict[str, jax.ShapeDtypeStruct]:
     """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed)."""
     import flax.linen as nn
     import jax.numpy as jnp
@@ -261,7 +261,7 @@ def read_params(reader: TensorReader, model, family: str) -> dict:
 
 
 def _check_against_model(model, flat: dict[str, np.ndarray]) -> None:
-    expected = _expected_params(model)
+    expected = param_shapes(model)
     if set(expected) != set(flat):
         raise AssertionError(
             f"Dew's converter and CausalTransformer disagree on the parameters: missing "

@@ -148,7 +148,7 @@ class Pretrained:
             )
         model = models.build(config["model"]["name"], **config["model"]["config"])
         reader = TensorReader(path)
-        expected = hf_weights._expected_params(model)
+        expected = hf_weights.param_shapes(model)
         missing = sorted(set(expected) - reader.names)
         extra = sorted(reader.names - set(expected))
         if missing or extra:
@@ -166,8 +166,14 @@ class Pretrained:
                 )
             flat[name] = jnp.asarray(reader.get(name))
         kind = (config.get("tokenizer") or {}).get("kind")
-        tokenizer = {None: None, "bytes": ByteTokenizer}.get(kind, HFTokenizer)
-        tokenizer = HFTokenizer(path) if kind == "hf" else (tokenizer() if tokenizer else None)
+        if kind not in (None, "bytes", "hf"):
+            raise ValueError(
+                f"{path / DEW_CONFIG}: unknown tokenizer kind {kind!r}; "
+                f"expected null, 'bytes' or 'hf'"
+            )
+        tokenizer = {None: None, "bytes": ByteTokenizer(), "hf": None}[kind]
+        if kind == "hf":
+            tokenizer = HFTokenizer(path)
         end_ids = config.get("end_ids")
         return cls(
             model=model,

@@ -53,7 +53,7 @@ class TensorReader:
             self.files = {}
             for file in files:
                 with safe_open(file, framework="numpy") as f:
-                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    for name in f.keys():
                         self.files[name] = file.name
 
     @property

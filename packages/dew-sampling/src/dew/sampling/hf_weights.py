@@ -15,7 +15,9 @@ import dataclasses
 import re
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
@@ -191,9 +193,6 @@ def layout(model, family: str) -> Layout:
 
 def param_shapes(model) -> dict[str, jax.ShapeDtypeStruct]:
     """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed)."""
-    import flax.linen as nn
-    import jax.numpy as jnp
-
     shapes = jax.eval_shape(
         model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
     )

@@ -109,7 +109,7 @@ def parity(session: nox.Session) -> None:
         silent=True, external=True,
     )
     session.install("-q", "-r", requirements)
-    session.install("-q", "torch==2.13.0", "transformers>=4.45", "safetensors")
+    session.install("-q", "torch==2.13.0", "transformers>=5", "safetensors")
     session.install("-q", "--no-deps", "./packages/dew-nn", "./packages/dew-data",
                     "./packages/dew-sampling")
     session.run(*PYTEST, "packages/dew-sampling/tests/parity", *session.posargs, env=ENV)

@@ -43,7 +43,12 @@ PYTEST = ["pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovid
 def sync(session: nox.Session, *args: str) -> None:
     """`uv sync --locked` into this session's venv (lock-pinned, bytecode compiled)."""
     session.run_install(
-        "uv", "sync", "--locked", "--compile-bytecode", "--inexact", *args,
+        "uv",
+        "sync",
+        "--locked",
+        "--compile-bytecode",
+        "--inexact",
+        *args,
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
         silent=True,
     )
@@ -58,9 +63,13 @@ def tests(session: nox.Session, package: str) -> None:
     folder = PACKAGE_DIRS.get(dist, dist)
     if dist == "dew-data":
         # dew-data must work without jax: fail loudly if something pulled it in.
-        session.run("python", "-c", "import importlib.util as u, sys; "
-                    "sys.exit('jax is installed in the dew-data session' if u.find_spec('jax') "
-                    "else 0)")
+        session.run(
+            "python",
+            "-c",
+            "import importlib.util as u, sys; "
+            "sys.exit('jax is installed in the dew-data session' if u.find_spec('jax') "
+            "else 0)",
+        )
     session.run(*PYTEST, f"packages/{folder}/tests", *session.posargs, env=ENV)
 
 
@@ -68,8 +77,14 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """Cross-package tests: the quickstart, resume after SIGKILL, several processes."""
     sync(session, "--all-packages", "--all-extras")
-    session.run(*PYTEST, "tests", "--ignore=tests/packaging", "--ignore=tests/test_docs.py",
-                *session.posargs, env=ENV)
+    session.run(
+        *PYTEST,
+        "tests",
+        "--ignore=tests/packaging",
+        "--ignore=tests/test_docs.py",
+        *session.posargs,
+        env=ENV,
+    )
 
 
 @nox.session(python=PYTHON)
@@ -104,14 +119,25 @@ def parity(session: nox.Session) -> None:
     """
     requirements = session.create_tmp() + "/requirements.txt"
     session.run_install(
-        "uv", "export", "--locked", "--package", "dew-sampling", "--no-hashes",
-        "--no-emit-workspace", "--no-header", "--no-annotate", "-o", requirements,
-        silent=True, external=True,
+        "uv",
+        "export",
+        "--locked",
+        "--package",
+        "dew-sampling",
+        "--no-hashes",
+        "--no-emit-workspace",
+        "--no-header",
+        "--no-annotate",
+        "-o",
+        requirements,
+        silent=True,
+        external=True,
     )
     session.install("-q", "-r", requirements)
     session.install("-q", "torch==2.13.0", "transformers>=5", "safetensors")
-    session.install("-q", "--no-deps", "./packages/dew-nn", "./packages/dew-data",
-                    "./packages/dew-sampling")
+    session.install(
+        "-q", "--no-deps", "./packages/dew-nn", "./packages/dew-data", "./packages/dew-sampling"
+    )
     session.run(*PYTEST, "packages/dew-sampling/tests/parity", *session.posargs, env=ENV)
 
 

@@ -25,8 +25,14 @@ def test_doc_code_runs(doc, tmp_path):
     script.write_text(code)
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, env=env, timeout=900)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert run.returncode == 0, f"{doc.name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
 
 

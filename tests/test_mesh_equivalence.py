@@ -21,17 +21,33 @@ from dew.objectives.lm import LMObjective
 from dew.train import MeshSpec
 
 SEQ, BATCH, VOCAB, STEPS = 16, 8, 64, 5
-CONFIG = dict(vocab_size=VOCAB, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
-              mlp_features=64, max_seq_len=SEQ)
+CONFIG = dict(
+    vocab_size=VOCAB,
+    emb_features=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_features=64,
+    max_seq_len=SEQ,
+)
 ROWS = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
 
 
 def run(config: dict, mesh: MeshSpec, run_dir):
-    data = Dataset(train=lambda p: iter({"text": r[p.slice(BATCH)]} for r in itertools.cycle(ROWS)),
-                   val=None, records=STEPS * BATCH, batch=BATCH)
+    data = Dataset(
+        train=lambda p: iter({"text": r[p.slice(BATCH)]} for r in itertools.cycle(ROWS)),
+        val=None,
+        records=STEPS * BATCH,
+        batch=BATCH,
+    )
     model = models.build("causal_transformer", **config)
-    trainer = Trainer(LMObjective(model, seq_len=SEQ), optax.sgd(0.5), key=jax.random.key(0),
-                      mesh=mesh, run_dir=str(run_dir))
+    trainer = Trainer(
+        LMObjective(model, seq_len=SEQ),
+        optax.sgd(0.5),
+        key=jax.random.key(0),
+        mesh=mesh,
+        run_dir=str(run_dir),
+    )
     state = trainer.fit(data, steps=STEPS, log_every=1)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     return [r["loss"] for r in records if r["kind"] == "train"], jax.device_get(state.params)

@@ -22,8 +22,15 @@ import numpy as np
 import pytest
 
 STEPS, BATCH, SEQ, VOCAB = 4, 8, 16, 64
-CONFIG = dict(vocab_size=VOCAB, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
-              mlp_features=64, max_seq_len=SEQ)
+CONFIG = dict(
+    vocab_size=VOCAB,
+    emb_features=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_features=64,
+    max_seq_len=SEQ,
+)
 MESH = dict(data=2, fsdp=2, tensor=2)
 
 
@@ -46,9 +53,14 @@ def train(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path | None = None):
             yield {"text": batch[partition.slice(BATCH)]}
 
     data = Dataset(train=train_batches, val=None, records=STEPS * BATCH, batch=BATCH)
-    trainer = Trainer(LMObjective(CausalTransformer(**CONFIG), seq_len=SEQ), optax.sgd(0.5),
-                      key=jax.random.key(0), mesh=MeshSpec(**MESH), run_dir=str(run_dir),
-                      checkpoints=checkpoint_dir and Checkpoints(checkpoint_dir))
+    trainer = Trainer(
+        LMObjective(CausalTransformer(**CONFIG), seq_len=SEQ),
+        optax.sgd(0.5),
+        key=jax.random.key(0),
+        mesh=MeshSpec(**MESH),
+        run_dir=str(run_dir),
+        checkpoints=checkpoint_dir and Checkpoints(checkpoint_dir),
+    )
     state = trainer.fit(data, steps=STEPS, log_every=1)
     assert set(read) == {(jax.process_index(), jax.process_count())}
     return state
@@ -65,16 +77,19 @@ def child(port: int, process_id: int, out: pathlib.Path) -> None:
     from jax.experimental import multihost_utils
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+    )
     assert (jax.process_count(), jax.local_device_count(), jax.device_count()) == (2, 4, 8)
     # one run directory and one checkpoint directory, shared by both processes
     state = train(out.parent / "run", out.parent / "checkpoints")
     params = multihost_utils.process_allgather(state.params, tiled=True)  # every process joins
     if process_id == 0:
         out.mkdir(parents=True, exist_ok=True)
-        flat = {jax.tree_util.keystr(p): np.asarray(v)
-                for p, v in jax.tree_util.tree_leaves_with_path(params)}
+        flat = {
+            jax.tree_util.keystr(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_leaves_with_path(params)
+        }
         np.savez(out / "params.npz", **flat)
         (out / "losses.json").write_text(json.dumps(losses_of(out.parent / "run")))
     jax.distributed.shutdown()
@@ -92,10 +107,16 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(port), str(i),
-                               str(tmp_path / f"p{i}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(port), str(i), str(tmp_path / f"p{i}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -123,8 +144,10 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     # another order than XLA's in-process one: float32 rounding, rtol 1e-5
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     got = np.load(tmp_path / "p0" / "params.npz")
-    want = {jax.tree_util.keystr(p): np.asarray(v)
-            for p, v in jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))}
+    want = {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))
+    }
     assert sorted(got.files) == sorted(want)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

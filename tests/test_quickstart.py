@@ -14,8 +14,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_quickstart_prints_the_seed_output():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
-    run = subprocess.run([sys.executable, str(ROOT / "examples/quickstart.py")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples/quickstart.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[0] == (
@@ -29,8 +34,9 @@ def test_quickstart_prints_the_seed_output():
     assert losses[100] <= 0.01
     assert losses[25] > losses[100]
     goodput = next(x for x in lines if x.startswith("Goodput: "))
-    assert re.match(r"Goodput: first step after \d+\.\d\d s, \d+\.\d% of the wall time in steps",
-                    goodput)
+    assert re.match(
+        r"Goodput: first step after \d+\.\d\d s, \d+\.\d% of the wall time in steps", goodput
+    )
     assert lines[-1] == "dew trains jax models. dew trains jax model"
 
 
@@ -39,5 +45,5 @@ def test_quickstart_is_the_seed_program_unchanged():
     if not seed.exists():
         pytest.skip("shared/key-concepts.md is not beside this checkout")
     text = seed.read_text()
-    program = text[text.index("import itertools"):text.index("On four cores")].strip()
+    program = text[text.index("import itertools") : text.index("On four cores")].strip()
     assert (ROOT / "examples/quickstart.py").read_text().strip() == program

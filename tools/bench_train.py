@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import itertools
 import json
-import pathlib
 import platform
 import statistics
 import tempfile
@@ -46,10 +45,10 @@ from dew import Dataset, Trainer, models  # noqa: E402
 from dew.objectives.lm import LMObjective  # noqa: E402
 
 SIZES = {
-    "seed": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, seq_len=64,
-                 batch=8),
-    "medium": dict(emb_features=256, num_layers=4, num_heads=8, mlp_features=1024,
-                   seq_len=256, batch=16),
+    "seed": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, seq_len=64, batch=8),
+    "medium": dict(
+        emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, seq_len=256, batch=16
+    ),
 }
 VOCAB = 264
 
@@ -64,11 +63,20 @@ def make(size):
 
 def run_dew(size, steps):
     model, seq_len, batch, rows = make(size)
-    data = Dataset(train=lambda p: ({"text": r} for r in itertools.cycle(rows)), val=None,
-                   records=batch * 4, batch=batch)
+    data = Dataset(
+        train=lambda p: ({"text": r} for r in itertools.cycle(rows)),
+        val=None,
+        records=batch * 4,
+        batch=batch,
+    )
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(LMObjective(model, seq_len=seq_len), optax.adamw(3e-3),
-                          key=jax.random.key(0), run_dir=run_dir, progress=False)
+        trainer = Trainer(
+            LMObjective(model, seq_len=seq_len),
+            optax.adamw(3e-3),
+            key=jax.random.key(0),
+            run_dir=run_dir,
+            progress=False,
+        )
         import contextlib
         import io
 
@@ -88,8 +96,9 @@ def run_hand(size, steps):
     @jax.jit
     def init(key):
         params = model.init(key, jnp.zeros((1, seq_len), jnp.int32))["params"]
-        params = jax.tree.map(lambda x: getattr(x, "value", x), params,
-                              is_leaf=lambda x: hasattr(x, "value"))
+        params = jax.tree.map(
+            lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value")
+        )
         return params, optimizer.init(params)
 
     def loss_fn(params, tokens):
@@ -120,9 +129,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
-          f"{jax.devices()[0].platform} device(s), jax {jax.__version__}; steps {args.steps}, "
-          f"median of {args.repeats}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s), jax {jax.__version__}; steps {args.steps}, "
+        f"median of {args.repeats}"
+    )
     for size in args.sizes:
         _, seq_len, batch, _ = make(size)
         dew, hand = [], []
@@ -135,9 +146,11 @@ def main() -> None:
         d_step = statistics.median(x[1] for x in dew)
         h_step = statistics.median(x[1] for x in hand)
         tokens = batch * seq_len
-        print(f"{size}: tokens/s dew {tokens / d_step:,.0f} hand {tokens / h_step:,.0f} "
-              f"ratio {h_step / d_step:.3f}; first step dew {d_first:.2f} s hand "
-              f"{h_first:.2f} s ratio {d_first / h_first:.2f}")
+        print(
+            f"{size}: tokens/s dew {tokens / d_step:,.0f} hand {tokens / h_step:,.0f} "
+            f"ratio {h_step / d_step:.3f}; first step dew {d_first:.2f} s hand "
+            f"{h_first:.2f} s ratio {d_first / h_first:.2f}"
+        )
 
 
 if __name__ == "__main__":

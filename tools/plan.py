@@ -34,8 +34,12 @@ def parse_pairs(text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=0,
-                        help="emulate this many CPU devices (0 = the devices JAX finds)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="emulate this many CPU devices (0 = the devices JAX finds)",
+    )
     parser.add_argument("--mesh", default="", help="MeshSpec axes, e.g. data=4,fsdp=8,tensor=2")
     parser.add_argument("--model", default="causal_transformer", help="registered model name")
     parser.add_argument("--config", required=True, help="model options, name=value,...")
@@ -48,9 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = " ".join(
-            [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-            + [f"--xla_force_host_platform_device_count={args.devices}"])
+            [
+                f
+                for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")
+            ]
+            + [f"--xla_force_host_platform_device_count={args.devices}"]
+        )
     import jax.numpy as jnp
     import optax
 

@@ -24,10 +24,20 @@ ALLOWED = {
 }
 # import name -> distribution name
 DISTRIBUTIONS = {
-    "jax": "jax", "flax": "flax", "numpy": "numpy", "optax": "optax",
-    "orbax": "orbax-checkpoint", "grain": "grain", "tensorboardX": "tensorboardx",
-    "tqdm": "tqdm", "safetensors": "safetensors", "tokenizers": "tokenizers",
-    "datasets": "datasets", "PIL": "pillow", "pyarrow": "pyarrow", "jaxlib": "jax",
+    "jax": "jax",
+    "flax": "flax",
+    "numpy": "numpy",
+    "optax": "optax",
+    "orbax": "orbax-checkpoint",
+    "grain": "grain",
+    "tensorboardX": "tensorboardx",
+    "tqdm": "tqdm",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "datasets": "datasets",
+    "PIL": "pillow",
+    "pyarrow": "pyarrow",
+    "jaxlib": "jax",
 }
 
 

@@ -35,7 +35,10 @@ def test_bump_without_widen_is_caught_with_both_versions(workspace):
     problems = check_ranges.mismatches(workspace)
     # every package that imports dew-nn now excludes it, and says so with both versions
     assert {p.split(" ")[0] for p in problems} == {
-        "dew-sampling", "dew-objectives", "dew-train", "dew-jax"
+        "dew-sampling",
+        "dew-objectives",
+        "dew-train",
+        "dew-jax",
     }
     assert all("dew-nn<0.2,>=0.1" in p and "dew-nn 0.2.0" in p for p in problems)
 
@@ -63,12 +66,17 @@ def test_bumped_versions(version, part, expected):
 
 def test_check_ranges_script_exit_code(workspace):
     bump.bump(workspace, "dew-data", "major", widen=False, message="Break.")
-    script = (ROOT / "tools/check_ranges.py").read_text().replace(
-        "problems = mismatches()", f"problems = mismatches(pathlib.Path({str(workspace)!r}))"
+    script = (
+        (ROOT / "tools/check_ranges.py")
+        .read_text()
+        .replace(
+            "problems = mismatches()", f"problems = mismatches(pathlib.Path({str(workspace)!r}))"
+        )
     )
     (workspace / "check.py").write_text(script)
     (workspace / "_workspace.py").write_text((ROOT / "tools/_workspace.py").read_text())
-    run = subprocess.run([sys.executable, str(workspace / "check.py")], capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [sys.executable, str(workspace / "check.py")], capture_output=True, text=True
+    )
     assert run.returncode == 1
     assert "dew-data 1.0.0" in run.stderr and "dew-data<0.2,>=0.1" in run.stderr

@@ -41,7 +41,10 @@ def venv(tmp_path, name, *wheels, dist):
 
 def test_dew_nn_wheel_alone(dist, tmp_path):
     python = venv(tmp_path, "nn", "dew_nn", dist=dist)
-    run(python, "-c", textwrap.dedent("""
+    run(
+        python,
+        "-c",
+        textwrap.dedent("""
         import importlib.util, sys
         import jax, jax.numpy as jnp
         from dew.nn import models
@@ -52,27 +55,50 @@ def test_dew_nn_wheel_alone(dist, tmp_path):
         for absent in ("dew.train", "dew.data", "dew.objectives", "dew.sampling"):
             assert importlib.util.find_spec(absent) is None, absent
         assert "orbax" not in sys.modules
-    """))
+    """),
+    )
 
 
 def test_dew_data_wheel_alone_has_no_jax(dist, tmp_path):
     python = venv(tmp_path, "data", "dew_data", dist=dist)
-    run(python, "-c", textwrap.dedent("""
+    run(
+        python,
+        "-c",
+        textwrap.dedent("""
         import importlib.util
         from dew.data import ByteTokenizer, Dataset, Partition
         assert importlib.util.find_spec("jax") is None
         t = ByteTokenizer()
         assert t.decode(t.encode("héllo")) == "héllo"
         assert Partition(1, 2).slice(8) == slice(4, 8)
-    """))
+    """),
+    )
 
 
 def test_all_wheels_umbrella_tests_pass(dist, tmp_path):
-    python = venv(tmp_path, "all", "dew_jax", "dew_nn", "dew_data", "dew_sampling",
-                  "dew_objectives", "dew_train", dist=dist)
+    python = venv(
+        tmp_path,
+        "all",
+        "dew_jax",
+        "dew_nn",
+        "dew_data",
+        "dew_sampling",
+        "dew_objectives",
+        "dew_train",
+        dist=dist,
+    )
     run(UV, "pip", "install", "-q", "--python", python, "pytest")
     # run from a folder without the sources so the installed wheels are what is tested
     tests = tmp_path / "umbrella_tests"
     shutil.copytree(ROOT / "packages/dew/tests", tests)
-    run(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), cwd=tmp_path,
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"})
+    run(
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(tests),
+        cwd=tmp_path,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"},
+    )

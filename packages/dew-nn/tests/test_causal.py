@@ -10,8 +10,15 @@ import pytest
 from dew.nn import CausalTransformer, axes
 from dew.nn.rope import inverse_frequencies
 
-TINY = dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=4, num_kv_heads=2,
-            mlp_features=24, max_seq_len=32)
+TINY = dict(
+    vocab_size=32,
+    emb_features=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_features=24,
+    max_seq_len=32,
+)
 
 
 # ---------------------------------------------------------------- numpy reference
@@ -41,10 +48,13 @@ def np_forward(model, params, tokens, window=None):
     h_q, h_kv = model.num_heads, model.kv_heads
     hd = model.emb_features // h_q
     inv = inverse_frequencies(hd, model.rope_theta, None)
-    norm = (lambda x, q: np_rms(x, q["scale"], model.norm_eps)) if model.norm == "rms" else (
-        lambda x, q: np_layer(x, q["scale"], q["bias"], model.norm_eps))
+    norm = (
+        (lambda x, q: np_rms(x, q["scale"], model.norm_eps))
+        if model.norm == "rms"
+        else (lambda x, q: np_layer(x, q["scale"], q["bias"], model.norm_eps))
+    )
     for i in range(model.num_layers):
-        L = jax.tree.map(lambda a: a[i], p["layers"])
+        L = jax.tree.map(lambda a, i=i: a[i], p["layers"])
         a = L["attention"]
         h = norm(x, L["attention_norm"])
         q = np.einsum("bte,ehd->bthd", h, a["query_kernel"])
@@ -70,7 +80,7 @@ def np_forward(model, params, tokens, window=None):
         x = x + o
         h = norm(x, L["mlp_norm"])
         m = L["mlp"]
-        bias = (lambda n: m[n]["bias"]) if model.use_bias else (lambda n: 0.0)
+        bias = (lambda n, m=m: m[n]["bias"]) if model.use_bias else (lambda n: 0.0)
         up = h @ m["up"]["kernel"] + bias("up")
         if model.mlp_activation == "swiglu":
             g = h @ m["gate"]["kernel"] + bias("gate")
@@ -95,8 +105,15 @@ def init(model, length=8, seed=0):
         {},
         {"sliding_window": 3},
         {"use_qkv_bias": True},
-        dict(position_embedding="learned", norm="layer", mlp_activation="gelu", use_bias=True,
-             tie_embeddings=True, num_kv_heads=None, norm_eps=1e-5),
+        dict(
+            position_embedding="learned",
+            norm="layer",
+            mlp_activation="gelu",
+            use_bias=True,
+            tie_embeddings=True,
+            num_kv_heads=None,
+            norm_eps=1e-5,
+        ),
     ],
     ids=["llama", "mistral", "qwen2", "gpt2"],
 )
@@ -104,9 +121,7 @@ def test_forward_matches_numpy(options):
     model = CausalTransformer(**{**TINY, **options})
     params = init(model)
     # random biases so they are exercised
-    params = jax.tree.map(
-        lambda x: x + 0.1 * jax.random.normal(jax.random.key(9), x.shape), params
-    )
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(9), x.shape), params)
     tokens = np.random.default_rng(0).integers(0, 32, (2, 8))
     got = model.apply({"params": params}, jnp.asarray(tokens))
     want = np_forward(model, params, tokens, window=options.get("sliding_window"))
@@ -121,7 +136,7 @@ def test_scan_equals_loop_and_remat():
     layers = params.pop("layers")
     loop_params = dict(params)
     for i in range(TINY["num_layers"]):
-        loop_params[f"layer_{i}"] = jax.tree.map(lambda a: a[i], layers)
+        loop_params[f"layer_{i}"] = jax.tree.map(lambda a, i=i: a[i], layers)
     params["layers"] = layers
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (2, 8)))
     a = scanned.apply({"params": params}, tokens)
@@ -161,13 +176,19 @@ def test_cached_decoding_equals_full_recompute(window):
     )["cache"]
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache)
     # prefill 4 tokens, then one at a time
-    logits, v = model.apply({"params": params, "cache": cache}, tokens[:, :4], decode=True,
-                            mutable=["cache"])
+    logits, v = model.apply(
+        {"params": params, "cache": cache}, tokens[:, :4], decode=True, mutable=["cache"]
+    )
     steps = [logits]
     for t in range(4, 10):
         pos = jnp.full((2, 1), t, jnp.int32)
-        logits, v = model.apply({"params": params, "cache": v["cache"]}, tokens[:, t:t + 1],
-                                positions=pos, decode=True, mutable=["cache"])
+        logits, v = model.apply(
+            {"params": params, "cache": v["cache"]},
+            tokens[:, t : t + 1],
+            positions=pos,
+            decode=True,
+            mutable=["cache"],
+        )
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
 
@@ -175,8 +196,9 @@ def test_cached_decoding_equals_full_recompute(window):
 def test_every_parameter_names_vocabulary_axes():
     model = CausalTransformer(**TINY)
     boxed = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    specs = jax.tree.leaves(nn.get_partition_spec(boxed),
-                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    specs = jax.tree.leaves(
+        nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
     names = {n for spec in specs for n in spec if n is not None}
     assert names <= set(axes.VOCABULARY)
     assert {"layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab"} <= names

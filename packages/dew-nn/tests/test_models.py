@@ -10,8 +10,9 @@ import pytest
 from dew.nn import CausalTransformer, RopeScaling, models
 from dew.nn.backbones import CausalTransformer as FromBackbones
 
-CONFIG = dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=4, mlp_features=32,
-              max_seq_len=16)
+CONFIG = dict(
+    vocab_size=32, emb_features=16, num_layers=2, num_heads=4, mlp_features=32, max_seq_len=16
+)
 
 
 def test_build_gives_the_registered_class():
@@ -21,8 +22,13 @@ def test_build_gives_the_registered_class():
 
 
 def test_config_round_trips_through_json_to_an_identical_module():
-    model = models.build("causal_transformer", **CONFIG, num_kv_heads=2, dtype=jnp.bfloat16,
-                         rope_scaling=RopeScaling(kind="llama3", factor=8.0))
+    model = models.build(
+        "causal_transformer",
+        **CONFIG,
+        num_kv_heads=2,
+        dtype=jnp.bfloat16,
+        rope_scaling=RopeScaling(kind="llama3", factor=8.0),
+    )
     name, config = models.config_of(model)
     rebuilt = models.build(name, **json.loads(json.dumps(config)))
     assert rebuilt == model

@@ -56,8 +56,9 @@ def test_moe_matches_a_per_token_numpy_loop(moe_and_params, k):
     probs = np.asarray(jax.nn.softmax(jnp.einsum("ble,ex->blx", x, params["router"]), -1))
     chosen = np.argsort(-probs, -1)[..., :k].reshape(-1)
     f = np.bincount(chosen, minlength=EXPERTS) / chosen.size
-    assert float(aux) == pytest.approx(EXPERTS * np.sum(f * probs.reshape(-1, EXPERTS).mean(0)),
-                                       rel=1e-6)
+    assert float(aux) == pytest.approx(
+        EXPERTS * np.sum(f * probs.reshape(-1, EXPERTS).mean(0)), rel=1e-6
+    )
 
 
 def test_load_balancing_loss_closed_forms():
@@ -84,8 +85,16 @@ def test_routing_is_dropless_and_independent_of_the_batch(moe_and_params):
 
 
 def test_causal_transformer_with_experts_names_expert_first():
-    model = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
-                              mlp_features=24, max_seq_len=8, num_experts=4, experts_per_token=2)
+    model = CausalTransformer(
+        vocab_size=32,
+        emb_features=16,
+        num_layers=2,
+        num_heads=2,
+        mlp_features=24,
+        max_seq_len=8,
+        num_experts=4,
+        experts_per_token=2,
+    )
     tokens = jnp.arange(16).reshape(2, 8) % 32
     variables = model.init(jax.random.key(0), tokens)
     specs = nn.get_partition_spec(variables)["params"]["layers"]["mlp"]
@@ -94,7 +103,8 @@ def test_causal_transformer_with_experts_names_expert_first():
     assert tuple(specs["router"]) == (axes.LAYERS, axes.EMBED, axes.EXPERT)
     params = nn.unbox(variables["params"])
     logits, sown = jax.jit(lambda v: model.apply(v, tokens, mutable=["intermediates"]))(
-        {"params": params})
+        {"params": params}
+    )
     aux = sown["intermediates"]["layers"]["mlp"]["aux_loss"][0]  # [layers]
     # scan == loop with experts, and each layer sows its own balance loss
     looped = model.clone(use_scan=False)
@@ -102,7 +112,8 @@ def test_causal_transformer_with_experts_names_expert_first():
     for i in range(2):
         per_layer[f"layer_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"])
     want, want_sown = jax.jit(lambda v: looped.apply(v, tokens, mutable=["intermediates"]))(
-        {"params": per_layer})
+        {"params": per_layer}
+    )
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-6)
     want_aux = [want_sown["intermediates"][f"layer_{i}"]["mlp"]["aux_loss"][0] for i in range(2)]
     np.testing.assert_allclose(np.asarray(aux), np.asarray(want_aux), rtol=1e-6)
@@ -110,6 +121,13 @@ def test_causal_transformer_with_experts_names_expert_first():
 
 def test_bad_expert_options_are_refused():
     with pytest.raises(ValueError, match="experts_per_token 3 must be between 1 and num_experts 2"):
-        CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
-                          mlp_features=24, max_seq_len=8, num_experts=2,
-                          experts_per_token=3).init(jax.random.key(0), jnp.zeros((1, 8), int))
+        CausalTransformer(
+            vocab_size=32,
+            emb_features=16,
+            num_layers=2,
+            num_heads=2,
+            mlp_features=24,
+            max_seq_len=8,
+            num_experts=2,
+            experts_per_token=3,
+        ).init(jax.random.key(0), jnp.zeros((1, 8), int))

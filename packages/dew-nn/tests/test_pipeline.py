@@ -22,8 +22,10 @@ def layer_fn(params, carry):
 @pytest.fixture(scope="module")
 def stack():
     k_w, k_b, k_x = jax.random.split(jax.random.key(0), 3)
-    params = {"w": jax.random.normal(k_w, (LAYERS, WIDTH, WIDTH)) / WIDTH**0.5,
-              "b": jax.random.normal(k_b, (LAYERS, WIDTH))}
+    params = {
+        "w": jax.random.normal(k_w, (LAYERS, WIDTH, WIDTH)) / WIDTH**0.5,
+        "b": jax.random.normal(k_b, (LAYERS, WIDTH)),
+    }
     x = jax.random.normal(k_x, (BATCH, WIDTH))
     scale = jnp.linspace(0.5, 1.5, BATCH)
     return params, x, scale
@@ -44,8 +46,11 @@ def np_sequential(params, x, scale, microbatches):
 @pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 2), (2, 4), (4, 2), (4, 8)])
 def test_pipeline_equals_the_layers_in_sequence(stack, stages, microbatches):
     params, x, scale = stack
-    fn = jax.jit(lambda p, x: pipeline(layer_fn, p, (x, scale), num_stages=stages,
-                                       num_microbatches=microbatches))
+    fn = jax.jit(
+        lambda p, x: pipeline(
+            layer_fn, p, (x, scale), num_stages=stages, num_microbatches=microbatches
+        )
+    )
     (y, scale_out), aux = fn(params, x)
     want, want_aux = np_sequential(params, x, scale, microbatches)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)  # float32
@@ -79,8 +84,9 @@ def test_layers_and_batch_must_divide(stack):
         pipeline(layer_fn, params, (x, scale), num_stages=2, num_microbatches=3)
 
 
-TINY = dict(vocab_size=32, emb_features=16, num_layers=4, num_heads=2, mlp_features=24,
-            max_seq_len=8)
+TINY = dict(
+    vocab_size=32, emb_features=16, num_layers=4, num_heads=2, mlp_features=24, max_seq_len=8
+)
 
 
 def test_pipelined_transformer_equals_the_plain_stack():

@@ -68,8 +68,15 @@ def test_llama3_scaling_matches_the_reference_formula():
             smooth = (old / wavelen - low) / (high - low)
             expected.append((1 - smooth) * f / scale + smooth * f)
     got = inverse_frequencies(
-        dim, theta, RopeScaling(kind="llama3", factor=scale, low_freq_factor=low,
-                                high_freq_factor=high, original_max_position=old)
+        dim,
+        theta,
+        RopeScaling(
+            kind="llama3",
+            factor=scale,
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position=old,
+        ),
     )
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 

@@ -13,8 +13,9 @@ from dew.objectives.lm import LMObjective
 
 
 def lm_case():
-    model = CausalTransformer(vocab_size=24, emb_features=16, num_layers=1, num_heads=2,
-                              mlp_features=32, max_seq_len=16)
+    model = CausalTransformer(
+        vocab_size=24, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16
+    )
     batch = {"text": np.random.default_rng(0).integers(0, 24, (4, 9)).astype(np.int32)}
     return LMObjective(model, seq_len=8), batch
 

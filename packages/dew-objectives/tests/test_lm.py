@@ -10,8 +10,9 @@ from dew.nn import CausalTransformer
 from dew.objectives import Step
 from dew.objectives.lm import LMObjective
 
-MODEL = CausalTransformer(vocab_size=24, emb_features=16, num_layers=1, num_heads=2,
-                          mlp_features=32, max_seq_len=16)
+MODEL = CausalTransformer(
+    vocab_size=24, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16
+)
 STEP = Step(index=jnp.int32(0), key=jax.random.key(0))
 
 

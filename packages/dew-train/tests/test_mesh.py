@@ -24,21 +24,36 @@ from dew.objectives.lm import LMObjective
 from dew.train import DEFAULT_RULES, MeshSpec, Trainer
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "mesh_shardings.json"
-TINY = dict(vocab_size=64, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
-            mlp_features=64, max_seq_len=16)
+TINY = dict(
+    vocab_size=64,
+    emb_features=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_features=64,
+    max_seq_len=16,
+)
 CASES = {
     "dense data=2,fsdp=2,tensor=2": (TINY, MeshSpec(data=2, fsdp=2, tensor=2)),
-    "moe expert=2,fsdp=2,tensor=2": ({**TINY, "num_experts": 4},
-                                     MeshSpec(expert=2, fsdp=2, tensor=2)),
-    "pipeline fsdp=2,tensor=2,stage=2": ({**TINY, "num_stages": 2},
-                                         MeshSpec(fsdp=2, tensor=2, stage=2)),
+    "moe expert=2,fsdp=2,tensor=2": (
+        {**TINY, "num_experts": 4},
+        MeshSpec(expert=2, fsdp=2, tensor=2),
+    ),
+    "pipeline fsdp=2,tensor=2,stage=2": (
+        {**TINY, "num_stages": 2},
+        MeshSpec(fsdp=2, tensor=2, stage=2),
+    ),
 }
 
 
 def trainer_for(config, mesh, optimizer=None, **objective):
     model = CausalTransformer(**config)
-    return Trainer(LMObjective(model, seq_len=16, **objective), optimizer or optax.sgd(0.1),
-                   key=jax.random.key(0), mesh=mesh)
+    return Trainer(
+        LMObjective(model, seq_len=16, **objective),
+        optimizer or optax.sgd(0.1),
+        key=jax.random.key(0),
+        mesh=mesh,
+    )
 
 
 def path_of(path) -> str:
@@ -56,7 +71,8 @@ def json_to_spec(spec: list) -> PartitionSpec:
 def param_specs(trainer) -> dict[str, list]:
     _, shardings = trainer.state_shardings()
     flat = jax.tree_util.tree_leaves_with_path(
-        shardings.params, is_leaf=lambda x: isinstance(x, NamedSharding))
+        shardings.params, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
     return {path_of(p): spec_to_json(s.spec) for p, s in flat}
 
 
@@ -105,7 +121,10 @@ def test_rules_table_maps_the_vocabulary():
     for name in (axes.HEADS, axes.KV_HEADS, axes.MLP, axes.VOCAB):
         assert rules[name] == "tensor"
     assert (rules[axes.LENGTH], rules[axes.EXPERT], rules[axes.LAYERS]) == (
-        "sequence", "expert", "stage")
+        "sequence",
+        "expert",
+        "stage",
+    )
     assert set(rules) == set(axes.VOCABULARY)
 
 
@@ -128,10 +147,16 @@ def test_golden_parameter_shardings():
 
 def test_trainer_rules_override():
     # no fsdp for embed; MLP features over fsdp and tensor together
-    rules = tuple((n, {axes.EMBED: None, axes.MLP: ("fsdp", "tensor")}.get(n, m))
-                  for n, m in DEFAULT_RULES)
-    trainer = Trainer(LMObjective(CausalTransformer(**TINY), seq_len=16), optax.sgd(0.1),
-                      key=jax.random.key(0), mesh=MeshSpec(data=2, fsdp=2, tensor=2), rules=rules)
+    rules = tuple(
+        (n, {axes.EMBED: None, axes.MLP: ("fsdp", "tensor")}.get(n, m)) for n, m in DEFAULT_RULES
+    )
+    trainer = Trainer(
+        LMObjective(CausalTransformer(**TINY), seq_len=16),
+        optax.sgd(0.1),
+        key=jax.random.key(0),
+        mesh=MeshSpec(data=2, fsdp=2, tensor=2),
+        rules=rules,
+    )
     specs = param_specs(trainer)
     assert specs["embed/embedding"] == ["tensor", None]
     assert specs["layers/mlp/up/kernel"] == ["stage", None, ["fsdp", "tensor"]]
@@ -157,8 +182,12 @@ def test_state_is_created_sharded_by_a_jit_with_out_shardings(monkeypatch):
     golden = json.loads(GOLDEN.read_text())["dense data=2,fsdp=2,tensor=2"]
     device_mesh = trainer.device_mesh
     expected = {p: NamedSharding(device_mesh, json_to_spec(s)) for p, s in golden.items()}
-    trees = {"params": state.params, "mu": state.opt_state[0].mu,
-             "nu": state.opt_state[0].nu, "averaged": state.averaged}
+    trees = {
+        "params": state.params,
+        "mu": state.opt_state[0].mu,
+        "nu": state.opt_state[0].nu,
+        "averaged": state.averaged,
+    }
     for tree_name, tree in trees.items():
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             want = expected[path_of(path)]
@@ -171,46 +200,70 @@ def test_state_is_created_sharded_by_a_jit_with_out_shardings(monkeypatch):
 def test_no_large_parameter_is_left_replicated_under_fsdp(config):
     trainer = trainer_for(config, MeshSpec(data=1, fsdp=8))
     abstract, shardings = trainer.state_shardings()
-    flat = zip(jax.tree_util.tree_leaves_with_path(abstract.params),
-               jax.tree.leaves(shardings.params, is_leaf=lambda x: isinstance(x, NamedSharding)))
-    replicated = [path_of(p) for (p, leaf), s in flat
-                  if leaf.size > 1024 and s.is_fully_replicated]
+    flat = zip(
+        jax.tree_util.tree_leaves_with_path(abstract.params),
+        jax.tree.leaves(shardings.params, is_leaf=lambda x: isinstance(x, NamedSharding)),
+    )
+    replicated = [path_of(p) for (p, leaf), s in flat if leaf.size > 1024 and s.is_fully_replicated]
     assert replicated == []
 
 
 def per_device_bytes(tree, device) -> int:
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
-               for shard in leaf.addressable_shards if shard.device == device)
+    return sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(tree)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
 
 
 @pytest.mark.slow
 def test_parameter_and_optimizer_bytes_shrink_as_one_over_fsdp():
     config = TINY
     abstract, _ = trainer_for(config, MeshSpec(data=8), optax.adam(1e-3)).state_shardings()
-    total = sum(leaf.size * leaf.dtype.itemsize
-                for leaf in jax.tree.leaves((abstract.params, abstract.opt_state)))
+    total = sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves((abstract.params, abstract.opt_state))
+    )
     measured = {}
     for fsdp in (2, 8):
         state = trainer_for(config, MeshSpec(data=-1, fsdp=fsdp), optax.adam(1e-3)).init_state()
-        measured[fsdp] = max(per_device_bytes((state.params, state.opt_state), d)
-                             for d in jax.devices())
+        measured[fsdp] = max(
+            per_device_bytes((state.params, state.opt_state), d) for d in jax.devices()
+        )
     for fsdp, nbytes in measured.items():
         # everything but Adam's step counter splits over fsdp: within 1% of total / fsdp
         assert nbytes == pytest.approx(total / fsdp, rel=0.01), (total, measured)
 
 
 # --------------------------------------------------------------- bad input
-@pytest.mark.parametrize("config,mesh,message", [
-    ({**TINY, "num_heads": 3, "num_kv_heads": 3, "head_dim": 8}, MeshSpec(tensor=2),
-     r"\['attention'\]\['(key|query)_kernel'\]: dimension 2 \('(kv_)?heads'\) of size 3 does not "
-     r"divide over mesh axis tensor of size 2"),
-    ({**TINY, "num_layers": 3}, MeshSpec(stage=2),
-     r"dimension 0 \('layers'\) of size 3 does not divide over mesh axis stage of size 2"),
-    ({**TINY, "num_experts": 3}, MeshSpec(expert=2),
-     r"dimension 1 \('expert'\) of size 3 does not divide over mesh axis expert of size 2"),
-    ({**TINY, "max_seq_len": 16}, MeshSpec(sequence=3, data=-1, devices=jax.devices()[:6]),
-     r"'length' of size 16 does not divide over mesh axis sequence of size 3"),
-], ids=["heads/tensor", "layers/stage", "experts/expert", "length/sequence"])
+@pytest.mark.parametrize(
+    "config,mesh,message",
+    [
+        (
+            {**TINY, "num_heads": 3, "num_kv_heads": 3, "head_dim": 8},
+            MeshSpec(tensor=2),
+            r"\['attention'\]\['(key|query)_kernel'\]: dimension 2 \('(kv_)?heads'\) "
+            r"of size 3 does not divide over mesh axis tensor of size 2",
+        ),
+        (
+            {**TINY, "num_layers": 3},
+            MeshSpec(stage=2),
+            r"dimension 0 \('layers'\) of size 3 does not divide over mesh axis stage of size 2",
+        ),
+        (
+            {**TINY, "num_experts": 3},
+            MeshSpec(expert=2),
+            r"dimension 1 \('expert'\) of size 3 does not divide over mesh axis expert of size 2",
+        ),
+        (
+            {**TINY, "max_seq_len": 16},
+            MeshSpec(sequence=3, data=-1, devices=jax.devices()[:6]),
+            r"'length' of size 16 does not divide over mesh axis sequence of size 3",
+        ),
+    ],
+    ids=["heads/tensor", "layers/stage", "experts/expert", "length/sequence"],
+)
 def test_dimension_that_does_not_divide_is_refused_before_compiling(config, mesh, message):
     trainer = trainer_for(config, mesh)
     with pytest.raises(ValueError, match=message):
@@ -219,8 +272,7 @@ def test_dimension_that_does_not_divide_is_refused_before_compiling(config, mesh
 
 def test_batch_that_does_not_divide_over_data_is_refused_before_compiling():
     rows = np.zeros((12, 17), np.int32)
-    data = Dataset(train=lambda p: itertools.repeat({"text": rows}), val=None, records=12,
-                   batch=12)
+    data = Dataset(train=lambda p: itertools.repeat({"text": rows}), val=None, records=12, batch=12)
     trainer = trainer_for(TINY, MeshSpec(data=8))
     with pytest.raises(ValueError, match="global batch 12 does not divide over 8 data-parallel"):
         trainer.fit(data, steps=1)
@@ -232,7 +284,10 @@ def test_pipeline_microbatch_that_does_not_divide_over_data_is_refused():
     trainer = trainer_for(config, MeshSpec(data=4, stage=2))
     rows = np.zeros((8, 17), np.int32)
     data = Dataset(train=lambda p: itertools.repeat({"text": rows}), val=None, records=8, batch=8)
-    with pytest.raises(ValueError, match=r"pipeline microbatch \(batch 8 / 4 microbatches\): "
-                                         r"'batch' of size 2 does not divide over mesh axis "
-                                         r"dataxfsdpxexpert of size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline microbatch \(batch 8 / 4 microbatches\): "
+        r"'batch' of size 2 does not divide over mesh axis "
+        r"dataxfsdpxexpert of size 4",
+    ):
         trainer.fit(data, steps=1)  # raised while tracing the step, before compiling it

@@ -25,8 +25,15 @@ from dew.objectives.lm import LMObjective
 from dew.train import DEFAULT_RULES, MeshSpec, Trainer
 
 SEQ, BATCH, VOCAB, STEPS = 16, 8, 64, 5
-TINY = dict(vocab_size=VOCAB, emb_features=32, num_layers=2, num_heads=4, num_kv_heads=2,
-            mlp_features=64, max_seq_len=SEQ)
+TINY = dict(
+    vocab_size=VOCAB,
+    emb_features=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    mlp_features=64,
+    max_seq_len=SEQ,
+)
 MOE = dict(TINY, num_experts=4, experts_per_token=2)
 PIPELINE = dict(TINY, num_stages=2, pipeline_microbatches=2)
 ROWS = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
@@ -35,14 +42,23 @@ ONE_DEVICE = MeshSpec(data=1, devices=jax.devices()[:1])
 
 def data() -> Dataset:
     """Five different global batches; each process reads its partition's rows."""
-    return Dataset(train=lambda p: iter({"text": r[p.slice(BATCH)]} for r in itertools.cycle(ROWS)),
-                   val=None, records=STEPS * BATCH, batch=BATCH)
+    return Dataset(
+        train=lambda p: iter({"text": r[p.slice(BATCH)]} for r in itertools.cycle(ROWS)),
+        val=None,
+        records=STEPS * BATCH,
+        batch=BATCH,
+    )
 
 
 def run(config: dict, mesh: MeshSpec, run_dir) -> tuple[list[float], dict, dict]:
     """Train five steps; returns (losses, final params, last metrics)."""
-    trainer = Trainer(LMObjective(CausalTransformer(**config), seq_len=SEQ), optax.sgd(0.5),
-                      key=jax.random.key(0), mesh=mesh, run_dir=str(run_dir))
+    trainer = Trainer(
+        LMObjective(CausalTransformer(**config), seq_len=SEQ),
+        optax.sgd(0.5),
+        key=jax.random.key(0),
+        mesh=mesh,
+        run_dir=str(run_dir),
+    )
     state = trainer.fit(data(), steps=STEPS, log_every=1)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train = [r for r in records if r["kind"] == "train"]
@@ -53,8 +69,10 @@ def run(config: dict, mesh: MeshSpec, run_dir) -> tuple[list[float], dict, dict]
 def reference(tmp_path_factory):
     """The one-device runs: the dense model (also the reference of the pipeline,
     whose parameters are the same tree) and the mixture of experts."""
-    return {"dense": run(TINY, ONE_DEVICE, tmp_path_factory.mktemp("dense")),
-            "moe": run(MOE, ONE_DEVICE, tmp_path_factory.mktemp("moe"))}
+    return {
+        "dense": run(TINY, ONE_DEVICE, tmp_path_factory.mktemp("dense")),
+        "moe": run(MOE, ONE_DEVICE, tmp_path_factory.mktemp("moe")),
+    }
 
 
 CASES = {
@@ -76,8 +94,11 @@ def test_mesh_matches_one_device(case, reference, tmp_path, capsys):
     sizes = mesh.sizes(8)
     assert f"on {sizes} (1 process(es))" in capsys.readouterr().out  # the start line
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 jax.device_get(params), jax.device_get(want_params))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        jax.device_get(params),
+        jax.device_get(want_params),
+    )
     if ref_name == "moe":  # the load-balancing loss is reported, agrees, and is in the loss
         assert metrics["aux_loss"] == pytest.approx(want_metrics["aux_loss"], rel=1e-5)
         assert 0.0 < metrics["aux_loss"] <= MOE["num_experts"]
@@ -93,15 +114,18 @@ def compiled_forward(config, mesh_spec):
     mesh, tokens = mesh_spec.make(), np.zeros((BATCH, SEQ), np.int32)
     with jax.set_mesh(mesh), nn.logical_axis_rules(list(DEFAULT_RULES)):
         boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)
-        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh,
-                                                list(DEFAULT_RULES))
-        params = jax.jit(lambda k: nn.unbox(model.init(k, tokens)),
-                         out_shardings=nn.unbox(shardings))(jax.random.key(0))
+        shardings = nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(boxed), mesh, list(DEFAULT_RULES)
+        )
+        params = jax.jit(
+            lambda k: nn.unbox(model.init(k, tokens)), out_shardings=nn.unbox(shardings)
+        )(jax.random.key(0))
         forward = jax.jit(model.apply)
         out = forward(params, tokens)
         hlo = forward.lower(params, tokens).compile().as_text()
-    ops = collections.Counter(re.findall(
-        r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(", hlo))
+    ops = collections.Counter(
+        re.findall(r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(", hlo)
+    )
     return out.sharding.spec, ops, params["params"]
 
 
@@ -118,4 +142,3 @@ def test_each_axis_does_its_own_kind_of_work():
     kernel = params["layers"]["mlp"]["up"]["kernel"]  # [layers, embed, mlp]
     assert {s.data.shape[0] for s in kernel.addressable_shards} == {1}  # 2 layers / 2 stages
     assert ops["collective-permute"] > 0  # jnp.roll of the stage buffer
-

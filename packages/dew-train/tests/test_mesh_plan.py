@@ -15,17 +15,27 @@ V, E, LAYERS, HEADS, MLP, BATCH, SEQ = 64, 32, 2, 4, 48, 8, 16
 
 
 def model(**kw):
-    return CausalTransformer(vocab_size=V, emb_features=E, num_layers=LAYERS, num_heads=HEADS,
-                             mlp_features=MLP, max_seq_len=SEQ, **kw)
+    return CausalTransformer(
+        vocab_size=V,
+        emb_features=E,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        mlp_features=MLP,
+        max_seq_len=SEQ,
+        **kw,
+    )
 
 
 def test_flops_are_three_forward_passes_of_matrix_products():
     """Forward: 2 FLOPs per multiply-add in q, k, v, out (4 E^2), SwiGLU (3 E MLP),
     the scores and the weighted values (2 x L^2 E per row), the LM head (E V);
     the backward pass doubles it. The layers are a scan: counted LAYERS times."""
-    report = plan(LMObjective(model(), seq_len=SEQ), optax.sgd(0.1),
-                  mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
-                  batch={"text": ((BATCH, SEQ + 1), jnp.int32)})
+    report = plan(
+        LMObjective(model(), seq_len=SEQ),
+        optax.sgd(0.1),
+        mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
+        batch={"text": ((BATCH, SEQ + 1), jnp.int32)},
+    )
     tokens = BATCH * SEQ
     layer = 2 * tokens * (4 * E * E + 3 * E * MLP) + 2 * 2 * BATCH * SEQ * SEQ * E
     head = 2 * tokens * E * V
@@ -36,12 +46,18 @@ def test_flops_are_three_forward_passes_of_matrix_products():
 @pytest.mark.slow
 def test_bytes_per_device_match_a_sharded_initialisation():
     # test_mesh.py's tiny model, optimizer and mesh: its initialisation is compiled once
-    tiny = CausalTransformer(vocab_size=64, emb_features=32, num_layers=2, num_heads=4,
-                             num_kv_heads=2, mlp_features=64, max_seq_len=16)
+    tiny = CausalTransformer(
+        vocab_size=64,
+        emb_features=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_features=64,
+        max_seq_len=16,
+    )
     mesh = MeshSpec(data=2, fsdp=2, tensor=2)
     objective = LMObjective(tiny, seq_len=16, ema=EMA(decay=0.9))
-    report = plan(objective, optax.adamw(1e-3), mesh=mesh,
-                  batch={"text": ((BATCH, 17), jnp.int32)})
+    report = plan(objective, optax.adamw(1e-3), mesh=mesh, batch={"text": ((BATCH, 17), jnp.int32)})
     state = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), mesh=mesh).init_state()
 
     def measured(tree):
@@ -63,7 +79,14 @@ def test_bytes_per_device_match_a_sharded_initialisation():
 
 
 def test_a_batch_that_does_not_divide_is_refused():
-    with pytest.raises(ValueError, match=r"batch rows \[6\] must be one number, a multiple of "
-                                         r"accumulate=1 x 8 data-parallel devices"):
-        plan(LMObjective(model(), seq_len=SEQ), optax.sgd(0.1), mesh=MeshSpec(data=8),
-             batch={"text": ((6, SEQ + 1), jnp.int32)})
+    with pytest.raises(
+        ValueError,
+        match=r"batch rows \[6\] must be one number, a multiple of "
+        r"accumulate=1 x 8 data-parallel devices",
+    ):
+        plan(
+            LMObjective(model(), seq_len=SEQ),
+            optax.sgd(0.1),
+            mesh=MeshSpec(data=8),
+            batch={"text": ((6, SEQ + 1), jnp.int32)},
+        )

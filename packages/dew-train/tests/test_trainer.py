@@ -4,7 +4,6 @@ import itertools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -14,15 +13,19 @@ from dew.nn import CausalTransformer
 from dew.objectives.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
-MODEL = CausalTransformer(vocab_size=32, emb_features=16, num_layers=2, num_heads=2,
-                          mlp_features=32, max_seq_len=16)
+MODEL = CausalTransformer(
+    vocab_size=32, emb_features=16, num_layers=2, num_heads=2, mlp_features=32, max_seq_len=16
+)
 ROWS = np.random.default_rng(0).integers(0, 32, (5, 8, 9)).astype(np.int32)
 
 
 def data(rows=ROWS):
-    return Dataset(train=lambda partition: iter({"text": r} for r in itertools.cycle(rows)),
-                   val=lambda partition: iter([{"text": rows[0]}, {"text": rows[1]}]),
-                   records=8 * len(rows), batch=rows.shape[1])
+    return Dataset(
+        train=lambda partition: iter({"text": r} for r in itertools.cycle(rows)),
+        val=lambda partition: iter([{"text": rows[0]}, {"text": rows[1]}]),
+        records=8 * len(rows),
+        batch=rows.shape[1],
+    )
 
 
 def reference_losses(objective, optimizer, key, steps):
@@ -33,9 +36,9 @@ def reference_losses(objective, optimizer, key, steps):
 
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: objective.loss({"params": p}, batch, None)[0]
-        )(params)
+        loss, grads = jax.value_and_grad(lambda p: objective.loss({"params": p}, batch, None)[0])(
+            params
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -54,15 +57,23 @@ def test_eight_devices_match_a_single_device_loop(capsys):
     trainer = Trainer(objective, optimizer, key=jax.random.key(0))
     state = trainer.fit(data(), steps=6, log_every=1)
     out = capsys.readouterr().out
-    assert ("Training from step 0 to 6 on {'data': 8, 'expert': 1, 'fsdp': 1, 'tensor': 1, "
-            "'sequence': 1, 'stage': 1} (1 process(es))") in out
-    logged = [float(line.split("loss ")[1]) for line in out.splitlines()
-              if line.startswith("step ") and "loss" in line]
+    assert (
+        "Training from step 0 to 6 on {'data': 8, 'expert': 1, 'fsdp': 1, 'tensor': 1, "
+        "'sequence': 1, 'stage': 1} (1 process(es))"
+    ) in out
+    logged = [
+        float(line.split("loss ")[1])
+        for line in out.splitlines()
+        if line.startswith("step ") and "loss" in line
+    ]
     want, params = reference_losses(objective, optimizer, jax.random.key(0), 6)
     # float32 reductions in another order over 8 devices: agree to ~1e-5 relative.
     np.testing.assert_allclose(logged, want, rtol=2e-4)  # logged with 4 decimals
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-                 jax.device_get(state.params), jax.device_get(params))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+        jax.device_get(state.params),
+        jax.device_get(params),
+    )
     assert (int(state.step), int(state.microstep), int(state.updates)) == (6, 6, 6)
     assert "Goodput: first step after" in out
     assert len(state.params["layers"]["mlp"]["up"]["kernel"].sharding.device_set) == 8
@@ -86,8 +97,9 @@ def test_batch_that_does_not_divide_over_devices_is_refused_before_compiling():
 def test_wrong_row_length_is_refused_with_the_shape():
     objective = LMObjective(MODEL, seq_len=8)
     trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0))
-    short = Dataset(train=lambda p: itertools.repeat({"text": ROWS[0, :, :6]}), val=None,
-                    records=8, batch=8)
+    short = Dataset(
+        train=lambda p: itertools.repeat({"text": ROWS[0, :, :6]}), val=None, records=8, batch=8
+    )
     with pytest.raises(ValueError, match=r"shape \(8, 6\).*seq_len \+ 1 = 9"):
         trainer.fit(short, steps=1)
 
@@ -95,15 +107,24 @@ def test_wrong_row_length_is_refused_with_the_shape():
 def test_mesh_product_mismatch_names_devices():
     with pytest.raises(ValueError, match="needs 4 devices but 8 are present"):
         MeshSpec(data=2, tensor=2).sizes(8)
-    assert MeshSpec(fsdp=4).sizes(8) == {"data": 2, "expert": 1, "fsdp": 4, "tensor": 1,
-                                         "sequence": 1, "stage": 1}
+    assert MeshSpec(fsdp=4).sizes(8) == {
+        "data": 2,
+        "expert": 1,
+        "fsdp": 4,
+        "tensor": 1,
+        "sequence": 1,
+        "stage": 1,
+    }
 
 
 def test_eval_every_logs_evaluation_and_a_preview(capsys):
     rows = np.tile(np.arange(9, dtype=np.int32), (2, 8, 1))
     objective = LMObjective(MODEL, seq_len=8, preview_prompt="", preview_tokens=4)
-    objective.tokenizer = type("Ids", (), {"encode": lambda self, s: [0, 1],
-                                           "decode": lambda self, ids: ",".join(map(str, ids))})()
+    objective.tokenizer = type(
+        "Ids",
+        (),
+        {"encode": lambda self, s: [0, 1], "decode": lambda self, ids: ",".join(map(str, ids))},
+    )()
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(0))
     state = trainer.fit(data(rows), steps=30, log_every=30, eval_every=30)
     out = capsys.readouterr().out

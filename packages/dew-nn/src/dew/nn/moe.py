@@ -103,12 +103,20 @@ class MoE(nn.Module):
         self.sow("intermediates", "aux_loss", load_balancing_loss(probs, chosen, num))
 
         hidden_axes = (axes.EXPERT, axes.BATCH, axes.LENGTH, axes.MLP)
-        up = jnp.einsum("ble,xem->xblm", x, self._param(
-            "up", (num, embed, self.features), (axes.EXPERT, axes.EMBED, axes.MLP)))
+        up = jnp.einsum(
+            "ble,xem->xblm",
+            x,
+            self._param("up", (num, embed, self.features), (axes.EXPERT, axes.EMBED, axes.MLP)),
+        )
         up = nn.with_logical_constraint(up, hidden_axes)  # [expert, batch, length, mlp]
         if self.activation == "swiglu":
-            gate = jnp.einsum("ble,xem->xblm", x, self._param(
-                "gate", (num, embed, self.features), (axes.EXPERT, axes.EMBED, axes.MLP)))
+            gate = jnp.einsum(
+                "ble,xem->xblm",
+                x,
+                self._param(
+                    "gate", (num, embed, self.features), (axes.EXPERT, axes.EMBED, axes.MLP)
+                ),
+            )
             hidden = nn.silu(nn.with_logical_constraint(gate, hidden_axes)) * up
         elif self.activation == "gelu":
             hidden = nn.gelu(up, approximate=True)

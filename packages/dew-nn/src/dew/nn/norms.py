@@ -22,8 +22,10 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)),
-            (x.shape[-1],), self.param_dtype,
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)),
+            (x.shape[-1],),
+            self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
@@ -41,12 +43,16 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         features = x.shape[-1]
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)),
-            (features,), self.param_dtype,
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)),
+            (features,),
+            self.param_dtype,
         )
         bias = self.param(
-            "bias", nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,)),
-            (features,), self.param_dtype,
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros, (axes.EMBED,)),
+            (features,),
+            self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)

@@ -43,8 +43,7 @@ def check_pipeline(num_layers: int, num_stages: int, batch: int, num_microbatche
     batch into microbatches."""
     if num_stages < 1 or num_microbatches < 1:
         raise ValueError(
-            f"num_stages ({num_stages}) and pipeline_microbatches ({num_microbatches}) "
-            f"must be >= 1"
+            f"num_stages ({num_stages}) and pipeline_microbatches ({num_microbatches}) must be >= 1"
         )
     if num_layers % num_stages:
         raise ValueError(
@@ -94,8 +93,11 @@ def pipeline(
     batch = jax.tree.leaves(inputs)[0].shape[0]
     check_pipeline(num_layers, num_stages, batch, num_microbatches)
     stages, micro_rows, per_stage = num_stages, batch // num_microbatches, num_layers // num_stages
-    check_divides(micro_rows, axes.BATCH,
-                  f"pipeline microbatch (batch {batch} / {num_microbatches} microbatches)")
+    check_divides(
+        micro_rows,
+        axes.BATCH,
+        f"pipeline microbatch (batch {batch} / {num_microbatches} microbatches)",
+    )
     iterations = num_microbatches + stages - 1
 
     stage_params = jax.tree.map(

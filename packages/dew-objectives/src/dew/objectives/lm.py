@@ -23,7 +23,7 @@ from dew.objectives.base import EMA, Objective, Step
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Negative log-likelihood of ``targets [batch, length]`` under ``logits [batch, length, vocab]``."""
+    """NLL of ``targets [batch, length]`` under ``logits [batch, length, vocab]``."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
@@ -80,9 +80,11 @@ class LMObjective(Objective):
         # Keep the logical-axis boxes of a fresh init around the given values.
         return {
             "params": jax.tree.map(
-                lambda box, value: box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
-                if isinstance(box, nn.meta.AxisMetadata)
-                else jnp.asarray(value, box.dtype),
+                lambda box, value: (
+                    box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
+                    if isinstance(box, nn.meta.AxisMetadata)
+                    else jnp.asarray(value, box.dtype)
+                ),
                 variables["params"],
                 self.init_params,
                 is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
@@ -103,8 +105,11 @@ class LMObjective(Objective):
             {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"]
         )
         if aux is not None:
-            aux.extend(jnp.mean(v) for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                       if any(getattr(k, "key", None) == "aux_loss" for k in path))
+            aux.extend(
+                jnp.mean(v)
+                for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                if any(getattr(k, "key", None) == "aux_loss" for k in path)
+            )
         targets = tokens[:, 1:]
         weights = self._weights(batch, tokens)
         nll = token_nll(logits, targets)  # [batch, seq_len]
@@ -143,14 +148,17 @@ class LMObjective(Objective):
         prompt = self.tokenizer.encode(self.preview_prompt)
         max_len = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)
         new = max(1, min(self.preview_tokens, max_len - len(prompt)))
-        out = generate(self.model, variables["params"], [prompt], new, key,
-                       sampling=Sampling(temperature=0))
+        out = generate(
+            self.model, variables["params"], [prompt], new, key, sampling=Sampling(temperature=0)
+        )
         return self.tokenizer.decode(out.tokens[0])
 
     def pipeline(self, state):
         from dew.sampling import TextGeneration
 
-        params = state.averaged if (self.ema is not None and self.evaluate_averaged) else state.params
+        params = (
+            state.averaged if (self.ema is not None and self.evaluate_averaged) else state.params
+        )
         return TextGeneration(self.model, params, self.tokenizer)
 
     def check_batch(self, batch):

@@ -98,8 +98,9 @@ class Plan:
             ("step FLOPs / device", f"{self.flops_per_device:.3e}"),
         ]
         width = max(len(name) for name, _ in rows)
-        lines = [f"plan on {self.devices} devices ({mesh}), compiled in "
-                 f"{self.compile_seconds:.1f} s"]
+        lines = [
+            f"plan on {self.devices} devices ({mesh}), compiled in {self.compile_seconds:.1f} s"
+        ]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         return "\n".join(lines)
 
@@ -128,11 +129,14 @@ def plan(
       ``seq_len=2048``.
     rules, accumulate: as in :class:`Trainer`.
     """
-    trainer = Trainer(objective, optimizer, key=jax.random.key(0), mesh=mesh, rules=rules,
-                      accumulate=accumulate)
+    trainer = Trainer(
+        objective, optimizer, key=jax.random.key(0), mesh=mesh, rules=rules, accumulate=accumulate
+    )
     device_mesh = trainer.device_mesh
-    batch = {k: v if isinstance(v, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(*v)
-             for k, v in batch.items()}
+    batch = {
+        k: v if isinstance(v, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(*v)
+        for k, v in batch.items()
+    }
     rows = {v.shape[0] for v in batch.values()}
     dp = data_parallel_size(device_mesh, trainer.rules)
     if len(rows) != 1 or next(iter(rows)) % (dp * accumulate):
@@ -141,24 +145,32 @@ def plan(
             f"{accumulate} x {dp} data-parallel devices (mesh {mesh_sizes(device_mesh)})"
         )
     abstract, shardings = trainer.state_shardings()
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, shardings)
-    batch_shardings = {k: batch_sharding(device_mesh, trainer.rules, v.ndim)
-                       for k, v in batch.items()}
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k])
-             for k, v in batch.items()}
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    batch_shardings = {
+        k: batch_sharding(device_mesh, trainer.rules, v.ndim) for k, v in batch.items()
+    }
+    batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k])
+        for k, v in batch.items()
+    }
     step_fn = build_train_step(objective, optimizer, accumulate_steps=accumulate)
     replicated = NamedSharding(device_mesh, PartitionSpec())
 
     start = time.perf_counter()
     with jax.set_mesh(device_mesh), nn.logical_axis_rules(list(trainer.rules)):
         flops = count_flops(jax.make_jaxpr(step_fn)(state, batch).jaxpr)
-        compiled = jax.jit(
-            step_fn,
-            in_shardings=(shardings, batch_shardings),
-            out_shardings=(shardings, replicated),
-            donate_argnums=0,
-        ).lower(state, batch).compile()
+        compiled = (
+            jax.jit(
+                step_fn,
+                in_shardings=(shardings, batch_shardings),
+                out_shardings=(shardings, replicated),
+                donate_argnums=0,
+            )
+            .lower(state, batch)
+            .compile()
+        )
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     devices = device_mesh.devices.size
@@ -169,10 +181,15 @@ def plan(
         optimizer_bytes=shard_bytes(abstract.opt_state, shardings.opt_state),
         other_state_bytes=shard_bytes(
             (abstract.averaged, abstract.frozen, abstract.key, abstract.step),
-            (shardings.averaged, shardings.frozen, shardings.key, shardings.step)),
+            (shardings.averaged, shardings.frozen, shardings.key, shardings.step),
+        ),
         temporary_bytes=int(memory.temp_size_in_bytes),
-        peak_bytes=int(memory.argument_size_in_bytes + memory.output_size_in_bytes
-                       - memory.alias_size_in_bytes + memory.temp_size_in_bytes),
+        peak_bytes=int(
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes
+        ),
         flops=flops,
         flops_per_device=flops / devices,
         compile_seconds=seconds,

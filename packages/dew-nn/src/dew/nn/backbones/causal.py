@@ -334,15 +334,21 @@ class CausalTransformer(nn.Module):
         def layer_fn(params, carry):
             h, pos, ok = carry
             (h, _), sown = block.apply({"params": params}, h, pos, ok, mutable=["intermediates"])
-            aux = [v for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                   if any(getattr(k, "key", None) == "aux_loss" for k in path)]
+            aux = [
+                v
+                for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                if any(getattr(k, "key", None) == "aux_loss" for k in path)
+            ]
             return (h, pos, ok), (sum(aux) if aux else jnp.zeros((), jnp.float32))
 
         if self.use_remat:
             layer_fn = jax.checkpoint(layer_fn)
         (x, _, _), aux = pipeline(
-            layer_fn, layer_params, (x, positions, valid),
-            num_stages=self.num_stages, num_microbatches=self.microbatches,
+            layer_fn,
+            layer_params,
+            (x, positions, valid),
+            num_stages=self.num_stages,
+            num_microbatches=self.microbatches,
         )
         if self.num_experts:
             self.sow("intermediates", "aux_loss", aux)

@@ -6,7 +6,7 @@ import os
 # 8 emulated CPU devices, set before any test imports jax (each xdist worker too).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".jax_cache")
+    "JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/dew/jax-compilation")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -32,7 +32,10 @@ PACKAGE_DIRS = {"dew-jax": "dew"}
 ENV = {
     "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
     "JAX_PLATFORMS": "cpu",
-    "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache"),
+    # One persistent compilation cache for every session and run on this machine.
+    "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/dew/jax-compilation")
+    ),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "UV_COMPILE_BYTECODE": "1",
     "PYTHONDONTWRITEBYTECODE": "",

@@ -5,7 +5,8 @@ the step in flight finishes, a checkpoint is written, ``fit`` says where and
 returns the state. The previous handlers come back as soon as the first
 signal arrives (so a second Ctrl-C interrupts as usual) and when ``fit``
 ends. In a multi-process run every process stops at the same step: the
-request is combined over processes after each step.
+request is combined over processes every ``sync_every`` steps (one small
+all-gather, so a pod does not synchronise hosts on every step).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ class StopSignals:
     """Context manager; ``requested()`` is true once a stop signal arrived
     (on any process)."""
 
-    def __init__(self, signals=SIGNALS):
+    def __init__(self, signals=SIGNALS, *, sync_every: int = 10):
         self.signals = tuple(signals)
+        self.sync_every = sync_every
         self.received: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -48,9 +50,14 @@ class StopSignals:
         self.received = signal.Signals(signum).name
         self._restore()
 
-    def requested(self) -> bool:
+    def requested(self, step: int = 0) -> bool:
+        """Whether to stop after ``step``. With several processes the answer
+        only turns true on steps that are multiples of ``sync_every``, where all
+        processes compare notes."""
         if jax.process_count() == 1:
             return self.received is not None
+        if step % self.sync_every:
+            return False
         from jax.experimental import multihost_utils
 
         flags = multihost_utils.process_allgather(np.int32(self.received is not None))

@@ -308,7 +308,7 @@ class Trainer:
                         jax.block_until_ready(metrics)
                         goodput.first_step_done()
                 log.advance(step)
-                stopping = stop.requested()
+                stopping = stop.requested(step)
                 pending.append((step, metrics))
                 is_log = log_every and step % log_every == 0
                 if is_log or len(pending) >= max(self.max_rejected, 1) or step == steps or stopping:

@@ -99,7 +99,7 @@ class LMObjective(Objective):
             weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
         return weights
 
-    def _sums(self, variables, batch, *, aux: list | None = None):
+    def _sums(self, variables, batch, *, aux: list | None = None, accuracy: bool = False):
         tokens = batch[self.text_key]
         logits, sown = self.model.apply(
             {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"]
@@ -113,12 +113,11 @@ class LMObjective(Objective):
         targets = tokens[:, 1:]
         weights = self._weights(batch, tokens)
         nll = token_nll(logits, targets)  # [batch, seq_len]
-        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-        return {
-            "nll_sum": jnp.sum(nll * weights),
-            "correct": jnp.sum(correct * weights),
-            "tokens": jnp.sum(weights),
-        }
+        sums = {"nll_sum": jnp.sum(nll * weights), "tokens": jnp.sum(weights)}
+        if accuracy:  # evaluation only: an argmax over the vocab the step does not need
+            correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+            sums["correct"] = jnp.sum(correct * weights)
+        return sums
 
     def loss(self, variables, batch, step: Step):
         aux: list = []
@@ -130,7 +129,7 @@ class LMObjective(Objective):
         return loss, sums
 
     def evaluate(self, variables, batch, step: Step):
-        return self._sums(variables, batch)
+        return self._sums(variables, batch, accuracy=True)
 
     def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
         tokens = max(float(totals["tokens"]), 1.0)

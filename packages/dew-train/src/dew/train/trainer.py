@@ -166,9 +166,12 @@ class Trainer:
                     f"{global_rows // partition.count} rows of the global batch {global_rows}"
                 )
             sharding = batch_sharding(self.device_mesh, self.rules, value.ndim)
-            out[name] = jax.make_array_from_process_local_data(
-                sharding, value, (global_rows, *value.shape[1:])
-            )
+            if partition.count == 1:  # this process holds the whole batch
+                out[name] = jax.device_put(value, sharding)
+            else:
+                out[name] = jax.make_array_from_process_local_data(
+                    sharding, value, (global_rows, *value.shape[1:])
+                )
         return out
 
     # ------------------------------------------------------------------- fit

@@ -41,3 +41,13 @@ def test_import_dew_nn_loads_no_training_code():
 def test_import_dew_alone_is_lazy():
     code = "import sys, dew; assert 'dew.train' not in sys.modules and 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_export_resolves_to_its_subpackage_object():
+    import importlib
+
+    import dew
+
+    for name in dew.__all__:
+        module = importlib.import_module(dew._EXPORTS[name])
+        assert getattr(dew, name) is getattr(module, name), name

@@ -96,3 +96,18 @@ def test_third_party_imports_are_declared(sub):
             if dist is None or dist not in declared:
                 undeclared.append(f"{path.relative_to(ROOT)}: {name} (distribution {dist or top})")
     assert not undeclared, "imports not declared in pyproject.toml:\n" + "\n".join(undeclared)
+
+
+@pytest.mark.parametrize("sub", sorted(ALLOWED))
+def test_every_declared_dependency_is_imported(sub):
+    info = packages(ROOT)[f"dew-{sub}"]
+    imported = set()
+    for path in sources(sub):
+        for name in imports(path):
+            parts = name.split(".")
+            if parts[0] == "dew" and len(parts) > 1:
+                imported.add(f"dew-{parts[1]}")
+            elif parts[0] in DISTRIBUTIONS:
+                imported.add(DISTRIBUTIONS[parts[0]])
+    unused = sorted(r.name for r in info["requires"] if r.name not in imported)
+    assert not unused, f"dew-{sub} declares dependencies it never imports: {unused}"

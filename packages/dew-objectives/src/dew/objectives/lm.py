@@ -18,14 +18,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dew.objectives.base import EMA, Objective, Step
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """NLL of ``targets [batch, length]`` under ``logits [batch, length, vocab]``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    """NLL of ``targets [batch, length]`` under ``logits [batch, length, vocab]`` (float32)."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
 @dataclasses.dataclass(eq=False)

@@ -315,12 +315,18 @@ class Trainer:
                 pending.append((step, metrics))
                 is_log = log_every and step % log_every == 0
                 if is_log or len(pending) >= max(self.max_rejected, 1) or step == steps or stopping:
+                    # Between log steps only two scalars a step leave the device (was
+                    # it applied, and its loss for the rejection message), every
+                    # max_rejected steps, so a run of rejections stops in time.
                     with goodput.measure("steps"):
-                        fetched = jax.device_get([m for _, m in pending])
+                        flags = jax.device_get(
+                            [{"accepted": m["accepted"], "loss": m["loss"]} for _, m in pending]
+                        )
+                        last = jax.device_get(pending[-1][1]) if is_log else None
                     with goodput.measure("logging"):
-                        self._account(pending, fetched, rejected_run, log)
+                        self._account(pending, flags, rejected_run, log)
                         if is_log:
-                            values = {k: float(v) for k, v in fetched[-1].items()}
+                            values = {k: float(v) for k, v in last.items()}
                             log.log(
                                 step,
                                 values,

@@ -75,27 +75,19 @@ class DecoderBlock(nn.Module):
         )(h, positions, valid, decode=self.decode)
         x = x + h
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
+        shared = dict(
+            features=c.mlp_features,
+            activation=c.mlp_activation,
+            init_std=c.init_std,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="mlp",
+        )
         if c.num_experts:
-            h = MoE(
-                num_experts=c.num_experts,
-                experts_per_token=c.experts_per_token,
-                features=c.mlp_features,
-                activation=c.mlp_activation,
-                init_std=c.init_std,
-                dtype=c.dtype,
-                param_dtype=c.param_dtype,
-                name="mlp",
-            )(h)
+            mlp = MoE(num_experts=c.num_experts, experts_per_token=c.experts_per_token, **shared)
         else:
-            h = MLP(
-                features=c.mlp_features,
-                activation=c.mlp_activation,
-                use_bias=c.use_bias,
-                init_std=c.init_std,
-                dtype=c.dtype,
-                param_dtype=c.param_dtype,
-                name="mlp",
-            )(h)
+            mlp = MLP(use_bias=c.use_bias, **shared)
+        h = mlp(h)
         x = nn.with_logical_constraint(x + h, ACTIVATION_AXES)
         return x, None
 

@@ -22,8 +22,12 @@ router probability of ``e`` over the batch's tokens,
     aux_loss = num_experts * sum_e f_e P_e
 
 which is 1 for a perfectly uniform router and ``num_experts`` when one
-expert takes everything. It is sown into the ``intermediates`` collection
-as ``aux_loss``; :class:`dew.objectives.lm.LMObjective` adds it to the loss.
+expert takes everything. It is taken per sequence (row), as DeepSeek-V3's
+sequence-wise balance loss, and sown into the ``intermediates`` collection
+as ``aux_loss`` of shape ``[batch]``: a per-row value averages exactly over
+microbatches and devices (a batch-wide ``f_e P_e`` is a product of means, which
+no split of the batch reproduces). :class:`dew.objectives.lm.LMObjective` adds
+its mean over rows and layers to the loss (:func:`collect_aux_losses`).
 
 Expert weights carry the logical axis ``expert`` first (``[expert, embed,
 mlp]``), so the trainer's rules split them over the ``expert`` mesh axis;
@@ -41,7 +45,7 @@ from dew.nn.mlp import ACTIVATIONS
 
 
 def load_balancing_loss(probs: jax.Array, chosen: jax.Array, num_experts: int) -> jax.Array:
-    """``num_experts * sum_e f_e P_e`` over all tokens.
+    """``num_experts * sum_e f_e P_e`` over all tokens (a scalar).
 
     probs: router probabilities ``[..., expert]``.
     chosen: the chosen experts' ids ``[..., experts_per_token]``.
@@ -51,6 +55,35 @@ def load_balancing_loss(probs: jax.Array, chosen: jax.Array, num_experts: int) -
     fraction = jnp.mean(assigned, axis=0)  # f_e, [expert]
     mean_prob = jnp.mean(probs.astype(jnp.float32), axis=0)  # P_e, [expert]
     return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def row_load_balancing_loss(probs: jax.Array, chosen: jax.Array, num_experts: int) -> jax.Array:
+    """:func:`load_balancing_loss` of each row (sequence) on its own: ``[batch]``.
+
+    probs: ``[batch, length, expert]``; chosen: ``[batch, length, experts_per_token]``.
+    """
+    return jax.vmap(lambda p, c: load_balancing_loss(p, c, num_experts))(probs, chosen)
+
+
+def collect_aux_losses(intermediates, rows: int) -> jax.Array | None:
+    """The mean over layers of every sown ``aux_loss``, per row: ``[rows]``, or
+    None when the model sowed none. Scanned layers sow ``[layers, rows]``,
+    unscanned ones ``[rows]`` each; a scalar (a pipelined stack's mean) counts
+    the same for every row."""
+    leaves = [
+        v
+        for path, v in jax.tree_util.tree_leaves_with_path(intermediates)
+        if any(getattr(k, "key", None) == "aux_loss" for k in path)
+    ]
+    if not leaves:
+        return None
+    per_row = [
+        jnp.broadcast_to(v.astype(jnp.float32), (1, rows))
+        if v.ndim == 0
+        else v.astype(jnp.float32).reshape(-1, rows)
+        for v in leaves
+    ]
+    return jnp.mean(jnp.concatenate(per_row, axis=0), axis=0)
 
 
 class MoE(nn.Module):
@@ -81,7 +114,7 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``x [batch, length, embed] -> [batch, length, embed]``; sows ``aux_loss``."""
+        """``x [batch, length, embed] -> [batch, length, embed]``; sows ``aux_loss [batch]``."""
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; use one of {ACTIVATIONS}")
         if not 1 <= self.experts_per_token <= self.num_experts:
@@ -100,7 +133,7 @@ class MoE(nn.Module):
             top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
         one_hot = jax.nn.one_hot(chosen, num, dtype=jnp.float32)  # [batch, length, k, expert]
         gates = jnp.sum(one_hot * top_probs[..., None], axis=-2)  # [batch, length, expert]
-        self.sow("intermediates", "aux_loss", load_balancing_loss(probs, chosen, num))
+        self.sow("intermediates", "aux_loss", row_load_balancing_loss(probs, chosen, num))
 
         hidden_axes = (axes.EXPERT, axes.BATCH, axes.LENGTH, axes.MLP)
         up = jnp.einsum(

@@ -67,48 +67,191 @@ class EMA:
         return decay
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Role:
+    """One model an objective uses, by the part it plays.
+
+    name: the role (``"model"``, ``"policy"``, ``"value"``, ``"encoder"``,
+      ``"predictor"``, ``"reference"``, ``"teacher"``, ``"text_encoder"``);
+      unique within an objective.
+    module: the ``flax.linen.Module``.
+    trained: True = its parameters are optimized (in ``TrainState.params``);
+      False = frozen: kept in ``TrainState.frozen[name]``, checkpointed, never in
+      the optimizer state and never averaged.
+    weights: a frozen role's variables (a Hugging Face load, another run's
+      weights); None = the objective initializes it (a reference policy is a
+      copy of the initial policy). Shapes are checked against the module
+      before anything is compiled.
+
+    A checkpoint records each role's registry name and config
+    (``dew.nn.models.config_of``), so ``load_model(directory, role=...)``
+    rebuilds any of them.
+    """
+
+    name: str
+    module: Any
+    trained: bool = True
+    weights: Any = None
+
+    def __post_init__(self):
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"a role name must be an identifier, got {self.name!r}")
+        if self.trained and self.weights is not None:
+            raise ValueError(
+                f"role {self.name!r} is trained; pass starting weights through the "
+                f"objective's init (e.g. LMObjective(init_params=...)), not Role.weights"
+            )
+
+    def frozen_variables(self, key: jax.Array, *inputs) -> Variables:
+        """A frozen role's variables: ``weights`` checked against the module's own
+        shapes, or a fresh ``module.init(key, *inputs)``."""
+        expected = jax.eval_shape(lambda: nn_unbox(self.module.init(key, *inputs)))
+        if self.weights is None:
+            return nn_unbox(self.module.init(key, *inputs))
+        given = self.weights if "params" in self.weights else {"params": self.weights}
+        check_same_shapes(expected, given, what=f"frozen role {self.name!r}")
+        return jax.tree.map(
+            lambda want, value: jnp.asarray(value, want.dtype), expected, dict(given)
+        )
+
+
+def nn_unbox(tree):
+    import flax.linen as nn
+
+    return nn.unbox(tree)
+
+
+def check_same_shapes(expected, given, *, what: str) -> None:
+    """Raise ValueError naming every path whose presence or shape differs."""
+    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in _leaves(expected)}
+    got = {jax.tree_util.keystr(p): tuple(np.shape(x)) for p, x in _leaves(given)}
+    problems = [f"{k}: missing (module has {v})" for k, v in want.items() if k not in got]
+    problems += [f"{k}: not in the module (given {v})" for k, v in got.items() if k not in want]
+    problems += [
+        f"{k}: given {got[k]}, module has {v}" for k, v in want.items() if k in got and got[k] != v
+    ]
+    if problems:
+        shown = "; ".join(problems[:8]) + (
+            f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        )
+        raise ValueError(
+            f"{what}: the weights do not fit the module ({shown}); load weights saved for "
+            f"this architecture and config"
+        )
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves_with_path(tree)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Updates:
+    """How many optimizer updates one prepared batch feeds.
+
+    epochs: passes over the prepared batch.
+    minibatches: equal slices of the prepared batch per pass; each is one
+      update (one trainer step, itself split by ``Trainer(accumulate=...)``).
+    shuffle: draw a new order of the prepared rows for every epoch (from the
+      step key), as PPO does; False = the same contiguous slices every epoch.
+    """
+
+    epochs: int = 1
+    minibatches: int = 1
+    shuffle: bool = True
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ValueError(
+                f"Updates needs epochs >= 1 and minibatches >= 1, got epochs={self.epochs}, "
+                f"minibatches={self.minibatches}"
+            )
+
+    @property
+    def per_batch(self) -> int:
+        """Optimizer updates (trainer steps) per prepared batch."""
+        return self.epochs * self.minibatches
+
+
 class Objective:
-    """Base class of every objective. Subclasses set ``model`` and implement
-    :meth:`init` and :meth:`loss`; the rest is optional.
+    """Base class of every objective. Subclasses set ``model`` (or override
+    :meth:`roles`) and implement :meth:`init` and :meth:`loss`; the rest is
+    optional.
 
     Attributes:
-      model: the trained ``flax.linen.Module``.
+      model: the trained ``flax.linen.Module`` of a one-model objective.
       ema: an :class:`EMA`, or None to keep no moving average.
       uses_averaged: the loss reads the moving average (JEPA's target encoder):
         the trainer passes it as ``variables['averaged']``.
-      evaluate_averaged: evaluation, previews and pipelines use the averaged
+      evaluate_averaged: evaluation, previews and exports use the averaged
         weights when there are any.
+      prepared_updates: with :meth:`prepare`, the optimizer updates each prepared batch
+        feeds (:class:`Updates`); ignored without it.
+
+    The loss's value and metrics may carry weights (:mod:`dew.objectives.weighted`):
+    a plain scalar means equal weight per example row.
     """
 
     model: Any
     ema: EMA | None = None
     uses_averaged: bool = False
     evaluate_averaged: bool = True
+    prepared_updates: Updates = Updates()
 
-    def init(self, key: jax.Array) -> Variables:
-        """``{'params': ..., plus frozen collections}``; parameters may be
-        ``nn.LogicallyPartitioned`` boxes (the trainer shards and unboxes them)."""
+    def roles(self) -> tuple[Role, ...]:
+        """The models this objective uses. Default: one trained role, ``model``.
+
+        With one trained role, ``variables['params']`` is its parameter tree;
+        with several, ``variables['params'][role]``. A frozen role's variables
+        are ``variables[role]`` (e.g. ``variables['reference']['params']``).
+        """
+        return (Role(name="model", module=self.model),)
+
+    def init(self, key: jax.Array, spec: Mapping[str, Any] | None = None) -> Variables:
+        """``{'params': ..., frozen role name: its variables, ...}``; parameters may be
+        ``nn.LogicallyPartitioned`` boxes (the trainer shards and unboxes them).
+
+        spec: the data's batch spec, ``{key: Field(shape per row, dtype)}``
+          (``dew.data.Dataset.spec``), so shapes are stated once, by the data.
+          An ``init(self, key)`` without it stays valid.
+        """
+        raise NotImplementedError
+
+    def prepare(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
+        """Optional: turn a data batch into a training batch, compiled and without
+        gradients, on the pre-update weights (rollouts and their rewards,
+        reference log-probs, values and advantages; masks; noise). The trainer
+        then runs ``prepared_updates.per_batch`` optimizer updates over its rows. Every
+        array's leading dimension is the rows, divisible by ``prepared_updates.minibatches``."""
         raise NotImplementedError
 
     def loss(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
-        """``(scalar loss, metrics dict of scalars)``; metrics carry sums and counts."""
+        """``(loss, metrics)``: the loss a scalar (a mean, equal weight per row), a
+        ``Weighted`` or a tuple of ``Weighted`` terms; metrics scalars, ``Weighted``
+        or ``Summed`` (:mod:`dew.objectives.weighted`)."""
         raise NotImplementedError
 
     def evaluate(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step) -> Metrics:
-        """Sums and counts over one validation batch (the trainer adds them up)."""
+        """Metrics of one validation batch, as in :meth:`loss`; the trainer adds
+        them up over the pass (weights and totals separately) and reduces once."""
         raise NotImplementedError
 
-    def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
-        """Turn evaluation totals (sums over batches) into the reported numbers."""
-        return dict(totals)
+    def summarize(self, results: Mapping[str, float]) -> dict[str, float]:
+        """Add derived numbers to the reduced evaluation results (e.g. perplexity)."""
+        return dict(results)
 
     def preview(self, variables: Variables, key: jax.Array) -> Any:
         """A sample to log (text, images, video); None = nothing to show."""
         return None
 
-    def pipeline(self, state) -> Any:
-        """An inference task wrapping the trained weights."""
+    def export(self, variables: Variables) -> Any:
+        """An inference task (``TextGeneration``, ...) wrapping these variables: a
+        live run's, a checkpoint's or a Hugging Face load's."""
         raise NotImplementedError(f"{type(self).__name__} has no inference pipeline")
+
+    def pipeline(self, state) -> Any:
+        """``export`` of a ``TrainState``'s variables (the averaged ones when the
+        objective evaluates with them)."""
+        return self.export(state.variables(averaged=self.evaluate_averaged))
 
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
         """Validate one host batch before it is compiled against; raise ValueError."""
@@ -120,3 +263,7 @@ class Objective:
     @property
     def has_preview(self) -> bool:
         return type(self).preview is not Objective.preview
+
+    @property
+    def has_prepare(self) -> bool:
+        return type(self).prepare is not Objective.prepare

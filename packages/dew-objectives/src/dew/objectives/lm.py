@@ -5,7 +5,11 @@ scored on ``x[1:]``:
 
     loss = -sum_t w_t log p(x_{t+1} | x_{<=t}) / sum_t w_t
 
-with ``w`` the optional loss mask (1 everywhere by default).
+with ``w`` the optional loss mask (1 everywhere by default). The loss is a
+:class:`~dew.objectives.Weighted` mean over target tokens, so accumulation and
+data parallelism divide once by the global token count. A model that sows
+auxiliary losses (a mixture of experts' per-row load balance) adds
+``aux_loss_weight`` times their mean over rows, a second term weighted by rows.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import optax
 
 from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.weighted import Summed, Weighted
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -34,6 +39,7 @@ class LMObjective(Objective):
 
     model: a causal module, ``model.apply(variables, tokens) -> [batch, length, vocab]``.
     seq_len: positions the model reads per row; rows hold ``seq_len + 1`` ids.
+      None = taken from the data's batch spec (``Dataset.spec``), stated once there.
     text_key: the batch key holding the token rows.
     loss_mask_key: optional batch key of a ``[batch, seq_len + 1]`` 0/1 mask; a
       target position counts when its mask is 1 (e.g. completion tokens only).
@@ -44,13 +50,14 @@ class LMObjective(Objective):
     init_params: start from these parameters (fine-tuning a ``Pretrained``)
       instead of a random initialisation.
     aux_loss_weight: weight of the auxiliary losses the model sows as
-      ``intermediates/.../aux_loss`` (a mixture of experts' load balance):
-      ``loss = nll / tokens + aux_loss_weight * mean(aux_loss)``; the mean is
-      reported as the ``aux_loss`` metric. Models that sow none add nothing.
+      ``intermediates/.../aux_loss`` (a mixture of experts' per-row load
+      balance): ``loss = nll_sum / tokens + aux_loss_weight * mean_rows(aux_loss)``;
+      the mean is reported as the ``aux_loss`` metric. Models that sow none
+      add nothing.
     """
 
     model: Any
-    seq_len: int
+    seq_len: int | None = None
     text_key: str = "text"
     loss_mask_key: str | None = None
     ema: EMA | None = None
@@ -61,20 +68,48 @@ class LMObjective(Objective):
     aux_loss_weight: float = 0.01
 
     def __post_init__(self):
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1 positions, got {self.seq_len}")
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and self.seq_len > max_len:
-            raise ValueError(
-                f"seq_len {self.seq_len} is longer than the model's max_seq_len {max_len}"
-            )
+        if self.seq_len is not None:
+            self._check_seq_len(self.seq_len, "seq_len")
         if self.tokenizer is None:
             from dew.data import ByteTokenizer
 
             self.tokenizer = ByteTokenizer()
 
-    def init(self, key):
-        variables = self.model.init(key, jnp.zeros((1, self.seq_len), jnp.int32))
+    def _check_seq_len(self, seq_len: int, where: str) -> None:
+        if seq_len < 1:
+            raise ValueError(f"{where} must be >= 1 positions, got {seq_len}")
+        max_len = getattr(self.model, "max_seq_len", None)
+        if max_len is not None and seq_len > max_len:
+            raise ValueError(
+                f"{where} {seq_len} is longer than the model's max_seq_len {max_len}; "
+                f"build the model with max_seq_len >= {seq_len} or use shorter rows"
+            )
+
+    def positions(self, spec=None) -> int:
+        """Positions the model reads per row: ``seq_len``, or the batch spec's row
+        length minus one; both given and different is an error naming both."""
+        row = None
+        if spec is not None and self.text_key in spec:
+            row = int(tuple(spec[self.text_key].shape)[0]) - 1
+        if self.seq_len is not None:
+            if row is not None and row != self.seq_len:
+                raise ValueError(
+                    f"LMObjective(seq_len={self.seq_len}) reads rows of {self.seq_len + 1} "
+                    f"ids, but the data declares batch[{self.text_key!r}] rows of "
+                    f"{row + 1} ids; drop seq_len (the data states it) or make them agree"
+                )
+            return self.seq_len
+        if row is None:
+            raise ValueError(
+                f"LMObjective has no seq_len and the data declares no {self.text_key!r} "
+                f"field (Dataset.spec); pass LMObjective(seq_len=...) or a Dataset with a spec"
+            )
+        self._check_seq_len(row, f"the data's {self.text_key!r} row length - 1")
+        return row
+
+    def init(self, key, spec=None):
+        seq_len = self.positions(spec)
+        variables = self.model.init(key, jnp.zeros((1, seq_len), jnp.int32))
         if self.init_params is None:
             return variables
         # Keep the logical-axis boxes of a fresh init around the given values.
@@ -99,46 +134,45 @@ class LMObjective(Objective):
             weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
         return weights
 
-    def _sums(self, variables, batch, *, aux: list | None = None, accuracy: bool = False):
+    def _forward(self, variables, batch):
         tokens = batch[self.text_key]
         logits, sown = self.model.apply(
             {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"]
         )
-        if aux is not None:
-            aux.extend(
-                jnp.mean(v)
-                for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                if any(getattr(k, "key", None) == "aux_loss" for k in path)
-            )
         targets = tokens[:, 1:]
         weights = self._weights(batch, tokens)
         nll = token_nll(logits, targets)  # [batch, seq_len]
-        sums = {"nll_sum": jnp.sum(nll * weights), "tokens": jnp.sum(weights)}
-        if accuracy:  # evaluation only: an argmax over the vocab the step does not need
-            correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-            sums["correct"] = jnp.sum(correct * weights)
-        return sums
+        return logits, sown, targets, weights, nll
 
     def loss(self, variables, batch, step: Step):
-        aux: list = []
-        sums = self._sums(variables, batch, aux=aux)
-        loss = sums["nll_sum"] / jnp.maximum(sums["tokens"], 1.0)
-        if aux:
-            sums["aux_loss"] = sum(aux) / len(aux)
-            loss = loss + self.aux_loss_weight * sums["aux_loss"]
-        return loss, sums
+        from dew.nn.moe import collect_aux_losses
+
+        _, sown, _, weights, nll = self._forward(variables, batch)
+        nll_mean = Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights))
+        metrics = {"nll": nll_mean, "tokens": Summed(jnp.sum(weights))}
+        aux = collect_aux_losses(sown, nll.shape[0])  # [batch] or None
+        if aux is None:
+            return nll_mean, metrics
+        rows = batch["example_mask"] if "example_mask" in batch else None
+        metrics["aux_loss"] = Weighted.mean(aux, rows)
+        return (nll_mean, metrics["aux_loss"].scale(self.aux_loss_weight)), metrics
 
     def evaluate(self, variables, batch, step: Step):
-        return self._sums(variables, batch, accuracy=True)
+        logits, _, targets, weights, nll = self._forward(variables, batch)
+        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+        return {
+            "loss": Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights)),
+            "accuracy": Weighted(total=jnp.sum(correct * weights), weight=jnp.sum(weights)),
+            "tokens": Summed(jnp.sum(weights)),
+        }
 
-    def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
-        tokens = max(float(totals["tokens"]), 1.0)
-        loss = float(totals["nll_sum"]) / tokens
+    def summarize(self, results: Mapping[str, float]) -> dict[str, float]:
+        loss = results["loss"]
         return {
             "loss": loss,
             "perplexity": float(np.exp(min(loss, 80.0))),
-            "accuracy": float(totals["correct"]) / tokens,
-            "tokens": float(totals["tokens"]),
+            "accuracy": results["accuracy"],
+            "tokens": results["tokens"],
         }
 
     def preview(self, variables, key):
@@ -152,13 +186,10 @@ class LMObjective(Objective):
         )
         return self.tokenizer.decode(out.tokens[0])
 
-    def pipeline(self, state):
+    def export(self, variables):
         from dew.sampling import TextGeneration
 
-        params = (
-            state.averaged if (self.ema is not None and self.evaluate_averaged) else state.params
-        )
-        return TextGeneration(self.model, params, self.tokenizer)
+        return TextGeneration(self.model, variables["params"], self.tokenizer)
 
     def check_batch(self, batch):
         if self.text_key not in batch:
@@ -166,12 +197,14 @@ class LMObjective(Objective):
                 f"LMObjective needs batch[{self.text_key!r}]; the batch has keys {sorted(batch)}"
             )
         tokens = np.asarray(batch[self.text_key])
-        if tokens.ndim != 2 or tokens.shape[1] != self.seq_len + 1:
+        if tokens.ndim != 2 or (self.seq_len is not None and tokens.shape[1] != self.seq_len + 1):
             raise ValueError(
                 f"batch[{self.text_key!r}] has shape {tokens.shape}; LMObjective(seq_len="
                 f"{self.seq_len}) needs rows of seq_len + 1 = {self.seq_len + 1} ids "
                 f"([rows, {self.seq_len + 1}])"
             )
+        if self.seq_len is None:
+            self._check_seq_len(tokens.shape[1] - 1, f"batch[{self.text_key!r}] row length - 1")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise TypeError(f"batch[{self.text_key!r}] must hold integer ids, got {tokens.dtype}")
         vocab = getattr(self.model, "vocab_size", None)
@@ -184,3 +217,30 @@ class LMObjective(Objective):
                     f"vocabulary (vocab_size {vocab}, largest id {largest}); check the "
                     f"tokenizer matches the model"
                 )
+        if self.loss_mask_key is not None:
+            self._check_mask(batch)
+
+    def _check_mask(self, batch) -> None:
+        if self.loss_mask_key not in batch:
+            raise KeyError(
+                f"LMObjective(loss_mask_key={self.loss_mask_key!r}) needs that key in the "
+                f"batch; the batch has keys {sorted(batch)}"
+            )
+        mask = np.asarray(batch[self.loss_mask_key])
+        tokens = np.asarray(batch[self.text_key])
+        if mask.shape != tokens.shape:
+            raise ValueError(
+                f"batch[{self.loss_mask_key!r}] has shape {mask.shape}; it must match "
+                f"batch[{self.text_key!r}] {tokens.shape} (one weight per id)"
+            )
+        if mask.size and mask.min() < 0:
+            raise ValueError(
+                f"LMObjective: batch[{self.loss_mask_key!r}] holds a negative weight "
+                f"({mask.min()}); loss weights must be >= 0"
+            )
+        if mask.size and not mask[:, 1:].any():
+            raise ValueError(
+                f"LMObjective: every target of this batch is masked out "
+                f"(batch[{self.loss_mask_key!r}][:, 1:] is all 0 over {mask.shape[0]} rows), "
+                f"so its loss has weight 0; drop such batches in the reader or unmask a target"
+            )

@@ -24,7 +24,7 @@ PACKAGES = {
     "dew_data": ("dew-data", ["--all-extras"]),
     "dew_sampling": ("dew-sampling", []),
     "dew_objectives": ("dew-objectives", []),
-    "dew_train": ("dew-train", []),
+    "dew_train": ("dew-train", ["--all-extras"]),  # wandb, mlflow: the tracker tests
     "dew": ("dew-jax", []),
 }
 PACKAGE_DIRS = {"dew-jax": "dew"}

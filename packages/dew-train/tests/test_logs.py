@@ -153,3 +153,78 @@ def test_plain_lines_off_a_tty(capsys):
     captured = capsys.readouterr()
     assert captured.out == "step 5: loss 1.5000\n"
     assert captured.err == ""
+
+
+def rows_of(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_resume_moves_rows_after_the_checkpoint_to_superseded(tmp_path, capsys):
+    # a first run logs steps 2, 4, 6 (+ eval at 4), is killed after 6 with its
+    # newest checkpoint at step 4, and the line it was writing is torn
+    first = MetricsLog(str(tmp_path), progress=False)
+    first.start(0)
+    for step, loss in ((2, 3.0), (4, 2.0), (6, 1.5)):
+        first.log(step, {"loss": loss})
+    first.log(4, {"loss": 2.25}, kind="eval")
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "kind": "tra')  # SIGKILL mid-write
+
+    resumed = MetricsLog(str(tmp_path), progress=False)
+    resumed.start(4)  # restored from the checkpoint at step 4
+    for step, loss in ((6, 1.25), (8, 1.0)):
+        resumed.log(step, {"loss": loss})
+    resumed.close()
+
+    rows = rows_of(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["kind"], r["loss"]) for r in rows] == [
+        (2, "train", 3.0),
+        (4, "train", 2.0),
+        (4, "eval", 2.25),
+        (6, "train", 1.25),
+        (8, "train", 1.0),
+    ]
+    steps = [(r["step"], r["kind"]) for r in rows]
+    assert len(steps) == len(set(steps))  # each (step, kind) once
+    superseded = rows_of(tmp_path / "metrics.superseded.jsonl")
+    assert superseded[0] == {**superseded[0], "step": 6, "kind": "train", "loss": 1.5}
+    assert superseded[1] == {"unreadable": '{"step": 8, "kind": "tra'} | {
+        "superseded": True,
+        "resumed_from": 4,
+    }
+    assert all(r["superseded"] is True and r["resumed_from"] == 4 for r in superseded)
+    assert len(superseded) == 2
+    out = capsys.readouterr().out
+    assert "Training from step 4: 2 row(s) of " in out and "metrics.superseded.jsonl" in out
+
+
+def test_start_without_later_rows_leaves_the_file_alone(tmp_path, capsys):
+    log = MetricsLog(str(tmp_path), progress=False)
+    log.log(2, {"loss": 1.0})
+    log.close()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    log = MetricsLog(str(tmp_path), progress=False, start_step=2)  # known at construction
+    log.log(4, {"loss": 0.5})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text().startswith(before)
+    assert [r["loss"] for r in rows_of(tmp_path / "metrics.jsonl")] == [1.0, 0.5]
+    assert not (tmp_path / "metrics.superseded.jsonl").exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_a_fresh_run_in_an_old_run_dir_supersedes_every_row(tmp_path):
+    old = MetricsLog(str(tmp_path), progress=False)
+    old.log(2, {"loss": 1.0})
+    old.log(4, {"loss": 0.5})
+    old.close()
+    new = MetricsLog(str(tmp_path), progress=False)
+    new.start(0)  # no checkpoint: training starts over
+    new.log(2, {"loss": 0.75})
+    new.close()
+    assert [(r["step"], r["loss"]) for r in rows_of(tmp_path / "metrics.jsonl")] == [(2, 0.75)]
+    superseded = rows_of(tmp_path / "metrics.superseded.jsonl")
+    assert [(r["step"], r["loss"], r["resumed_from"]) for r in superseded] == [
+        (2, 1.0, 0),
+        (4, 0.5, 0),
+    ]

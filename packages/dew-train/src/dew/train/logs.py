@@ -1,5 +1,6 @@
 """Where metrics go: stdout lines (or a progress bar on a TTY), a JSONL file
-and TensorBoard event files in the run directory."""
+and TensorBoard event files in the run directory, and any experiment trackers
+(`dew.train.trackers`: Weights & Biases, MLflow)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+
+from dew.train.trackers import Tracker
+
+METRICS = "metrics.jsonl"
+SUPERSEDED = "metrics.superseded.jsonl"
 
 
 def format_value(value: float) -> str:
@@ -26,6 +32,17 @@ class MetricsLog:
       stdout only.
     is_main: only the main process (``jax.process_index() == 0``) writes.
     progress: a tqdm bar on a TTY; None decides from ``sys.stdout.isatty()``.
+    total_steps: the step the run ends at (the progress bar's total).
+    start_step: the step training starts from, when known now; None = call
+      :meth:`start` once it is (after restoring a checkpoint).
+    examples_per_step: examples in one global batch (examples/s on the bar).
+    trackers: experiment trackers (:mod:`dew.train.trackers`) that get every
+      record this log writes; closed by :meth:`close`.
+
+    ``metrics.jsonl`` holds each step once. A run that resumes at step S from a
+    checkpoint (``start(S)``) moves the rows a killed run wrote after S, which
+    the resumed run writes again, to ``metrics.superseded.jsonl`` with
+    ``"superseded": true`` and ``"resumed_from": S``.
     """
 
     def __init__(
@@ -35,9 +52,17 @@ class MetricsLog:
         is_main: bool = True,
         progress: bool | None = None,
         total_steps: int = 0,
-        start_step: int = 0,
+        start_step: int | None = None,
         examples_per_step: int = 0,
+        trackers: Sequence[Tracker] = (),
     ):
+        for tracker in trackers:
+            if not isinstance(tracker, Tracker):
+                raise TypeError(
+                    f"trackers must have log(step, values, kind) and close(), got "
+                    f"{type(tracker).__name__}; use dew.train.trackers.WandbTracker, "
+                    f"MLflowTracker or a class of your own with those two methods"
+                )
         self.is_main = is_main
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -45,14 +70,15 @@ class MetricsLog:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self.trackers = list(trackers)
         self._last_time = time.perf_counter()
-        self._last_step = start_step
+        self._last_step = start_step or 0
         if not is_main:
             return
         if run_dir is not None:
             try:
                 os.makedirs(run_dir, exist_ok=True)
-                self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+                self._jsonl = open(os.path.join(run_dir, METRICS), "a")
             except OSError as error:
                 raise PermissionError(
                     f"cannot write metrics to {run_dir!r} ({type(error).__name__}: {error}); "
@@ -64,13 +90,63 @@ class MetricsLog:
         if progress is None:
             progress = sys.stdout.isatty()
         self._progress = progress
-        self.start(start_step)
+        if start_step is not None:
+            self.start(start_step)
+        elif progress:
+            self._open_bar(0)
 
     def start(self, step: int) -> None:
-        """Training (re)starts at ``step``: the progress bar begins there."""
+        """Training (re)starts at ``step``: the progress bar begins there, and rows
+        of ``metrics.jsonl`` after ``step`` move to ``metrics.superseded.jsonl``."""
         self._last_time, self._last_step = time.perf_counter(), step
-        if not self.is_main or not self._progress:
+        if not self.is_main:
             return
+        if self._jsonl is not None:
+            self._supersede_after(step)
+        if self._progress:
+            self._open_bar(step)
+
+    def _supersede_after(self, step: int) -> None:
+        """Move the rows with a step after ``step`` (and a line torn by a kill) out
+        of ``metrics.jsonl``: the run goes on from ``step`` and writes them again."""
+        path = os.path.join(self.run_dir, METRICS)
+        self._jsonl.flush()
+        with open(path) as f:
+            text = f.read()
+        kept, moved = [], []
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                later = int(row["step"]) > step
+            except (ValueError, KeyError, TypeError):  # torn by a kill mid-write
+                row, later = {"unreadable": line}, True
+            if later:
+                moved.append({**row, "superseded": True, "resumed_from": step})
+            else:
+                kept.append(line)
+        if not moved and (not text or text.endswith("\n")):
+            return
+        with open(os.path.join(self.run_dir, SUPERSEDED), "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in moved)
+            f.flush()
+            os.fsync(f.fileno())
+        temporary = path + ".tmp"
+        with open(temporary, "w") as f:
+            f.writelines(line + "\n" for line in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        self._jsonl.close()
+        os.replace(temporary, path)  # atomic: a reader sees the old file or the new
+        self._jsonl = open(path, "a")
+        if moved:
+            self.print(
+                f"Training from step {step}: {len(moved)} row(s) of {path} written after "
+                f"step {step} by an earlier run moved to {SUPERSEDED}"
+            )
+
+    def _open_bar(self, step: int) -> None:
         from tqdm import tqdm
 
         if self._bar is not None:
@@ -112,6 +188,8 @@ class MetricsLog:
             for name, value in metrics.items():
                 if isinstance(value, int | float):
                     self._tb.add_scalar(f"{kind}/{name}", value, step)
+        for tracker in self.trackers:
+            tracker.log(step, metrics, kind)
         if self._bar is not None and kind == "train":
             rate = (step - self._last_step) / max(now - self._last_time, 1e-9)
             postfix = {"loss": format_value(metrics.get("loss", float("nan")))}
@@ -124,6 +202,9 @@ class MetricsLog:
             self.print(line)
 
     def close(self) -> None:
+        if self.is_main:
+            for tracker in self.trackers:
+                tracker.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:

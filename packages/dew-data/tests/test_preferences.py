@@ -1,7 +1,5 @@
 """PreferencePairs and Prompts: packing, padding and masks against hand-worked values."""
 
-import json
-
 import numpy as np
 import pytest
 
@@ -27,13 +25,7 @@ def test_pack_hand_worked():
     assert out.tolist() == [1, 5, 6, 0] and completion_mask.tolist() == [False, True, True, False]
 
 
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def test_preference_pairs_from_jsonl(tmp_path):
+def test_preference_pairs_from_jsonl(tmp_path, write_jsonl):
     rows = [
         {"prompt": "Q1?", "chosen": "yes", "rejected": "no", "extra": 1},
         {"prompt": "Q2 long prompt", "chosen": "fine answer", "rejected": "b"},
@@ -69,15 +61,15 @@ def test_preference_pairs_from_datasets_with_other_fields():
         rejected_field="bad",
         end_id=9,
         pad_id=0,
-    ).load(batch=2)
+    ).load(batch=1)
     batch = next(data.train(Partition()))
-    assert batch["chosen"].tolist() == [ids("hi") + ids("a") + [9, 0]] * 2
-    assert batch["rejected"].tolist() == [ids("hi") + ids("bc") + [9]] * 2
+    assert batch["chosen"].tolist() == [ids("hi") + ids("a") + [9, 0]]
+    assert batch["rejected"].tolist() == [ids("hi") + ids("bc") + [9]]
     with pytest.raises(KeyError, match=r"no column 'prompt'.*\['q', 'good', 'bad'\]"):
         PreferencePairs(dataset).load(batch=1)
 
 
-def test_unknown_field_lists_the_fields(tmp_path):
+def test_unknown_field_lists_the_fields(tmp_path, write_jsonl):
     write_jsonl(tmp_path / "p.jsonl", [{"question": "a", "chosen": "b", "rejected": "c"}])
     with pytest.raises(KeyError, match=r"line 1: no field 'prompt'.*'chosen', 'question'"):
         PreferencePairs(tmp_path / "p.jsonl").load(batch=1)
@@ -108,3 +100,39 @@ def test_prompts_are_left_padded_with_answers_right_padded(tmp_path):
     assert mask.tolist() == [[False] * 2 + [True] * 4, [True] * 6]
     assert batch["answer"][order].tolist() == [ids("4") + [PAD] * 2, ids("42") + [PAD]]
     assert batch["answer_mask"][order].tolist() == [[True, False, False], [True, True, False]]
+
+
+def left_padded(text, length):
+    """numpy reference: the last ``length`` byte ids of ``text``, left-padded with PAD."""
+    tail = np.frombuffer(text.encode(), np.uint8)[-length:].astype(np.int32)
+    return np.concatenate([np.full(length - len(tail), PAD, np.int32), tail])
+
+
+def val_rows(data):
+    batches = list(data.val(Partition()))
+    prompts = np.concatenate([b["prompt"] for b in batches])
+    return prompts[np.concatenate([b["example_mask"] for b in batches])]
+
+
+def test_prompts_validation_from_the_tail_the_head_or_a_separate_source(tmp_path, write_jsonl):
+    questions = [f"question {i}" for i in range(10)]
+    write_jsonl(tmp_path / "q.jsonl", [{"prompt": q} for q in questions])
+    expected = np.stack([left_padded(q, 8) for q in questions])
+    for val_from, held_out in (("tail", expected[-3:]), ("head", expected[:3])):
+        data = Prompts(
+            tmp_path / "q.jsonl", prompt_len=8, val_fraction=0.3, val_from=val_from
+        ).load(batch=7)
+        np.testing.assert_array_equal(val_rows(data), held_out)
+        train = next(data.train(Partition()))["prompt"]  # one epoch: the other 7 rows
+        rest = expected[3:] if val_from == "head" else expected[:-3]
+        assert sorted(map(tuple, train.tolist())) == sorted(map(tuple, rest.tolist()))
+    write_jsonl(tmp_path / "held.jsonl", [{"prompt": "held out"}, {"prompt": "also held"}])
+    data = Prompts(tmp_path / "q.jsonl", prompt_len=8, val_source=tmp_path / "held.jsonl").load(
+        batch=10
+    )
+    assert data.records == 10  # every row of source trains
+    np.testing.assert_array_equal(
+        val_rows(data), np.stack([left_padded("held out", 8), left_padded("also held", 8)])
+    )
+    with pytest.raises(ValueError, match=r"val_from must be one of \('tail', 'head'\)"):
+        Prompts(tmp_path / "q.jsonl", val_from="random")

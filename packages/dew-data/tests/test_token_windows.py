@@ -25,14 +25,12 @@ def all_windows(data):
     return np.concatenate(rows)[: data.records]
 
 
-def write_jsonl(path, docs, field="text"):
-    with open(path, "w") as f:
-        for doc in docs:
-            f.write(json.dumps({field: doc, "id": 1}) + "\n")
+def rows_of(docs, field="text"):
+    return [{field: doc, "id": 1} for doc in docs]
 
 
-def test_windows_are_the_tokenized_stream_cut_every_seq_len(tmp_path):
-    write_jsonl(tmp_path / "docs.jsonl", DOCS)
+def test_windows_are_the_tokenized_stream_cut_every_seq_len(tmp_path, write_jsonl):
+    write_jsonl(tmp_path / "docs.jsonl", rows_of(DOCS))
     reader = TokenWindows(
         tmp_path / "docs.jsonl", seq_len=8, cache_dir=tmp_path / "c", val_fraction=0.2, seed=1
     )
@@ -112,9 +110,9 @@ def make_hf_tokenizer(directory):
     return HFTokenizer(directory)
 
 
-def test_hf_tokenizer_ids_and_end_id(tmp_path):
+def test_hf_tokenizer_ids_and_end_id(tmp_path, write_jsonl):
     tokenizer = make_hf_tokenizer(tmp_path / "tok")
-    write_jsonl(tmp_path / "d.jsonl", ["the first document", "a document"])
+    write_jsonl(tmp_path / "d.jsonl", rows_of(["the first document", "a document"]))
     reader = TokenWindows(
         tmp_path / "d.jsonl", seq_len=2, tokenizer=tokenizer, cache_dir=tmp_path / "c"
     )
@@ -145,11 +143,11 @@ def test_short_corpus_gives_both_counts(tmp_path):
         TokenWindows(tmp_path / "short.txt", seq_len=8, cache_dir=tmp_path).load(batch=2)
 
 
-def test_unknown_field_lists_the_fields(tmp_path):
+def test_unknown_field_lists_the_fields(tmp_path, write_jsonl):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    write_jsonl(tmp_path / "d.jsonl", DOCS, field="content")
+    write_jsonl(tmp_path / "d.jsonl", rows_of(DOCS, field="content"))
     with pytest.raises(KeyError, match=r"no field 'text'.*\['content', 'id'\]"):
         TokenWindows(tmp_path / "d.jsonl", seq_len=4, cache_dir=tmp_path).load(batch=2)
     pq.write_table(pa.table({"body": DOCS}), tmp_path / "d.parquet")
@@ -162,3 +160,50 @@ def test_tokenizer_without_end_id_needs_one(tmp_path):
     tokenizer.end_id = None  # an instance attribute shadows the class's
     with pytest.raises(ValueError, match="pass end_id="):
         TokenWindows(tmp_path, seq_len=4, tokenizer=tokenizer)
+
+
+def windows_of(ids, seq_len):
+    """numpy reference: every window of seq_len + 1 ids, stride seq_len."""
+    count = (len(ids) - 1) // seq_len
+    return np.stack([ids[w * seq_len : w * seq_len + seq_len + 1] for w in range(count)])
+
+
+def real_val_rows(data):
+    batches = list(data.val(Partition()))
+    rows = np.concatenate([b["text"] for b in batches])
+    return rows[np.concatenate([b["example_mask"] for b in batches])]
+
+
+def test_validation_windows_from_the_tail_the_head_or_separate_files(tmp_path):
+    text = "".join(f"line {i} of the corpus. " for i in range(12))
+    (tmp_path / "train.txt").write_text(text)
+    windows = windows_of(reference_ids([text]), 8)
+    held_out = round(len(windows) * 0.2)
+    cache = tmp_path / "c"
+    for val_from, val, train in (
+        ("tail", windows[-held_out:], windows[:-held_out]),
+        ("head", windows[:held_out], windows[held_out:]),
+    ):
+        reader = TokenWindows(
+            tmp_path / "train.txt", seq_len=8, val_fraction=0.2, val_from=val_from, cache_dir=cache
+        )
+        data = reader.load(batch=4)
+        np.testing.assert_array_equal(real_val_rows(data), val)
+        assert sorted(map(tuple, all_windows(data))) == sorted(map(tuple, train))
+    other = "a separate validation text, read whole."
+    (tmp_path / "val.txt").write_text(other)
+    data = TokenWindows(
+        tmp_path / "train.txt", seq_len=8, val_paths=tmp_path / "val.txt", cache_dir=cache
+    ).load(batch=4)
+    assert data.records == len(windows)  # val_fraction is not used: every window trains
+    np.testing.assert_array_equal(real_val_rows(data), windows_of(reference_ids([other]), 8))
+    with pytest.raises(ValueError, match="val_from must be one of"):
+        TokenWindows(tmp_path / "train.txt", seq_len=8, val_from="middle")
+
+
+def test_a_batch_larger_than_the_training_windows_gives_both_numbers(tmp_path):
+    (tmp_path / "small.txt").write_text("x" * 40)  # 41 ids: 5 windows of 9, 1 held out
+    reader = TokenWindows(tmp_path / "small.txt", seq_len=8, val_fraction=0.2, cache_dir=tmp_path)
+    assert reader.load(batch=4).records == 4
+    with pytest.raises(ValueError, match=r"batch of 5 examples is larger than the 4 training"):
+        reader.load(batch=5)

@@ -1,4 +1,6 @@
-"""dew-data works with jax absent: nothing imports it, and the readers run without it."""
+"""dew-data works with jax absent: nothing imports it, and the readers run without it.
+Without the [hf] extra (datasets, pillow, tokenizers, pyarrow) it imports and reads
+text and .npy clips, and what needs the extra says how to install it."""
 
 import ast
 import pathlib
@@ -41,10 +43,10 @@ def test_no_module_imports_jax_or_a_higher_package():
 def test_readers_run_with_jax_blocked(tmp_path):
     script = textwrap.dedent("""
         import sys
-        for name in ("jax", "jaxlib", "flax"):
+        for name in ("jax", "jaxlib", "flax", "datasets", "PIL", "tokenizers", "pyarrow"):
             sys.modules[name] = None  # any import of them now fails
         import numpy as np
-        from dew.data import Partition, TokenWindows, Videos
+        from dew.data import HFImages, HFTokenizer, Partition, TokenWindows, Videos
 
         open("corpus.txt", "w").write("no jax needed here. " * 20)
         data = TokenWindows("corpus.txt", seq_len=8, cache_dir="cache").load(batch=4)
@@ -59,6 +61,16 @@ def test_readers_run_with_jax_blocked(tmp_path):
         assert next(Videos("clip.npy", frames=2).load(batch=2).train(Partition()))[
             "video"].shape == (2, 2, 2, 2, 3)
         assert "jax" not in [m for m in sys.modules if sys.modules[m] is not None]
+        for needs_the_extra in (
+            lambda: HFTokenizer("tokenizer.json"),
+            lambda: HFImages("images").load(batch=1),
+            lambda: next(Videos("clip.npy", frames=2, size=1).load(batch=2).train(Partition())),
+        ):
+            try:
+                needs_the_extra()
+                raise AssertionError("expected an ImportError")
+            except ImportError as error:
+                assert 'pip install "dew-data[hf]"' in str(error), error
         print("ok")
     """)
     result = subprocess.run(

@@ -1,5 +1,8 @@
 """dew.data: datasets as two iterator factories, partitions, tokenizers and Grain readers.
 
+A :class:`Dataset` states its batch spec, ``{key: Field(shape, dtype)}`` per
+row, which each reader fills in from its arguments.
+
 Readers describe a dataset and build a :class:`Dataset` with ``.load(batch=...)``:
 :class:`TokenWindows` (text for language models), :class:`HFImages` (images of
 the ``datasets`` library), :class:`Videos` (local clips), :class:`PreferencePairs`
@@ -7,7 +10,7 @@ the ``datasets`` library), :class:`Videos` (local clips), :class:`PreferencePair
 random-access source into a Grain-backed :class:`Dataset` the same way.
 """
 
-from dew.data.dataset import Batch, Dataset, Partition
+from dew.data.dataset import Batch, Dataset, Field, Partition, spec_of_batch
 from dew.data.images import HFImages
 from dew.data.preferences import PreferencePairs
 from dew.data.prompts import Prompts
@@ -22,6 +25,7 @@ __all__ = [
     "Batch",
     "ByteTokenizer",
     "Dataset",
+    "Field",
     "HFImages",
     "HFTokenizer",
     "Partition",
@@ -32,4 +36,5 @@ __all__ = [
     "TokenWindows",
     "Videos",
     "from_records",
+    "spec_of_batch",
 ]

@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from dew.data._extra import hf_import
+
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 ROW_SUFFIXES = (".jsonl", ".parquet")
 
@@ -88,7 +90,7 @@ def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
 def parquet_columns(path: str, fields: Sequence[str]) -> Iterator[dict[str, list]]:
     """Row groups of a parquet file as {field: values}; an unknown field is an error
     listing the file's columns."""
-    import pyarrow.parquet as pq  # the [hf] extra
+    pq = hf_import("pyarrow.parquet", needed_by=f"reading {path}")
 
     file = pq.ParquetFile(path)
     names = file.schema_arrow.names
@@ -152,7 +154,7 @@ def columns(
                         raise _missing_field(path, f", line {number}", field, row)
                     out[field].append(row[field])
         else:
-            import pyarrow.parquet as pq  # the [hf] extra
+            pq = hf_import("pyarrow.parquet", needed_by=f"{what} reading {path}")
 
             if wanted is None:
                 names = pq.ParquetFile(path).schema_arrow.names

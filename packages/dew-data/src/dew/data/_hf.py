@@ -6,6 +6,8 @@ import contextlib
 import os
 from typing import Any
 
+from dew.data._extra import hf_import
+
 _BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
@@ -22,7 +24,7 @@ def _looks_local(path: str) -> bool:
 def _quiet_progress():
     """``datasets``' progress bars off while it prepares a local folder (a trainer's
     log is no place for them), then back as they were."""
-    from datasets.utils import logging as hf_logging
+    hf_logging = hf_import("datasets.utils.logging", needed_by="reading with datasets")
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -42,7 +44,7 @@ def load_split(source: Any, split: str, *, what: str, cache_dir: str | None = No
       parquet/JSON/CSV file, or a dataset name on the Hugging Face Hub.
     cache_dir: where ``datasets`` keeps what it prepares (None = its default).
     """
-    import datasets  # the [hf] extra
+    datasets = hf_import("datasets", needed_by=what)
 
     if isinstance(source, datasets.Dataset):
         return source

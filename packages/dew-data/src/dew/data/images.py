@@ -9,10 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from dew.data._extra import hf_import
 from dew.data._hf import load_split, pick_column
 from dew.data._padding import pad_id_of, pad_right
-from dew.data.dataset import Dataset
-from dew.data.records import RecordError, from_records, held_out_count, stack
+from dew.data._reader import Rows, check_split, compose, split_rows
+from dew.data.dataset import Dataset, Field
+from dew.data.records import RecordError, stack
 from dew.data.tokenizers import ByteTokenizer
 
 
@@ -24,7 +26,7 @@ def fit_image(image, size: int) -> np.ndarray:
     the target size (PIL's ``draft``), which is much faster and changes pixels
     only by the resampling difference.
     """
-    from PIL import Image  # the [hf] extra
+    Image = hf_import("PIL.Image", needed_by="decoding images")
 
     width, height = image.size
     scale = size / min(width, height)
@@ -43,7 +45,7 @@ def fit_image(image, size: int) -> np.ndarray:
 def open_image(value: Any):
     """A PIL image from what a ``datasets`` image column holds: ``{"bytes", "path"}``,
     bytes, a path, or an already decoded image."""
-    from PIL import Image
+    Image = hf_import("PIL.Image", needed_by="decoding images")
 
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
@@ -65,13 +67,12 @@ def _record_name(value: Any, row: int, what: str) -> str:
     return f"row {row} of {what}" + (f" ({path})" if path else "")
 
 
-class _Images:
-    """Rows ``indices`` of a dataset, decoded to fixed-size images (and labels, captions)."""
+class _ImageFormat:
+    """Row ``r`` of a dataset, decoded to a fixed-size image (and its label, caption)."""
 
     def __init__(
         self,
         dataset,
-        indices: np.ndarray,
         *,
         image: str,
         label: str | None,
@@ -82,29 +83,30 @@ class _Images:
         pad_id: int,
         what: str,
     ):
-        import datasets
+        datasets = hf_import("datasets", needed_by="HFImages")
 
         columns = [c for c in (image, label, text) if c is not None]
         dataset = dataset.select_columns(columns)
         if isinstance(dataset.features[image], datasets.Image):
             dataset = dataset.cast_column(image, datasets.Image(decode=False))
         self._dataset = dataset
-        self._indices = indices
         self._image, self._label, self._text = image, label, text
         self._size = size
         self._tokenizer, self._text_len, self._pad_id = tokenizer, text_len, pad_id
         self._what = what
+        self.spec = {"image": Field((size, size, 3), np.uint8)}
+        if label is not None:
+            self.spec["label"] = Field((), np.int32)
+        if text is not None:
+            self.spec["text"] = Field((text_len,), np.int32)
+            self.spec["text_mask"] = Field((text_len,), np.bool_)
 
-    def __len__(self) -> int:
-        return len(self._indices)
+    def example(self, row: int) -> dict[str, np.ndarray]:
+        return self._example(self._dataset[row], row)
 
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        row_index = int(self._indices[index])
-        return self._example(self._dataset[row_index], row_index)
-
-    def read_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows ``indices`` fetched from the table in one call, then decoded."""
-        row_indices = [int(i) for i in self._indices[np.asarray(indices)]]
+    def examples(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows ``rows`` fetched from the table in one call, then decoded."""
+        row_indices = [int(i) for i in rows]
         table = self._dataset[row_indices]
         return stack(
             [
@@ -144,7 +146,11 @@ class HFImages:
     0..255; ``"label"``: int32 ``[rows]`` when the dataset has labels; and
     ``"text"``: int32 ``[rows, text_len]`` caption ids padded with the
     tokenizer's pad id, with ``"text_mask"`` (bool, True on real ids), when it
-    has captions.
+    has captions. The Dataset's spec states these keys and sizes.
+
+    The validation set is ``val_split`` when given (all of its rows), else
+    ``val_fraction`` of ``split``'s rows taken from its end (``val_from=
+    "tail"``) or its start (``"head"``), in order.
 
     path_or_name: a ``datasets.Dataset`` or ``DatasetDict``, a local image
       folder (``class/xxx.png`` subfolders become labels), a directory of
@@ -152,8 +158,10 @@ class HFImages:
     split: the split to train on.
     image_size: the side of the square images, in pixels.
     val_split: a split to validate on; None = hold out ``val_fraction`` of ``split``.
-    val_fraction: share of ``split``'s rows (the last ones) held out for
-      validation when ``val_split`` is None; 0 = no validation set.
+    val_fraction: share of ``split``'s rows held out for validation when
+      ``val_split`` is None; 0 = no validation set.
+    val_from: where the held-out rows are taken: ``"tail"`` (the last rows) or
+      ``"head"`` (the first).
     image_field: the image column; "auto" = the first column of type ``Image``
       (else one named "image" or "img").
     label_field: the label column (integers); "auto" = "label" or "labels" when
@@ -176,6 +184,7 @@ class HFImages:
     image_size: int = 64
     val_split: str | None = None
     val_fraction: float = 0.0
+    val_from: str = "tail"
     image_field: str = "auto"
     label_field: str | None = "auto"
     text_field: str | None = "auto"
@@ -190,13 +199,12 @@ class HFImages:
     def __post_init__(self):
         if self.image_size < 1:
             raise ValueError(f"HFImages.image_size must be >= 1 pixels, got {self.image_size}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"HFImages.val_fraction must be in [0, 1), got {self.val_fraction}")
+        check_split("HFImages", self.val_fraction, self.val_from)
         if self.text_len < 1:
             raise ValueError(f"HFImages.text_len must be >= 1 tokens, got {self.text_len}")
 
     def _columns(self, dataset) -> tuple[str, str | None, str | None]:
-        import datasets
+        datasets = hf_import("datasets", needed_by="HFImages")
 
         what = "HFImages"
         if self.image_field == "auto":
@@ -218,11 +226,10 @@ class HFImages:
         )
         return image, label, text
 
-    def _source(self, dataset, indices, columns) -> _Images:
-        image, label, text = columns
-        return _Images(
+    def _format(self, dataset, split: str) -> _ImageFormat:
+        image, label, text = self._columns(dataset)
+        return _ImageFormat(
             dataset,
-            indices,
             image=image,
             label=label,
             text=text,
@@ -230,7 +237,7 @@ class HFImages:
             tokenizer=self.tokenizer,
             text_len=self.text_len,
             pad_id=pad_id_of(self.tokenizer, None),
-            what=f"HFImages({self.split})",
+            what=f"HFImages({split})",
         )
 
     def load(self, *, batch: int) -> Dataset:
@@ -239,28 +246,19 @@ class HFImages:
         dataset = load_split(self.path_or_name, self.split, what="HFImages", cache_dir=cache_dir)
         if len(dataset) == 0:
             raise ValueError(f"HFImages: split {self.split!r} of {self.path_or_name!r} is empty")
-        columns = self._columns(dataset)
-        rows = np.arange(len(dataset))
-        val = None
+        images = self._format(dataset, self.split)
         if self.val_split is not None:
             val_dataset = load_split(
                 self.path_or_name, self.val_split, what="HFImages", cache_dir=cache_dir
             )
-            val = self._source(val_dataset, np.arange(len(val_dataset)), self._columns(val_dataset))
-        elif self.val_fraction > 0:
-            held_out = held_out_count(
-                len(rows), self.val_fraction, what=f"HFImages (split {self.split!r})"
+            train = Rows(images, np.arange(len(dataset)))
+            val = Rows(self._format(val_dataset, self.val_split), np.arange(len(val_dataset)))
+        else:
+            train_rows, val_rows = split_rows(
+                len(dataset),
+                val_fraction=self.val_fraction,
+                val_from=self.val_from,
+                what=f"HFImages (split {self.split!r})",
             )
-            val = self._source(dataset, rows[-held_out:], columns)
-            rows = rows[:-held_out]
-        train = self._source(dataset, rows, columns)
-        return from_records(
-            train,
-            val,
-            batch=batch,
-            seed=self.seed,
-            skip_errors=self.skip_errors,
-            read_threads=self.read_threads,
-            prefetch=self.prefetch,
-            name="HFImages",
-        )
+            train, val = Rows(images, train_rows), Rows(images, val_rows)
+        return compose(train, val, batch=batch, reader=self, name="HFImages")

@@ -9,8 +9,8 @@ import numpy as np
 
 from dew.data._corpus import columns
 from dew.data._padding import pad_id_of
-from dew.data.dataset import Dataset
-from dew.data.records import from_records, held_out_count
+from dew.data._reader import Rows, check_split, compose, split_rows
+from dew.data.dataset import Dataset, Field
 from dew.data.tokenizers import ByteTokenizer
 
 
@@ -38,11 +38,12 @@ def pack(
     return ids, prompt_mask, completion_mask
 
 
-class _Pairs:
+class _PairFormat:
+    """Row ``r`` of a table of (prompt, chosen, rejected) texts as two packed sequences."""
+
     def __init__(
         self,
         rows: dict[str, list],
-        indices: np.ndarray,
         fields: tuple[str, str, str],
         *,
         tokenizer,
@@ -51,15 +52,20 @@ class _Pairs:
         prompt_len,
         completion_len,
     ):
-        self._rows, self._indices, self._fields = rows, indices, fields
+        self._rows, self._fields = rows, fields
         self._tokenizer, self._end_id, self._pad_id = tokenizer, end_id, pad_id
         self._prompt_len, self._completion_len = prompt_len, completion_len
+        self.count = len(rows[fields[0]])
+        length = (prompt_len + completion_len,)
+        self.spec = {
+            "chosen": Field(length, np.int32),
+            "chosen_mask": Field(length, np.bool_),
+            "rejected": Field(length, np.int32),
+            "rejected_mask": Field(length, np.bool_),
+            "prompt_mask": Field(length, np.bool_),
+        }
 
-    def __len__(self) -> int:
-        return len(self._indices)
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        row = int(self._indices[index])
+    def example(self, row: int) -> dict[str, np.ndarray]:
         prompt_field, chosen_field, rejected_field = self._fields
         prompt = list(self._tokenizer.encode(self._rows[prompt_field][row] or ""))
         example = {}
@@ -105,7 +111,12 @@ class PreferencePairs:
     prompt_field, chosen_field, rejected_field: the fields or columns read.
     end_id: put after each completion; None = ``tokenizer.end_id`` (none if it has none).
     pad_id: fills the rest; None = ``tokenizer.pad_id`` (else its end id, else 0).
-    val_fraction: share of rows (the last ones) held out for validation; 0 = none.
+    val_fraction: share of rows held out for validation; 0 = none. Not used
+      with ``val_source``.
+    val_from: where the held-out rows are taken: ``"tail"`` (the last rows, the
+      default) or ``"head"`` (the first).
+    val_source: a separate validation table (the same kinds as ``source``),
+      all of whose rows validate; None = hold out ``val_fraction`` of ``source``.
     seed: shuffle seed of the training rows.
     read_threads: Grain threads reading ahead (0 = in the caller's thread).
     prefetch: batches read ahead.
@@ -122,6 +133,8 @@ class PreferencePairs:
     end_id: int | None = None
     pad_id: int | None = None
     val_fraction: float = 0.0
+    val_from: str = "tail"
+    val_source: Any = None
     seed: int = 0
     read_threads: int = 2
     prefetch: int = 4
@@ -132,34 +145,34 @@ class PreferencePairs:
                 f"PreferencePairs needs prompt_len >= 0 and completion_len >= 1 tokens, got "
                 f"{self.prompt_len} and {self.completion_len}"
             )
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(
-                f"PreferencePairs.val_fraction must be in [0, 1), got {self.val_fraction}"
-            )
+        check_split("PreferencePairs", self.val_fraction, self.val_from)
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` pairs per global batch (see ``dew.data.records``)."""
+    def _format(self, source: Any, what: str) -> _PairFormat:
         fields = (self.prompt_field, self.chosen_field, self.rejected_field)
-        rows = columns(self.source, fields, what="PreferencePairs")
-        count = len(rows[self.prompt_field])
-        held_out = held_out_count(count, self.val_fraction, what="PreferencePairs")
         end_id = self.end_id if self.end_id is not None else getattr(self.tokenizer, "end_id", None)
-        options = dict(
+        return _PairFormat(
+            columns(source, fields, what=what),
+            fields,
             tokenizer=self.tokenizer,
             end_id=end_id,
             pad_id=pad_id_of(self.tokenizer, self.pad_id),
             prompt_len=self.prompt_len,
             completion_len=self.completion_len,
         )
-        indices = np.arange(count)
-        train = _Pairs(rows, indices[: count - held_out], fields, **options)
-        val = _Pairs(rows, indices[count - held_out :], fields, **options) if held_out else None
-        return from_records(
-            train,
-            val,
-            batch=batch,
-            seed=self.seed,
-            read_threads=self.read_threads,
-            prefetch=self.prefetch,
-            name="PreferencePairs",
-        )
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` pairs per global batch (see ``dew.data.records``)."""
+        pairs = self._format(self.source, "PreferencePairs")
+        if self.val_source is not None:
+            val_pairs = self._format(self.val_source, "PreferencePairs (val_source)")
+            train = Rows(pairs, np.arange(pairs.count))
+            val = Rows(val_pairs, np.arange(val_pairs.count))
+        else:
+            train_rows, val_rows = split_rows(
+                pairs.count,
+                val_fraction=self.val_fraction,
+                val_from=self.val_from,
+                what="PreferencePairs",
+            )
+            train, val = Rows(pairs, train_rows), Rows(pairs, val_rows)
+        return compose(train, val, batch=batch, reader=self, name="PreferencePairs")

@@ -9,16 +9,17 @@ import numpy as np
 
 from dew.data._corpus import columns
 from dew.data._padding import pad_id_of, pad_left, pad_right
-from dew.data.dataset import Dataset
-from dew.data.records import from_records, held_out_count
+from dew.data._reader import Rows, check_split, compose, split_rows
+from dew.data.dataset import Dataset, Field
 from dew.data.tokenizers import ByteTokenizer
 
 
-class _Prompts:
+class _PromptFormat:
+    """Row ``r`` of a table of prompts (and answers) as left-padded ids."""
+
     def __init__(
         self,
         rows: dict[str, list],
-        indices: np.ndarray,
         *,
         prompt_field: str,
         answer_field: str | None,
@@ -27,16 +28,20 @@ class _Prompts:
         prompt_len: int,
         answer_len: int,
     ):
-        self._rows, self._indices = rows, indices
+        self._rows = rows
         self._prompt_field, self._answer_field = prompt_field, answer_field
         self._tokenizer, self._pad_id = tokenizer, pad_id
         self._prompt_len, self._answer_len = prompt_len, answer_len
+        self.count = len(rows[prompt_field])
+        self.spec = {
+            "prompt": Field((prompt_len,), np.int32),
+            "prompt_mask": Field((prompt_len,), np.bool_),
+        }
+        if answer_field is not None:
+            self.spec["answer"] = Field((answer_len,), np.int32)
+            self.spec["answer_mask"] = Field((answer_len,), np.bool_)
 
-    def __len__(self) -> int:
-        return len(self._indices)
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        row = int(self._indices[index])
+    def example(self, row: int) -> dict[str, np.ndarray]:
         ids = self._tokenizer.encode(self._rows[self._prompt_field][row] or "")
         example = dict(
             zip(("prompt", "prompt_mask"), pad_left(ids, self._prompt_len, self._pad_id))
@@ -72,7 +77,12 @@ class Prompts:
     answer_field: a field holding a reference answer; None = none.
     answer_len: answer ids kept, in tokens.
     pad_id: fills padding; None = ``tokenizer.pad_id`` (else its end id, else 0).
-    val_fraction: share of rows (the last ones) held out for validation; 0 = none.
+    val_fraction: share of rows held out for validation; 0 = none. Not used
+      with ``val_source``.
+    val_from: where the held-out rows are taken: ``"tail"`` (the last rows, the
+      default) or ``"head"`` (the first).
+    val_source: a separate validation table (the same kinds as ``source``),
+      all of whose rows validate; None = hold out ``val_fraction`` of ``source``.
     seed: shuffle seed of the training rows.
     read_threads: Grain threads reading ahead (0 = in the caller's thread).
     prefetch: batches read ahead.
@@ -87,6 +97,8 @@ class Prompts:
     answer_len: int = 32
     pad_id: int | None = None
     val_fraction: float = 0.0
+    val_from: str = "tail"
+    val_source: Any = None
     seed: int = 0
     read_threads: int = 2
     prefetch: int = 4
@@ -97,16 +109,12 @@ class Prompts:
                 f"Prompts needs prompt_len and answer_len >= 1 tokens, got {self.prompt_len} "
                 f"and {self.answer_len}"
             )
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"Prompts.val_fraction must be in [0, 1), got {self.val_fraction}")
+        check_split("Prompts", self.val_fraction, self.val_from)
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` prompts per global batch (see ``dew.data.records``)."""
+    def _format(self, source: Any, what: str) -> _PromptFormat:
         fields = [self.prompt_field] + ([self.answer_field] if self.answer_field else [])
-        rows = columns(self.source, fields, what="Prompts")
-        count = len(rows[self.prompt_field])
-        held_out = held_out_count(count, self.val_fraction, what="Prompts")
-        options = dict(
+        return _PromptFormat(
+            columns(source, fields, what=what),
             prompt_field=self.prompt_field,
             answer_field=self.answer_field,
             tokenizer=self.tokenizer,
@@ -114,15 +122,20 @@ class Prompts:
             prompt_len=self.prompt_len,
             answer_len=self.answer_len,
         )
-        indices = np.arange(count)
-        train = _Prompts(rows, indices[: count - held_out], **options)
-        val = _Prompts(rows, indices[count - held_out :], **options) if held_out else None
-        return from_records(
-            train,
-            val,
-            batch=batch,
-            seed=self.seed,
-            read_threads=self.read_threads,
-            prefetch=self.prefetch,
-            name="Prompts",
-        )
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` prompts per global batch (see ``dew.data.records``)."""
+        prompts = self._format(self.source, "Prompts")
+        if self.val_source is not None:
+            val_prompts = self._format(self.val_source, "Prompts (val_source)")
+            train = Rows(prompts, np.arange(prompts.count))
+            val = Rows(val_prompts, np.arange(val_prompts.count))
+        else:
+            train_rows, val_rows = split_rows(
+                prompts.count,
+                val_fraction=self.val_fraction,
+                val_from=self.val_from,
+                what="Prompts",
+            )
+            train, val = Rows(prompts, train_rows), Rows(prompts, val_rows)
+        return compose(train, val, batch=batch, reader=self, name="Prompts")

@@ -36,13 +36,21 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grain
 import numpy as np
 
-from dew.data.dataset import Batch, Dataset, Partition
+from dew.data.dataset import (
+    EXAMPLE_MASK,
+    Batch,
+    Dataset,
+    Field,
+    Partition,
+    as_spec,
+    spec_of_batch,
+)
 
 logger = logging.getLogger("dew.data")
 
@@ -101,7 +109,38 @@ class SkipCount:
 def stack(examples: Sequence[dict[str, Any]]) -> Batch:
     """Stack examples (dicts of arrays with equal shapes) along a new first axis."""
     first = examples[0]
-    return {name: np.stack([example[name] for example in examples]) for name in first}
+    out = {}
+    for name in first:
+        try:
+            out[name] = np.stack([np.asarray(example[name]) for example in examples])
+        except (KeyError, ValueError):
+            shapes = sorted({str(list(np.shape(example.get(name)))) for example in examples})
+            keys = sorted({tuple(sorted(example)) for example in examples})
+            raise ValueError(
+                f"examples differ: key {name!r} has shapes {', '.join(shapes)} and the "
+                f"examples have keys {keys}; every example of a source must have the same "
+                f"keys and shapes (pad or crop them to one size)"
+            ) from None
+    return out
+
+
+def check_batch(batch: Batch, spec: dict[str, Field], rows: int, *, name: str) -> Batch:
+    """``batch`` if it holds exactly the keys of ``spec``, each ``(rows, *shape)`` of
+    its dtype; else an error naming the key, what it is and what the spec says."""
+    if batch.keys() != spec.keys():
+        raise ValueError(
+            f"{name}: a batch has keys {sorted(batch)} but the spec declares {sorted(spec)}; "
+            f"every record must have the declared keys"
+        )
+    for key, field in spec.items():
+        value = batch[key]
+        if value.shape != field.rows(rows) or value.dtype != field.dtype:
+            raise ValueError(
+                f"{name}: batch key {key!r} is {value.dtype} {list(value.shape)} but the spec "
+                f"declares {field.dtype} {list(field.rows(rows))} ({rows} rows of "
+                f"{list(field.shape)}); make the records match the spec, or fix the spec"
+            )
+    return batch
 
 
 class EpochOrder:
@@ -147,12 +186,12 @@ class _Reader:
     skipping, record by record.
     """
 
-    def __init__(self, source: Records, *, skips: SkipCount | None):
+    def __init__(self, source: Records, spec: dict[str, Field], *, skips: SkipCount | None):
         self._source = source
         self._size = len(source)
         self._skips = skips
         self._read_batch = getattr(source, "read_batch", None)
-        self._template: dict[str, np.ndarray] | None = None
+        self._template = {key: np.zeros(f.shape, f.dtype) for key, f in spec.items()}
 
     def _hint(self, error: RecordError) -> RecordError:
         return RecordError(
@@ -204,13 +243,13 @@ class _Reader:
         real = indices < self._size
         batch = self._fast(indices) if real.all() else None
         if batch is not None:
-            return {**batch, "example_mask": np.ones(len(indices), bool)}
+            return {**batch, EXAMPLE_MASK: np.ones(len(indices), bool)}
         rows = []
         for index in indices:
             example = None
             if index < self._size:
                 try:
-                    example = {**self._read(int(index)), "example_mask": np.asarray(True)}
+                    example = {**self._read(int(index)), EXAMPLE_MASK: np.asarray(True)}
                 except RecordError:
                     if self._skips is None:
                         raise
@@ -218,34 +257,7 @@ class _Reader:
         return stack(rows)
 
     def _padding(self) -> dict[str, np.ndarray]:
-        if self._template is None:
-            for index in range(self._size):
-                try:
-                    example = self._source[index]
-                except RecordError:
-                    continue
-                self._template = {k: np.zeros_like(v) for k, v in example.items()}
-                break
-            else:
-                raise RecordError(
-                    f"0..{self._size - 1}", "no record of the validation source is readable"
-                )
-        return {**self._template, "example_mask": np.asarray(False)}
-
-
-def held_out_count(count: int, val_fraction: float, *, what: str) -> int:
-    """How many of ``count`` records (the last ones) a ``val_fraction`` holds out for
-    validation: ``round(count * val_fraction)``, at least one when the fraction is
-    above 0; an error when none would be left to train on."""
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"{what}: val_fraction must be in [0, 1), got {val_fraction}")
-    count_out = 0 if val_fraction == 0 else max(1, round(count * val_fraction))
-    if count_out >= count:
-        raise ValueError(
-            f"{what}: {count} record(s) and val_fraction={val_fraction} holds out {count_out}, "
-            f"leaving none to train on; lower val_fraction or add data"
-        )
-    return count_out
+        return {**self._template, EXAMPLE_MASK: np.asarray(False)}
 
 
 def from_records(
@@ -258,6 +270,7 @@ def from_records(
     read_threads: int = 2,
     prefetch: int = 4,
     name: str = "records",
+    spec: Mapping[str, Any] | None = None,
 ) -> Dataset:
     """A :class:`Dataset` over random-access records (see the module docstring).
 
@@ -271,6 +284,10 @@ def from_records(
     read_threads: Grain threads reading batches ahead (0 = read in the caller's thread).
     prefetch: batches read ahead (0 = none).
     name: the reader's name in errors and logs.
+    spec: each key's per-row ``Field(shape, dtype)`` (see :class:`Dataset`);
+      None = ``train.spec`` when the source has one, else the keys, shapes and
+      dtypes of its first readable record. Every batch read is checked
+      against it: a record of another shape is an error naming the key.
     """
     if batch < 1:
         raise ValueError(f"{name}: batch must be >= 1 examples, got {batch}")
@@ -282,11 +299,21 @@ def from_records(
         )
     if len(train) < 1:
         raise ValueError(f"{name}: the training source has no records")
+    if batch > len(train):
+        raise ValueError(
+            f"{name}: the global batch of {batch} examples is larger than the {len(train)} "
+            f"training records (after the validation ones are held out), so one batch would "
+            f"hold some records twice; use batch <= {len(train)}, more data, or a smaller "
+            f"validation share"
+        )
     if val is not None and len(val) < 1:
         val = None
     skips = SkipCount(name) if skip_errors else None
+    if spec is None:
+        spec = getattr(train, "spec", None)
+    spec = first_spec(train, name=name) if spec is None else as_spec(spec, what=f"{name}: spec")
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
-    train_reader = _Reader(train, skips=skips)
+    train_reader = _Reader(train, spec, skips=skips)
     order = EpochOrder(len(train), seed)
 
     def rows_of(partition: Partition) -> np.ndarray:
@@ -297,18 +324,40 @@ def from_records(
     def open_train(partition: Partition):
         rows = rows_of(partition)
         steps = grain.MapDataset.range(sys.maxsize)  # global batch numbers, endless
-        batches = steps.map(lambda step: train_reader.train(order.records(step * batch + rows)))
+        batches = steps.map(
+            lambda step: check_batch(
+                train_reader.train(order.records(step * batch + rows)), spec, len(rows), name=name
+            )
+        )
         return iter(batches.to_iter_dataset(options))
 
     open_val: Callable[[Partition], Any] | None = None
     if val is not None:
-        val_reader = _Reader(val, skips=skips)
+        val_reader = _Reader(val, spec, skips=skips)
         val_steps = -(-len(val) // batch)
+        val_spec = {**spec, EXAMPLE_MASK: Field((), np.bool_)}
 
         def open_val(partition: Partition):
             rows = rows_of(partition)
             steps = grain.MapDataset.range(val_steps)
-            batches = steps.map(lambda step: val_reader.val(step * batch + rows))
+            batches = steps.map(
+                lambda step: check_batch(
+                    val_reader.val(step * batch + rows), val_spec, len(rows), name=f"{name} (val)"
+                )
+            )
             return iter(batches.to_iter_dataset(options))
 
-    return Dataset(train=open_train, val=open_val, records=len(train), batch=batch)
+    return Dataset(train=open_train, val=open_val, records=len(train), batch=batch, spec=spec)
+
+
+def first_spec(source: Records, *, name: str) -> dict[str, Field]:
+    """The spec of a source's first readable record (each array's shape and dtype)."""
+    for index in range(len(source)):
+        try:
+            example = source[index]
+        except RecordError:
+            continue
+        return spec_of_batch({key: np.asarray(value)[None] for key, value in example.items()})
+    raise RecordError(
+        f"0..{len(source) - 1}", f"{name}: no record of the training source is readable"
+    )

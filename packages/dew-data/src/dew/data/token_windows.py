@@ -11,31 +11,27 @@ import numpy as np
 
 from dew.data._cache import default_cache_dir, tokenize_cached
 from dew.data._corpus import TEXT_SUFFIXES, expand_paths, is_hf_dataset, signature, texts
-from dew.data.dataset import Dataset
-from dew.data.records import from_records
+from dew.data._reader import Rows, check_split, compose, split_rows
+from dew.data.dataset import Dataset, Field
 from dew.data.tokenizers import ByteTokenizer
 
 
-class _Windows:
-    """Windows ``first .. first + count - 1`` of ``seq_len + 1`` ids, stride ``seq_len``."""
+class _WindowFormat:
+    """Window ``w`` of a stream of ids: ids ``w * seq_len ... w * seq_len + seq_len``."""
 
-    def __init__(self, ids: np.ndarray, seq_len: int, first: int, count: int):
+    def __init__(self, ids: np.ndarray, seq_len: int):
         self._ids = ids
         self._seq_len = seq_len
-        self._first = first
-        self._count = count
+        self.count = (ids.shape[0] - 1) // seq_len  # windows that fit
+        self.spec = {"text": Field((seq_len + 1,), np.int32)}
 
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        start = (self._first + index) * self._seq_len
+    def example(self, window: int) -> dict[str, np.ndarray]:
+        start = window * self._seq_len
         return {"text": np.asarray(self._ids[start : start + self._seq_len + 1], np.int32)}
 
-    def read_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Windows ``indices`` in one gather: int32 ``[len(indices), seq_len + 1]``."""
-        starts = (self._first + np.asarray(indices)) * self._seq_len
-        positions = starts[:, None] + np.arange(self._seq_len + 1)
+    def examples(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+        """Windows ``windows`` in one gather: int32 ``[len(windows), seq_len + 1]``."""
+        positions = (windows * self._seq_len)[:, None] + np.arange(self._seq_len + 1)
         return {"text": np.asarray(self._ids[positions], np.int32)}
 
 
@@ -45,9 +41,15 @@ class TokenWindows:
 
     Each document is followed by the end id, and the documents are joined
     into one stream of ids. Window ``i`` is ids ``i * seq_len ... i * seq_len
-    + seq_len`` (neighbours share one id, so every id is a target once); the
-    last ``val_fraction`` of the windows (the end of the corpus) is the
-    validation set. Batches hold ``"text"``: int32 ``[rows, seq_len + 1]``.
+    + seq_len`` (neighbours share one id, so every id is a target once).
+    Batches hold ``"text"``: int32 ``[rows, seq_len + 1]`` (the spec,
+    ``{"text": Field((seq_len + 1,), "int32")}``).
+
+    The validation set is, by default, the last ``val_fraction`` of the
+    windows, in order: the end of the corpus (of the last file, for several
+    files). ``val_from="head"`` takes the first windows instead, and
+    ``val_paths`` validates on a separate corpus (all of its windows) and
+    trains on every window of ``paths``.
 
     paths: the corpus: a file, a directory, a glob pattern, a list of them, or
       a ``datasets.Dataset``. Files: ``.txt`` (the whole file is one
@@ -59,7 +61,13 @@ class TokenWindows:
     seed: shuffle seed of the training windows (each epoch reshuffles).
     field: the JSON field, parquet column or dataset column holding the text.
     val_fraction: share of windows held out for validation, in ``[0, 1)``;
-      at least one window when above 0; 0 = no validation set.
+      at least one window when above 0; 0 = no validation set. Not used with
+      ``val_paths``.
+    val_from: where the held-out windows are taken: ``"tail"`` (the end of the
+      corpus) or ``"head"`` (its start).
+    val_paths: a separate validation corpus (the same kinds of source as
+      ``paths``), tokenized and cut the same way; None = hold out
+      ``val_fraction`` of ``paths``.
     end_id: the id put after each document; None = ``tokenizer.end_id``.
     cache_dir: where the tokenized corpus is kept; None = ``$DEW_CACHE_DIR/tokens``
       or ``~/.cache/dew/tokens``.
@@ -74,6 +82,8 @@ class TokenWindows:
     seed: int = 0
     field: str = "text"
     val_fraction: float = 0.05
+    val_from: str = "tail"
+    val_paths: Any = None
     end_id: int | None = None
     cache_dir: str | os.PathLike | None = None
     read_threads: int = 2
@@ -82,10 +92,7 @@ class TokenWindows:
     def __post_init__(self):
         if self.seq_len < 1:
             raise ValueError(f"TokenWindows.seq_len must be >= 1 positions, got {self.seq_len}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(
-                f"TokenWindows.val_fraction must be in [0, 1), got {self.val_fraction}"
-            )
+        check_split("TokenWindows", self.val_fraction, self.val_from)
         if self.end_id is None and getattr(self.tokenizer, "end_id", None) is None:
             raise ValueError(
                 "the tokenizer has no end id (no eos_token in its tokenizer_config.json); "
@@ -99,11 +106,20 @@ class TokenWindows:
 
     def tokens(self) -> np.ndarray:
         """All ids of the corpus (end ids included), memory-mapped from the cache."""
-        if is_hf_dataset(self.paths):
-            dataset = self.paths
+        return self._tokens(self.paths, "TokenWindows")
+
+    def val_tokens(self) -> np.ndarray | None:
+        """All ids of ``val_paths`` (None without one), memory-mapped from the cache."""
+        if self.val_paths is None:
+            return None
+        return self._tokens(self.val_paths, "TokenWindows (val_paths)")
+
+    def _tokens(self, paths: Any, what: str) -> np.ndarray:
+        if is_hf_dataset(paths):
+            dataset = paths
             if self.field not in dataset.column_names:
                 raise KeyError(
-                    f"TokenWindows: the dataset has no column {self.field!r}; "
+                    f"{what}: the dataset has no column {self.field!r}; "
                     f"its columns are {list(dataset.column_names)}"
                 )
             described = f"the datasets.Dataset {dataset._fingerprint}"
@@ -114,7 +130,7 @@ class TokenWindows:
                 for text in rows[self.field]
             )
         else:
-            files = expand_paths(self.paths, TEXT_SUFFIXES, what="TokenWindows")
+            files = expand_paths(paths, TEXT_SUFFIXES, what=what)
             described = ", ".join(files[:3]) + (
                 f" and {len(files) - 3} more files" if len(files) > 3 else ""
             )
@@ -129,34 +145,31 @@ class TokenWindows:
             cache_dir=cache_dir,
         )
         if meta["text_tokens"] == 0:
-            raise ValueError(f"TokenWindows: the corpus {described} is empty (no text)")
+            raise ValueError(f"{what}: the corpus {described} is empty (no text)")
         return ids
+
+    def _windows(self, ids: np.ndarray, what: str) -> _WindowFormat:
+        if ids.shape[0] < self.seq_len + 1:
+            raise ValueError(
+                f"{what}: the corpus has {ids.shape[0]} tokens (end ids included), fewer than "
+                f"one window of seq_len + 1 = {self.seq_len + 1}; use a smaller seq_len or "
+                f"more text"
+            )
+        return _WindowFormat(ids, self.seq_len)
 
     def load(self, *, batch: int) -> Dataset:
         """A :class:`Dataset` of ``batch`` windows per global batch (see ``dew.data.records``)."""
-        ids = self.tokens()
-        window = self.seq_len + 1
-        if ids.shape[0] < window:
-            raise ValueError(
-                f"TokenWindows: the corpus has {ids.shape[0]} tokens (end ids included), fewer "
-                f"than one window of seq_len + 1 = {window}; use a smaller seq_len or more text"
+        windows = self._windows(self.tokens(), "TokenWindows")
+        if self.val_paths is not None:
+            val_windows = self._windows(self.val_tokens(), "TokenWindows (val_paths)")
+            train = Rows(windows, np.arange(windows.count))
+            val = Rows(val_windows, np.arange(val_windows.count))
+        else:
+            train_rows, val_rows = split_rows(
+                windows.count,
+                val_fraction=self.val_fraction,
+                val_from=self.val_from,
+                what=f"TokenWindows ({windows.count} windows of {self.seq_len + 1} tokens)",
             )
-        windows = (ids.shape[0] - 1) // self.seq_len
-        held_out = 0 if self.val_fraction == 0 else max(1, round(windows * self.val_fraction))
-        if windows - held_out < 1:
-            raise ValueError(
-                f"TokenWindows: the corpus gives {windows} window(s) of {window} tokens and "
-                f"val_fraction={self.val_fraction} holds out {held_out}, leaving none to train "
-                f"on; use val_fraction=0, a smaller seq_len or more text"
-            )
-        train = _Windows(ids, self.seq_len, 0, windows - held_out)
-        val = _Windows(ids, self.seq_len, windows - held_out, held_out) if held_out else None
-        return from_records(
-            train,
-            val,
-            batch=batch,
-            seed=self.seed,
-            read_threads=self.read_threads,
-            prefetch=self.prefetch,
-            name="TokenWindows",
-        )
+            train, val = Rows(windows, train_rows), Rows(windows, val_rows)
+        return compose(train, val, batch=batch, reader=self, name="TokenWindows")

@@ -6,6 +6,8 @@ import json
 import os
 from collections.abc import Iterable
 
+from dew.data._extra import hf_import
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, plus an end-of-document id and a padding id.
@@ -48,7 +50,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | os.PathLike, *, add_special_tokens: bool = True):
-        from tokenizers import Tokenizer  # the [hf] extra
+        Tokenizer = hf_import("tokenizers", needed_by="HFTokenizer").Tokenizer
 
         path = os.fspath(path)
         directory = path if os.path.isdir(path) else os.path.dirname(path)

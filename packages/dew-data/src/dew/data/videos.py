@@ -8,9 +8,11 @@ from typing import Any
 import numpy as np
 
 from dew.data._corpus import expand_paths
-from dew.data.dataset import Dataset
+from dew.data._extra import hf_import
+from dew.data._reader import Rows, check_split, compose, split_rows
+from dew.data.dataset import Dataset, Field
 from dew.data.images import fit_image
-from dew.data.records import RecordError, SkipCount, from_records, held_out_count
+from dew.data.records import RecordError, SkipCount
 
 SUFFIXES = (".npy", ".gif")
 
@@ -27,7 +29,7 @@ def _npy_header(path: str) -> tuple[int, int, int]:
 
 
 def _gif_header(path: str) -> tuple[int, int, int]:
-    from PIL import Image  # the [hf] extra
+    Image = hf_import("PIL.Image", needed_by=f"Videos reading the GIF {path}")
 
     with Image.open(path) as image:
         if image.format != "GIF":
@@ -49,7 +51,7 @@ def read_frames(path: str, frame_indices: range) -> np.ndarray:
     if path.endswith(".npy"):
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         return np.array(array[frame_indices.start : frame_indices.stop : frame_indices.step])
-    from PIL import Image
+    Image = hf_import("PIL.Image", needed_by=f"Videos reading the GIF {path}")
 
     with Image.open(path) as image:
         frames = []
@@ -59,23 +61,30 @@ def read_frames(path: str, frame_indices: range) -> np.ndarray:
     return np.stack(frames)
 
 
-class _Clips:
-    """Clips ``(file, first frame)``, read and resized on demand."""
+class _ClipFormat:
+    """Clip ``c`` of ``clips`` (``(file, first frame)``), read and resized on demand."""
 
-    def __init__(self, clips: list[tuple[str, int]], *, frames: int, stride: int, size: int | None):
+    def __init__(
+        self,
+        clips: list[tuple[str, int]],
+        *,
+        frames: int,
+        stride: int,
+        size: int | None,
+        frame_shape: tuple[int, int],
+    ):
         self._clips = clips
         self._frames, self._stride, self._size = frames, stride, size
+        height, width = (size, size) if size is not None else frame_shape
+        self.spec = {"video": Field((frames, height, width, 3), np.uint8)}
 
-    def __len__(self) -> int:
-        return len(self._clips)
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    def example(self, index: int) -> dict[str, np.ndarray]:
         path, first = self._clips[index]
         indices = range(first, first + (self._frames - 1) * self._stride + 1, self._stride)
         try:
             video = read_frames(path, indices)
             if self._size is not None:
-                from PIL import Image
+                Image = hf_import("PIL.Image", needed_by="Videos resizing frames (size=)")
 
                 video = np.stack([fit_image(Image.fromarray(f), self._size) for f in video])
         except (OSError, ValueError, EOFError, SyntaxError) as error:
@@ -93,7 +102,10 @@ class Videos:
     A file with ``T`` frames gives the clips starting at frames 0, ``hop``,
     ``2 * hop``, ... that fit; a clip takes ``frames`` frames, ``stride``
     apart (it spans ``(frames - 1) * stride + 1`` frames). Batches hold
-    ``"video"``: uint8 ``[rows, frames, height, width, 3]`` in 0..255.
+    ``"video"``: uint8 ``[rows, frames, height, width, 3]`` in 0..255 (the
+    spec; height and width are ``size``, or the files' frame size).
+    The validation set is the last ``val_fraction`` of the clips in file
+    order (``val_from="head"``: the first), or every clip of ``val_paths``.
 
     paths: clip files, directories of them, glob patterns, or a list: ``.npy``
       arrays (uint8 ``[T, height, width, 3]``, read memory-mapped) and ``.gif``
@@ -105,8 +117,12 @@ class Videos:
     size: resize (shorter side) and centre-crop every frame to ``size x size``
       pixels; None = keep frames as they are (all files must then share one
       height and width).
-    val_fraction: share of the clips (the last ones, in file order) held out
-      for validation; 0 = no validation set.
+    val_fraction: share of the clips held out for validation; 0 = no
+      validation set. Not used with ``val_paths``.
+    val_from: where the held-out clips are taken, in file order: ``"tail"``
+      (the last clips) or ``"head"`` (the first).
+    val_paths: separate validation files (the same kinds as ``paths``), all of
+      whose clips validate; None = hold out ``val_fraction`` of ``paths``.
     seed: shuffle seed of the training clips.
     skip_errors: skip unreadable files and clips (counted in a ``dew.data``
       warning) instead of stopping with an error naming them.
@@ -121,6 +137,8 @@ class Videos:
     hop: int | None = None
     size: int | None = None
     val_fraction: float = 0.0
+    val_from: str = "tail"
+    val_paths: Any = None
     seed: int = 0
     skip_errors: bool = False
     read_threads: int = 2
@@ -134,8 +152,7 @@ class Videos:
             raise ValueError(f"Videos.hop must be >= 1 frames or None, got {self.hop}")
         if self.size is not None and self.size < 1:
             raise ValueError(f"Videos.size must be >= 1 pixels or None, got {self.size}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"Videos.val_fraction must be in [0, 1), got {self.val_fraction}")
+        check_split("Videos", self.val_fraction, self.val_from)
 
     @property
     def span(self) -> int:
@@ -143,9 +160,14 @@ class Videos:
         return (self.frames - 1) * self.stride + 1
 
     def clips(self) -> list[tuple[str, int]]:
-        """Every clip as ``(file, first frame)``, in file order."""
-        files = expand_paths(self.paths, SUFFIXES, what="Videos")
-        skips = SkipCount("Videos")
+        """Every clip of ``paths`` as ``(file, first frame)``, in file order."""
+        return self._scan(self.paths, "Videos")[0]
+
+    def _scan(self, paths: Any, what: str) -> tuple[list[tuple[str, int]], tuple[int, int]]:
+        """The clips of ``paths`` and the (height, width) their frames share (that of the
+        first file when ``size`` resizes them)."""
+        files = expand_paths(paths, SUFFIXES, what=what)
+        skips = SkipCount(what)
         hop = self.hop or self.span
         clips: list[tuple[str, int]] = []
         shapes: dict[tuple[int, int], str] = {}
@@ -165,38 +187,40 @@ class Videos:
             longest = max(longest, count)
             if count < self.span:
                 continue
+            shapes.setdefault((height, width), path)
             if self.size is None:
-                shapes.setdefault((height, width), path)
                 if len(shapes) > 1:
                     (size_a, file_a), (size_b, file_b) = list(shapes.items())[:2]
                     raise ValueError(
-                        f"Videos: frames differ in size: {file_a} is {size_a[0]}x{size_a[1]}, "
+                        f"{what}: frames differ in size: {file_a} is {size_a[0]}x{size_a[1]}, "
                         f"{file_b} is {size_b[0]}x{size_b[1]} (height x width); pass size= to "
                         f"resize and crop every frame to one size"
                     )
             clips.extend((path, first) for first in range(0, count - self.span + 1, hop))
         if not clips:
             raise ValueError(
-                f"Videos: no file of {self.paths!r} is long enough for one clip of "
+                f"{what}: no file of {paths!r} is long enough for one clip of "
                 f"{self.frames} frames {self.stride} apart ({self.span} frames); the longest "
                 f"has {longest} frames"
             )
-        return clips
+        return clips, next(iter(shapes))
+
+    def _format(self, clips: list[tuple[str, int]], frame_shape) -> _ClipFormat:
+        return _ClipFormat(
+            clips, frames=self.frames, stride=self.stride, size=self.size, frame_shape=frame_shape
+        )
 
     def load(self, *, batch: int) -> Dataset:
         """A :class:`Dataset` of ``batch`` clips per global batch (see ``dew.data.records``)."""
-        clips = self.clips()
-        held_out = held_out_count(len(clips), self.val_fraction, what="Videos")
-        options = {"frames": self.frames, "stride": self.stride, "size": self.size}
-        train = _Clips(clips[: len(clips) - held_out], **options)
-        val = _Clips(clips[len(clips) - held_out :], **options) if held_out else None
-        return from_records(
-            train,
-            val,
-            batch=batch,
-            seed=self.seed,
-            skip_errors=self.skip_errors,
-            read_threads=self.read_threads,
-            prefetch=self.prefetch,
-            name="Videos",
-        )
+        clips, frame_shape = self._scan(self.paths, "Videos")
+        if self.val_paths is not None:
+            val_clips, val_shape = self._scan(self.val_paths, "Videos (val_paths)")
+            train = Rows(self._format(clips, frame_shape), np.arange(len(clips)))
+            val = Rows(self._format(val_clips, val_shape), np.arange(len(val_clips)))
+        else:
+            train_rows, val_rows = split_rows(
+                len(clips), val_fraction=self.val_fraction, val_from=self.val_from, what="Videos"
+            )
+            clip_format = self._format(clips, frame_shape)
+            train, val = Rows(clip_format, train_rows), Rows(clip_format, val_rows)
+        return compose(train, val, batch=batch, reader=self, name="Videos")

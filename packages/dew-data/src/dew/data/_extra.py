@@ -1,0 +1,31 @@
+"""Imports of the ``[hf]`` extra (``datasets``, ``pillow``, ``tokenizers``, ``pyarrow``),
+made where a reader needs them, with an error that says how to install them."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# The import name -> the distribution that provides it.
+_DISTRIBUTIONS = {
+    "datasets": "datasets",
+    "PIL": "pillow",
+    "tokenizers": "tokenizers",
+    "pyarrow": "pyarrow",
+}
+
+
+def hf_import(module: str, *, needed_by: str) -> ModuleType:
+    """``importlib.import_module(module)``; when it is missing, an ImportError naming
+    what needs it and the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        top = module.split(".")[0]
+        if error.name is not None and error.name.split(".")[0] != top:
+            raise  # the module is there but something it imports is broken
+        distribution = _DISTRIBUTIONS.get(top, top)
+        raise ImportError(
+            f"{needed_by} needs {distribution}, which is not installed; install the "
+            f'extra that brings it: pip install "dew-data[hf]"'
+        ) from error

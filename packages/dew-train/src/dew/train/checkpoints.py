@@ -15,10 +15,25 @@ One checkpoint is one directory per step::
 A ``fit`` whose directory holds checkpoints continues from the newest usable
 one. A checkpoint is unusable when its save never finished (no commit marker,
 or an Orbax temporary directory ``<step>.orbax-checkpoint-tmp*`` left by a
-kill) or it cannot be read (a truncated or corrupt file); it is renamed to
-``<step>.unusable`` (nothing is deleted) with a message saying why, and the
-one before it is used. A checkpoint written for another model or optimizer
-(an array path or shape differs) is an error, not skipped.
+kill) or its files prove damaged (missing, truncated, undecodable: the
+storage layer says so); it is renamed to ``<step>.unusable`` (nothing is
+deleted) with a message saying why, and the one before it is used. Any other
+error while restoring is a mistake, not damage: it stops the run as raised
+and the directory is left untouched (see :mod:`dew.train._restore`). When the
+directory holds checkpoints and none is usable, the run stops with
+:class:`NoUsableCheckpointError` rather than start over from step 0, unless
+``Checkpoints(..., start_fresh=True)``.
+
+A checkpoint written for another model (an array path, shape or dtype of
+``params``, ``averaged`` or ``frozen`` differs) raises
+:class:`CheckpointMismatchError` naming the arrays; one written with another
+optimizer raises :class:`OptimizerMismatchError`, or with
+``Checkpoints(..., reset_optimizer=True)`` keeps everything else and starts a
+new optimizer state.
+
+Besides the ``keep`` newest checkpoints, ``keep_best`` keeps the best ones by
+an evaluation metric (``best_metric``, ``best_mode``), from the metrics passed
+to :meth:`CheckpointSession.save`.
 
 The data stream resumes exactly: an iterator with ``get_state``/``set_state``
 (a Grain ``DatasetIterator``, ``dew.data`` readers) is put back where it was;
@@ -35,6 +50,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -44,15 +60,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dew.train._restore import (
+    CheckpointMismatchError,
+    NoUsableCheckpointError,
+    OptimizerMismatchError,
+    check_compatible,
+    damage,
+    describe,
+    jsonable_metrics,
+    no_usable_message,
+    unusable_names,
+)
 from dew.train.state import TrainState
+
+__all__ = [
+    "CheckpointMismatchError",
+    "CheckpointSession",
+    "Checkpoints",
+    "NoUsableCheckpointError",
+    "OptimizerMismatchError",
+    "Restored",
+    "load_model",
+]
 
 COMMIT_MARKER = "commit_success.txt"
 ITEMS = ("state", "data_iter", "meta")
 FORMAT = 1
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint was written for another model or optimizer than this run's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +95,61 @@ class Checkpoints:
     directory: the checkpoint directory (created if missing); a relative path
       is taken from the working directory when the object is built.
     keep: how many of the newest checkpoints to keep; None = all.
+    keep_best: also keep this many checkpoints with the best ``best_metric``
+      (from the evaluation metrics saved with them), beside the ``keep``
+      newest; 0 = keep only the newest. A checkpoint among either is never
+      deleted.
+    best_metric: the evaluation metric ``keep_best`` ranks by (a key of the
+      dict ``objective.summarize`` returns, e.g. ``"loss"``).
+    best_mode: ``"min"`` (lower is better) or ``"max"``.
     use_async: write in a background thread while training goes on (the
       arrays are copied to host memory before ``save`` returns); False =
       every save blocks until it is on disk.
+    reset_optimizer: when the checkpoint's optimizer state does not match
+      this run's optimizer (another optax chain), keep the weights, moving
+      average, frozen collections, counters and data position and start a
+      new optimizer state (its step counts, and so its schedules, start at
+      0) instead of stopping with :class:`OptimizerMismatchError`. A
+      matching optimizer state is always restored.
+    start_fresh: when the directory holds checkpoints but none is usable
+      (all set aside as ``<step>.unusable``), start from step 0 instead of
+      stopping with :class:`NoUsableCheckpointError`. A usable checkpoint
+      is always resumed from.
     """
 
     directory: str | os.PathLike
     _: dataclasses.KW_ONLY
     keep: int | None = 3
+    keep_best: int = 0
+    best_metric: str | None = None
+    best_mode: str = "min"
     use_async: bool = True
+    reset_optimizer: bool = False
+    start_fresh: bool = False
 
     def __post_init__(self):
         if self.keep is not None and self.keep < 1:
             raise ValueError(
                 f"Checkpoints.keep must be >= 1 checkpoints or None (all), got {self.keep}"
+            )
+        if self.keep_best < 0:
+            raise ValueError(
+                f"Checkpoints.keep_best must be >= 0 checkpoints (0 = none), got {self.keep_best}"
+            )
+        if self.keep_best and not self.best_metric:
+            raise ValueError(
+                f"Checkpoints(keep_best={self.keep_best}) needs best_metric=, the name of the "
+                f"evaluation metric to rank checkpoints by (e.g. best_metric='loss')"
+            )
+        if self.best_metric and not self.keep_best:
+            raise ValueError(
+                f"Checkpoints(best_metric={self.best_metric!r}) keeps nothing without "
+                f"keep_best=k (how many of the best checkpoints to keep); set keep_best >= 1"
+            )
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(
+                f"Checkpoints.best_mode must be 'min' (lower is better) or 'max', got "
+                f"{self.best_mode!r}"
             )
         object.__setattr__(self, "directory", os.path.abspath(os.fspath(self.directory)))
 
@@ -89,6 +163,14 @@ class Checkpoints:
         """Check the directory can be written and open it for one ``fit``."""
         return CheckpointSession(self, print_fn=print_fn)
 
+    def _rank(self, metrics) -> float:
+        """A saved checkpoint's ``best_metric`` as Orbax's ``BestN`` sorts it
+        (ascending; the last are kept): missing or NaN ranks worst."""
+        value = float((metrics or {}).get(self.best_metric, math.nan))
+        if math.isnan(value):
+            return math.inf if self.best_mode == "min" else -math.inf
+        return value
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Restored:
@@ -100,6 +182,8 @@ class Restored:
     data_state: the training iterator's saved position (its ``get_state()``),
       or None when the iterator could not save one.
     meta: the checkpoint's JSON metadata.
+    optimizer_reset: the optimizer state is new (``reset_optimizer=True`` and
+      the checkpoint's did not match this run's optimizer).
     """
 
     step: int
@@ -107,6 +191,7 @@ class Restored:
     state: TrainState
     data_state: Any
     meta: dict
+    optimizer_reset: bool = False
 
 
 class CheckpointSession:
@@ -128,11 +213,40 @@ class CheckpointSession:
     def manager(self):
         if self._manager is None:
             ocp = self._ocp
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.spec.keep,
-                create=True,
-                enable_async_checkpointing=self.spec.use_async,
-            )
+            spec = self.spec
+            if spec.keep_best:
+                from orbax.checkpoint.checkpoint_managers import (
+                    AnyPreservationPolicy,
+                    BestN,
+                    LatestN,
+                )
+
+                # best_fn makes Orbax write each step's metrics beside it and read
+                # them back when a later run opens the directory; the policy keeps
+                # the union of the newest and the best.
+                options = ocp.CheckpointManagerOptions(
+                    create=True,
+                    enable_async_checkpointing=spec.use_async,
+                    best_fn=spec._rank,
+                    best_mode=spec.best_mode,
+                    preservation_policy=AnyPreservationPolicy(
+                        [
+                            LatestN(n=spec.keep),
+                            BestN(
+                                get_metric_fn=spec._rank,
+                                reverse=spec.best_mode == "min",
+                                n=spec.keep_best,
+                                keep_checkpoints_without_metrics=False,
+                            ),
+                        ]
+                    ),
+                )
+            else:
+                options = ocp.CheckpointManagerOptions(
+                    max_to_keep=spec.keep,
+                    create=True,
+                    enable_async_checkpointing=spec.use_async,
+                )
             with _quiet_orbax():
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=options, item_names=ITEMS
@@ -142,41 +256,109 @@ class CheckpointSession:
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
+    def check_best_metric(self, available: set[str]) -> None:
+        """Raise before training when ``keep_best`` ranks by a metric that
+        evaluation does not produce; ``available`` are the names it does."""
+        spec = self.spec
+        if spec.keep_best and spec.best_metric not in available:
+            raise ValueError(
+                f"Checkpoints(best_metric={spec.best_metric!r}) is not among the metrics "
+                f"evaluation produces ({sorted(available) or 'none: no evaluation runs'}); "
+                f"use one of them, or drop keep_best"
+            )
+
     # --------------------------------------------------------------- restore
     def restore(
-        self, abstract: TrainState, shardings: TrainState, *, root_key: jax.Array
+        self,
+        abstract: TrainState,
+        shardings: TrainState,
+        *,
+        root_key: jax.Array,
+        init_opt_state: Callable[[Any], Any] | None = None,
     ) -> Restored | None:
-        """The newest usable checkpoint, read into ``shardings``; None when
-        there is none. Unusable ones are renamed aside with a message.
+        """The newest usable checkpoint, read into ``shardings``; None when the
+        directory holds none (or none is usable and ``start_fresh``).
+        Unusable ones are renamed aside with a message; an error that does not
+        prove a checkpoint damaged propagates and renames nothing.
 
         root_key: the run's root key; a typed key's implementation wraps the
           saved key data back into a key.
+        init_opt_state: ``params -> opt_state`` sharded like ``shardings``, for
+          ``reset_optimizer``.
         """
         key_impl = jax.random.key_impl(root_key) if _is_typed_key(root_key) else None
+        unusable: list[tuple[int, str, str]] = []
+        restored = None
         for step, path in _step_dirs(self.directory):
             why = _incomplete(path)
             if why is None:
                 try:
                     with _quiet_orbax():
-                        restored = self._read(step, path, abstract, shardings, key_impl)
-                except CheckpointMismatchError:
-                    raise
-                except Exception as error:  # a truncated or corrupt file
-                    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                    why = f"it cannot be read ({type(error).__name__}: {first[:300]})"
+                        restored = self._read(
+                            step, path, abstract, shardings, key_impl, init_opt_state
+                        )
+                except Exception as error:
+                    proof = damage(error)
+                    if proof is None:  # a mistake, not damage: nothing is renamed
+                        raise
+                    why = f"it cannot be read ({describe(proof)})"
                 else:
-                    return restored
-            self._set_aside(step, path, why)
+                    break
+            unusable.append((step, path, why))
+        earlier = unusable_names(os.listdir(self.directory))
+        set_aside = [(path, self._set_aside(step, path, why), why) for step, path, why in unusable]
+        if restored is not None:
+            if restored.optimizer_reset:
+                self.print(
+                    f"Checkpoint {restored.path}: its optimizer state does not match this run's "
+                    f"optimizer; keeping its weights, counters and data position and starting "
+                    f"a new optimizer state (Checkpoints(reset_optimizer=True))"
+                )
+            return restored
+        if not set_aside and not earlier:
+            return None
+        message = no_usable_message(
+            self.directory, set_aside, earlier, fresh_hint=not self.spec.start_fresh
+        )
+        if not self.spec.start_fresh:
+            raise NoUsableCheckpointError(message)
+        self.print(f"Starting from step 0 (Checkpoints(start_fresh=True)): {message}")
         return None
 
-    def _read(self, step, path, abstract, shardings, key_impl) -> Restored:
+    def _read(self, step, path, abstract, shardings, key_impl, init_opt_state) -> Restored:
         ocp = self._ocp
         meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
         saved_abstract = to_saved(abstract, shardings=shardings)
+        state_dir = os.path.join(path, "state")
         with ocp.StandardCheckpointer() as checkpointer:
-            metadata = checkpointer.metadata(os.path.join(path, "state"))
-            check_compatible(saved_abstract, metadata.item_metadata.tree, path, meta)
-            tree = checkpointer.restore(os.path.join(path, "state"), saved_abstract)
+            metadata = checkpointer.metadata(state_dir)
+            reset = check_compatible(
+                saved_abstract,
+                metadata.item_metadata.tree,
+                path,
+                meta,
+                reset_optimizer=self.spec.reset_optimizer,
+                directory=self.directory,
+            )
+            if not reset:
+                tree = checkpointer.restore(state_dir, saved_abstract)
+        if reset:
+            if init_opt_state is None:
+                raise ValueError(
+                    "Checkpoints(reset_optimizer=True) needs init_opt_state= in "
+                    "CheckpointSession.restore to build the new optimizer state"
+                )
+            target = {k: v for k, v in saved_abstract.items() if k != "opt_state"}
+            tree = ocp.PyTreeCheckpointer().restore(
+                state_dir,
+                args=ocp.args.PyTreeRestore(
+                    item=target,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True,
+                ),
+            )
+            tree = {**target, **tree}
+            tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
         data_state = None
         index, count = jax.process_index(), jax.process_count()
@@ -190,9 +372,16 @@ class CheckpointSession:
                 pathlib.Path(path, "data_iter"), item=position
             )
             data_state = position.state
-        return Restored(step=step, path=path, state=state, data_state=data_state, meta=meta)
+        return Restored(
+            step=step,
+            path=path,
+            state=state,
+            data_state=data_state,
+            meta=meta,
+            optimizer_reset=reset,
+        )
 
-    def _set_aside(self, step: int, path: str, why: str) -> None:
+    def _set_aside(self, step: int, path: str, why: str) -> str:
         target = os.path.join(self.directory, f"{step}.unusable")
         n = 1
         while os.path.exists(target):
@@ -202,14 +391,34 @@ class CheckpointSession:
             os.rename(path, target)
         _sync("dew-checkpoint-set-aside")
         self.print(f"Skipping checkpoint {path}: {why}; kept as {target}, nothing deleted")
+        return target
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: TrainState, iterator: Iterator, meta: dict) -> None:
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        iterator: Iterator,
+        meta: dict,
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Start writing a checkpoint of ``state`` and the iterator's position
-        at ``step`` (asynchronously unless ``use_async=False``)."""
+        at ``step`` (asynchronously unless ``use_async=False``).
+
+        metrics: the latest evaluation results (``{name: float}``), or None
+          when there are none yet; ``keep_best`` ranks checkpoints by them.
+        """
         ocp = self._ocp
         import grain
 
+        spec = self.spec
+        metrics = jsonable_metrics(metrics)
+        if spec.keep_best and metrics is not None and spec.best_metric not in metrics:
+            raise ValueError(
+                f"checkpoint of step {step}: the metrics given to save have no "
+                f"{spec.best_metric!r} (Checkpoints.best_metric), only {sorted(metrics)}; "
+                f"pass the evaluation results that include it, or None"
+            )
         position = iterator_position(iterator)
         meta = {
             **meta,
@@ -221,7 +430,12 @@ class CheckpointSession:
         if position is not None:
             items["data_iter"] = grain.checkpoint.CheckpointSave(_Position(position))
         with _quiet_orbax():
-            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(**items),
+                force=True,
+                metrics=metrics if spec.keep_best else None,
+            )
         self.last_saved = step
 
     def wait(self) -> None:
@@ -273,49 +487,6 @@ def from_saved(tree: dict[str, Any], *, key_impl: Any, key_sharding: Any) -> Tra
 
 def _is_typed_key(value) -> bool:
     return jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
-
-
-def check_compatible(saved_abstract, saved_metadata, path: str, meta: dict) -> None:
-    """Raise :class:`CheckpointMismatchError` naming the first array whose path
-    or shape differs between this run and the checkpoint at ``path``."""
-    import orbax.checkpoint as ocp
-
-    ours = _flat_shapes(ocp.tree.serialize_tree(saved_abstract))
-    theirs = _flat_shapes(saved_metadata)
-    hint = (
-        "; resume with the model and optimizer that wrote it, or point Checkpoints at "
-        "another directory"
-    )
-    model = meta.get("model") or {}
-    if model:
-        written = f" (written for model {model.get('name')!r} with config {model.get('config')})"
-        hint = written + hint
-    # Parameters first: a different model shows as its first parameter, not
-    # as its moving average or optimizer state.
-    for name, shape in sorted(ours.items(), key=lambda item: not item[0].startswith("params/")):
-        if name not in theirs:
-            raise CheckpointMismatchError(
-                f"checkpoint {path} does not match this run: {name!r} (shape {shape}) is not in "
-                f"the checkpoint{hint}"
-            )
-        if tuple(theirs[name]) != tuple(shape):
-            raise CheckpointMismatchError(
-                f"checkpoint {path} does not match this run: {name!r} has shape "
-                f"{tuple(theirs[name])} in the checkpoint and {tuple(shape)} in this run{hint}"
-            )
-    for name, shape in sorted(theirs.items(), key=lambda item: not item[0].startswith("params/")):
-        if name not in ours:
-            raise CheckpointMismatchError(
-                f"checkpoint {path} does not match this run: {name!r} (shape {tuple(shape)}) is "
-                f"in the checkpoint but not in this run{hint}"
-            )
-
-
-def _flat_shapes(tree) -> dict[str, tuple[int, ...]]:
-    import orbax.checkpoint as ocp
-
-    flat = ocp.tree.to_flat_dict(tree, sep="/")
-    return {name: tuple(leaf.shape) for name, leaf in flat.items() if hasattr(leaf, "shape")}
 
 
 # -------------------------------------------------------------- data position

@@ -179,6 +179,75 @@ def check_divisible(abstract, specs, mesh: Mesh, rules: Rules) -> None:
                 )
 
 
+def optimizer_specs(opt_state, params, mesh: Mesh, rules: Rules):
+    """Logical ``PartitionSpec`` of every array of an optimizer state built
+    from logically partitioned ``params`` (both still boxed), each one fitting
+    its own shape.
+
+    ``optimizer.init`` maps over the parameter boxes, so a state array inherits
+    its parameter's axis names even when its shape differs (Adafactor's
+    factored moments drop a dimension; its placeholders are ``[1]``). An array
+    shaped like its parameter keeps the parameter's names. Any other array
+    takes, dimension by dimension in order, the name of the next parameter
+    dimension of the same size; a dimension with no such match, or whose mesh
+    axes do not divide it, is replicated. The parameter is the one whose path
+    ends the state array's path (``opt_state/0/mu/dense/kernel`` ->
+    ``dense/kernel``); an array with no such parameter is replicated where it
+    does not fit. Arrays outside any box (step counts) are replicated.
+    """
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    reference = {}
+    for path, box in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_box)[0]:
+        if isinstance(box, nn.LogicallyPartitioned):
+            reference[_path_names(path)] = (tuple(box.value.shape), tuple(box.names))
+
+    def parameter_of(path):
+        names = _path_names(path)
+        for start in range(len(names)):
+            if names[start:] in reference:
+                return reference[names[start:]]
+        return None
+
+    def fit(path, node):
+        if not isinstance(node, nn.LogicallyPartitioned):
+            return jax.tree.map(lambda _: PartitionSpec(), node)
+        found = parameter_of(path)
+        return jax.tree.map(
+            lambda leaf: _fitted_spec(tuple(leaf.shape), tuple(node.names), found, mesh, rules),
+            node.value,
+        )
+
+    return jax.tree_util.tree_map_with_path(fit, opt_state, is_leaf=is_box)
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _fitted_spec(shape, names, parameter, mesh: Mesh, rules: Rules) -> PartitionSpec:
+    if parameter is not None and shape != parameter[0]:
+        parameter_shape, names = parameter
+        logical, start = [], 0
+        for size in shape:
+            match = next(
+                (d for d in range(start, len(parameter_shape)) if parameter_shape[d] == size), None
+            )
+            logical.append(None if match is None else names[match])
+            start = start if match is None else match + 1
+    elif len(names) == len(shape):
+        logical = list(names)
+    else:
+        logical = [None] * len(shape)
+    mesh_spec = nn.logical_to_mesh_axes(logical, list(rules))
+    for dim, (size, mesh_axes) in enumerate(zip(shape, mesh_spec)):
+        if mesh_axes is None:
+            continue
+        names_of = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+        if size % math.prod(int(mesh.shape[a]) for a in names_of):
+            logical[dim] = None
+    return PartitionSpec(*logical)
+
+
 def unbox_abstract(tree):
     return jax.tree.map(
         lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,

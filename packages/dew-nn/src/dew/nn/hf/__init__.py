@@ -1,0 +1,45 @@
+"""Hugging Face formats of Dew's backbones: one :class:`HFFormat` per family.
+
+A format maps a family's ``config.json`` to a Dew model and back, and its
+tensors to Dew parameters and back. It is pure numpy: reading and writing
+files (safetensors, sharded checkpoints, tokenizers) is
+:class:`dew.sampling.Pretrained`'s job.
+
+    >>> from dew.nn import hf, models
+    >>> fmt = hf.get(hf.family_of(config))          # config: a parsed config.json
+    >>> name, options = fmt.config_to_dew(config)
+    >>> model = models.build(name, **options)
+    >>> params = fmt.params_from_hf(tensors, model)  # tensors: {name: array}
+    >>> fmt.params_to_hf(params, model)              # {name: array} again
+
+Families: ``llama``, ``mistral``, ``qwen2`` (:mod:`dew.nn.hf.llama`) and
+``gpt2`` (:mod:`dew.nn.hf.gpt2`). A new family is one object that follows
+:class:`HFFormat` (causal LMs subclass :class:`CausalLMFormat`), passed to
+:func:`register`.
+"""
+
+from dew.nn.hf.causal_lm import CausalLMFormat
+from dew.nn.hf.fields import IGNORED_FIELDS, ConfigFields
+from dew.nn.hf.format import HFFormat, family_of, get, names, param_shapes, register
+from dew.nn.hf.gpt2 import GPT2
+from dew.nn.hf.llama import LLAMA, MISTRAL, QWEN2
+
+for _fmt in (LLAMA, MISTRAL, QWEN2, GPT2):
+    register(_fmt)
+del _fmt
+
+__all__ = [
+    "GPT2",
+    "IGNORED_FIELDS",
+    "LLAMA",
+    "MISTRAL",
+    "QWEN2",
+    "CausalLMFormat",
+    "ConfigFields",
+    "HFFormat",
+    "family_of",
+    "get",
+    "names",
+    "param_shapes",
+    "register",
+]

@@ -1,0 +1,161 @@
+"""Llama, Mistral and Qwen2: pre-norm RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+The three share one layout (``model.layers.{i}.self_attn.q_proj.weight``, ...)
+and differ in a few fields: Mistral slides an attention window, Qwen2 adds
+q/k/v biases and may slide a window over some layers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dew.nn.hf.causal_lm import CausalLMFormat
+from dew.nn.hf.fields import ConfigFields, read_rope, write_rope
+from dew.nn.hf.layout import Layout, heads_bias, heads_in, heads_out, linear, lm_head, same
+
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+
+
+class LlamaFormat(CausalLMFormat):
+    """A Llama-like family: ``'llama'``, ``'mistral'`` or ``'qwen2'``."""
+
+    def __init__(self, family: str, architecture: str):
+        if family not in _DEFAULT_MAX_POSITIONS:
+            raise ValueError(
+                f"LlamaFormat covers {', '.join(_DEFAULT_MAX_POSITIONS)}, not {family!r}"
+            )
+        self.family, self.architecture = family, architecture
+
+    def read_options(self, fields: ConfigFields) -> dict[str, Any]:
+        emb = fields.get("hidden_size")
+        heads = fields.get("num_attention_heads")
+        head_dim = fields.get("head_dim", None) or emb // heads
+        fields.expect("hidden_act", ("silu", "swish"), "silu")
+        theta, scaling = read_rope(fields)
+        options = dict(
+            vocab_size=fields.get("vocab_size"),
+            emb_features=emb,
+            num_layers=fields.get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=fields.get("num_key_value_heads", None) or heads,
+            head_dim=None if head_dim * heads == emb else head_dim,
+            mlp_features=fields.get("intermediate_size"),
+            max_seq_len=fields.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[self.family]),
+            mlp_activation="swiglu",
+            norm="rms",
+            norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
+            position_embedding="rope",
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        )
+        if self.family == "llama":
+            fields.expect("attention_bias", (False,), False)
+            fields.expect("mlp_bias", (False,), False)
+        if self.family == "mistral":
+            options["sliding_window"] = fields.get("sliding_window", 4096)
+        if self.family == "qwen2":
+            options["use_qkv_bias"] = True
+            options["sliding_window"] = _qwen2_window(fields, options["num_layers"])
+        return options
+
+    def requirements(self, model) -> list[tuple[str, str, bool]]:
+        qwen2 = self.family == "qwen2"
+        needs = [
+            ("norm", "'rms'", model.norm == "rms"),
+            ("position_embedding", "'rope'", model.position_embedding == "rope"),
+            ("mlp_activation", "'swiglu'", model.mlp_activation == "swiglu"),
+            ("use_bias", "False", not model.use_bias),
+            ("use_qkv_bias", str(qwen2), model.use_qkv_bias == qwen2),
+            ("num_experts", "0", model.num_experts == 0),
+        ]
+        if self.family == "llama":
+            needs.append(("sliding_window", "None", model.sliding_window is None))
+        return needs
+
+    def write_config(self, model, config: dict[str, Any]) -> None:
+        config.update(
+            hidden_size=model.emb_features,
+            intermediate_size=model.mlp_features,
+            num_hidden_layers=model.num_layers,
+            num_attention_heads=model.num_heads,
+            num_key_value_heads=model.kv_heads,
+            head_dim=model.head_dim or model.emb_features // model.num_heads,
+            hidden_act="silu",
+            max_position_embeddings=model.max_seq_len,
+            rms_norm_eps=model.norm_eps,
+            **write_rope(model.rope_theta, model.rope_scaling),
+        )
+        if self.family == "llama":
+            config.update(attention_bias=False, mlp_bias=False)
+        elif self.family == "mistral":
+            config["sliding_window"] = model.sliding_window
+        else:  # qwen2: one window over every layer, or none
+            window = model.sliding_window
+            config.update(
+                use_sliding_window=window is not None,
+                sliding_window=window,
+                max_window_layers=0 if window is not None else model.num_layers,
+                layer_types=["sliding_attention" if window is not None else "full_attention"]
+                * model.num_layers,
+            )
+
+    def layout(self, model) -> Layout:
+        e, h, kv = model.emb_features, model.num_heads, model.kv_heads
+        d, m, v = model.head_dim or e // h, model.mlp_features, model.vocab_size
+        per_layer = [
+            same("input_layernorm.weight", "attention_norm/scale", (e,)),
+            heads_in("self_attn.q_proj.weight", "attention/query_kernel", h, d, e),
+            heads_in("self_attn.k_proj.weight", "attention/key_kernel", kv, d, e),
+            heads_in("self_attn.v_proj.weight", "attention/value_kernel", kv, d, e),
+            heads_out("self_attn.o_proj.weight", "attention/out_kernel", h, d, e, transposed=True),
+            same("post_attention_layernorm.weight", "mlp_norm/scale", (e,)),
+            linear("mlp.gate_proj.weight", "mlp/gate/kernel", m, e),
+            linear("mlp.up_proj.weight", "mlp/up/kernel", m, e),
+            linear("mlp.down_proj.weight", "mlp/down/kernel", e, m),
+        ]
+        if self.family == "qwen2":
+            per_layer += [
+                heads_bias("self_attn.q_proj.bias", "attention/query_bias", h, d),
+                heads_bias("self_attn.k_proj.bias", "attention/key_bias", kv, d),
+                heads_bias("self_attn.v_proj.bias", "attention/value_bias", kv, d),
+            ]
+        return Layout(
+            prefix="model.",
+            layer="layers.{i}.",
+            globals=(
+                same("embed_tokens.weight", "embed/embedding", (v, e)),
+                same("norm.weight", "final_norm/scale", (e,)),
+            ),
+            per_layer=tuple(per_layer),
+            lm_head=lm_head(v, e, tied=model.tie_embeddings),
+            buffers=re.compile(r"\.rotary_emb\.inv_freq$"),
+        )
+
+
+def _qwen2_window(fields: ConfigFields, num_layers: int) -> int | None:
+    """Qwen2 slides its window over layers >= max_window_layers when use_sliding_window."""
+    window = fields.get("sliding_window", 4096)
+    used = fields.get("use_sliding_window", False) and window is not None
+    first = fields.get("max_window_layers", 28)
+    kinds = fields.get("layer_types", None)  # transformers 5 spells it out per layer
+    if kinds is None:
+        kinds = [
+            "sliding_attention" if used and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    sliding = [k == "sliding_attention" and used for k in kinds]
+    if all(sliding):
+        return int(window)
+    if not any(sliding):
+        return None
+    raise ValueError(
+        f"{fields.where}: config.json slides the attention window over only some layers "
+        f"(layer_types {kinds}); Dew's CausalTransformer uses one window for all layers"
+    )
+
+
+LLAMA = LlamaFormat("llama", "LlamaForCausalLM")
+MISTRAL = LlamaFormat("mistral", "MistralForCausalLM")
+QWEN2 = LlamaFormat("qwen2", "Qwen2ForCausalLM")

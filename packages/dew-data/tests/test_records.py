@@ -116,3 +116,5 @@ def test_bad_arguments_say_what_to_do():
         from_records(Numbers(4), batch=4).train(Partition(0, 3))
     with pytest.raises(ValueError, match="seed"):
         from_records(Numbers(4), batch=4, seed=-1)
+    with pytest.raises(ValueError, match=r"batch of 5 examples is larger than the 4 training"):
+        from_records(Numbers(4), Numbers(9), batch=5)  # a val source may be smaller or larger

@@ -84,3 +84,24 @@ def test_too_short_and_missing_files(tmp_path):
         Videos(tmp_path, frames=4, stride=2).load(batch=1)
     with pytest.raises(FileNotFoundError, match="missing"):
         Videos(tmp_path / "missing").load(batch=1)
+
+
+def test_validation_clips_from_the_head_or_separate_files(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    video = np.arange(8 * 2 * 2 * 3, dtype=np.uint8).reshape(8, 2, 2, 3)
+    np.save(tmp_path / "train" / "a.npy", video)  # clips start at frames 0, 2, 4, 6
+    clips = np.stack([video[s : s + 2] for s in (0, 2, 4, 6)])
+    head = Videos(tmp_path / "train", frames=2, val_fraction=0.5, val_from="head").load(batch=2)
+    val = np.concatenate([b["video"] for b in head.val(Partition())])
+    np.testing.assert_array_equal(val, clips[:2])
+    train = next(head.train(Partition()))["video"]
+    assert sorted(c.tobytes() for c in train) == sorted(c.tobytes() for c in clips[2:])
+    np.save(tmp_path / "val" / "b.npy", video[::-1].copy())
+    separate = Videos(tmp_path / "train", frames=2, val_paths=tmp_path / "val").load(batch=4)
+    assert separate.records == 4
+    val = np.concatenate([b["video"] for b in separate.val(Partition())])
+    np.testing.assert_array_equal(val, np.stack([video[::-1][s : s + 2] for s in (0, 2, 4, 6)]))
+    np.save(tmp_path / "val" / "b.npy", np.zeros((4, 3, 3, 3), np.uint8))
+    with pytest.raises(ValueError, match=r"validation examples \(video uint8 \[2, 3, 3, 3\]\)"):
+        Videos(tmp_path / "train", frames=2, val_paths=tmp_path / "val").load(batch=2)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer
-from dew.objectives import Objective, Step
+from dew.objectives import Objective, Step, weighted
 from dew.objectives.lm import LMObjective
 
 
@@ -30,12 +30,18 @@ def test_objective_contract(name):
     variables = nn.unbox(objective.init(jax.random.key(0)))
     objective.check_batch(batch)
 
+    rows = len(next(iter(batch.values())))
+
     @jax.jit
     def loss_and_grad(params, key):
         step = Step(index=jnp.int32(3), key=key)
-        return jax.value_and_grad(
-            lambda p: objective.loss({**variables, "params": p}, batch, step), has_aux=True
-        )(params)
+
+        def value(p):
+            loss, metrics = objective.loss({**variables, "params": p}, batch, step)
+            terms = weighted.loss_terms(loss, rows)
+            return weighted.loss_value(terms), weighted.reduce(weighted.as_metrics(metrics, rows))
+
+        return jax.value_and_grad(value, has_aux=True)(params)
 
     (loss, metrics), grads = loss_and_grad(variables["params"], jax.random.key(1))
     (loss_again, _), _ = loss_and_grad(variables["params"], jax.random.key(1))
@@ -43,4 +49,4 @@ def test_objective_contract(name):
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
     assert any(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
     assert float(loss) == float(loss_again)
-    assert all(jnp.ndim(v) == 0 for v in metrics.values())
+    assert all(jnp.ndim(v) == 0 and np.isfinite(float(v)) for v in metrics.values())

@@ -8,6 +8,7 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
+from dew.objectives import weighted
 from dew.objectives.lm import LMObjective
 
 MODEL = CausalTransformer(
@@ -35,9 +36,11 @@ def test_loss_is_mean_next_token_nll(setup):
     loss, metrics = objective.loss(variables, {"text": tokens}, STEP)
     logits = MODEL.apply(variables, tokens[:, :-1])
     nll = numpy_nll(logits, tokens[:, 1:])
-    assert float(loss) == pytest.approx(nll.mean(), rel=1e-5)
-    assert float(metrics["nll_sum"]) == pytest.approx(nll.sum(), rel=1e-5)
-    assert float(metrics["tokens"]) == 4 * 8
+    assert float(loss.value) == pytest.approx(nll.mean(), rel=1e-5)
+    assert float(loss.total) == pytest.approx(nll.sum(), rel=1e-5)
+    assert float(loss.weight) == 4 * 8
+    assert float(metrics["nll"].value) == pytest.approx(nll.mean(), rel=1e-5)
+    assert float(metrics["tokens"].total) == 4 * 8
 
 
 def test_loss_mask_and_example_mask_weight_the_sums(setup):
@@ -50,18 +53,19 @@ def test_loss_mask_and_example_mask_weight_the_sums(setup):
     loss, metrics = masked.loss(variables, batch, STEP)
     nll = numpy_nll(MODEL.apply(variables, tokens[:, :-1]), tokens[:, 1:])
     weights = completion[:, 1:] * example_mask[:, None]
-    assert float(loss) == pytest.approx((nll * weights).sum() / weights.sum(), rel=1e-5)
-    assert float(metrics["tokens"]) == weights.sum()
+    assert float(loss.value) == pytest.approx((nll * weights).sum() / weights.sum(), rel=1e-5)
+    assert float(loss.weight) == weights.sum()
+    assert float(metrics["tokens"].total) == weights.sum()
 
 
 def test_evaluate_sums_add_up_over_batches(setup):
     objective, variables, tokens = setup
     whole = objective.evaluate(variables, {"text": tokens}, STEP)
     halves = [objective.evaluate(variables, {"text": t}, STEP) for t in (tokens[:2], tokens[2:])]
-    totals = {k: sum(float(h[k]) for h in halves) for k in whole}
+    totals = weighted.add(*halves)
     for key in whole:
-        assert totals[key] == pytest.approx(float(whole[key]), rel=1e-5)
-    summary = objective.summarize(totals)
+        assert float(totals[key].total) == pytest.approx(float(whole[key].total), rel=1e-5)
+    summary = objective.summarize(weighted.to_float(totals))
     logits = MODEL.apply(variables, tokens[:, :-1])
     nll = numpy_nll(logits, tokens[:, 1:])
     assert summary["loss"] == pytest.approx(nll.mean(), rel=1e-5)

@@ -102,7 +102,7 @@ def test_mesh_matches_one_device(case, reference, tmp_path, capsys):
     if ref_name == "moe":  # the load-balancing loss is reported, agrees, and is in the loss
         assert metrics["aux_loss"] == pytest.approx(want_metrics["aux_loss"], rel=1e-5)
         assert 0.0 < metrics["aux_loss"] <= MOE["num_experts"]
-        lm_loss = metrics["nll_sum"] / metrics["tokens"]
+        lm_loss = metrics["nll"]
         assert metrics["loss"] == pytest.approx(lm_loss + 0.01 * metrics["aux_loss"], rel=1e-6)
         up = params["layers"]["mlp"]["up"]  # [layers, expert, embed, mlp]
         assert {s.data.shape[1] for s in up.addressable_shards} == {2}  # 4 experts / expert=2

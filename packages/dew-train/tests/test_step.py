@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from dew.data import Dataset
-from dew.objectives import EMA, Objective
+from dew.objectives import EMA, Objective, Summed
 from dew.objectives.lm import LMObjective
 from dew.train import NonFiniteError, Trainer, TrainState, build_train_step
 
@@ -37,7 +37,7 @@ class Linear(Objective):
         p = variables["params"]
         err = batch["x"] @ p["w"] + p["b"] - batch["y"]
         total = jnp.sum(err**2)
-        return total / batch["x"].shape[0], {"se_sum": total}
+        return total / batch["x"].shape[0], {"se_sum": Summed(total)}
 
     def evaluate(self, variables, batch, step):
         return {"w_sum": jnp.sum(variables["params"]["w"])}
@@ -98,7 +98,7 @@ def test_accumulated_gradient_equals_full_batch_and_numpy():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # float32 vs float64
     # metrics are summed over microbatches; loss is their mean
     err = batch["x"] @ np.asarray(state.params["w"]) - batch["y"]
-    assert float(metrics["se_sum"]) == pytest.approx(float((err**2).sum()), rel=1e-5)
+    assert float(metrics["se_sum"].total) == pytest.approx(float((err**2).sum()), rel=1e-5)
     assert float(metrics["loss"]) == pytest.approx(float((err**2).sum()) / ROWS, rel=1e-5)
     counters = (accumulated.step, accumulated.microstep, accumulated.updates)
     assert tuple(map(int, counters)) == (1, 4, 1)
@@ -202,7 +202,8 @@ def test_evaluation_and_preview_use_averaged_weights_when_asked(use_averaged, ca
         float(np.sum(weights["w"])), rel=1e-6
     )
     np.testing.assert_array_equal(objective.previews[-1], weights["w"])
-    assert "eval step 3: w_sum" in capsys.readouterr().out
+    line = "eval (ema) step 3: w_sum" if use_averaged else "eval step 3: w_sum"
+    assert line in capsys.readouterr().out
 
 
 def test_pipeline_wraps_averaged_weights():

@@ -36,9 +36,9 @@ def reference_losses(objective, optimizer, key, steps):
 
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: objective.loss({"params": p}, batch, None)[0])(
-            params
-        )
+        loss, grads = jax.value_and_grad(
+            lambda p: objective.loss({"params": p}, batch, None)[0].value
+        )(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

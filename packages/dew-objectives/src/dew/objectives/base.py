@@ -251,7 +251,8 @@ class Objective:
     def pipeline(self, state) -> Any:
         """``export`` of a ``TrainState``'s variables (the averaged ones when the
         objective evaluates with them)."""
-        return self.export(state.variables(averaged=self.evaluate_averaged))
+        averaged = self.evaluate_averaged and self.ema is not None
+        return self.export(state.variables(averaged=averaged))
 
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
         """Validate one host batch before it is compiled against; raise ValueError."""

@@ -2,6 +2,7 @@
 
 from dew.train.checkpoints import CheckpointMismatchError, Checkpoints, load_model
 from dew.train.goodput import Goodput
+from dew.train.hooks import EarlyStopping, FitResult, Hook, StepInfo
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.plan import Plan, plan
 from dew.train.state import TrainState
@@ -15,10 +16,14 @@ __all__ = [
     "Checkpoints",
     "DEFAULT_RULES",
     "MESH_AXES",
+    "EarlyStopping",
+    "FitResult",
     "Goodput",
+    "Hook",
     "MeshSpec",
     "NonFiniteError",
     "Plan",
+    "StepInfo",
     "TrainState",
     "Trainer",
     "build_train_step",

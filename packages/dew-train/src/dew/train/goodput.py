@@ -2,7 +2,8 @@
 
 Buckets are measured with ``with goodput.measure("compile"):`` and never
 nest. ``steps`` is the time spent dispatching and waiting for training
-steps; ``init`` building the initial state; ``compile`` compiling the step;
+steps; ``prepare`` an objective's prepare phase (rollouts); ``init``
+building the initial state; ``compile`` compiling the step;
 ``data`` waiting for the next batch (and fast-forwarding a resumed stream);
 ``eval`` evaluation and previews; ``checkpoint`` reading, starting and
 finishing checkpoint writes; ``logging`` metrics records; ``other`` what no
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-BUCKETS = ("init", "compile", "steps", "data", "eval", "checkpoint", "logging")
+BUCKETS = ("init", "compile", "steps", "prepare", "data", "eval", "checkpoint", "logging")
 PARTS = (*BUCKETS, "other")
 
 

@@ -45,6 +45,7 @@ from dew.train.mesh import (
     data_parallel_size,
     mesh_sizes,
 )
+from dew.train.placement import compile_fn
 from dew.train.step import build_train_step
 from dew.train.trainer import Trainer
 
@@ -161,15 +162,12 @@ def plan(
     start = time.perf_counter()
     with jax.set_mesh(device_mesh), nn.logical_axis_rules(list(trainer.rules)):
         flops = count_flops(jax.make_jaxpr(step_fn)(state, batch).jaxpr)
-        compiled = (
-            jax.jit(
-                step_fn,
-                in_shardings=(shardings, batch_shardings),
-                out_shardings=(shardings, replicated),
-                donate_argnums=0,
-            )
-            .lower(state, batch)
-            .compile()
+        compiled = compile_fn(
+            step_fn,
+            (state, batch),
+            in_shardings=(shardings, batch_shardings),
+            out_shardings=(shardings, replicated),
+            donate_argnums=(0,),
         )
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()

@@ -1,53 +1,107 @@
 """The training step, composed from its features when it is built.
 
-    grads  = accumulate(loss_and_grad, k)      # k microbatches, mean gradient
+    grads  = accumulate(loss_and_grad, k)      # k microbatches, divided once by the weight
     state' = reject_nonfinite(apply_update)    # nothing applied if not finite
     state' = with_ema(state')                  # moving average after each update
 
+and, for an objective with ``prepare``:
+
+    prepared = prepare(state, batch)           # compiled, no gradient, pre-update weights
+    for u in range(epochs * minibatches):      # one trainer step each
+        state = train_step(state, minibatch(prepared, u))
+
 Each feature is a function wrapping another; the compiled step holds no
 ``if config.flag`` branches.
+
+Weights: an objective's loss is one or more :class:`~dew.objectives.Weighted`
+terms (a plain scalar is a mean with equal weight per row). With ``k``
+microbatches the optimized value is ``sum_t (sum_j total_tj) / (sum_j weight_tj)``:
+a first pass adds up each term's weight over the microbatches (XLA drops the
+forward pass when the weights come from the batch alone, as masks do), the
+second differentiates ``sum_t total_tj / W_t`` per microbatch and adds the
+gradients, so the result equals one full batch even when rows carry different
+weights. Data-parallel shards and processes are inside the one compiled
+program, so they divide by the same global weight.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from dew.objectives import EMA, Objective, Step
+from dew.objectives import EMA, Objective, Step, Updates
+from dew.objectives import weighted as wt
 from dew.train.state import TrainState
 
 
+class Stream(enum.IntEnum):
+    """Named key streams of a step, folded into ``fold_in(root, step)``.
+
+    Microbatch ``j`` of an update draws from stream ``j`` (0, 1, ...); the
+    other phases draw from these, far from any microbatch index.
+    """
+
+    PREPARE = 0x7FFFFFFD
+    SHUFFLE = 0x7FFFFFFC
+    PREVIEW = 0x7FFFFFFE
+    EVALUATE = 0x7FFFFFFF
+
+
 def microbatch_key(root: jax.Array, step: jax.Array, microbatch) -> jax.Array:
-    """The key of one microbatch: ``fold_in(fold_in(root, step), microbatch)``."""
+    """The key of one microbatch (or named stream): ``fold_in(fold_in(root, step), j)``."""
     return jax.random.fold_in(jax.random.fold_in(root, step), microbatch)
 
 
-def loss_and_grad_fn(objective: Objective) -> Callable:
-    """``(state, batch, microbatch) -> (loss, metrics, grads)`` for one microbatch."""
+def rows_of(batch) -> int:
+    leaves = jax.tree.leaves(batch)
+    return int(leaves[0].shape[0]) if leaves else 1
 
-    def fn(state: TrainState, batch, microbatch):
+
+def objective_variables(objective: Objective, state: TrainState, params) -> dict:
+    variables = {"params": params, **state.frozen}
+    if objective.uses_averaged:
+        variables["averaged"] = jax.lax.stop_gradient(state.averaged)
+    return variables
+
+
+def weighted_loss_fn(objective: Objective) -> Callable:
+    """``(params, state, batch, microbatch) -> (terms, metrics)``, both weighted."""
+
+    def fn(params, state: TrainState, batch, microbatch):
         step = Step(index=state.step, key=microbatch_key(state.key, state.step, microbatch))
-
-        def loss_of(params):
-            variables = {"params": params, **state.frozen}
-            if objective.uses_averaged:
-                variables["averaged"] = jax.lax.stop_gradient(state.averaged)
-            return objective.loss(variables, batch, step)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
-        return loss, metrics, grads
+        loss, metrics = objective.loss(objective_variables(objective, state, params), batch, step)
+        rows = rows_of(batch)
+        return wt.loss_terms(loss, rows), wt.as_metrics(metrics, rows)
 
     return fn
 
 
+def _grads(fn, state, batch, microbatch, weights):
+    """Gradient of ``sum_t total_t / weights_t`` for one microbatch."""
+
+    def objective_of(params):
+        terms, metrics = fn(params, state, batch, microbatch)
+        value = sum(t.total / w for t, w in zip(terms, weights))
+        return value, (terms, metrics)
+
+    (_, aux), grads = jax.value_and_grad(objective_of, has_aux=True)(state.params)
+    return aux, grads
+
+
 def accumulate(fn: Callable, k: int) -> Callable:
-    """Split the batch into ``k`` microbatches; return the mean loss and gradient
-    and the summed metrics. ``k == 1`` is the plain function."""
+    """``(state, batch) -> (terms, metrics, grads)`` over ``k`` microbatches, divided
+    once by each term's total weight. ``k == 1`` differentiates the batch directly."""
     if k == 1:
-        return lambda state, batch: fn(state, batch, 0)
+
+        def whole(state, batch):
+            (terms, metrics), grads = _grads_with_own_weights(fn, state, batch)
+            return terms, metrics, grads
+
+        return whole
 
     def split(x):
         # microbatch j takes rows j, j + k, j + 2k, ...: every data-parallel
@@ -56,20 +110,46 @@ def accumulate(fn: Callable, k: int) -> Callable:
 
     def accumulated(state, batch):
         micro = jax.tree.map(split, batch)
+        index = jnp.arange(k)
+
+        def weights_of(carry, xs):
+            j, mb = xs
+            terms, _ = fn(jax.lax.stop_gradient(state.params), state, mb, j)
+            return [c + t.weight for c, t in zip(carry, terms)], None
+
         first = jax.tree.map(lambda x: x[0], micro)
-        loss0, metrics0, grads0 = jax.eval_shape(lambda: fn(state, first, 0))
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (loss0, metrics0, grads0))
+        terms0, metrics0 = jax.eval_shape(lambda: fn(state.params, state, first, 0))
+        zero_weights = [jnp.zeros((), jnp.float32) for _ in terms0]
+        weights, _ = jax.lax.scan(weights_of, zero_weights, (index, micro))
+
+        zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, jnp.float32), (terms0, metrics0, state.params)
+        )
 
         def body(carry, xs):
             j, mb = xs
-            out = fn(state, mb, j)
+            (terms, metrics), grads = _grads(fn, state, mb, j, weights)
+            out = (terms, metrics, grads)
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, out), None
 
-        (loss, metrics, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(k), micro))
-        grads = jax.tree.map(lambda g, s: (g / k).astype(s.dtype), grads, grads0)
-        return loss / k, metrics, grads
+        (terms, metrics, grads), _ = jax.lax.scan(body, zeros, (index, micro))
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        return terms, metrics, grads
 
     return accumulated
+
+
+def _grads_with_own_weights(fn, state, batch):
+    """Gradient of ``sum_t total_t / W_t`` with each ``W_t`` this batch's own
+    weight, a constant of the differentiation."""
+
+    def objective_of(params):
+        terms, metrics = fn(params, state, batch, 0)
+        value = sum(t.total / jax.lax.stop_gradient(t.weight) for t in terms)
+        return value, (terms, metrics)
+
+    (_, aux), grads = jax.value_and_grad(objective_of, has_aux=True)(state.params)
+    return aux, grads
 
 
 def all_finite(loss, grads) -> jax.Array:
@@ -104,22 +184,38 @@ def path_string(path) -> str:
     return "/".join(parts)
 
 
+def learning_rate_of(opt_state, schedule: Callable | None, updates: jax.Array):
+    """The learning rate in effect: ``schedule(updates)`` when given, else a
+    ``learning_rate`` hyperparameter in the optimizer state
+    (``optax.inject_hyperparams``), else None."""
+    if schedule is not None:
+        return jnp.asarray(schedule(updates) if callable(schedule) else schedule, jnp.float32)
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "learning_rate")
+    if not found:
+        return None
+    return jnp.asarray(found[0][1], jnp.float32)
+
+
 def build_train_step(
     objective: Objective,
     optimizer: optax.GradientTransformation,
     *,
     accumulate_steps: int = 1,
+    learning_rate: Callable | float | None = None,
 ) -> Callable:
     """``(state, batch) -> (state, metrics)``: one attempt of the training step.
 
-    metrics: the objective's (summed over microbatches) plus ``loss`` (mean) and
-    ``accepted`` (1.0 when the update was applied).
+    metrics: the objective's (``Weighted``/``Summed``, accumulated over the
+    microbatches) plus ``loss``, ``accepted`` (1.0 when the update was
+    applied), ``grad_norm``, ``update_norm``, and ``learning_rate`` when it can
+    be read (a ``learning_rate=`` schedule, or ``optax.inject_hyperparams``).
     """
-    grads_fn = accumulate(loss_and_grad_fn(objective), accumulate_steps)
+    grads_fn = accumulate(weighted_loss_fn(objective), accumulate_steps)
     ema_fn = ema_update_fn(objective.ema)
 
     def train_step(state: TrainState, batch):
-        loss, metrics, grads = grads_fn(state, batch)
+        terms, metrics, grads = grads_fn(state, batch)
+        loss = wt.loss_value(terms)
         finite = all_finite(loss, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -136,7 +232,60 @@ def build_train_step(
             microstep=state.microstep + finite.astype(jnp.int32) * accumulate_steps,
             updates=state.updates + finite.astype(jnp.int32),
         )
-        metrics = {**metrics, "loss": loss, "accepted": finite.astype(jnp.float32)}
-        return new_state, metrics
+        out = {
+            **metrics,
+            "loss": loss,
+            "accepted": finite.astype(jnp.float32),
+            "loss_weight": jnp.min(jnp.stack([t.weight for t in terms])),
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+        }
+        lr = learning_rate_of(state.opt_state, learning_rate, state.updates)
+        if lr is not None:
+            out["learning_rate"] = lr
+        return new_state, out
 
     return train_step
+
+
+def build_prepare(objective: Objective) -> Callable:
+    """``(state, batch) -> prepared batch``: the objective's prepare phase on the
+    pre-update weights, without gradients, drawing from the PREPARE stream."""
+
+    def prepare(state: TrainState, batch):
+        variables = jax.lax.stop_gradient(objective_variables(objective, state, state.params))
+        step = Step(index=state.step, key=microbatch_key(state.key, state.step, Stream.PREPARE))
+        return objective.prepare(variables, batch, step)
+
+    return prepare
+
+
+def minibatch_fn(updates: Updates) -> Callable:
+    """``(state, prepared) -> minibatch``: the rows update ``u`` of the cycle reads.
+
+    The cycle started at step ``s0 = step - u`` (``u = step % per_batch``);
+    epoch ``e = u // minibatches`` reads slice ``u % minibatches`` of the rows,
+    in an order drawn from ``fold_in(fold_in(root, s0), SHUFFLE)`` and ``e``
+    when ``shuffle`` (epoch 0 of a single-epoch cycle keeps the prepared order).
+    """
+    per_batch, count = updates.per_batch, updates.minibatches
+
+    def select(state: TrainState, prepared):
+        rows = rows_of(prepared)
+        size = rows // count
+        u = state.step % per_batch
+        epoch, slot = u // count, u % count
+        if updates.shuffle and updates.epochs > 1:
+            key = microbatch_key(state.key, state.step - u, Stream.SHUFFLE)
+            order = jax.random.permutation(jax.random.fold_in(key, epoch), rows)
+        else:
+            order = jnp.arange(rows)
+        take = jax.lax.dynamic_slice_in_dim(order, slot * size, size)
+        return jax.tree.map(lambda x: jnp.take(x, take, axis=0), prepared)
+
+    return select
+
+
+def with_minibatch(select: Callable, step_fn: Callable) -> Callable:
+    """A step that first selects its minibatch of a prepared batch."""
+    return lambda state, prepared: step_fn(state, select(state, prepared))

@@ -1,10 +1,24 @@
-"""``Trainer``: the mesh, the compiled step, the loop, evaluation, logging, goodput."""
+"""``Trainer``: the mesh, the compiled step, the loop, evaluation, logging, goodput.
+
+The loop::
+
+    for each data batch:                      # every prepared_updates.per_batch steps
+        batch = prepare(state, batch)         # objectives with a prepare phase only
+        for each update over the batch:       # one step each
+            state, metrics = step(state, minibatch)
+            hooks: metrics and logging, evaluation and preview, checkpoint,
+                   stop signals, then the user's hooks (add_hook)
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import json
-from collections.abc import Iterator, Mapping
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -14,47 +28,99 @@ import numpy as np
 import optax
 
 from dew.data import Dataset, Partition
-from dew.objectives import Objective, Step
+from dew.objectives import Objective, Role, Step
+from dew.objectives import weighted as wt
 from dew.train.checkpoints import Checkpoints, resume_position
 from dew.train.goodput import Goodput
+from dew.train.hooks import EarlyStopping, EarlyStoppingState, FitResult, Hook, StepInfo
 from dew.train.logs import MetricsLog, format_value
 from dew.train.mesh import (
     DEFAULT_RULES,
     MeshSpec,
     Rules,
-    batch_sharding,
     check_divisible,
-    data_parallel_size,
     logical_shardings,
     mesh_sizes,
     unbox_abstract,
 )
+from dew.train.placement import (
+    abstract_batch,
+    check_batch_rows,
+    compile_fn,
+    layout,
+    replicated,
+    to_global,
+)
 from dew.train.preemption import StopSignals
 from dew.train.state import TrainState
-from dew.train.step import build_train_step, microbatch_key
+from dew.train.step import (
+    Stream,
+    build_prepare,
+    build_train_step,
+    microbatch_key,
+    minibatch_fn,
+    with_minibatch,
+)
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
+def _check_keywords(cls):
+    """Unknown keywords get the valid names and the nearest match, not a bare TypeError."""
+    init = cls.__init__
+    names = [n for n in inspect.signature(init).parameters if n != "self"]
+
+    def checked(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise TypeError(unknown_keywords(cls.__name__, unknown, names))
+        init(self, *args, **kwargs)
+
+    checked.__signature__ = inspect.signature(init)
+    checked.__doc__ = init.__doc__
+    cls.__init__ = checked
+    return cls
+
+
+def unknown_keywords(where: str, unknown: Sequence[str], valid: Sequence[str]) -> str:
+    parts = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, valid, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return f"{where} got unknown keyword(s) {', '.join(parts)}; valid: {', '.join(valid)}"
+
+
+@_check_keywords
 @dataclasses.dataclass
 class Trainer:
     """Trains ``objective`` with ``optimizer``; configure it, do not subclass it.
 
     objective: an :class:`dew.objectives.Objective`.
-    optimizer: an ``optax.GradientTransformation``.
-    key: the run's root PRNG key; every draw is a function of it and the step.
+    optimizer: an ``optax.GradientTransformation`` (any chain, schedule or wrapper).
+    key: the run's root PRNG key (``jax.random.key(seed)``); every draw is a
+      function of it and the step.
     mesh: axis sizes; the default puts every device on ``data``.
     rules: logical-axis -> mesh-axis table; None = ``DEFAULT_RULES``.
-    accumulate: split each global batch into this many microbatches and
-      apply one update with their mean gradient.
+    accumulate: split each global batch (or prepared minibatch) into this many
+      microbatches and apply one update; losses divide once by the total weight.
     max_rejected: stop with an error after more than this many consecutive
       steps with a non-finite loss or gradient.
     run_dir: where ``metrics.jsonl`` and TensorBoard events go; None = the
       checkpoint directory when there is one, else stdout only.
     checkpoints: a :class:`dew.train.Checkpoints`, or None.
     progress: show a progress bar; None = only on a TTY.
+    hooks: :class:`dew.train.Hook` objects run after the trainer's own hooks
+      (or add them with :meth:`add_hook`).
+    trackers: experiment trackers (``dew.train.trackers``) fed every record.
+    learning_rate: the schedule (or constant) the optimizer was built with, for
+      the log only; None = read ``learning_rate`` from an
+      ``optax.inject_hyperparams`` state when there is one.
+    early_stopping: an :class:`dew.train.EarlyStopping` on an evaluation metric.
+
+    After ``fit``, :attr:`result` (a :class:`dew.train.FitResult`) says whether
+    the run completed, stopped early or was interrupted.
     """
 
     objective: Objective
@@ -67,12 +133,30 @@ class Trainer:
     run_dir: str | None = dataclasses.field(default=None, kw_only=True)
     checkpoints: Checkpoints | None = dataclasses.field(default=None, kw_only=True)
     progress: bool | None = dataclasses.field(default=None, kw_only=True)
+    hooks: list = dataclasses.field(default_factory=list, kw_only=True)
+    trackers: Sequence[Any] = dataclasses.field(default=(), kw_only=True)
+    learning_rate: Callable | float | None = dataclasses.field(default=None, kw_only=True)
+    early_stopping: EarlyStopping | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.objective, Objective):
             raise TypeError(
                 f"objective must be a dew.objectives.Objective, got {type(self.objective).__name__}"
             )
+        if not isinstance(self.optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation (e.g. optax.adamw(3e-4) or "
+                f"an optax.chain(...)), got {type(self.optimizer).__name__} "
+                f"{self.optimizer!r:.80}; a learning rate goes inside the optax optimizer"
+            )
+        if not _is_typed_key(self.key):
+            raise TypeError(
+                f"key must be a typed JAX key such as jax.random.key(0), got "
+                f"{type(self.key).__name__} {self.key!r:.60}; a legacy uint32 PRNGKey converts "
+                f"with jax.random.wrap_key_data(k)"
+            )
+        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
+            raise TypeError(f"accumulate must be an int, got {self.accumulate!r}")
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 microbatches, got {self.accumulate}")
         if self.checkpoints is not None and not isinstance(self.checkpoints, Checkpoints):
@@ -80,11 +164,31 @@ class Trainer:
                 f"checkpoints must be a dew.train.Checkpoints (e.g. "
                 f"Checkpoints('runs/x')), got {type(self.checkpoints).__name__}"
             )
+        if not isinstance(self.mesh, MeshSpec):
+            raise TypeError(
+                f"mesh must be a dew.train.MeshSpec (e.g. MeshSpec(fsdp=4)), got "
+                f"{type(self.mesh).__name__}"
+            )
         if self.max_rejected < 0:
             raise ValueError(f"max_rejected must be >= 0, got {self.max_rejected}")
+        if self.early_stopping is not None and not isinstance(self.early_stopping, EarlyStopping):
+            raise TypeError(
+                f"early_stopping must be a dew.train.EarlyStopping, got "
+                f"{type(self.early_stopping).__name__}"
+            )
+        self.hooks = [h if isinstance(h, Hook) else Hook(h) for h in self.hooks]
         if self.rules is None:
             self.rules = DEFAULT_RULES
+        self.roles = check_roles(self.objective)
         self._mesh = None
+        self.result: FitResult | None = None
+
+    def add_hook(self, fn: Callable[[StepInfo], Any], *, every: int = 1, name: str = "") -> Hook:
+        """Run ``fn(StepInfo)`` after every ``every``-th step (after the trainer's
+        own hooks). Returns the :class:`Hook`."""
+        hook = Hook(fn, every=every, name=name)
+        self.hooks.append(hook)
+        return hook
 
     # ----------------------------------------------------------------- setup
     @property
@@ -101,10 +205,21 @@ class Trainer:
         stack.enter_context(nn.logical_axis_rules(list(self.rules)))
         return stack
 
-    def _create(self, key: jax.Array) -> TrainState:
+    def _init_variables(self, key: jax.Array, spec) -> dict:
+        init = self.objective.init
+        if spec is not None and "spec" in inspect.signature(init).parameters:
+            return dict(init(key, spec=spec))
+        return dict(init(key))
+
+    def _create(self, key: jax.Array, spec=None) -> TrainState:
         """The initial state, parameters still in their logical-axis boxes."""
         k_init, k_run = jax.random.split(key)
-        variables = dict(self.objective.init(k_init))
+        variables = self._init_variables(k_init, spec)
+        if "params" not in variables:
+            raise ValueError(
+                f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "
+                f"return a dict with 'params' (the trained weights)"
+            )
         params = variables.pop("params")
         return TrainState(
             params=params,
@@ -117,62 +232,42 @@ class Trainer:
             frozen=variables,
         )
 
-    def state_shardings(self):
+    def state_shardings(self, spec=None):
         """``(abstract state, NamedSharding tree)`` without allocating anything."""
-        if getattr(self, "_shardings", None) is None:
-            self._shardings = self._state_shardings()
+        cache = self.__dict__.setdefault("_shardings_by_spec", {})
+        token = _spec_token(spec)
+        if token not in cache:
+            self._spec = spec
+            cache[token] = self._state_shardings()
+        self._shardings = cache[token]
         return self._shardings
 
     def _state_shardings(self):
         with self._context():
-            boxed = jax.eval_shape(self._create, self.key)
+            boxed = jax.eval_shape(lambda k: self._create(k, self._spec), self.key)
             specs = nn.get_partition_spec(boxed)
+            # Optimizer arrays shaped unlike their parameter (Adafactor's factored
+            # moments) get a spec that fits their own shape.
+            from dew.train.mesh import optimizer_specs
+
+            specs = specs.replace(
+                opt_state=optimizer_specs(
+                    boxed.opt_state, boxed.params, self.device_mesh, self.rules
+                )
+            )
             abstract = unbox_abstract(boxed)
             check_divisible(abstract, specs, self.device_mesh, self.rules)
             return abstract, logical_shardings(specs, self.device_mesh, self.rules)
 
-    def init_state(self) -> TrainState:
+    def init_state(self, spec=None) -> TrainState:
         """Create the state already sharded (initialisation compiled with output shardings)."""
-        _, shardings = self.state_shardings()
-        if getattr(self, "_init_fn", None) is None:
-            self._init_fn = jax.jit(lambda k: nn.unbox(self._create(k)), out_shardings=shardings)
+        _, shardings = self.state_shardings(spec)
+        fns = self.__dict__.setdefault("_init_fns", {})
+        token = _spec_token(spec)
+        if token not in fns:
+            fns[token] = jax.jit(lambda k: nn.unbox(self._create(k, spec)), out_shardings=shardings)
         with self._context():
-            return self._init_fn(self.key)
-
-    def _check_batch_rows(self, data: Dataset, partition: Partition) -> None:
-        dp = data_parallel_size(self.device_mesh, self.rules)
-        if data.batch % dp:
-            raise ValueError(
-                f"global batch {data.batch} does not divide over {dp} data-parallel devices "
-                f"(mesh {mesh_sizes(self.device_mesh)}); use a multiple of {dp} or fewer "
-                f"devices on data/fsdp/expert"
-            )
-        if data.batch % (self.accumulate * dp):
-            raise ValueError(
-                f"global batch {data.batch} does not split into accumulate={self.accumulate} "
-                f"microbatches of a multiple of {dp} data-parallel devices; use a batch that "
-                f"is a multiple of {self.accumulate * dp}"
-            )
-        partition.rows(data.batch)
-
-    def _to_global(self, local: Mapping[str, Any], partition: Partition, global_rows: int):
-        out = {}
-        for name, value in local.items():
-            value = np.asarray(value)
-            if value.shape[:1] != (global_rows // partition.count,):
-                raise ValueError(
-                    f"batch[{name!r}] has {value.shape[0] if value.ndim else 0} rows; this "
-                    f"process (partition {partition.index} of {partition.count}) must read "
-                    f"{global_rows // partition.count} rows of the global batch {global_rows}"
-                )
-            sharding = batch_sharding(self.device_mesh, self.rules, value.ndim)
-            if partition.count == 1:  # this process holds the whole batch
-                out[name] = jax.device_put(value, sharding)
-            else:
-                out[name] = jax.make_array_from_process_local_data(
-                    sharding, value, (global_rows, *value.shape[1:])
-                )
-        return out
+            return fns[token](self.key)
 
     # ------------------------------------------------------------------- fit
     def fit(
@@ -187,7 +282,9 @@ class Trainer:
     ) -> TrainState:
         """Train until the step counter reaches ``steps``; returns the final state.
 
-        log_every: print and record metrics every this many steps (0 = never).
+        log_every: print and record metrics every this many steps (0 = never);
+          the logged loss and metrics are means over the steps since the last
+          log line.
         eval_every: run ``objective.evaluate`` over ``data.val`` (and a preview)
           every this many steps (0 = never).
         checkpoint_every: save a checkpoint every this many steps; 0 = only at
@@ -197,14 +294,27 @@ class Trainer:
         With ``checkpoints=``, a directory that holds a checkpoint continues
         from the newest usable one (see :mod:`dew.train.checkpoints`). SIGTERM
         or SIGINT finish the step in flight, write a checkpoint and return
-        the state early (see :mod:`dew.train.preemption`).
+        the state early (see :mod:`dew.train.preemption`); :attr:`result` says
+        how the run ended.
+
+        With an objective that has ``prepare``, one data batch feeds
+        ``prepared_updates.per_batch`` steps: ``steps`` and ``checkpoint_every``
+        must be multiples of it, and a stop request ends the run at the end
+        of the batch's updates.
         """
+        if not isinstance(data, Dataset):
+            raise TypeError(
+                f"fit needs a dew.data.Dataset (e.g. TokenWindows(...).load(batch=8) or "
+                f"Dataset(train=..., val=..., records=..., batch=...)), got {type(data).__name__}"
+            )
         for name, value in (
             ("steps", steps),
             ("log_every", log_every),
             ("eval_every", eval_every),
             ("eval_batches", eval_batches),
         ):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise TypeError(f"{name} must be an int, got {value!r}")
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if checkpoint_every < 0:
@@ -218,13 +328,48 @@ class Trainer:
                 f"Trainer(..., checkpoints=Checkpoints(directory)), or leave "
                 f"checkpoint_every=0"
             )
+        per_batch = self._per_batch()
+        if per_batch > 1:
+            for name, value in (("steps", steps), ("checkpoint_every", checkpoint_every)):
+                if value % per_batch:
+                    raise ValueError(
+                        f"{type(self.objective).__name__} runs {per_batch} updates per prepared "
+                        f"batch ({self.objective.prepared_updates}); {name}={value} must be a "
+                        f"multiple of {per_batch} so every batch finishes its updates"
+                    )
+        records = getattr(data, "records", None)
+        if records and records < data.batch:  # 0 or None: not known
+            raise ValueError(
+                f"the global batch {data.batch} is larger than the dataset's {records} "
+                f"records; use batch <= {records} or more data"
+            )
+        notes = []
+        if eval_every and data.val is None:
+            if self.objective.has_evaluate and not self.objective.has_preview:
+                raise ValueError(
+                    f"eval_every={eval_every} but the dataset has no validation data "
+                    f"(Dataset.val is None); give the reader a validation split or set "
+                    f"eval_every=0"
+                )
+            if self.objective.has_evaluate:
+                notes.append(
+                    f"Note: eval_every={eval_every} with no validation data (Dataset.val is "
+                    f"None): only previews run"
+                )
+        if self.early_stopping is not None and not eval_every:
+            raise ValueError(
+                f"early_stopping on {self.early_stopping.metric!r} needs evaluations: set "
+                f"eval_every > 0"
+            )
         goodput = Goodput()
         partition = Partition(jax.process_index(), jax.process_count())
-        self._check_batch_rows(data, partition)
+        check_batch_rows(self.device_mesh, self.rules, data.batch, self._update_microbatches())
+        partition.rows(data.batch)
         run_dir = self.run_dir
         if run_dir is None and self.checkpoints is not None:
             run_dir = self.checkpoints.directory
         session = None
+        log = None
         if self.checkpoints is not None:  # checks the directory can be written
             session = self.checkpoints.open(print_fn=lambda line: log.print(line))
         log = MetricsLog(
@@ -233,6 +378,7 @@ class Trainer:
             progress=self.progress,
             total_steps=steps,
             examples_per_step=data.batch,
+            **({"trackers": list(self.trackers)} if self.trackers else {}),
         )
         try:
             return self._fit(
@@ -241,6 +387,7 @@ class Trainer:
                 goodput,
                 log,
                 session,
+                notes=notes,
                 steps=steps,
                 log_every=log_every,
                 eval_every=eval_every,
@@ -252,6 +399,14 @@ class Trainer:
                 session.close()
             log.close()
 
+    def _per_batch(self) -> int:
+        return self.objective.prepared_updates.per_batch if self.objective.has_prepare else 1
+
+    def _update_microbatches(self) -> int:
+        """Row divisor of a data batch: minibatches x accumulate with prepare is
+        checked on the prepared batch; here the plain accumulate."""
+        return 1 if self.objective.has_prepare else self.accumulate
+
     def _fit(
         self,
         data,
@@ -260,6 +415,7 @@ class Trainer:
         log,
         session,
         *,
+        notes,
         steps,
         log_every,
         eval_every,
@@ -267,16 +423,24 @@ class Trainer:
         eval_batches,
     ) -> TrainState:
         mesh = self.device_mesh
-        abstract, shardings = self.state_shardings()
+        spec = self._data_spec(data)
+        abstract, shardings = self.state_shardings(spec)
         restored = None
         if session is not None:
             with goodput.measure("checkpoint"), self._context():
-                restored = session.restore(abstract, shardings, root_key=self.key)
+                restored = session.restore(
+                    abstract,
+                    shardings,
+                    root_key=self.key,
+                    # reset_optimizer: a new optimizer state for the restored weights
+                    init_opt_state=jax.jit(self.optimizer.init, out_shardings=shardings.opt_state),
+                )
         if restored is None:
             with goodput.measure("init"):
-                state = self.init_state()
+                state = self.init_state(spec)
         else:
             state = restored.state
+            self._check_resume(restored, data, steps)
         start = int(jax.device_get(state.step))
         log.start(start)
         resuming = f"Resuming from step {start} ({restored.path}). " if restored else ""
@@ -284,69 +448,58 @@ class Trainer:
             f"{resuming}Training from step {start} to {steps} on {mesh_sizes(mesh)} "
             f"({jax.process_count()} process(es))"
         )
+        log.print(self._model_line(abstract, shardings))
+        for note in notes:
+            log.print(note)
         with goodput.measure("data"):
             train_iter: Iterator = resume_position(
-                iter(data.train(partition)), restored, print_fn=log.print
+                iter(data.train(partition)),
+                _batches_view(restored, self._per_batch()),
+                print_fn=log.print,
             )
-        meta = self._checkpoint_meta() if session is not None else {}
-        saved_at = restored.step if restored else None
-
-        compiled = None
-        pending: list[tuple[int, Any]] = []  # (step, metrics on device) since the last fetch
-        rejected_run: list[int] = []
+        meta = self._checkpoint_meta(data) if session is not None else {}
+        run = _Run(
+            trainer=self,
+            data=data,
+            partition=partition,
+            goodput=goodput,
+            log=log,
+            session=session,
+            train_iter=train_iter,
+            meta=meta,
+            steps=steps,
+            log_every=log_every,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+            eval_batches=eval_batches,
+            saved_at=restored.step if restored else None,
+            tokens_key="tokens",
+        )
+        per_batch = self._per_batch()
+        prepared = None
         step = start
+        self.result = None
         with self._context(), StopSignals() as stop:
+            run.stop = stop
             while step < steps:
-                with goodput.measure("data"):
-                    local = next(train_iter)
-                    self.objective.check_batch(local)
-                    batch = self._to_global(local, partition, data.batch)
-                if compiled is None:
-                    with goodput.measure("compile"):
-                        compiled = self._compiled_step(state, batch, shardings)
+                if step % per_batch == 0:
+                    with goodput.measure("data"):
+                        local = next(train_iter)
+                        self.objective.check_batch(local)
+                        self._check_spec(spec, local, data)
+                        batch = to_global(local, partition, data.batch, mesh, self.rules)
+                    prepared = self._prepared(state, batch, shardings, goodput)
+                update = self._compiled_update(state, prepared, shardings, goodput)
                 with goodput.measure("steps"):
-                    state, metrics = compiled(state, batch)
+                    state, metrics = update(state, prepared)
                     step += 1
                     if goodput.first_step_at is None:
                         jax.block_until_ready(metrics)
                         goodput.first_step_done()
                 log.advance(step)
-                stopping = stop.requested(step)
-                pending.append((step, metrics))
-                is_log = log_every and step % log_every == 0
-                if is_log or len(pending) >= max(self.max_rejected, 1) or step == steps or stopping:
-                    # Between log steps only two scalars a step leave the device (was
-                    # it applied, and its loss for the rejection message), every
-                    # max_rejected steps, so a run of rejections stops in time.
-                    with goodput.measure("steps"):
-                        flags = jax.device_get(
-                            [{"accepted": m["accepted"], "loss": m["loss"]} for _, m in pending]
-                        )
-                        last = jax.device_get(pending[-1][1]) if is_log else None
-                    with goodput.measure("logging"):
-                        self._account(pending, flags, rejected_run, log)
-                        if is_log:
-                            values = {k: float(v) for k, v in last.items()}
-                            log.log(
-                                step,
-                                values,
-                                line=f"step {step}: loss {format_value(values['loss'])}",
-                            )
-                    pending = []
-                if eval_every and step % eval_every == 0:
-                    with goodput.measure("eval"):
-                        self._evaluate(state, data, partition, step, log, eval_batches)
-                if session is not None and checkpoint_every and step % checkpoint_every == 0:
-                    with goodput.measure("checkpoint"):
-                        session.save(step, state, train_iter, meta)
-                        saved_at = step
-                if stopping:
+                if run.after_step(step, state, metrics, at_boundary=step % per_batch == 0):
                     break
-            if session is not None:
-                with goodput.measure("checkpoint"):
-                    if saved_at != step:
-                        session.save(step, state, train_iter, meta)
-                    session.wait()
+            run.finish(step, state)
         with goodput.measure("steps"):
             jax.block_until_ready(state)
         if stop.received is not None:
@@ -356,107 +509,466 @@ class Trainer:
                 else "no checkpoint written (no checkpoints= given)"
             )
             log.print(f"Stopped by {stop.received} at step {step}; {where}")
+        self.result = run.result(step)
         report = goodput.report()
         log.print(goodput.line(report))
         log.log(step, report, kind="goodput")
         return state
 
-    def _compiled_step(self, state, batch, shardings):
-        """The step compiled for this batch layout; a later ``fit`` with the
+    # ---------------------------------------------------------- compilation
+    def _prepared(self, state, batch, shardings, goodput):
+        if not self.objective.has_prepare:
+            return batch
+        key = layout(batch)
+        cache = self.__dict__.setdefault("_compiled_prepare", {})
+        if key not in cache:
+            with goodput.measure("compile"):
+                fn = build_prepare(self.objective)
+                out = jax.eval_shape(fn, state, batch)
+                self._check_prepared(out)
+                out_shardings = {
+                    k: v.sharding
+                    for k, v in abstract_batch(out, self.device_mesh, self.rules).items()
+                }
+                cache[key] = compile_fn(
+                    fn,
+                    (state, batch),
+                    in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
+                    out_shardings=out_shardings,
+                )
+        with goodput.measure("prepare"):
+            prepared = cache[key](state, batch)
+            jax.block_until_ready(prepared)
+        return prepared
+
+    def _check_prepared(self, out) -> None:
+        name = type(self.objective).__name__
+        if not isinstance(out, Mapping) or not out:
+            raise TypeError(
+                f"{name}.prepare must return a dict of arrays with a leading rows axis, got "
+                f"{type(out).__name__}"
+            )
+        rows = {k: (v.shape[0] if v.ndim else None) for k, v in out.items()}
+        if len(set(rows.values())) != 1 or None in rows.values():
+            raise ValueError(
+                f"{name}.prepare returned arrays with different leading dimensions {rows}; "
+                f"every array needs the same number of rows"
+            )
+        count = next(iter(rows.values()))
+        updates = self.objective.prepared_updates
+        if count % updates.minibatches:
+            raise ValueError(
+                f"{name}.prepare returned {count} rows, which do not split into the declared "
+                f"{updates.minibatches} minibatches ({updates}); return a multiple of "
+                f"{updates.minibatches} rows"
+            )
+        check_batch_rows(
+            self.device_mesh,
+            self.rules,
+            count // updates.minibatches,
+            self.accumulate,
+            what=f"{name}.prepare minibatch ({count} rows / {updates.minibatches})",
+        )
+
+    def _compiled_update(self, state, batch, shardings, goodput):
+        """The update step compiled for this batch layout; a later ``fit`` with the
         same layout reuses it."""
-        signature = tuple((name, x.shape, x.dtype, x.sharding) for name, x in sorted(batch.items()))
+        key = layout(batch)
         cache = self.__dict__.setdefault("_compiled", {})
-        if signature not in cache:
-            step_fn = build_train_step(
-                self.objective, self.optimizer, accumulate_steps=self.accumulate
-            )
-            batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
-            replicated = jax.sharding.NamedSharding(self.device_mesh, jax.P())
-            cache[signature] = (
-                jax.jit(
+        if key not in cache:
+            with goodput.measure("compile"):
+                step_fn = build_train_step(
+                    self.objective,
+                    self.optimizer,
+                    accumulate_steps=self.accumulate,
+                    learning_rate=self.learning_rate,
+                )
+                if self.objective.has_prepare:
+                    step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)
+                cache[key] = compile_fn(
                     step_fn,
-                    in_shardings=(shardings, batch_shardings),
-                    out_shardings=(shardings, replicated),
-                    donate_argnums=0,
+                    (state, batch),
+                    in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
+                    out_shardings=(shardings, replicated(self.device_mesh)),
+                    donate_argnums=(0,),
                 )
-                .lower(state, batch)
-                .compile()
+        return cache[key]
+
+    # -------------------------------------------------------- data and state
+    def _data_spec(self, data):
+        spec = getattr(data, "spec", None)
+        return dict(spec) if spec else None
+
+    def _check_spec(self, spec, local, data) -> None:
+        if not spec:
+            return
+        rows = data.batch // max(1, jax.process_count())
+        for key, field in spec.items():
+            if key not in local:
+                raise KeyError(
+                    f"the data declares batch[{key!r}] (Dataset.spec) but a batch has only "
+                    f"{sorted(local)}"
+                )
+            value = np.asarray(local[key])
+            want = (rows, *tuple(field.shape))
+            if value.shape != want:
+                raise ValueError(
+                    f"batch[{key!r}] has shape {value.shape}, but the data declares rows of "
+                    f"{tuple(field.shape)} (Dataset.spec) in batches of {rows}: {want}"
+                )
+
+    def _check_resume(self, restored, data, steps) -> None:
+        step = restored.step
+        if steps < step:
+            raise ValueError(
+                f"the checkpoint in {restored.path} is at step {step}, past steps={steps}; "
+                f"ask for steps >= {step} to continue, or use another checkpoint directory"
             )
-        return cache[signature]
+        saved_batch = restored.meta.get("batch")
+        if saved_batch is not None and int(saved_batch) != data.batch:
+            raise ValueError(
+                f"the checkpoint in {restored.path} was written with a global batch of "
+                f"{saved_batch} and its data position counts batches of that size; this run "
+                f"uses batch {data.batch}. Resume with batch={saved_batch}, or start a new "
+                f"directory (load the weights with dew.train.load_model)"
+            )
 
-    def _checkpoint_meta(self) -> dict:
-        """What a checkpoint records besides the state: the model's registry
-        name and config (so ``load_model`` can rebuild it)."""
-        from dew.nn import models
+    def _model_line(self, abstract, shardings) -> str:
+        count = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.params))
+        from dew.train.plan import shard_bytes
 
-        meta: dict[str, Any] = {"averaged": self.objective.ema is not None}
-        try:
-            name, config = models.config_of(self.objective.model)
-            json.dumps(config)
-        except (ValueError, TypeError) as error:
-            meta["model"] = None
-            meta["model_note"] = str(error)
-        else:
-            meta["model"] = {"name": name, "config": config}
+        per_device = shard_bytes(abstract.params, shardings.params)
+        optimizer = shard_bytes(abstract.opt_state, shardings.opt_state)
+        return (
+            f"Model: {count:,} parameters; per device {_mib(per_device)} of parameters, "
+            f"{_mib(optimizer)} of optimizer state"
+        )
+
+    def _checkpoint_meta(self, data) -> dict:
+        """What a checkpoint records besides the state: each role's registry name
+        and config (so ``load_model`` can rebuild it), the batch size."""
+        meta: dict[str, Any] = {
+            "averaged": self.objective.ema is not None,
+            "batch": data.batch,
+            "prepared_updates": self._per_batch(),
+        }
+        roles = {}
+        for role in self.roles:
+            roles[role.name] = {"trained": role.trained, **_model_record(role.module)}
+        meta["roles"] = roles
+        trained = [r for r in self.roles if r.trained]
+        first = roles[trained[0].name] if trained else {"model": None}
+        meta["model"] = first.get("model")
+        if "model_note" in first:
+            meta["model_note"] = first["model_note"]
         return meta
-
-    def _account(self, pending, fetched, rejected_run: list[int], log: MetricsLog) -> None:
-        for (step, _), values in zip(pending, fetched):
-            if float(values["accepted"]) > 0:
-                rejected_run.clear()
-                continue
-            rejected_run.append(step)
-            log.print(
-                f"step {step}: rejected (loss {format_value(float(values['loss']))} or its "
-                f"gradients not finite); nothing applied"
-            )
-            if len(rejected_run) > self.max_rejected:
-                raise NonFiniteError(
-                    f"{len(rejected_run)} consecutive steps had a non-finite loss or gradient "
-                    f"(steps {rejected_run}), more than max_rejected={self.max_rejected}; check "
-                    f"the data and the learning rate"
-                )
 
     # ------------------------------------------------------------ evaluation
     def evaluate(self, state: TrainState, data: Dataset, *, max_batches: int = 0) -> dict:
-        """Run ``objective.evaluate`` over one pass of ``data.val``; the summarized metrics."""
+        """One pass of ``objective.evaluate`` over ``data.val``: the reduced metrics
+        (weighted means divided once over the whole pass) after
+        ``objective.summarize``. Uses the averaged weights when the objective
+        evaluates with them and there are any (``eval (ema)`` in the log)."""
         partition = Partition(jax.process_index(), jax.process_count())
         with self._context():
-            return self._eval_totals(state, data, partition, max_batches)
+            return self._eval_results(state, data, partition, max_batches)
 
-    def _eval_totals(self, state, data, partition, max_batches):
+    def _uses_ema(self, state) -> bool:
+        return (
+            self.objective.evaluate_averaged
+            and self.objective.ema is not None
+            and state.averaged is not None
+        )
+
+    def _eval_results(self, state, data, partition, max_batches):
         if data.val is None or not self.objective.has_evaluate:
             return {}
-        variables = state.variables(averaged=self.objective.evaluate_averaged)
-        fn = jax.jit(
-            lambda v, b, s: self.objective.evaluate(
-                v, b, Step(index=s, key=microbatch_key(state.key, s, -1 & 0x7FFFFFFF))
-            )
-        )
-        totals: dict[str, float] = {}
+        if getattr(self, "_eval_fn", None) is None:
+            objective = self.objective
+
+            def evaluate(variables, batch, root, step):
+                key = microbatch_key(root, step, Stream.EVALUATE)
+                metrics = objective.evaluate(variables, batch, Step(index=step, key=key))
+                rows = batch["example_mask"].sum() if "example_mask" in batch else _rows(batch)
+                return wt.as_metrics(metrics, rows)
+
+            self._eval_fn = jax.jit(evaluate)
+        variables = state.variables(averaged=self._uses_ema(state))
+        totals = None
         for i, local in enumerate(data.val(partition)):
             if max_batches and i >= max_batches:
                 break
             rows = np.asarray(next(iter(local.values()))).shape[0] * partition.count
-            batch = self._to_global(local, partition, rows)
-            sums = jax.device_get(fn(variables, batch, state.step))
-            for name, value in sums.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
-        return self.objective.summarize(totals) if totals else {}
+            batch = to_global(local, partition, rows, self.device_mesh, self.rules)
+            sums = jax.device_get(self._eval_fn(variables, batch, state.key, state.step))
+            totals = sums if totals is None else wt.add(totals, sums)
+        if totals is None:
+            return {}
+        return self.objective.summarize(wt.to_float(totals))
 
-    def _evaluate(self, state, data, partition, step, log: MetricsLog, max_batches: int) -> None:
-        results = self._eval_totals(state, data, partition, max_batches)
+
+def check_roles(objective: Objective) -> tuple[Role, ...]:
+    roles = tuple(objective.roles())
+    seen: dict[str, int] = {}
+    for role in roles:
+        if not isinstance(role, Role):
+            raise TypeError(
+                f"{type(objective).__name__}.roles() must return dew.objectives.Role objects, "
+                f"got {type(role).__name__}"
+            )
+        seen[role.name] = seen.get(role.name, 0) + 1
+    twice = sorted(name for name, count in seen.items() if count > 1)
+    if twice:
+        raise ValueError(
+            f"{type(objective).__name__} declares role name(s) {twice} more than once "
+            f"(roles: {[r.name for r in roles]}); give every role its own name"
+        )
+    if not any(role.trained for role in roles):
+        raise ValueError(
+            f"{type(objective).__name__} declares no trained role (roles: "
+            f"{[r.name for r in roles]}); mark at least one Role(trained=True)"
+        )
+    return roles
+
+
+class _Run:
+    """One ``fit``'s hooks and their bookkeeping (interval metrics, rejections,
+    evaluations, checkpoints, stop requests)."""
+
+    def __init__(self, *, trainer: Trainer, **fields):
+        self.trainer = trainer
+        self.__dict__.update(fields)
+        self.pending: list[tuple[int, Any]] = []
+        self.rejected_run: list[int] = []
+        self.interval = _Interval()
+        self.stop = None
+        self.stopped: tuple[str, str] | None = None
+        self.early = EarlyStoppingState(trainer.early_stopping) if trainer.early_stopping else None
+        self.last_eval: dict[str, float] = {}
+
+    # the trainer's own hooks, in order
+    def after_step(self, step: int, state, metrics, *, at_boundary: bool) -> bool:
+        """Run the hooks after ``step``; True = end the run now."""
+        t = self.trainer
+        self.pending.append((step, metrics))
+        is_log = bool(self.log_every) and step % self.log_every == 0
+        requested = at_boundary and self.stop.requested(step)
+        logged: dict[str, float] = {}
+        if is_log or len(self.pending) >= max(t.max_rejected, 1) or step == self.steps or requested:
+            logged = self._flush(step, is_log)
+        info_metrics = dict(logged)
+        if self.eval_every and step % self.eval_every == 0:
+            with self.goodput.measure("eval"):
+                results = self._evaluate(state, step)
+            info_metrics.update({f"eval/{k}": v for k, v in results.items()})
+        if (
+            at_boundary
+            and self.session is not None
+            and (self.checkpoint_every and step % self.checkpoint_every == 0)
+        ):
+            with self.goodput.measure("checkpoint"):
+                self._save(step, state)
+        user = self._user_hooks(step, state, info_metrics)
+        if requested:
+            self.stopped = ("interrupted", str(self.stop.received))
+            return True
+        if at_boundary and self.stopped is not None:
+            return True
+        if user and at_boundary:
+            self.stopped = ("stopped_by_hook", "; ".join(user))
+            return True
+        return False
+
+    def _flush(self, step: int, is_log: bool) -> dict[str, float]:
+        with self.goodput.measure("steps"):
+            fetched = jax.device_get([m for _, m in self.pending])
+        with self.goodput.measure("logging"):
+            for (s, _), values in zip(self.pending, fetched):
+                self._account(s, values)
+                self.interval.add(values)
+            self.pending = []
+            if not is_log:
+                return {}
+            values = self.interval.reduce(self.data.batch, self.tokens_key)
+            self.interval = _Interval()
+            self.log.log(step, values, line=f"step {step}: loss {format_value(values['loss'])}")
+            return values
+
+    def _account(self, step: int, values) -> None:
+        t = self.trainer
+        if float(values["accepted"]) > 0:
+            self.rejected_run.clear()
+            return
+        self.rejected_run.append(step)
+        weight = float(values.get("loss_weight", 1.0))
+        why = (
+            f"the loss weight of the batch is {weight:g} ({type(t.objective).__name__}: nothing "
+            f"in it counts, e.g. every target masked)"
+            if not weight > 0
+            else f"loss {format_value(float(values['loss']))} or its gradients not finite"
+        )
+        self.log.print(f"step {step}: rejected ({why}); nothing applied")
+        if len(self.rejected_run) > t.max_rejected:
+            raise NonFiniteError(
+                f"{len(self.rejected_run)} consecutive steps had a non-finite loss or gradient "
+                f"(steps {self.rejected_run}), more than max_rejected={t.max_rejected}; check "
+                f"the data and the learning rate"
+            )
+
+    def _evaluate(self, state, step: int) -> dict[str, float]:
+        t = self.trainer
+        results = t._eval_results(state, self.data, self.partition, self.eval_batches)
         if results:
+            ema = " (ema)" if t._uses_ema(state) else ""
             shown = ", ".join(f"{k} {format_value(v)}" for k, v in results.items())
-            log.log(step, results, kind="eval", line=f"eval step {step}: {shown}")
-        if self.objective.has_preview:
-            variables = state.variables(averaged=self.objective.evaluate_averaged)
-            sample = self.objective.preview(
-                variables, microbatch_key(state.key, state.step, 0x7FFFFFFE)
+            self.log.log(
+                step,
+                {**results, "ema": float(bool(ema))},
+                kind="eval",
+                line=f"eval{ema} step {step}: {shown}",
+            )
+            self.last_eval = results
+            if self.session is not None and hasattr(self.session, "check_best_metric"):
+                self.session.check_best_metric(set(results))
+            if self.early is not None:
+                metric = t.early_stopping.metric
+                if metric not in results:
+                    raise ValueError(
+                        f"early_stopping watches {metric!r}, which evaluation does not report; "
+                        f"it reports {sorted(results)}"
+                    )
+                if self.early.update(float(results[metric])):
+                    self.stopped = (
+                        "early_stopped",
+                        f"{metric} did not improve on {self.early.best:.6g} for "
+                        f"{t.early_stopping.patience} evaluations",
+                    )
+                    self.log.print(f"Stopping early at step {step}: {self.stopped[1]}")
+        if t.objective.has_preview:
+            variables = state.variables(averaged=t._uses_ema(state))
+            sample = t.objective.preview(
+                variables, microbatch_key(state.key, state.step, Stream.PREVIEW)
             )
             if sample is not None:
-                log.print(
+                self.log.print(
                     f"preview step {step}: {sample!r}"
                     if isinstance(sample, str)
                     else f"preview step {step}: {type(sample).__name__}"
                 )
+        return results
+
+    def _save(self, step: int, state) -> None:
+        kwargs = {}
+        if self.last_eval and "metrics" in inspect.signature(self.session.save).parameters:
+            kwargs["metrics"] = self.last_eval
+        self.session.save(step, state, self.train_iter, self.meta, **kwargs)
+        self.saved_at = step
+
+    def _user_hooks(self, step: int, state, metrics) -> list[str]:
+        requests: list[str] = []
+        for hook in self.trainer.hooks:
+            if not hook.due(step):
+                continue
+            info = StepInfo(
+                step=step,
+                state=state,
+                metrics=metrics,
+                print=self.log.print,
+                log=lambda values, kind="hook", _s=step: self.log.log(_s, values, kind=kind),
+            )
+            with self.goodput.measure("logging"):
+                hook.fn(info)
+            requests += [f"{hook.name}: {r}" for r in info._stop]
+        return requests
+
+    def finish(self, step: int, state) -> None:
+        if self.session is None:
+            return
+        with self.goodput.measure("checkpoint"):
+            if self.saved_at != step:
+                self._save(step, state)
+            self.session.wait()
+
+    def result(self, step: int) -> FitResult:
+        if self.stopped is None:
+            return FitResult(reason="completed", step=step)
+        reason, detail = self.stopped
+        return FitResult(reason=reason, step=step, detail=detail)
+
+
+class _Interval:
+    """Training metrics added up over the steps between two log lines."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.accepted = 0
+        self.weighted: dict | None = None
+        self.plain: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def add(self, values) -> None:
+        self.steps += 1
+        if float(values["accepted"]) <= 0:
+            return
+        self.accepted += 1
+        weighted = {k: v for k, v in values.items() if wt.is_metric(v)}
+        self.weighted = weighted if self.weighted is None else wt.add(self.weighted, weighted)
+        for k, v in values.items():
+            if not wt.is_metric(v) and k not in ("accepted", "loss_weight", "learning_rate"):
+                self.plain[k] = self.plain.get(k, 0.0) + float(v)
+        if "learning_rate" in values:
+            self.last["learning_rate"] = float(values["learning_rate"])
+
+    def reduce(self, examples_per_step: int, tokens_key: str | None) -> dict[str, float]:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        out: dict[str, float] = {}
+        if self.accepted:
+            out.update({k: v / self.accepted for k, v in self.plain.items()})
+            out.update(wt.to_float(self.weighted or {}))
+        else:
+            out["loss"] = float("nan")
+        out.update(self.last)
+        out["rejected_fraction"] = 1.0 - self.accepted / max(self.steps, 1)
+        out["step_seconds"] = seconds / max(self.steps, 1)
+        out["examples_per_second"] = examples_per_step * self.steps / seconds
+        if tokens_key is not None and self.weighted and tokens_key in self.weighted:
+            out["tokens_per_second"] = float(self.weighted[tokens_key].total) / seconds
+        return out
+
+
+def _rows(batch) -> int:
+    leaves = jax.tree.leaves(batch)
+    return leaves[0].shape[0] if leaves else 1
+
+
+def _batches_view(restored, per_batch: int):
+    """``restored`` as the data stream sees it: one batch per ``per_batch`` steps."""
+    if restored is None or per_batch == 1:
+        return restored
+    return dataclasses.replace(restored, step=restored.step // per_batch)
+
+
+def _spec_token(spec) -> Any:
+    if not spec:
+        return None
+    return tuple(sorted((k, tuple(f.shape), str(f.dtype)) for k, f in spec.items()))
+
+
+def _model_record(module) -> dict:
+    from dew.nn import models
+
+    try:
+        name, config = models.config_of(module)
+        json.dumps(config)
+    except (ValueError, TypeError) as error:
+        return {"model": None, "model_note": str(error)}
+    return {"model": {"name": name, "config": config}}
+
+
+def _is_typed_key(key) -> bool:
+    return isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer
-from dew.objectives import Step
-from dew.objectives import weighted
+from dew.objectives import Step, weighted
 from dew.objectives.lm import LMObjective
 
 MODEL = CausalTransformer(

@@ -125,11 +125,11 @@ def check_same_shapes(expected, given, *, what: str) -> None:
     """Raise ValueError naming every path whose presence or shape differs."""
     want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in _leaves(expected)}
     got = {jax.tree_util.keystr(p): tuple(np.shape(x)) for p, x in _leaves(given)}
-    problems = [f"{k}: missing (module has {v})" for k, v in want.items() if k not in got]
-    problems += [f"{k}: not in the module (given {v})" for k, v in got.items() if k not in want]
-    problems += [
+    problems = [
         f"{k}: given {got[k]}, module has {v}" for k, v in want.items() if k in got and got[k] != v
     ]
+    problems += [f"{k}: missing (module has {v})" for k, v in want.items() if k not in got]
+    problems += [f"{k}: not in the module (given {v})" for k, v in got.items() if k not in want]
     if problems:
         shown = "; ".join(problems[:8]) + (
             f"; and {len(problems) - 8} more" if len(problems) > 8 else ""

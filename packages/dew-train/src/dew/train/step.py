@@ -240,7 +240,8 @@ def build_train_step(
             "grad_norm": optax.tree.norm(grads),
             "update_norm": optax.tree.norm(updates),
         }
-        lr = learning_rate_of(state.opt_state, learning_rate, state.updates)
+        # inject_hyperparams stores the rate it used for this update in the new state
+        lr = learning_rate_of(opt_state, learning_rate, state.updates)
         if lr is not None:
             out["learning_rate"] = lr
         return new_state, out

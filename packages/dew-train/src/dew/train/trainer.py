@@ -279,6 +279,7 @@ class Trainer:
         eval_every: int = 0,
         checkpoint_every: int = 0,
         eval_batches: int = 0,
+        **unknown,
     ) -> TrainState:
         """Train until the step counter reaches ``steps``; returns the final state.
 
@@ -302,6 +303,9 @@ class Trainer:
         must be multiples of it, and a stop request ends the run at the end
         of the batch's updates.
         """
+        if unknown:
+            valid = ["steps", "log_every", "eval_every", "checkpoint_every", "eval_batches"]
+            raise TypeError(unknown_keywords("Trainer.fit", list(unknown), valid))
         if not isinstance(data, Dataset):
             raise TypeError(
                 f"fit needs a dew.data.Dataset (e.g. TokenWindows(...).load(batch=8) or "

@@ -30,3 +30,10 @@ def test_readme_versions_match_the_packages():
         project = tomllib.loads(pyproject.read_text())["project"]
         row = next(line for line in text.splitlines() if f"`{project['name']}`" in line)
         assert f"| {project['version']} |" in row, (project["name"], row)
+
+
+def test_readme_links_every_guide():
+    text = (ROOT / "README.md").read_text()
+    guides = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    missing = [name for name in guides if f"](docs/{name})" not in text]
+    assert not missing, f"README.md does not link these guides in docs/: {missing}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -102,3 +103,56 @@ def test_all_wheels_umbrella_tests_pass(dist, tmp_path):
         cwd=tmp_path,
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PATH": "/usr/bin:/bin"},
     )
+
+
+# A text-only language-model install: what `pip install dew-jax` must not bring in.
+HEAVY = ("datasets", "pandas", "pyarrow")
+
+
+@pytest.mark.slow
+def test_umbrella_with_plain_pip_from_wheels_trains(dist, tmp_path):
+    """The packages README's command, `pip install --find-links dist dew-jax`, with pip
+    itself (not uv) in a fresh `python -m venv`: it resolves the five siblings from
+    the wheels folder and everything else from the index, then trains."""
+    path = tmp_path / "pip"
+    run(sys.executable, "-m", "venv", str(path))
+    python = str(path / "bin" / "python")
+    run(python, "-m", "pip", "install", "-q", "--find-links", str(dist), "dew-jax")
+    run(python, "-m", "pip", "check")
+    script = textwrap.dedent("""
+        import importlib.metadata as md, itertools, json, math, sys
+        import numpy as np, optax, jax
+        import dew
+        from dew import ByteTokenizer, Dataset, Trainer, models
+        from dew.objectives.lm import LMObjective
+
+        names = {d.metadata["Name"].lower() for d in md.distributions()}
+        assert {"dew-jax", "dew-nn", "dew-data", "dew-sampling", "dew-objectives",
+                "dew-train"} <= names, sorted(names)
+        heavy = sorted(names & set(sys.argv[2].split(",")))
+        assert not heavy, f"a text-only install pulled {heavy}"
+        assert dew.__file__.startswith(sys.prefix), dew.__file__  # the wheel, not the tree
+
+        tokenizer = ByteTokenizer()
+        text = np.asarray(tokenizer.encode("dew trains jax models. " * 3)[:17], np.int32)
+        batch = {"text": np.tile(text, (8, 1))}
+        data = Dataset(train=lambda p: itertools.repeat(batch), val=None, records=8, batch=8)
+        model = models.build("causal_transformer", vocab_size=tokenizer.vocab_size,
+                             emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
+                             max_seq_len=16)
+        trainer = Trainer(LMObjective(model, seq_len=16), optax.adam(1e-2),
+                          key=jax.random.key(0), run_dir=sys.argv[1], progress=False)
+        state = trainer.fit(data, steps=4, log_every=1)
+        assert int(state.step) == 4
+        rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl")]
+        losses = [r["loss"] for r in rows if r["kind"] == "train"]
+        assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+        # one repeated batch: adam lowers the loss from its start near log(vocab)
+        assert losses[-1] < losses[0] and abs(losses[0] - math.log(tokenizer.vocab_size)) < 1
+    """)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    run(python, "-c", script, str(tmp_path / "run"), ",".join(HEAVY), cwd=tmp_path, env=env)

@@ -23,23 +23,59 @@ bound is exact, so stopping early never changes the result.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from dew.sampling.generate import (
+from dew.sampling.decoding import Generation, decode_step, init_cache, prefill, unrolled
+from dew.sampling.prompts import (
     PROMPT_BUCKET,
-    Generation,
     check_prompts,
-    decode_step,
     end_id_tuple,
-    init_cache,
     pad_prompts,
-    prefill,
-    unrolled,
+    row_multiple,
 )
+
+
+@struct.dataclass
+class Hypotheses:
+    """``beams`` hypotheses per prompt row.
+
+    tokens: ``[batch, beams, max_new_tokens]`` new tokens; ``pad_id`` past ``lengths``.
+    logprobs: ``[batch, beams, max_new_tokens]`` their log-probabilities.
+    scores: ``[batch, beams]``: live beams their summed log-probability, the
+      pool of finished ones their length-normalised score; -inf = no hypothesis.
+    lengths: ``[batch, beams]`` new tokens, the end id included.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    scores: jax.Array
+    lengths: jax.Array
+
+
+@struct.dataclass
+class BeamState:
+    """The carry of :func:`beam_decode`'s loop, after ``step`` new tokens.
+
+    step: ``[]`` new tokens so far.
+    cache: the model's ``cache`` collection, ``batch * beams`` rows (row-major: prompt, beam).
+    position: ``[batch * beams]`` position of the next token fed.
+    next_logprobs: ``[batch * beams, vocab]`` log-probabilities of each live beam's next token.
+    live: the live beams.
+    pool: the best finished hypotheses.
+    """
+
+    step: jax.Array
+    cache: Any
+    position: jax.Array
+    next_logprobs: jax.Array
+    live: Hypotheses
+    pool: Hypotheses
 
 
 def _batch_axes(model, params, length: int):
@@ -65,6 +101,19 @@ def _normalise(scores, length, length_penalty):
     return scores / jnp.asarray(length, jnp.float32) ** length_penalty
 
 
+def _gather(x, beam):
+    """``x [batch, beams, ...]`` at ``beam [batch, n]`` -> ``[batch, n, ...]``."""
+    return jnp.take_along_axis(x, beam.reshape(beam.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _select(h: Hypotheses, beam) -> Hypotheses:
+    return jax.tree.map(lambda x: _gather(x, beam), h)
+
+
+def _concat(a: Hypotheses, b: Hypotheses) -> Hypotheses:
+    return jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=1), a, b)
+
+
 def beam_decode(
     model,
     params,
@@ -79,6 +128,7 @@ def beam_decode(
 ):
     """Traceable beam search over left-padded prompts ``tokens``/``mask [batch, prompt]``.
 
+    A row without a real token (batch filling) is finished from the start.
     Returns ``(new_tokens [batch, max_new_tokens], logprobs [batch, max_new_tokens],
     lengths [batch], scores [batch])`` of each row's best hypothesis; tokens after
     its length hold ``pad_id``.
@@ -92,50 +142,38 @@ def beam_decode(
         raise ValueError(f"num_beams {beams} needs a vocabulary of at least 2 ids, got {vocab}")
     axes = _batch_axes(model, params, prompt_len + steps)
     repeat = jnp.repeat(jnp.arange(batch), beams)  # [batch * beams] -> prompt row
-    cache = _take_rows(cache, axes, repeat)
-    position = position[repeat]
-    logprobs_next = jnp.repeat(jax.nn.log_softmax(logits, axis=-1), beams, axis=0)
     end = jnp.asarray(end_ids if end_ids else (-1,), jnp.int32)
     neg_inf = jnp.float32(-jnp.inf)
     rank_mask = jnp.arange(2 * beams) < beams  # only the top num_beams candidates may finish
-
-    def gather(x, beam):  # x [batch, beams, ...], beam [batch, n] -> [batch, n, ...]
-        return jnp.take_along_axis(x, beam.reshape(beam.shape + (1,) * (x.ndim - 2)), axis=1)
+    empty = ~jnp.any(mask, axis=-1)  # [batch] padding rows that fill the batch up
 
     def bound(scores, t):
         length = jnp.where(length_penalty > 0, steps, t + 1)
         return _normalise(scores, length, length_penalty)
 
-    def cond(carry):
-        t, live_scores, pool_scores = carry[0], carry[6], carry[7]
-        full = jnp.all(pool_scores > neg_inf, axis=-1)
-        hopeless = jnp.max(bound(live_scores, t), axis=-1) <= jnp.min(pool_scores, axis=-1)
-        return (t < steps) & ~jnp.all(full & hopeless)
+    def cond(s: BeamState):
+        full = jnp.all(s.pool.scores > neg_inf, axis=-1)
+        best_live = jnp.max(bound(s.live.scores, s.step), axis=-1)
+        hopeless = best_live <= jnp.min(s.pool.scores, axis=-1)
+        return (s.step < steps) & ~jnp.all((full & hopeless) | empty)
 
-    def body(carry):
-        (
-            t,
-            cache,
-            position,
-            logprobs_next,
-            live_tokens,
-            live_logprobs,
-            live_scores,
-            pool_scores,
-            pool_tokens,
-            pool_logprobs,
-            pool_lengths,
-        ) = carry
-        step_logprobs = logprobs_next.reshape(batch, beams, vocab)
-        candidates = (live_scores[:, :, None] + step_logprobs).reshape(batch, beams * vocab)
+    def body(s: BeamState) -> BeamState:
+        t = s.step
+        step_logprobs = s.next_logprobs.reshape(batch, beams, vocab)
+        candidates = (s.live.scores[:, :, None] + step_logprobs).reshape(batch, beams * vocab)
         top_scores, top_index = jax.lax.top_k(candidates, 2 * beams)  # [batch, 2 * beams]
         top_beam, top_token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
         top_logprob = jnp.take_along_axis(
             step_logprobs.reshape(batch, beams * vocab), top_index, axis=1
         )
         at_t = jnp.arange(steps) == t
-        top_tokens = jnp.where(at_t, top_token[..., None], gather(live_tokens, top_beam))
-        top_logprobs = jnp.where(at_t, top_logprob[..., None], gather(live_logprobs, top_beam))
+        parents = _select(s.live, top_beam)
+        top = Hypotheses(
+            tokens=jnp.where(at_t, top_token[..., None], parents.tokens),
+            logprobs=jnp.where(at_t, top_logprob[..., None], parents.logprobs),
+            scores=top_scores,
+            lengths=jnp.full((batch, 2 * beams), t + 1),
+        )
         is_end = jnp.isin(top_token, end)
 
         # Finished candidates join the pool; keep its best num_beams.
@@ -144,78 +182,59 @@ def beam_decode(
             _normalise(top_scores, t + 1, length_penalty),
             neg_inf,
         )
-        merged_scores = jnp.concatenate([pool_scores, finished], axis=1)
-        keep_scores, keep = jax.lax.top_k(merged_scores, beams)
-        pool_tokens = gather(jnp.concatenate([pool_tokens, top_tokens], axis=1), keep)
-        pool_logprobs = gather(jnp.concatenate([pool_logprobs, top_logprobs], axis=1), keep)
-        pool_lengths = gather(
-            jnp.concatenate([pool_lengths, jnp.full((batch, 2 * beams), t + 1)], axis=1), keep
-        )
+        merged = _concat(s.pool, top.replace(scores=finished))
+        _, keep = jax.lax.top_k(merged.scores, beams)
+        pool = _select(merged, keep)
 
         # The best candidates that do not end become the live beams.
-        live_scores, pick = jax.lax.top_k(jnp.where(is_end, neg_inf, top_scores), beams)
-        live_tokens = gather(top_tokens, pick)
-        live_logprobs = gather(top_logprobs, pick)
+        _, pick = jax.lax.top_k(jnp.where(is_end, neg_inf, top_scores), beams)
+        live = _select(top, pick)
         parent = jnp.take_along_axis(top_beam, pick, axis=1)  # [batch, beams]
         rows = (jnp.arange(batch)[:, None] * beams + parent).reshape(-1)
         token = jnp.take_along_axis(top_token, pick, axis=1).reshape(-1)
-        logits, cache = decode_step(model, params, _take_rows(cache, axes, rows), token, position)
-        return (
-            t + 1,
-            cache,
-            position + 1,
-            jax.nn.log_softmax(logits, axis=-1),
-            live_tokens,
-            live_logprobs,
-            live_scores,
-            keep_scores,
-            pool_tokens,
-            pool_logprobs,
-            pool_lengths,
+        cache = _take_rows(s.cache, axes, rows)  # each live beam's parent's cache
+        logits, cache = decode_step(model, params, cache, token, s.position)
+        return BeamState(
+            step=t + 1,
+            cache=cache,
+            position=s.position + 1,
+            next_logprobs=jax.nn.log_softmax(logits, axis=-1),
+            live=live,
+            pool=pool,
         )
 
-    live_scores = jnp.where(jnp.arange(beams) == 0, 0.0, neg_inf)  # one real beam at first
-    carry = (
-        jnp.int32(0),
-        cache,
-        position,
-        logprobs_next,
-        jnp.full((batch, beams, steps), pad_id, jnp.int32),
-        jnp.zeros((batch, beams, steps), jnp.float32),
-        jnp.broadcast_to(live_scores, (batch, beams)),
-        jnp.full((batch, beams), neg_inf),
-        jnp.full((batch, beams, steps), pad_id, jnp.int32),
-        jnp.zeros((batch, beams, steps), jnp.float32),
-        jnp.zeros((batch, beams), jnp.int32),
+    def no_hypotheses(scores):
+        return Hypotheses(
+            tokens=jnp.full((batch, beams, steps), pad_id, jnp.int32),
+            logprobs=jnp.zeros((batch, beams, steps), jnp.float32),
+            scores=scores,
+            lengths=jnp.zeros((batch, beams), jnp.int32),
+        )
+
+    first = jnp.where(jnp.arange(beams) == 0, 0.0, neg_inf)  # one real beam at first
+    state = BeamState(
+        step=jnp.int32(0),
+        cache=_take_rows(cache, axes, repeat),
+        position=position[repeat],
+        next_logprobs=jnp.repeat(jax.nn.log_softmax(logits, axis=-1), beams, axis=0),
+        live=no_hypotheses(jnp.broadcast_to(first, (batch, beams))),
+        pool=no_hypotheses(jnp.full((batch, beams), neg_inf)),
     )
-    carry = jax.lax.while_loop(cond, body, carry)
-    (
-        t,
-        _,
-        _,
-        _,
-        live_tokens,
-        live_logprobs,
-        live_scores,
-        pool_scores,
-        pool_tokens,
-        pool_logprobs,
-        pool_lengths,
-    ) = carry
+    state = jax.lax.while_loop(cond, body, state)
     # Live beams that ran the full length join the pool (a row stopped early
     # keeps its pool: no live beam could beat it).
-    ran_out = t == steps
-    live_final = jnp.where(ran_out, _normalise(live_scores, steps, length_penalty), neg_inf)
-    scores = jnp.concatenate([pool_scores, live_final], axis=1)
-    best = jnp.argmax(scores, axis=1)[:, None]  # [batch, 1]
-    all_tokens = jnp.concatenate([pool_tokens, live_tokens], axis=1)
-    all_logprobs = jnp.concatenate([pool_logprobs, live_logprobs], axis=1)
-    all_lengths = jnp.concatenate([pool_lengths, jnp.full((batch, beams), steps)], axis=1)
-    lengths = jnp.take_along_axis(all_lengths, best, axis=1)[:, 0]
+    ran_out = state.step == steps
+    live = state.live.replace(
+        scores=jnp.where(ran_out, _normalise(state.live.scores, steps, length_penalty), neg_inf),
+        lengths=jnp.full((batch, beams), steps),
+    )
+    every = _concat(state.pool, live)
+    best = _select(every, jnp.argmax(every.scores, axis=1)[:, None])  # [batch, 1, ...]
+    lengths = best.lengths[:, 0]
     keep = jnp.arange(steps)[None, :] < lengths[:, None]
-    new_tokens = jnp.where(keep, gather(all_tokens, best)[:, 0], pad_id)
-    logprobs = jnp.where(keep, gather(all_logprobs, best)[:, 0], 0.0)
-    return new_tokens, logprobs, lengths, jnp.take_along_axis(scores, best, axis=1)[:, 0]
+    new_tokens = jnp.where(keep, best.tokens[:, 0], pad_id)
+    logprobs = jnp.where(keep, best.logprobs[:, 0], 0.0)
+    return new_tokens, logprobs, lengths, best.scores[:, 0]
 
 
 @functools.lru_cache(maxsize=32)
@@ -258,15 +277,15 @@ def beam_search(
     if num_beams < 1:
         raise ValueError(f"num_beams must be >= 1, got {num_beams}")
     rows = check_prompts(model, prompt, max_new_tokens, pad_id=pad_id)
-    tokens, mask = pad_prompts(rows, pad_id, multiple=PROMPT_BUCKET)
+    tokens, mask = pad_prompts(rows, pad_id, multiple=PROMPT_BUCKET, rows=row_multiple())
     fn = _compiled(model, int(max_new_tokens), int(num_beams), end_id_tuple(end_ids), int(pad_id))
     new_tokens, logprobs, lengths, scores = jax.device_get(
-        fn(params, tokens, mask, length_penalty=jnp.float32(length_penalty))
+        fn(nn.meta.unbox(params), tokens, mask, length_penalty=jnp.float32(length_penalty))
     )
-    out = [row + new_tokens[r, :n].tolist() for r, (row, n) in enumerate(zip(rows, lengths))]
+    lengths = np.asarray(lengths)[: len(rows)].tolist()
     return Generation(
-        tokens=out,
-        lengths=np.asarray(lengths).tolist(),
+        tokens=[row + new_tokens[r, :n].tolist() for r, (row, n) in enumerate(zip(rows, lengths))],
+        lengths=lengths,
         logprobs=[logprobs[r, :n].tolist() for r, n in enumerate(lengths)],
-        scores=np.asarray(scores).tolist(),
+        scores=np.asarray(scores)[: len(rows)].tolist(),
     )

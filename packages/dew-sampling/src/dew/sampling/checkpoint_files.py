@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 from safetensors import safe_open
@@ -24,8 +25,9 @@ SINGLE = "model.safetensors"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-class TensorReader:
-    """The tensors of a checkpoint directory, read lazily by name."""
+class TensorReader(Mapping):
+    """The tensors of a checkpoint directory as a read-only ``{name: array}``,
+    each read from its file when it is looked up."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = pathlib.Path(directory)
@@ -64,9 +66,17 @@ class TensorReader:
         with safe_open(self.directory / self.files[name], framework="numpy") as f:
             return tuple(f.get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.files:
+            raise KeyError(f"{self.directory} holds no tensor {name!r}")
         with safe_open(self.directory / self.files[name], framework="numpy") as f:
             return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
 def remove_weights(directory: str | os.PathLike) -> None:

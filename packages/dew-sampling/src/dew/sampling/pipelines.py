@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from dew.sampling import checkpoint_formats
 from dew.sampling.generate import generate
 from dew.sampling.sampling import Sampling
 
@@ -77,14 +78,17 @@ class TextGeneration:
 
         format: None = :attr:`checkpoint_format`; ``'dew'`` or a Hugging Face family.
         """
-        from dew.sampling.pretrained import Pretrained
-
         format = format or self.checkpoint_format
-        return Pretrained(
+        base = self.hf_config if format == self.checkpoint_format else None
+        end_ids = self.end_ids
+        if end_ids is None:
+            end_ids = checkpoint_formats.default_end_ids(self.tokenizer, base)
+        return checkpoint_formats.write(
+            path,
             model=self.model,
             params=self.params,
             tokenizer=self.tokenizer,
             format=format,
-            hf_config=self.hf_config if format == self.checkpoint_format else None,
-            end_ids=self.end_ids,
-        ).save(path)
+            end_ids=tuple(end_ids),
+            hf_config=base,
+        )

@@ -1,0 +1,218 @@
+"""The two checkpoint formats on disk, read and written.
+
+- **Hugging Face** (``config.json``): a family of :mod:`dew.nn.hf` (Llama,
+  Mistral, Qwen2, GPT-2), with ``*.safetensors`` weights (one file or shards
+  with ``model.safetensors.index.json``) and ``tokenizer.json`` when present.
+  The family's :class:`~dew.nn.hf.HFFormat` maps the config and the tensors;
+  this module reads and writes the files.
+- **Dew** (``dew_config.json``), for models trained from scratch::
+
+      {"format": "dew", "version": 1,
+       "model": {"name": <models registry name>, "config": <models.config_of(model)[1]>},
+       "tokenizer": null | {"kind": "bytes"} | {"kind": "hf"},
+       "end_ids": [<ids that end a generation>]}
+
+  beside ``model.safetensors``, whose tensor names are the ``/``-joined
+  parameter paths (``layers/attention/query_kernel``), stored in the
+  parameters' own dtype; ``{"kind": "hf"}`` means ``tokenizer.json`` (and
+  ``tokenizer_config.json``) lie in the same directory.
+
+Loading never runs code from the checkpoint: no ``trust_remote_code``, no
+pickle; it needs neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from dew.data import ByteTokenizer, HFTokenizer
+from dew.nn import hf, models
+from dew.sampling.byte_level import save_byte_tokenizer
+from dew.sampling.checkpoint_files import TensorReader, write_tensors
+
+DEW_CONFIG = "dew_config.json"
+HF_CONFIG = "config.json"
+
+
+def formats() -> tuple[str, ...]:
+    """Every format a checkpoint can be saved in: ``'dew'`` and the Hugging Face families."""
+    return ("dew", *hf.names())
+
+
+def check_format(format: str) -> None:
+    if format not in formats():
+        raise ValueError(f"unknown format {format!r}; use one of {', '.join(formats())}")
+
+
+def default_end_ids(tokenizer, hf_config: dict[str, Any] | None) -> tuple[int, ...]:
+    """The tokenizer's ``end_id`` and the config's ``eos_token_id`` (one id or a list)."""
+    ids = []
+    if getattr(tokenizer, "end_id", None) is not None:
+        ids.append(int(tokenizer.end_id))
+    eos = (hf_config or {}).get("eos_token_id")
+    for i in eos if isinstance(eos, list) else [eos]:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return tuple(ids)
+
+
+# ------------------------------------------------------------------ read
+
+
+def read_hf(path: pathlib.Path, *, dtype, param_dtype, use_scan, ignore_fields) -> dict[str, Any]:
+    """The fields of a :class:`~dew.sampling.Pretrained` from a Hugging Face checkpoint."""
+    config = json.loads((path / HF_CONFIG).read_text())
+    fmt = hf.get(hf.family_of(config, str(path)))
+    name, options = fmt.config_to_dew(config, where=str(path), ignore_fields=ignore_fields)
+    model = models.build(name, **options, dtype=dtype, param_dtype=param_dtype, use_scan=use_scan)
+    if hasattr(model, "check"):
+        model.check()
+    params = fmt.params_from_hf(TensorReader(path), model, where=str(path))
+    return dict(
+        model=model,
+        params=jax.tree.map(jnp.asarray, params),
+        tokenizer=HFTokenizer(path) if (path / "tokenizer.json").exists() else None,
+        format=fmt.family,
+        hf_config=config,
+    )
+
+
+def param_shapes(model) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed)."""
+    return hf.param_shapes(model)
+
+
+def read_dew(path: pathlib.Path) -> dict[str, Any]:
+    """The fields of a :class:`~dew.sampling.Pretrained` from a Dew checkpoint."""
+    config = json.loads((path / DEW_CONFIG).read_text())
+    if config.get("format") != "dew" or config.get("version") != 1:
+        raise ValueError(
+            f"{path / DEW_CONFIG}: expected format 'dew' version 1, got "
+            f"{config.get('format')!r} version {config.get('version')!r}"
+        )
+    model = models.build(config["model"]["name"], **config["model"]["config"])
+    reader = TensorReader(path)
+    expected = param_shapes(model)
+    missing = sorted(set(expected) - reader.names)
+    extra = sorted(reader.names - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"{path}: the weights do not match the model in {DEW_CONFIG}: "
+            f"missing tensors {missing}, unexpected tensors {extra}"
+        )
+    flat = {}
+    for name, spec in expected.items():
+        shape = reader.shape(name)
+        if shape != tuple(spec.shape):
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {shape}, but the model in "
+                f"{DEW_CONFIG} needs {tuple(spec.shape)}"
+            )
+        flat[name] = jnp.asarray(reader[name])
+    kind = (config.get("tokenizer") or {}).get("kind")
+    if kind not in (None, "bytes", "hf"):
+        raise ValueError(
+            f"{path / DEW_CONFIG}: unknown tokenizer kind {kind!r}; expected null, 'bytes' or 'hf'"
+        )
+    tokenizer = {None: None, "bytes": ByteTokenizer(), "hf": None}[kind]
+    if kind == "hf":
+        tokenizer = HFTokenizer(path)
+    end_ids = config.get("end_ids")
+    return dict(
+        model=model,
+        params=traverse_util.unflatten_dict(flat, sep="/"),
+        tokenizer=tokenizer,
+        format="dew",
+        end_ids=None if end_ids is None else tuple(end_ids),
+    )
+
+
+# ------------------------------------------------------------------ write
+
+
+def write(
+    path: pathlib.Path,
+    *,
+    model,
+    params,
+    tokenizer,
+    format: str,
+    end_ids: tuple[int, ...],
+    hf_config: dict[str, Any] | None = None,
+    max_shard_bytes: int | None = None,
+) -> pathlib.Path:
+    """Write a checkpoint of ``format`` to directory ``path`` (created if needed).
+
+    hf_config: the ``config.json`` the weights came from, when ``format`` is
+      that same family: the fields Dew ignores (token ids, ...) are kept.
+    """
+    check_format(format)
+    params = nn.meta.unbox(params)
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if format == "dew":
+        _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes)
+    else:
+        _write_hf(path, model, params, tokenizer, format, end_ids, hf_config, max_shard_bytes)
+    return path
+
+
+def _write_hf(path, model, params, tokenizer, family, end_ids, base, max_shard_bytes):
+    fmt = hf.get(family)
+    if getattr(type(model), "registry_name", None) != fmt.registry_name:
+        raise TypeError(
+            f"only a {models.get(fmt.registry_name).__name__} saves as {family}; got "
+            f"{type(model).__name__} (use format='dew')"
+        )
+    tensors = fmt.params_to_hf(params, model)
+    config = fmt.config_from_dew(model, base=base, dtype_name=_dtype_name(tensors))
+    if base is None and end_ids:
+        config["eos_token_id"] = end_ids[0] if len(end_ids) == 1 else list(end_ids)
+    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
+    (path / HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    _write_tokenizer(path, tokenizer, allow_bytes=False)
+
+
+def _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes):
+    name, config = models.config_of(model)
+    flat = traverse_util.flatten_dict(params, sep="/")
+    tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
+    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
+    description = {
+        "format": "dew",
+        "version": 1,
+        "model": {"name": name, "config": config},
+        "tokenizer": _write_tokenizer(path, tokenizer, allow_bytes=True),
+        "end_ids": list(end_ids),
+    }
+    (path / DEW_CONFIG).write_text(json.dumps(description, indent=2))
+
+
+def _write_tokenizer(path, tokenizer, *, allow_bytes: bool):
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(path)
+        return {"kind": "hf"}
+    if isinstance(tokenizer, ByteTokenizer) and allow_bytes:
+        return {"kind": "bytes"}
+    if isinstance(tokenizer, ByteTokenizer):  # the same ids, as a tokenizer.json
+        save_byte_tokenizer(tokenizer, path)
+        return {"kind": "hf"}
+    raise TypeError(
+        f"cannot save a tokenizer of type {type(tokenizer).__name__}; "
+        f"Pretrained saves ByteTokenizer and HFTokenizer (or tokenizer=None)"
+    )
+
+
+def _dtype_name(tensors: dict[str, np.ndarray]) -> str:
+    dtypes = {np.dtype(v.dtype).name for v in tensors.values()}
+    return dtypes.pop() if len(dtypes) == 1 else "float32"

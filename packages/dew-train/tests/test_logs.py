@@ -67,11 +67,13 @@ def test_metrics_go_to_jsonl_tensorboard_and_stdout(tmp_path, capsys):
 
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4]
-    # numpy: SGD on the mean over 8 x 4 squared errors, grad = 2 / 4 (w - mean_rows x)
-    w, want = np.zeros(4), []
+    # numpy: SGD on the mean over 8 x 4 squared errors, grad = 2 / 4 (w - mean_rows x);
+    # a log line holds the mean over the steps since the last one
+    w, losses = np.zeros(4), []
     for _ in range(4):
-        want.append(float(np.mean((rows - w) ** 2)))
+        losses.append(float(np.mean((rows - w) ** 2)))
         w = w - 0.1 * 2 / 4 * (w - rows.mean(0))
+    want = [None, np.mean(losses[:2]), None, np.mean(losses[2:])]
     np.testing.assert_allclose([r["loss"] for r in train], [want[1], want[3]], rtol=1e-6)
     assert [line for line in out if line.startswith("step ")] == [
         f"step 2: loss {want[1]:.4f}",
@@ -120,6 +122,7 @@ def test_goodput_line_with_a_fake_clock(monkeypatch):
         "compile": 2.0,
         "steps": 4.0,
         "data": 0.5,
+        "prepare": 0.0,
         "eval": 0.0,
         "checkpoint": 1.5,
         "logging": 0.0,
@@ -127,7 +130,7 @@ def test_goodput_line_with_a_fake_clock(monkeypatch):
     }
     assert goodput.line(report) == (
         "Goodput: first step after 7.00 s, 40.0% of the wall time in steps (4.00 of 10.00 s; "
-        "init 1.00 s, compile 2.00 s, data 0.50 s, eval 0.00 s, checkpoint 1.50 s, "
+        "init 1.00 s, compile 2.00 s, prepare 0.00 s, data 0.50 s, eval 0.00 s, checkpoint 1.50 s, "
         "logging 0.00 s, other 1.00 s)"
     )
 
@@ -228,3 +231,64 @@ def test_a_fresh_run_in_an_old_run_dir_supersedes_every_row(tmp_path):
         (2, 1.0, 0),
         (4, 0.5, 0),
     ]
+
+
+class Recorder:
+    """A tracker that keeps what it is given."""
+
+    def __init__(self):
+        self.calls, self.closed = [], 0
+
+    def log(self, step, values, kind):
+        self.calls.append((step, kind, dict(values)))
+
+    def close(self):
+        self.closed += 1
+
+
+def test_trainer_resume_keeps_each_step_once_and_feeds_trackers(tmp_path):
+    import shutil
+
+    rows = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
+    data = Dataset(train=lambda p: itertools.repeat({"x": rows}), val=None, records=8, batch=8)
+
+    def trainer(tracker):
+        return Trainer(
+            Quadratic(),
+            optax.sgd(0.1),
+            key=jax.random.key(0),
+            checkpoints=Checkpoints(tmp_path, keep=5),
+            progress=False,
+            trackers=[tracker],
+        )
+
+    first = Recorder()
+    trainer(first).fit(data, steps=4, log_every=2, checkpoint_every=2)
+    # a kill after step 4 was logged but before its checkpoint was written
+    shutil.rmtree(tmp_path / "4")
+    before = rows_of(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in before] == [(2, "train"), (4, "train"), (4, "goodput")]
+
+    second = Recorder()
+    trainer(second).fit(data, steps=6, log_every=2, checkpoint_every=2)
+    after = rows_of(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["kind"]) for r in after] == [
+        (2, "train"),
+        (4, "train"),
+        (6, "train"),
+        (6, "goodput"),
+    ]
+    # the resumed run repeats steps 3-4 exactly: its step-4 row equals the superseded one
+    superseded = rows_of(tmp_path / "metrics.superseded.jsonl")
+    assert [(r["step"], r["kind"], r["resumed_from"]) for r in superseded] == [
+        (4, "train", 2),
+        (4, "goodput", 2),
+    ]
+    assert after[1]["loss"] == superseded[0]["loss"]
+
+    # trackers got what metrics.jsonl got, record for record
+    for tracker, written in ((first, before), (second, after[1:])):
+        assert tracker.closed == 1
+        assert [(s, k) for s, k, _ in tracker.calls] == [(r["step"], r["kind"]) for r in written]
+        for (_, _, values), row in zip(tracker.calls, written):
+            assert {k: row[k] for k in values} == pytest.approx(values, rel=1e-12)

@@ -326,3 +326,41 @@ def test_resume_refuses_fewer_steps_or_another_batch(tmp_path):
     )
     with pytest.raises(ValueError, match=r"global batch of 8 .*this run uses batch 16"):
         trainer().fit(other, steps=6)
+
+
+# ------------------------------------------------------- shapes from the data
+def test_sequence_length_comes_from_the_data_spec(tmp_path):
+    from dew.data import Field
+
+    text = np.random.default_rng(2).integers(0, 16, (8, 9)).astype(np.int32)
+    data = Dataset(
+        train=lambda p: itertools.repeat({"text": text}),
+        val=None,
+        records=8,
+        batch=8,
+        spec={"text": Field((9,), "int32")},
+    )
+    model = CausalTransformer(
+        vocab_size=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16, max_seq_len=16
+    )
+    trainer = Trainer(LMObjective(model), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
+    state = trainer.fit(data, steps=1, log_every=0)
+    # the same step with seq_len stated by hand
+    by_hand = Trainer(
+        LMObjective(model, seq_len=8), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE
+    )
+    jax.tree.map(
+        np.testing.assert_array_equal, state.params, by_hand.fit(data, steps=1, log_every=0).params
+    )
+    clash = Trainer(LMObjective(model, seq_len=12), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
+    with pytest.raises(
+        ValueError,
+        match=r"LMObjective\(seq_len=12\) reads rows of 13 ids, but the data declares "
+        r"batch\['text'\] rows of 9 ids",
+    ):
+        clash.fit(data, steps=1)
+    nothing = Dataset(
+        train=lambda p: itertools.repeat({"text": text}), val=None, records=8, batch=8
+    )
+    with pytest.raises(ValueError, match=r"LMObjective has no seq_len and the data declares no"):
+        trainer.fit(nothing, steps=1)

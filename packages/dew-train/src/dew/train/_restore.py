@@ -80,8 +80,12 @@ def _differences(ours: dict, theirs: dict, fields) -> list[str]:
     def mine(name):
         return name.split("/", 1)[0] in fields
 
+    def order(name):  # parameters first: a different model shows as its weights
+        field = name.split("/", 1)[0]
+        return (MODEL_FIELDS.index(field) if field in MODEL_FIELDS else len(MODEL_FIELDS), name)
+
     lines = []
-    for name in sorted(n for n in ours if mine(n)):
+    for name in sorted((n for n in ours if mine(n)), key=order):
         shape, dtype = ours[name]
         if name not in theirs:
             lines.append(f"{name!r} (shape {shape}) is not in the checkpoint")
@@ -95,7 +99,7 @@ def _differences(ours: dict, theirs: dict, fields) -> list[str]:
             lines.append(
                 f"{name!r} has dtype {saved_dtype} in the checkpoint and {dtype} in this run"
             )
-    for name in sorted(n for n in theirs if mine(n) and n not in ours):
+    for name in sorted((n for n in theirs if mine(n) and n not in ours), key=order):
         lines.append(f"{name!r} (shape {theirs[name][0]}) is in the checkpoint but not in this run")
     return lines
 

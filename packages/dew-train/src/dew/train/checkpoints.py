@@ -331,15 +331,22 @@ class CheckpointSession:
         saved_abstract = to_saved(abstract, shardings=shardings)
         state_dir = os.path.join(path, "state")
         with ocp.StandardCheckpointer() as checkpointer:
-            metadata = checkpointer.metadata(state_dir)
-            reset = check_compatible(
-                saved_abstract,
-                metadata.item_metadata.tree,
-                path,
-                meta,
-                reset_optimizer=self.spec.reset_optimizer,
-                directory=self.directory,
-            )
+            saved = getattr(checkpointer.metadata(state_dir), "item_metadata", None)
+            if saved is None:
+                # Orbax returns no metadata when it cannot read it, without saying
+                # why; reading the files does (a missing or undecodable file, a
+                # storage error), and an intact state restores.
+                json.loads(_read_text(os.path.join(state_dir, "_METADATA")))
+                reset = False
+            else:
+                reset = check_compatible(
+                    saved_abstract,
+                    saved.tree,
+                    path,
+                    meta,
+                    reset_optimizer=self.spec.reset_optimizer,
+                    directory=self.directory,
+                )
             if not reset:
                 tree = checkpointer.restore(state_dir, saved_abstract)
         if reset:

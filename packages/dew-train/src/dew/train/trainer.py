@@ -13,7 +13,6 @@ The loop::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import json
 import math
@@ -28,6 +27,7 @@ import numpy as np
 import optax
 
 from dew.data import Dataset, Partition
+from dew.nn.keywords import check_keywords, unknown_keywords
 from dew.objectives import Objective, Role, Step
 from dew.objectives import weighted as wt
 from dew.train.checkpoints import Checkpoints, resume_position
@@ -67,32 +67,7 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
-def _check_keywords(cls):
-    """Unknown keywords get the valid names and the nearest match, not a bare TypeError."""
-    init = cls.__init__
-    names = [n for n in inspect.signature(init).parameters if n != "self"]
-
-    def checked(self, *args, **kwargs):
-        unknown = [k for k in kwargs if k not in names]
-        if unknown:
-            raise TypeError(unknown_keywords(cls.__name__, unknown, names))
-        init(self, *args, **kwargs)
-
-    checked.__signature__ = inspect.signature(init)
-    checked.__doc__ = init.__doc__
-    cls.__init__ = checked
-    return cls
-
-
-def unknown_keywords(where: str, unknown: Sequence[str], valid: Sequence[str]) -> str:
-    parts = []
-    for name in unknown:
-        near = difflib.get_close_matches(name, valid, n=1)
-        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    return f"{where} got unknown keyword(s) {', '.join(parts)}; valid: {', '.join(valid)}"
-
-
-@_check_keywords
+@check_keywords
 @dataclasses.dataclass
 class Trainer:
     """Trains ``objective`` with ``optimizer``; configure it, do not subclass it.

@@ -1,5 +1,6 @@
 """dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
 
+from dew.train._run import NonFiniteError
 from dew.train.checkpoints import CheckpointMismatchError, Checkpoints, load_model
 from dew.train.goodput import Goodput
 from dew.train.hooks import EarlyStopping, FitResult, Hook, StepInfo
@@ -7,7 +8,7 @@ from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.plan import Plan, plan
 from dew.train.state import TrainState
 from dew.train.step import build_train_step
-from dew.train.trainer import NonFiniteError, Trainer
+from dew.train.trainer import Trainer
 
 __version__ = "0.1.0"
 

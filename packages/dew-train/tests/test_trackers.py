@@ -167,3 +167,26 @@ def test_mlflow_second_fit_is_a_second_run_in_the_same_experiment(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("dew-test").experiment_id])
     assert sorted(run.data.metrics["train/loss"] for run in runs) == [0.5, 1.5]
+
+
+def test_mlflow_without_a_store_it_can_use_says_which_to_give(monkeypatch):
+    pytest.importorskip("mlflow")
+    import importlib.util
+
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("the full mlflow is installed: its default sqlite store works")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ValueError, match="mlflow-skinny; give tracking_uri='http://host:5000'"):
+        MLflowTracker(experiment="dew-test")
+
+
+def test_missing_package_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ImportError, match=r"pip install 'dew-train\[wandb\]'"):
+        WandbTracker(project="p")
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    with pytest.raises(ImportError, match=r"pip install 'dew-train\[mlflow\]'"):
+        MLflowTracker(experiment="e", tracking_uri="file:/tmp/never")

@@ -21,6 +21,7 @@ marks superseded after a resume were already sent: trackers keep them.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import time
 from collections.abc import Mapping
@@ -115,10 +116,12 @@ class MLflowTracker:
 
     experiment: the experiment's name; created when it does not exist.
     tracking_uri: where runs go: ``http://host:5000`` (a tracking server),
-      ``databricks``, ``file:/path/mlruns`` (local files), ...; None = MLflow's
-      default (``MLFLOW_TRACKING_URI``). For a ``file:`` URI this sets
-      ``MLFLOW_ALLOW_FILE_STORE=true`` unless it is already set: MLflow 3 keeps
-      its file store in maintenance mode and refuses it otherwise.
+      ``databricks``, ``file:/path/mlruns`` (local files), ...; None =
+      ``MLFLOW_TRACKING_URI``, else MLflow's ``sqlite:///mlflow.db``, which
+      needs the full ``mlflow`` package (the extra installs mlflow-skinny).
+      For a ``file:`` URI this sets ``MLFLOW_ALLOW_FILE_STORE=true`` unless it
+      is already set: MLflow 3 keeps its file store in maintenance mode and
+      refuses it otherwise.
     run_name: the run's name (None = MLflow picks one).
     tags: tags set on the run.
     """
@@ -135,6 +138,15 @@ class MLflowTracker:
         self._entities = _require("mlflow.entities", "MLflowTracker", "mlflow")
         if tracking_uri is not None and tracking_uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        no_database = importlib.util.find_spec("sqlalchemy") is None
+        if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI") and no_database:
+            raise ValueError(
+                "MLflowTracker(tracking_uri=None) with MLFLOW_TRACKING_URI unset: MLflow's "
+                "default store is sqlite:///mlflow.db, which needs the full `mlflow` package "
+                "(sqlalchemy), and dew-train[mlflow] installs mlflow-skinny; give "
+                "tracking_uri='http://host:5000' (a tracking server) or 'file:./mlruns' "
+                "(local files), set MLFLOW_TRACKING_URI, or pip install mlflow"
+            )
         self.experiment, self.tracking_uri = experiment, tracking_uri
         self.run_name, self.tags = run_name, dict(tags or {})
         self.client = None

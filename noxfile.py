@@ -108,7 +108,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def wheels(session: nox.Session) -> None:
-    """Build every wheel; install dew-nn alone, dew-data alone, then all of them."""
+    """Build every wheel; install dew-nn alone, dew-data alone, then all of them (uv);
+    then the umbrella with plain pip from the wheels folder (`pip install --find-links
+    dist dew-jax`, as packages/dew/README.md says): no datasets/pandas/pyarrow, and
+    it trains a tiny model."""
     sync(session, "--only-group", "packaging")
     session.run(*PYTEST[:2], "tests/packaging", *session.posargs, env=ENV)
 

@@ -138,21 +138,32 @@ def check_compatible(
         return False
     if reset_optimizer:
         return True
-    saved = sorted(n for n in theirs if n.startswith("opt_state/"))
-    expected = sorted(n for n in ours if n.startswith("opt_state/"))
+    parameters = {n.split("/", 1)[1] for n in ours if n.startswith("params/")}
     raise OptimizerMismatchError(
         f"checkpoint {path} was written with another optimizer: the model matches but the "
-        f"optimizer state does not: {_shown(optimizer)} (saved: {len(saved)} arrays, "
-        f"{_names(saved)}; this run's optimizer expects {len(expected)}, {_names(expected)}). "
-        f"Resume with the optimizer that wrote it, or pass Checkpoints({directory!r}, "
-        f"reset_optimizer=True) to keep the weights, moving average, frozen collections, "
-        f"counters and data position and start a new optimizer state"
+        f"optimizer state does not. Saved: {_structure(theirs, parameters)}; this run's "
+        f"optimizer: {_structure(ours, parameters)} ('*' = one array per parameter). First "
+        f"differences: {'; '.join(optimizer[:3])}. Resume with the optimizer that wrote it, or "
+        f"pass Checkpoints({directory!r}, reset_optimizer=True) to keep the weights, moving "
+        f"average, frozen collections, counters and data position and start a new optimizer "
+        f"state"
     )
 
 
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:SHOWN])
-    return f"[{shown}{', ...' if len(names) > SHOWN else ''}]"
+def _structure(flat: dict, parameters: set[str]) -> str:
+    """The optimizer state's layout: its array paths with a parameter's path
+    written ``*`` (``opt_state/0/mu/*``), each once, with the array count."""
+    layout = []
+    names = sorted(n for n in flat if n.startswith("opt_state/"))
+    for name in names:
+        parts = name.split("/")
+        for cut in range(1, len(parts)):
+            if "/".join(parts[cut:]) in parameters:
+                name = "/".join(parts[:cut]) + "/*"
+                break
+        if name not in layout:
+            layout.append(name)
+    return f"{len(names)} arrays [{', '.join(layout)}]"
 
 
 # ------------------------------------------------------------------- damage

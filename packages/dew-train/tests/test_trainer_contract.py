@@ -364,3 +364,42 @@ def test_sequence_length_comes_from_the_data_spec(tmp_path):
     )
     with pytest.raises(ValueError, match=r"LMObjective has no seq_len and the data declares no"):
         trainer.fit(nothing, steps=1)
+
+
+# ------------------------------------------------------------- quiet logs
+@pytest.mark.slow
+def test_no_involuntary_rematerialization_under_fsdp_and_tensor(capfd):
+    """Training, evaluation and the generated preview under data x fsdp x tensor
+    compile without XLA's "[SPMD] Involuntary full rematerialization" warning
+    (compiled fresh: a persistent-cache hit would not warn)."""
+    model = CausalTransformer(
+        vocab_size=264,
+        emb_features=24,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_features=48,
+        max_seq_len=24,
+    )
+    text = np.random.default_rng(0).integers(0, 264, (8, 13)).astype(np.int32)
+    data = Dataset(
+        train=lambda p: itertools.repeat({"text": text}),
+        val=lambda p: iter([{"text": text}]),
+        records=8,
+        batch=8,
+    )
+    trainer = Trainer(
+        LMObjective(model, seq_len=12, preview_tokens=4),
+        optax.adam(1e-2),
+        key=jax.random.key(0),
+        mesh=MeshSpec(data=2, fsdp=2, tensor=2),
+    )
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        trainer.fit(data, steps=2, log_every=1, eval_every=2)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    out, err = capfd.readouterr()
+    assert "preview step 2: " in out and "eval step 2: " in out
+    assert "Involuntary full rematerialization" not in err

@@ -38,3 +38,31 @@ def test_doc_code_runs(doc, tmp_path):
 
 def test_every_doc_is_checked():
     assert DOCS, "docs/ has no pages"
+
+
+CITED = re.compile(r"(?<![\w./-])((?:docs|examples|tools|tests|packages|\.ci)/[\w./-]*[\w/])")
+QUOTED = re.compile(r"`([^`\n]+)`|\]\(([^)\s]+)\)")
+
+
+def cited(text: str) -> set[str]:
+    """Repository paths named in `code` spans and in link targets."""
+    found = set()
+    for code, link in QUOTED.findall(text):
+        found.update(CITED.findall(code or link))
+    return found
+
+
+@pytest.mark.parametrize(
+    "page",
+    [*DOCS, ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_cited_file_exists(page):
+    """A guide never points at a file that is not in the repository (paths are
+    taken from the repository root, or from the page's own folder)."""
+    missing = sorted(
+        path
+        for path in cited(page.read_text())
+        if not (ROOT / path).exists() and not (page.parent / path).exists()
+    )
+    assert not missing, f"{page.relative_to(ROOT)} cites files that do not exist: {missing}"

@@ -19,8 +19,9 @@ import optax
 import pytest
 
 from dew.data import Dataset
-from dew.nn import axes
+from dew.nn import axes, models
 from dew.objectives import Objective
+from dew.objectives.lm import LMObjective
 from dew.train import Checkpoints, MeshSpec, Trainer
 from dew.train.mesh import optimizer_specs
 
@@ -131,12 +132,38 @@ FAST = {"clip_then_adamw", "adafactor", "multi_transform"}  # the rest are slow
 MESHES = {
     "one_device": lambda: MeshSpec(data=1, devices=jax.devices()[:1]),
     "fsdp": lambda: MeshSpec(fsdp=8),
+    "fsdp_tensor": lambda: MeshSpec(data=2, fsdp=2, tensor=2),
 }
 
 
-def make_trainer(name: str, mesh: str, directory=None) -> Trainer:
+def tiny_lm_objective():
+    """The tiniest causal transformer of the other tests, on bytes."""
+    model = models.build(
+        "causal_transformer",
+        vocab_size=32,
+        emb_features=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=32,
+        max_seq_len=8,
+    )
+    return LMObjective(model, seq_len=8)
+
+
+def lm_data() -> Dataset:
+    def train(partition):
+        step = 0
+        while True:
+            rng = np.random.default_rng(step)
+            yield {"text": rng.integers(0, 32, (BATCH, 9), dtype=np.int32)}
+            step += 1
+
+    return Dataset(train=train, val=None, records=10**6, batch=BATCH)
+
+
+def make_trainer(name: str, mesh: str, directory=None, objective=Regression) -> Trainer:
     return Trainer(
-        Regression(),
+        objective(),
         OPTIMIZERS[name](),
         key=jax.random.key(0),
         mesh=MESHES[mesh](),
@@ -161,7 +188,10 @@ def assert_same_state(resumed, reference):
 CASES = [
     pytest.param(name, mesh, marks=() if name in FAST and mesh == "fsdp" else pytest.mark.slow)
     for name in OPTIMIZERS
-    for mesh in MESHES
+    for mesh in ("one_device", "fsdp")
+] + [
+    pytest.param(name, "fsdp_tensor", marks=pytest.mark.slow)
+    for name in ("clip_then_adamw", "adafactor")
 ]
 
 
@@ -224,3 +254,16 @@ def test_optimizer_specs_fit_each_shape_and_replicate_what_does_not_divide():
         "odd": {"w": jax.P(None), "u": jax.P(None)},
         "count": jax.P(),
     }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clip_then_adamw", "adafactor"])
+def test_transformer_resumes_under_fsdp_and_tensor(name, tmp_path):
+    """The issue's run: a causal transformer with the issue's recipe, and
+    Adafactor (whose factored moments could not be sharded), under
+    fsdp x tensor."""
+    reference = make_trainer(name, "fsdp_tensor", tmp_path / "reference", tiny_lm_objective)
+    final = reference.fit(lm_data(), steps=STEPS, log_every=0, checkpoint_every=2)
+    shutil.copytree(tmp_path / "reference" / "2", tmp_path / "resumed" / "2")
+    resumed = make_trainer(name, "fsdp_tensor", tmp_path / "resumed", tiny_lm_objective)
+    assert_same_state(resumed.fit(lm_data(), steps=STEPS, log_every=0), final)

@@ -201,6 +201,29 @@ def test_resume_moves_rows_after_the_checkpoint_to_superseded(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Training from step 4: 2 row(s) of " in out and "metrics.superseded.jsonl" in out
 
+    # TensorBoard: the resumed run's event file starts with a purge marker at step 5
+    # (a SessionLog START: TensorBoard hides earlier events at steps >= 5)
+    from tensorboardX.proto import event_pb2
+
+    first_file, second_file = sorted((tmp_path / "tensorboard").iterdir())
+    assert [(s, v) for t, s, v in read_events(first_file) if t == "train/loss"] == [
+        (2, 3.0),
+        (4, 2.0),
+        (6, 1.5),
+    ]
+    assert [(s, v) for t, s, v in read_events(second_file) if t == "train/loss"] == [
+        (6, 1.25),
+        (8, 1.0),
+    ]
+    starts = []
+    with open(second_file, "rb") as f:
+        while header := f.read(12):
+            event = event_pb2.Event.FromString(f.read(struct.unpack("<Q", header[:8])[0]))
+            f.read(4)
+            if event.session_log.status == event_pb2.SessionLog.START:
+                starts.append(event.step)
+    assert starts == [5]
+
 
 def test_start_without_later_rows_leaves_the_file_alone(tmp_path, capsys):
     log = MetricsLog(str(tmp_path), progress=False)

@@ -84,9 +84,7 @@ class MetricsLog:
                     f"cannot write metrics to {run_dir!r} ({type(error).__name__}: {error}); "
                     f"choose a run_dir this process can create and write"
                 ) from error
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            import tensorboardX  # noqa: F401  (fail here, not at the first log step)
         if progress is None:
             progress = sys.stdout.isatty()
         self._progress = progress
@@ -103,6 +101,8 @@ class MetricsLog:
             return
         if self._jsonl is not None:
             self._supersede_after(step)
+        if self.run_dir is not None and self._tb is None:
+            self._open_tensorboard(step)
         if self._progress:
             self._open_bar(step)
 
@@ -146,6 +146,22 @@ class MetricsLog:
                 f"step {step} by an earlier run moved to {SUPERSEDED}"
             )
 
+    def _open_tensorboard(self, step: int | None) -> None:
+        """The event writer; on a restart at ``step`` over earlier event files it
+        starts with a purge marker at ``step + 1``: TensorBoard hides the earlier
+        runs' events after ``step``, as ``metrics.jsonl`` moves its rows."""
+        from tensorboardX import SummaryWriter
+
+        directory = os.path.join(self.run_dir, "tensorboard")
+        earlier = os.path.isdir(directory) and any(
+            name.startswith("events.") for name in os.listdir(directory)
+        )
+        purge_step = step + 1 if step is not None and earlier else None
+        # tensorboardX names the file by the second and opens it "wb": a second
+        # writer within the same second would overwrite the first run's events
+        suffix = f".{time.time_ns()}"
+        self._tb = SummaryWriter(directory, purge_step=purge_step, filename_suffix=suffix)
+
     def _open_bar(self, step: int) -> None:
         from tqdm import tqdm
 
@@ -184,6 +200,8 @@ class MetricsLog:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, default=float) + "\n")
             self._jsonl.flush()
+        if self.run_dir is not None and self._tb is None:
+            self._open_tensorboard(None)
         if self._tb is not None:
             for name, value in metrics.items():
                 if isinstance(value, int | float):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -156,3 +157,23 @@ def test_umbrella_with_plain_pip_from_wheels_trains(dist, tmp_path):
         "JAX_PLATFORMS": "cpu",
     }
     run(python, "-c", script, str(tmp_path / "run"), ",".join(HEAVY), cwd=tmp_path, env=env)
+
+
+@pytest.mark.slow
+def test_plain_pip_resolves_the_source_folders_with_the_hf_extra(tmp_path):
+    """`pip install ./packages/dew` alone cannot work (pip looks for dew-nn on the
+    index); the README's form names every sibling folder. pip resolves it (a dry
+    run: metadata only), takes each Dew package from its folder, and the umbrella's
+    `[hf]` extra reaches dew-data's: datasets, pandas, pyarrow."""
+    path = tmp_path / "pip"
+    run(sys.executable, "-m", "venv", str(path))
+    folders = ["dew-nn", "dew-data", "dew-sampling", "dew-objectives", "dew-train"]
+    args = [str(ROOT / "packages" / f) for f in folders] + [f"{ROOT / 'packages/dew'}[hf]"]
+    report = tmp_path / "report.json"
+    pip = [str(path / "bin" / "python"), "-m", "pip", "install", "-q", "--dry-run"]
+    run(*pip, "--ignore-installed", "--report", str(report), *args)
+    install = json.loads(report.read_text())["install"]
+    sources = {i["metadata"]["name"]: i["download_info"]["url"] for i in install}
+    for name, folder in [*zip(folders, folders), ("dew-jax", "dew")]:
+        assert sources[name] == (ROOT / "packages" / folder).as_uri(), (name, sources[name])
+    assert set(HEAVY) <= set(sources), sorted(sources)

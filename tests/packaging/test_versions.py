@@ -36,6 +36,7 @@ def test_bump_without_widen_is_caught_with_both_versions(workspace):
     # every package that imports dew-nn now excludes it, and says so with both versions
     assert {p.split(" ")[0] for p in problems} == {
         "dew-sampling",
+        "dew-objectives",
         "dew-train",
         "dew-jax",
     }

@@ -61,6 +61,7 @@ from dew.train.step import (
     minibatch_fn,
     with_minibatch,
 )
+from dew.train.trackers import Tracker
 
 
 @check_keywords
@@ -105,7 +106,7 @@ class Trainer:
     checkpoints: Checkpoints | None = dataclasses.field(default=None, kw_only=True)
     progress: bool | None = dataclasses.field(default=None, kw_only=True)
     hooks: list = dataclasses.field(default_factory=list, kw_only=True)
-    trackers: Sequence[Any] = dataclasses.field(default=(), kw_only=True)
+    trackers: Sequence[Tracker] = dataclasses.field(default=(), kw_only=True)
     learning_rate: Callable | float | None = dataclasses.field(default=None, kw_only=True)
     early_stopping: EarlyStopping | None = dataclasses.field(default=None, kw_only=True)
 
@@ -353,7 +354,7 @@ class Trainer:
             progress=self.progress,
             total_steps=steps,
             examples_per_step=data.batch,
-            **({"trackers": list(self.trackers)} if self.trackers else {}),
+            trackers=list(self.trackers),
         )
         try:
             return self._fit(

@@ -60,7 +60,7 @@ def test_finetune_starts_from_the_checkpoint_and_saves_back(pretrained, tmp_path
     for got, want in zip(jax.tree.leaves(start.params), jax.tree.leaves(pretrained.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
-    loss_before = float(objective.loss({"params": pretrained.params}, batch, None)[0])
+    loss_before = float(objective.loss({"params": pretrained.params}, batch, None)[0].value)
     state = trainer.fit(data, steps=12, log_every=1)
     logged = [
         float(line.split("loss ")[1])

@@ -60,6 +60,9 @@ class Weighted:
         """``total / weight``; NaN when the weight is 0 (nothing was counted)."""
         return self.total / self.weight
 
+    def __float__(self) -> float:
+        return float(self.value)
+
     def scale(self, factor) -> Weighted:
         """``factor * value`` with the same weight (a loss coefficient)."""
         return Weighted(total=self.total * factor, weight=self.weight)
@@ -77,6 +80,9 @@ class Summed:
     @property
     def value(self) -> jax.Array:
         return self.total
+
+    def __float__(self) -> float:
+        return float(self.total)
 
     def __add__(self, other: Summed) -> Summed:
         return Summed(total=self.total + other.total)

@@ -1,4 +1,4 @@
-"""Multi-head attention with grouped-query heads, RoPE, sliding windows and a KV cache."""
+"""Multi-head attention with grouped-query heads, RoPE, a mask policy and a KV cache."""
 
 from __future__ import annotations
 
@@ -7,41 +7,18 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes
+from dew.nn.masks import MaskPolicy, attention_mask, causal
 from dew.nn.rope import RopeScaling, apply_rope, inverse_frequencies
 
 
-def attention_mask(
-    query_positions: jax.Array,
-    key_positions: jax.Array,
-    key_valid: jax.Array,
-    query_index: jax.Array,
-    key_index: jax.Array,
-    sliding_window: int | None,
-) -> jax.Array:
-    """Boolean ``[batch, 1, query, key]`` mask: causal by position and by slot.
-
-    A key is visible when it holds a real token, its position is not after the
-    query's, its cache slot is not after the query's, and (with a sliding
-    window) it lies fewer than ``sliding_window`` positions back. A query
-    always sees its own slot, so padded rows never produce an empty softmax.
-    """
-    qp = query_positions[:, :, None]  # [batch, query, 1]
-    kp = key_positions[:, None, :]  # [batch, 1, key]
-    mask = (
-        key_valid[:, None, :]
-        & (kp <= qp)
-        & (key_index[None, None, :] <= query_index[None, :, None])
-    )
-    if sliding_window is not None:
-        mask = mask & (qp - kp < sliding_window)
-    mask = mask | (key_index[None, None, :] == query_index[None, :, None])
-    return mask[:, None, :, :]
-
-
 class Attention(nn.Module):
-    """Causal self-attention (Vaswani et al., 2017) with grouped-query heads
-    (Ainslie et al., 2023): ``num_heads`` query heads share ``num_kv_heads``
-    key/value heads.
+    """Self-attention (Vaswani et al., 2017) with grouped-query heads (Ainslie
+    et al., 2023): ``num_heads`` query heads share ``num_kv_heads`` key/value heads.
+
+    Which keys a query sees is ``mask`` (a :class:`dew.nn.masks.MaskPolicy`:
+    causal by default, full, sliding window, block-causal) AND the call's
+    padding, segment ids and optional explicit ``[batch, query, key]`` mask
+    (:func:`dew.nn.masks.attention_mask`).
 
     With ``decode=True`` keys and values go into the ``cache`` collection
     (``key``, ``value`` ``[batch, kv_heads, cache_length, head_dim]``,
@@ -54,7 +31,7 @@ class Attention(nn.Module):
     head_dim: int
     rope_theta: float | None = 10000.0
     rope_scaling: RopeScaling | None = None
-    sliding_window: int | None = None
+    mask: MaskPolicy = causal()
     use_qkv_bias: bool = False
     use_out_bias: bool = False
     init_std: float = 0.02
@@ -84,8 +61,25 @@ class Attention(nn.Module):
         return y
 
     @nn.compact
-    def __call__(self, x, positions, valid, *, decode: bool = False):
-        """``x [batch, length, embed]``, ``positions``/``valid`` ``[batch, length]``."""
+    def __call__(
+        self,
+        x,
+        positions,
+        valid,
+        *,
+        segment_ids=None,
+        query_key_mask=None,
+        decode: bool = False,
+    ):
+        """``x [batch, length, embed] -> [batch, length, embed]``.
+
+        positions: ``[batch, length]`` token positions (RoPE and the mask policy).
+        valid: ``[batch, length]``, False marks padding, which no query sees.
+        segment_ids: optional ``[batch, length]`` ids of packed sequences; a query
+          sees keys of its own segment only. Not with ``decode``.
+        query_key_mask: optional boolean ``[batch, length, keys]``, False hides a
+          key (``keys`` = the cache length when decoding).
+        """
         length = x.shape[1]
         q = self._project(
             "query", x, self.num_heads, axes.HEADS
@@ -104,7 +98,12 @@ class Attention(nn.Module):
             (axes.HEADS, axes.HEAD_DIM, axes.EMBED),
         )
         if decode:
-            out = self._cached_attention(q, k, v, positions, valid)
+            if segment_ids is not None:
+                raise ValueError(
+                    "segment_ids are not kept in the decoding cache; decode packed "
+                    "sequences one per row (decode=True without segment_ids)"
+                )
+            out = self._cached_attention(q, k, v, positions, valid, query_key_mask)
             # One flat contraction: XLA then lays out the small activation, not
             # the kernel, which it would otherwise transpose at every decode step.
             heads_dim = self.num_heads * self.head_dim
@@ -113,7 +112,17 @@ class Attention(nn.Module):
             ).astype(self.dtype)
         else:
             index = jnp.arange(length)
-            mask = attention_mask(positions, positions, valid, index, index, self.sliding_window)
+            mask = attention_mask(
+                self.mask,
+                positions,
+                positions,
+                valid,
+                index,
+                index,
+                query_segments=segment_ids,
+                key_segments=segment_ids,
+                query_key_mask=query_key_mask,
+            )  # [batch, 1, query, key]
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
             y = jnp.einsum("blhd,hde->ble", out.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_out_bias:
@@ -122,7 +131,7 @@ class Attention(nn.Module):
             ).astype(self.dtype)
         return y  # [batch, length, embed]
 
-    def _cached_attention(self, q, k, v, positions, valid):
+    def _cached_attention(self, q, k, v, positions, valid, query_key_mask):
         """Attention over the ``cache`` collection, appending this call's keys and values.
 
         The cache keeps keys and values as ``[batch, kv_heads, cache_length,
@@ -154,7 +163,13 @@ class Attention(nn.Module):
             key_index = jnp.arange(k.shape[2])
             query_index = start + query_index
         mask = attention_mask(
-            positions, key_positions, key_valid, query_index, key_index, self.sliding_window
+            self.mask,
+            positions,
+            key_positions,
+            key_valid,
+            query_index,
+            key_index,
+            query_key_mask=query_key_mask,
         )  # [batch, 1, query, key]
         kv_heads = k.shape[1]
         q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)

@@ -59,11 +59,17 @@ def check_pipeline(num_layers: int, num_stages: int, batch: int, num_microbatche
 
 
 def _constrain(tree, leading: tuple):
-    """Constrain ``[leading..., batch, length, embed?]`` activations by logical axes."""
+    """Constrain ``[leading..., batch, ...]`` leaves by logical axes: float
+    activations ``[batch, length, embed]``, other leaves ``[batch, length, ...]``
+    (positions, padding, segment ids, a ``[batch, query, key]`` mask)."""
 
     def one(x):
-        names = (*leading, axes.BATCH, axes.LENGTH, axes.EMBED)[: x.ndim]
-        return nn.with_logical_constraint(x, names)
+        rest = x.ndim - len(leading)
+        if rest == 3 and jnp.issubdtype(x.dtype, jnp.floating):
+            names = (axes.BATCH, axes.LENGTH, axes.EMBED)
+        else:
+            names = (axes.BATCH, axes.LENGTH, *([None] * max(rest - 2, 0)))[:rest]
+        return nn.with_logical_constraint(x, (*leading, *names))
 
     return jax.tree.map(one, tree)
 
@@ -80,14 +86,15 @@ def pipeline(
 
     layer_fn: ``(params of one layer, carry) -> (carry, aux)``; ``carry`` is a
       tree of ``[rows, ...]`` arrays (activations, positions, masks) that the
-      layer maps to the same shapes; ``aux`` a scalar (e.g. a load-balancing
-      loss; 0 when there is none).
+      layer maps to the same shapes; ``aux`` a scalar or a per-row ``[rows]``
+      value (e.g. a load-balancing loss; 0 when there is none).
     layer_params: a tree of ``[num_layers, ...]`` arrays (a scanned stack).
     inputs: the carry for the whole batch, ``[batch, ...]`` leaves.
 
     Returns ``(outputs, aux)``: the carry after all layers, ``[batch, ...]``,
     identical (up to float rounding) to applying the layers in sequence, and
-    the mean of ``aux`` over layers and microbatches.
+    the mean of ``aux`` over layers: per row ``[batch]`` when ``layer_fn``
+    gives ``[rows]``, else a scalar (also averaged over microbatches).
     """
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     batch = jax.tree.leaves(inputs)[0].shape[0]
@@ -143,8 +150,13 @@ def pipeline(
         lambda o: jnp.swapaxes(o, 0, 1).reshape(batch, *o.shape[2:]), outputs
     )  # [batch, ...]
 
-    # Stage s works on a real microbatch at iteration t when 0 <= t - s < M.
-    lag = jnp.arange(iterations)[:, None] - jnp.arange(stages)[None, :]
-    real = ((lag >= 0) & (lag < num_microbatches)).astype(jnp.float32)  # [iteration, stage]
-    aux_mean = jnp.sum(aux.astype(jnp.float32) * real[:, :, None]) / (num_microbatches * num_layers)
-    return outputs, aux_mean
+    # Stage s works on microbatch m at iteration m + s; the bubble's idle
+    # iterations computed on zeros and are left out.
+    aux = aux.astype(jnp.float32)  # [iteration, stage, layers / stage, rows?]
+    stage_index = jnp.arange(stages)
+    iteration_index = jnp.arange(num_microbatches)[:, None] + stage_index[None, :]
+    aux = aux[iteration_index, stage_index[None, :]]  # [microbatch, stage, layers / stage, rows?]
+    aux = jnp.mean(aux, axis=(1, 2))  # [microbatch, rows?]
+    if aux.ndim == 1:
+        return outputs, jnp.mean(aux)
+    return outputs, jnp.swapaxes(aux, 0, 1).reshape(batch)  # [batch]

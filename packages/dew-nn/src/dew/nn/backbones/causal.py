@@ -14,21 +14,25 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dew.nn import axes, models
+from dew.nn import axes, masks, models
 from dew.nn.attention import Attention
 from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
 from dew.nn.norms import make_norm
-from dew.nn.pipeline import check_pipeline, pipeline
 from dew.nn.rope import RopeScaling
 from dew.nn.shards import check_divides
+from dew.nn.stack import LayerStack
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-    """What one decoder layer needs; derived from :class:`CausalTransformer`."""
+    """What one transformer layer needs; derived from the backbone's options.
+
+    mask: which keys a query sees (:mod:`dew.nn.masks`): causal for a decoder,
+      full for an encoder.
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -39,7 +43,7 @@ class BlockConfig:
     norm_eps: float
     rope_theta: float | None
     rope_scaling: RopeScaling | None
-    sliding_window: int | None
+    mask: masks.MaskPolicy
     use_qkv_bias: bool
     use_bias: bool
     init_std: float
@@ -50,13 +54,16 @@ class BlockConfig:
 
 
 class DecoderBlock(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm); the attention
+    sees what ``config.mask`` allows, so the same block serves decoders and encoders."""
 
     config: BlockConfig
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, valid):
+    def __call__(self, x, positions, valid, segment_ids=None, query_key_mask=None):
+        """``x [batch, length, embed] -> [batch, length, embed]``; the rest as
+        :class:`dew.nn.Attention` takes them."""
         c = self.config
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "attention_norm")(x)
         h = Attention(
@@ -65,14 +72,21 @@ class DecoderBlock(nn.Module):
             head_dim=c.head_dim,
             rope_theta=c.rope_theta,
             rope_scaling=c.rope_scaling,
-            sliding_window=c.sliding_window,
+            mask=c.mask,
             use_qkv_bias=c.use_qkv_bias or c.use_bias,
             use_out_bias=c.use_bias,
             init_std=c.init_std,
             dtype=c.dtype,
             param_dtype=c.param_dtype,
             name="attention",
-        )(h, positions, valid, decode=self.decode)
+        )(
+            h,
+            positions,
+            valid,
+            segment_ids=segment_ids,
+            query_key_mask=query_key_mask,
+            decode=self.decode,
+        )
         x = x + h
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
         shared = dict(
@@ -88,8 +102,7 @@ class DecoderBlock(nn.Module):
         else:
             mlp = MLP(use_bias=c.use_bias, **shared)
         h = mlp(h)
-        x = nn.with_logical_constraint(x + h, ACTIVATION_AXES)
-        return x, None
+        return nn.with_logical_constraint(x + h, ACTIVATION_AXES)
 
 
 @models.register("causal_transformer")
@@ -118,6 +131,8 @@ class CausalTransformer(nn.Module):
       dtype: computation dtype; logits are returned in float32.
       param_dtype: parameter dtype.
       use_remat: recompute each layer's activations in the backward pass.
+      remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name saying
+        what to keep (:class:`dew.nn.stack.LayerStack`); None = nothing.
       use_scan: one scanned layer with a leading 'layers' axis (fast compiles).
       init_std: standard deviation of the normal weight initialiser; None =
         ``emb_features ** -0.5`` (0.125 at width 64, 0.016 at 4096).
@@ -157,6 +172,7 @@ class CausalTransformer(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     use_remat: bool = False
+    remat_policy: str | None = None
     use_scan: bool = True
     init_std: float | None = None
     num_experts: int = 0
@@ -192,12 +208,18 @@ class CausalTransformer(nn.Module):
                 f"experts_per_token {self.experts_per_token} must be between 1 and "
                 f"num_experts {self.num_experts}"
             )
-        if self.num_stages > 1 and not self.use_scan:
-            raise ValueError(
-                f"num_stages {self.num_stages} (a pipeline) needs use_scan=True: the pipeline "
-                f"splits the scanned [layers, ...] parameters into stages"
-            )
-        check_pipeline(self.num_layers, self.num_stages, self.microbatches, self.microbatches)
+        self.layer_stack()
+
+    def layer_stack(self) -> LayerStack:
+        """The layer stack (validated when built)."""
+        return LayerStack(
+            num_layers=self.num_layers,
+            use_scan=self.use_scan,
+            use_remat=self.use_remat,
+            remat_policy=self.remat_policy,
+            num_stages=self.num_stages,
+            num_microbatches=self.pipeline_microbatches,
+        )
 
     @property
     def microbatches(self) -> int:
@@ -214,7 +236,7 @@ class CausalTransformer(nn.Module):
             norm_eps=self.norm_eps,
             rope_theta=self.rope_theta if self.position_embedding == "rope" else None,
             rope_scaling=self.rope_scaling,
-            sliding_window=self.sliding_window,
+            mask=masks.causal(window=self.sliding_window),
             use_qkv_bias=self.use_qkv_bias,
             use_bias=self.use_bias,
             init_std=self.weight_std,
@@ -235,6 +257,8 @@ class CausalTransformer(nn.Module):
         *,
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        query_key_mask: jax.Array | None = None,
         decode: bool = False,
     ) -> jax.Array:
         """Logits ``[batch, length, vocab]`` (float32) for ``tokens [batch, length]``.
@@ -242,6 +266,11 @@ class CausalTransformer(nn.Module):
         positions: ``[batch, length]`` position of each token (default 0..length-1);
           give them when rows are left-padded or when decoding.
         attention_mask: ``[batch, length]``, False marks padding (default all True).
+        segment_ids: ``[batch, length]`` ids of sequences packed in a row; a token
+          attends within its own segment only (give ``positions`` restarting at 0
+          per segment). Not with ``decode``.
+        query_key_mask: boolean ``[batch, length, keys]`` ANDed with the causal mask
+          (``keys`` = ``length``, or the cache length when decoding).
         decode: read and append to the ``cache`` collection (see :class:`Attention`).
         """
         self.check()
@@ -282,25 +311,17 @@ class CausalTransformer(nn.Module):
             x = x + jnp.take(table, positions, axis=0).astype(self.dtype)
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
 
-        block = DecoderBlock
-        if self.use_remat:
-            block = nn.remat(block, prevent_cse=not self.use_scan)
-        config = self.block_config()
-        if self.num_stages > 1 and not decode and not self.is_initializing():
-            x = self._pipelined_layers(config, x, positions, valid)
-        elif self.use_scan:
-            x, _ = nn.scan(
-                block,
-                variable_axes={"params": 0, "cache": 0, "intermediates": 0},
-                split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=self.num_layers,
-                metadata_params={nn.PARTITION_NAME: axes.LAYERS},
-            )(config, decode=decode, name="layers")(x, positions, valid)
-        else:
-            for i in range(self.num_layers):
-                x, _ = block(config, decode=decode, name=f"layer_{i}")(x, positions, valid)
-
+        x = self.layer_stack()(
+            self,
+            DecoderBlock,
+            dict(config=self.block_config(), decode=decode),
+            x,
+            positions,
+            valid,
+            segment_ids,
+            query_key_mask,
+            use_pipeline=not decode,
+        )
         x = make_norm(self.norm, self.norm_eps, self.dtype, self.param_dtype, "final_norm")(x)
         if self.tie_embeddings:
             logits = embed.attend(x)
@@ -316,32 +337,3 @@ class CausalTransformer(nn.Module):
                 name="lm_head",
             )(x)
         return logits.astype(jnp.float32)  # [batch, length, vocab]
-
-    def _pipelined_layers(self, config: BlockConfig, x, positions, valid):
-        """The layer stack as a pipeline over the ``layers`` parameters that
-        ``nn.scan`` created (same tree, same values as the plain stack)."""
-        layer_params = nn.meta.unbox(self.variables["params"]["layers"])
-        block = DecoderBlock(config, parent=None)
-
-        def layer_fn(params, carry):
-            h, pos, ok = carry
-            (h, _), sown = block.apply({"params": params}, h, pos, ok, mutable=["intermediates"])
-            aux = [
-                v
-                for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                if any(getattr(k, "key", None) == "aux_loss" for k in path)
-            ]
-            return (h, pos, ok), (sum(aux) if aux else jnp.zeros((), jnp.float32))
-
-        if self.use_remat:
-            layer_fn = jax.checkpoint(layer_fn)
-        (x, _, _), aux = pipeline(
-            layer_fn,
-            layer_params,
-            (x, positions, valid),
-            num_stages=self.num_stages,
-            num_microbatches=self.microbatches,
-        )
-        if self.num_experts:
-            self.sow("intermediates", "aux_loss", aux)
-        return x

@@ -1,0 +1,158 @@
+"""Which keys each query may attend to: attention-mask policies and how they combine.
+
+A :class:`MaskPolicy` decides visibility from token positions alone, so one
+frozen value describes a backbone's attention and serialises with its config:
+
+============================  ==========================================================
+``causal()``                  key position <= query position (decoders; GPT, Llama)
+``full()``                    every key (bidirectional encoders; BERT, ViT, DiT)
+``sliding_window(w)``         causal and fewer than ``w`` positions back (Mistral);
+                              ``causal=False``: fewer than ``w`` either side (Longformer)
+``block_causal(b)``           keys in the query's own block of ``b`` positions or an
+                              earlier one (block diffusion; Arriola et al., 2025)
+============================  ==========================================================
+
+At call time :func:`attention_mask` ANDs the policy with what varies per
+batch: padding (``key_valid``), packed-sequence segments (a query sees only
+keys of its own segment) and an arbitrary boolean ``[batch, query, key]``
+mask. Use ``full()`` with an explicit mask for a mask the policies cannot
+express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+KINDS = ("causal", "full", "block_causal")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaskPolicy:
+    """A position-based visibility rule; build one with :func:`causal`, :func:`full`,
+    :func:`sliding_window` or :func:`block_causal`.
+
+    kind: ``'causal'`` (keys at or before the query's position), ``'full'``
+      (every key) or ``'block_causal'`` (keys whose block ``position //
+      block_size`` is at or before the query's block).
+    window: in addition, only keys fewer than ``window`` positions away
+      (``|query - key| < window``: for a causal kind, the query and the
+      ``window - 1`` positions before it); None = no limit.
+    block_size: positions per block; ``'block_causal'`` only.
+    """
+
+    kind: str = "causal"
+    window: int | None = None
+    block_size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown mask kind {self.kind!r}; use one of {KINDS}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(
+                f"mask window must be >= 1 position (1 = the query's own position only), "
+                f"got {self.window}; use None for no window"
+            )
+        if (self.kind == "block_causal") != (self.block_size is not None):
+            raise ValueError(
+                f"block_size {self.block_size} is for kind 'block_causal' only (got kind "
+                f"{self.kind!r}); give block_size exactly when kind='block_causal'"
+            )
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 position, got {self.block_size}")
+
+    @property
+    def is_causal(self) -> bool:
+        """True when no key after the query's position is ever visible."""
+        return self.kind == "causal"
+
+    def allows(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+        """Boolean ``[batch, query, key]``: the policy alone, from ``[batch, query]``
+        and ``[batch, key]`` positions."""
+        qp = query_positions[:, :, None]  # [batch, query, 1]
+        kp = key_positions[:, None, :]  # [batch, 1, key]
+        if self.kind == "causal":
+            allowed = kp <= qp
+        elif self.kind == "block_causal":
+            allowed = kp // self.block_size <= qp // self.block_size
+        else:
+            allowed = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), jnp.bool_)
+        if self.window is not None:
+            allowed = allowed & (jnp.abs(qp - kp) < self.window)
+        return allowed
+
+
+def causal(window: int | None = None) -> MaskPolicy:
+    """Keys at or before the query's position (and within ``window`` of it)."""
+    return MaskPolicy(kind="causal", window=window)
+
+
+def full(window: int | None = None) -> MaskPolicy:
+    """Every key (bidirectional), or those fewer than ``window`` positions away."""
+    return MaskPolicy(kind="full", window=window)
+
+
+def sliding_window(size: int, *, causal: bool = True) -> MaskPolicy:
+    """Keys fewer than ``size`` positions from the query: behind it (causal, as
+    Mistral) or on either side (``causal=False``)."""
+    return MaskPolicy(kind="causal" if causal else "full", window=size)
+
+
+def block_causal(block_size: int, window: int | None = None) -> MaskPolicy:
+    """Keys in the query's block of ``block_size`` positions (both directions) or
+    in an earlier block: block diffusion's attention (Arriola et al., 2025, BD3-LM)."""
+    return MaskPolicy(kind="block_causal", block_size=block_size, window=window)
+
+
+def attention_mask(
+    policy: MaskPolicy,
+    query_positions: jax.Array,
+    key_positions: jax.Array,
+    key_valid: jax.Array,
+    query_index: jax.Array,
+    key_index: jax.Array,
+    *,
+    query_segments: jax.Array | None = None,
+    key_segments: jax.Array | None = None,
+    query_key_mask: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean ``[batch, 1, query, key]``: the policy AND padding AND segments AND
+    the explicit mask.
+
+    query_positions, key_positions: ``[batch, query]``, ``[batch, key]`` token positions.
+    key_valid: ``[batch, key]``, False for padding (and for empty cache slots).
+    query_index, key_index: ``[query]``, ``[key]`` slots in the sequence (or the
+      cache). A causal policy also hides keys in later slots, so a slot that a
+      cache has not filled, or a duplicated position, is never read early.
+    query_segments, key_segments: optional ``[batch, query]``, ``[batch, key]``
+      ids of packed sequences; a query sees keys of its own segment only.
+    query_key_mask: optional boolean ``[batch, query, key]``; False hides a key.
+
+    A query that would see no key at all (a padding token before the first real
+    one) sees its own slot, so no softmax is empty and no NaN appears.
+    """
+    mask = key_valid[:, None, :] & policy.allows(query_positions, key_positions)
+    own_slot = key_index[None, None, :] == query_index[None, :, None]  # [1, query, key]
+    if policy.is_causal:
+        mask = mask & (key_index[None, None, :] <= query_index[None, :, None])
+    if query_segments is not None or key_segments is not None:
+        if query_segments is None or key_segments is None:
+            raise ValueError(
+                "give both query_segments and key_segments, or neither "
+                f"(got {'query' if key_segments is None else 'key'}_segments only)"
+            )
+        mask = mask & (query_segments[:, :, None] == key_segments[:, None, :])
+    if query_key_mask is not None:
+        want = mask.shape
+        if query_key_mask.ndim != 3 or not all(
+            a in (1, b) for a, b in zip(query_key_mask.shape, want, strict=True)
+        ):
+            raise ValueError(
+                f"query_key_mask has shape {query_key_mask.shape}; it must be [batch, query, "
+                f"key] = {want} (the key length is the cache length when decoding)"
+            )
+        mask = mask & query_key_mask.astype(jnp.bool_)
+    mask = mask | (own_slot & ~jnp.any(mask, axis=-1, keepdims=True))
+    return mask[:, None, :, :]

@@ -1,0 +1,173 @@
+"""The layer stack: ``num_layers`` identical blocks, scanned, looped or pipelined.
+
+Every backbone (decoder, encoder, DiT, ViT) runs its blocks through a
+:class:`LayerStack`, which owns how they run and how their parameters are laid out:
+
+- ``use_scan=True``: one ``nn.scan`` over the layers; each parameter gets a
+  leading ``[layers, ...]`` axis named by the logical axis ``layers``
+  (compiles once whatever the depth). Parameters live under ``name``
+  (``layers/...``).
+- ``use_scan=False``: a Python loop; parameters under ``{name[:-1]}_{i}``
+  (``layer_0/...``, ``layer_1/...``).
+- ``use_remat``: recompute each layer's activations in the backward pass
+  (``jax.checkpoint``), saving what ``remat_policy`` names, if anything.
+- ``num_stages > 1``: a GPipe pipeline (:mod:`dew.nn.pipeline`) over the
+  scanned parameters, same tree and values, so a checkpoint moves between a
+  pipelined and a plain stack.
+
+A block is a Flax module class built as ``block(**block_kwargs)`` and called
+as ``block(x, *args) -> x`` with ``x [batch, length, embed]``; ``args`` (positions,
+padding, conditioning) are the same for every layer. Sown ``aux_loss``
+intermediates come back as the plain stack sows them (``[layers, rows]`` under
+``name`` when scanned); a pipelined stack sows their mean over layers as
+``aux_loss`` of the calling module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn import axes
+from dew.nn.pipeline import check_pipeline, pipeline
+
+# The collections a scanned block's variables stack along the layer axis.
+SCANNED_COLLECTIONS = ("params", "cache", "intermediates")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerStack:
+    """How ``num_layers`` blocks run.
+
+    num_layers: blocks in the stack.
+    use_scan: one scanned block with a leading ``layers`` parameter axis (fast
+      compiles); False = a Python loop of ``num_layers`` named blocks.
+    use_remat: recompute each block's activations in the backward pass.
+    remat_policy: with ``use_remat``, the name of a ``jax.checkpoint_policies``
+      policy saying what to keep (e.g. ``'dots_with_no_batch_dims_saveable'``);
+      None = keep nothing but the block inputs.
+    num_stages: pipeline stages (GPipe); 1 = no pipeline. Needs ``use_scan``
+      and ``num_layers`` a multiple of it.
+    num_microbatches: microbatches of the pipeline; None = ``num_stages``.
+    name: where the parameters live: ``name`` when scanned, ``{name without
+      its last letter}_{i}`` when looped (``layers`` -> ``layer_0``).
+    """
+
+    num_layers: int
+    use_scan: bool = True
+    use_remat: bool = False
+    remat_policy: str | None = None
+    num_stages: int = 1
+    num_microbatches: int | None = None
+    name: str = "layers"
+
+    def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.remat_policy is not None and not hasattr(
+            jax.checkpoint_policies, self.remat_policy
+        ):
+            known = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
+            raise ValueError(
+                f"unknown remat_policy {self.remat_policy!r}; use None or one of "
+                f"jax.checkpoint_policies: {', '.join(known)}"
+            )
+        if self.num_stages > 1 and not self.use_scan:
+            raise ValueError(
+                f"num_stages {self.num_stages} (a pipeline) needs use_scan=True: the pipeline "
+                f"splits the scanned [layers, ...] parameters into stages"
+            )
+        check_pipeline(self.num_layers, self.num_stages, self.microbatches, self.microbatches)
+
+    @property
+    def microbatches(self) -> int:
+        return self.num_microbatches or self.num_stages
+
+    @property
+    def policy(self) -> Callable | None:
+        return (
+            None
+            if self.remat_policy is None
+            else getattr(jax.checkpoint_policies, self.remat_policy)
+        )
+
+    def layer_name(self, index: int) -> str:
+        """The name of looped block ``index``."""
+        return f"{self.name[:-1]}_{index}"
+
+    def __call__(
+        self,
+        parent: nn.Module,
+        block: type[nn.Module],
+        block_kwargs: dict[str, Any],
+        x: jax.Array,
+        *args: Any,
+        use_pipeline: bool = True,
+    ) -> jax.Array:
+        """Run the stack inside ``parent``'s compact ``__call__``: ``x [batch,
+        length, embed] -> [batch, length, embed]``.
+
+        parent: the calling module (the blocks become its children).
+        block, block_kwargs: the block class and its attributes.
+        args: passed to every block after ``x``; arrays or None.
+        use_pipeline: False runs the plain stack even when ``num_stages > 1``
+          (decoding, whose cache the pipeline does not thread).
+        """
+        if self.num_stages > 1 and use_pipeline and not parent.is_initializing():
+            return self._pipelined(parent, block, block_kwargs, x, args)
+
+        def body(module, carry, *a):
+            return module(carry, *a), None
+
+        if self.use_remat:
+            body = nn.remat(body, prevent_cse=not self.use_scan, policy=self.policy)
+        if self.use_scan:
+            scanned = nn.scan(
+                body,
+                variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast,) * len(args),
+                length=self.num_layers,
+                metadata_params={nn.PARTITION_NAME: axes.LAYERS},
+            )
+            x, _ = scanned(block(**block_kwargs, name=self.name), x, *args)
+            return x
+        for i in range(self.num_layers):
+            x, _ = body(block(**block_kwargs, name=self.layer_name(i)), x, *args)
+        return x
+
+    def _pipelined(self, parent, block, block_kwargs, x, args):
+        """The stack as a pipeline over the ``[layers, ...]`` parameters that the
+        scanned stack created (same tree, same values)."""
+        layer_params = nn.meta.unbox(parent.variables["params"][self.name])
+        module = block(**block_kwargs, parent=None)
+        sows_aux = []
+
+        def layer_fn(params, carry):
+            h, *a = carry
+            h, sown = module.apply({"params": params}, h, *a, mutable=["intermediates"])
+            aux = [
+                v
+                for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                if any(getattr(k, "key", None) == "aux_loss" for k in path)
+            ]
+            sows_aux.append(bool(aux))
+            return (h, *a), (sum(aux) if aux else jnp.zeros((), jnp.float32))
+
+        if self.use_remat:
+            layer_fn = jax.checkpoint(layer_fn, policy=self.policy)
+        (x, *_), aux = pipeline(
+            layer_fn,
+            layer_params,
+            (x, *args),
+            num_stages=self.num_stages,
+            num_microbatches=self.microbatches,
+        )
+        if any(sows_aux):
+            parent.sow("intermediates", "aux_loss", aux)  # [batch]: mean over layers
+        return x

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.sampling import Sampling, generate
-from dew.sampling.generate import pad_prompts
+from dew.sampling import Sampling, decode, generate, pad_prompts
 
 PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 2, 6, 11, 4, 5, 60], [42]]  # different lengths
 NEW = 8
@@ -111,6 +110,28 @@ def test_pad_prompts_left_pads():
     tokens, mask = pad_prompts([[1, 2], [3]], pad_id=9, multiple=4)
     np.testing.assert_array_equal(tokens, [[9, 9, 1, 2], [9, 9, 9, 3]])
     np.testing.assert_array_equal(mask, [[0, 0, 1, 1], [0, 0, 0, 1]])
+
+
+def test_filling_rows_are_empty_and_change_no_other_row(llama):
+    # generate fills the batch up to the devices it is split over with rows
+    # that have no real token: they produce nothing, and the real rows draw
+    # the same tokens as without them.
+    model, params = llama
+    tokens, mask = pad_prompts(PROMPTS, pad_id=0, multiple=8)
+    filled, filled_mask = pad_prompts(PROMPTS, pad_id=0, multiple=8, rows=4)
+    assert filled.shape == (4, 16) and not filled_mask[3].any()
+    np.testing.assert_array_equal(filled[:3], tokens)
+    run = jax.jit(
+        lambda t, m: decode(
+            model, params, t, m, max_new_tokens=NEW, key=jax.random.key(1), sampling=NUCLEUS
+        )
+    )
+    new, logprobs, lengths = jax.device_get(run(tokens, mask))
+    filled_new, filled_logprobs, filled_lengths = jax.device_get(run(filled, filled_mask))
+    np.testing.assert_array_equal(filled_new[:3], new)
+    np.testing.assert_allclose(filled_logprobs[:3], logprobs, atol=1e-6)
+    assert lengths.tolist() == [NEW] * 3 and filled_lengths.tolist() == [NEW] * 3 + [0]
+    assert (filled_new[3] == 0).all() and (filled_logprobs[3] == 0).all()
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """CausalTransformer against a numpy transformer, and its identities:
-scan == loop, left padding == no padding, cached decoding == full recompute."""
+scan == loop, left padding == no padding, cached decoding == full recompute,
+packed segments == separate rows; and the parameter tree checkpoints rely on."""
 
 import flax.linen as nn
 import jax
@@ -8,90 +9,9 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer, axes
-from dew.nn.rope import inverse_frequencies
+from dew.nn.testing import TINY_GPT2, TINY_LM
 
-TINY = dict(
-    vocab_size=32,
-    emb_features=16,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    mlp_features=24,
-    max_seq_len=32,
-)
-
-
-# ---------------------------------------------------------------- numpy reference
-def np_rms(x, scale, eps):
-    return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps) * scale
-
-
-def np_layer(x, scale, bias, eps):
-    mu = x.mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * scale + bias
-
-
-def np_rope(x, pos, inv_freq):
-    ang = pos[..., None] * inv_freq  # [b, t, d/2]
-    c, s = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
-    a, b = np.split(x, 2, -1)
-    return np.concatenate([a * c - b * s, b * c + a * s], -1)
-
-
-def np_forward(model, params, tokens, window=None):
-    p = jax.tree.map(np.asarray, params)
-    b, t = tokens.shape
-    x = p["embed"]["embedding"][tokens]
-    pos = np.broadcast_to(np.arange(t), (b, t))
-    if model.position_embedding == "learned":
-        x = x + p["position_embed"][pos]
-    h_q, h_kv = model.num_heads, model.kv_heads
-    hd = model.emb_features // h_q
-    inv = inverse_frequencies(hd, model.rope_theta, None)
-    norm = (
-        (lambda x, q: np_rms(x, q["scale"], model.norm_eps))
-        if model.norm == "rms"
-        else (lambda x, q: np_layer(x, q["scale"], q["bias"], model.norm_eps))
-    )
-    for i in range(model.num_layers):
-        L = jax.tree.map(lambda a, i=i: a[i], p["layers"])
-        a = L["attention"]
-        h = norm(x, L["attention_norm"])
-        q = np.einsum("bte,ehd->bthd", h, a["query_kernel"])
-        k = np.einsum("bte,ehd->bthd", h, a["key_kernel"])
-        v = np.einsum("bte,ehd->bthd", h, a["value_kernel"])
-        if model.use_qkv_bias or model.use_bias:
-            q, k, v = q + a["query_bias"], k + a["key_bias"], v + a["value_bias"]
-        if model.position_embedding == "rope":
-            q, k = np_rope(q, pos, inv), np_rope(k, pos, inv)
-        k = np.repeat(k, h_q // h_kv, axis=2)
-        v = np.repeat(v, h_q // h_kv, axis=2)
-        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-        allowed = np.tril(np.ones((t, t), bool))
-        if window:
-            allowed &= np.triu(np.ones((t, t), bool), -(window - 1))
-        scores = np.where(allowed, scores, -1e30)
-        w = np.exp(scores - scores.max(-1, keepdims=True))
-        w /= w.sum(-1, keepdims=True)
-        o = np.einsum("bhqk,bkhd->bqhd", w, v)
-        o = np.einsum("bqhd,hde->bqe", o, a["out_kernel"])
-        if model.use_bias:
-            o = o + a["out_bias"]
-        x = x + o
-        h = norm(x, L["mlp_norm"])
-        m = L["mlp"]
-        bias = (lambda n, m=m: m[n]["bias"]) if model.use_bias else (lambda n: 0.0)
-        up = h @ m["up"]["kernel"] + bias("up")
-        if model.mlp_activation == "swiglu":
-            g = h @ m["gate"]["kernel"] + bias("gate")
-            hidden = g / (1 + np.exp(-g)) * up
-        else:  # tanh-approximated gelu
-            hidden = 0.5 * up * (1 + np.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up**3)))
-        x = x + hidden @ m["down"]["kernel"] + bias("down")
-    x = norm(x, p["final_norm"])
-    if model.tie_embeddings:
-        return x @ p["embed"]["embedding"].T
-    return x @ p["lm_head"]["kernel"]
+TINY = TINY_LM
 
 
 def init(model, length=8, seed=0):
@@ -105,26 +25,21 @@ def init(model, length=8, seed=0):
         {},
         {"sliding_window": 3},
         {"use_qkv_bias": True},
-        dict(
-            position_embedding="learned",
-            norm="layer",
-            mlp_activation="gelu",
-            use_bias=True,
-            tie_embeddings=True,
-            num_kv_heads=None,
-            norm_eps=1e-5,
-        ),
+        TINY_GPT2,
     ],
     ids=["llama", "mistral", "qwen2", "gpt2"],
 )
-def test_forward_matches_numpy(options):
+def test_forward_matches_numpy(options, reference):
     model = CausalTransformer(**{**TINY, **options})
     params = init(model)
     # random biases so they are exercised
     params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(9), x.shape), params)
     tokens = np.random.default_rng(0).integers(0, 32, (2, 8))
     got = model.apply({"params": params}, jnp.asarray(tokens))
-    want = np_forward(model, params, tokens, window=options.get("sliding_window"))
+    window = options.get("sliding_window")
+    pos = np.broadcast_to(np.arange(8), (2, 8))
+    allowed = reference.allowed("causal", pos, pos, window=window)
+    want = reference.forward(model, params, tokens, allowed)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
@@ -208,3 +123,68 @@ def test_bad_head_configuration_is_refused():
     model = CausalTransformer(**{**TINY, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="num_heads 4 is not a multiple of num_kv_heads 3"):
         model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_packed_segments_equal_separate_rows():
+    """Two sequences packed in one row with segment ids and restarting positions
+    give each sequence's logits alone (masked == sliced)."""
+    model = CausalTransformer(**TINY)
+    params = init(model)
+    first, second = [5, 9, 2], [7, 1, 3, 8, 4]
+    packed = jnp.asarray([first + second])
+    segments = jnp.asarray([[0] * 3 + [1] * 5])
+    positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4]])
+    got = model.apply({"params": params}, packed, positions=positions, segment_ids=segments)
+    want_first = model.apply({"params": params}, jnp.asarray([first]))
+    want_second = model.apply({"params": params}, jnp.asarray([second]))
+    np.testing.assert_allclose(got[:, :3], want_first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[:, 3:], want_second, rtol=1e-5, atol=1e-5)
+
+
+def test_query_key_mask_is_anded_with_causality(reference):
+    model = CausalTransformer(**TINY)
+    params = init(model)
+    tokens = np.random.default_rng(4).integers(0, 32, (2, 8))
+    extra = np.random.default_rng(5).random((2, 8, 8)) < 0.6
+    got = model.apply({"params": params}, jnp.asarray(tokens), query_key_mask=jnp.asarray(extra))
+    pos = np.broadcast_to(np.arange(8), (2, 8))
+    want = reference.forward(model, params, tokens, reference.allowed("causal", pos, pos) & extra)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+# Checkpoints and the Hugging Face formats name parameters by these paths.
+SCANNED_PARAMS = {
+    "embed/embedding": ((32, 16), ("vocab", "embed")),
+    "final_norm/scale": ((16,), ("embed",)),
+    "layers/attention/key_kernel": ((2, 16, 2, 4), ("layers", "embed", "kv_heads", "head_dim")),
+    "layers/attention/out_kernel": ((2, 4, 4, 16), ("layers", "heads", "head_dim", "embed")),
+    "layers/attention/query_kernel": ((2, 16, 4, 4), ("layers", "embed", "heads", "head_dim")),
+    "layers/attention/value_kernel": ((2, 16, 2, 4), ("layers", "embed", "kv_heads", "head_dim")),
+    "layers/attention_norm/scale": ((2, 16), ("layers", "embed")),
+    "layers/mlp/down/kernel": ((2, 24, 16), ("layers", "mlp", "embed")),
+    "layers/mlp/gate/kernel": ((2, 16, 24), ("layers", "embed", "mlp")),
+    "layers/mlp/up/kernel": ((2, 16, 24), ("layers", "embed", "mlp")),
+    "layers/mlp_norm/scale": ((2, 16), ("layers", "embed")),
+    "lm_head/kernel": ((16, 32), ("embed", "vocab")),
+}
+
+
+def param_table(model):
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    flat = jax.tree_util.tree_leaves_with_path(
+        boxed["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
+    return {"/".join(k.key for k in path): (leaf.value.shape, leaf.names) for path, leaf in flat}
+
+
+def test_parameter_paths_are_pinned():
+    assert param_table(CausalTransformer(**TINY)) == SCANNED_PARAMS
+    looped = param_table(CausalTransformer(**TINY, use_scan=False, use_remat=True))
+    want = {}
+    for path, (shape, names) in SCANNED_PARAMS.items():
+        if path.startswith("layers/"):
+            for i in range(TINY["num_layers"]):
+                want[f"layer_{i}/" + path[7:]] = (shape[1:], names[1:])
+        else:
+            want[path] = (shape, names)
+    assert looped == want

@@ -1,12 +1,15 @@
 """dew.nn: Flax modules whose parameters name logical axes, and the model registry."""
 
-from dew.nn import axes, backbones, models
+from dew.nn import axes, backbones, masks, models, stack
 from dew.nn.attention import Attention
 from dew.nn.backbones import CausalTransformer
+from dew.nn.backbones.transformer import Transformer
+from dew.nn.masks import MaskPolicy
 from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
 from dew.nn.norms import LayerNorm, RMSNorm
 from dew.nn.rope import RopeScaling
+from dew.nn.stack import LayerStack
 
 __version__ = "0.1.0"
 
@@ -15,10 +18,15 @@ __all__ = [
     "Attention",
     "CausalTransformer",
     "LayerNorm",
+    "LayerStack",
+    "MaskPolicy",
     "MoE",
     "RMSNorm",
     "RopeScaling",
+    "Transformer",
     "axes",
     "backbones",
+    "masks",
     "models",
+    "stack",
 ]

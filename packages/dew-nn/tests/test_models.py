@@ -9,10 +9,9 @@ import pytest
 
 from dew.nn import CausalTransformer, RopeScaling, models
 from dew.nn.backbones import CausalTransformer as FromBackbones
+from dew.nn.testing import TINY_LM
 
-CONFIG = dict(
-    vocab_size=32, emb_features=16, num_layers=2, num_heads=4, mlp_features=32, max_seq_len=16
-)
+CONFIG = TINY_LM
 
 
 def test_build_gives_the_registered_class():
@@ -25,7 +24,6 @@ def test_config_round_trips_through_json_to_an_identical_module():
     model = models.build(
         "causal_transformer",
         **CONFIG,
-        num_kv_heads=2,
         dtype=jnp.bfloat16,
         rope_scaling=RopeScaling(kind="llama3", factor=8.0),
     )

@@ -9,6 +9,7 @@ import pytest
 
 from dew.nn import CausalTransformer, MoE, axes
 from dew.nn.moe import load_balancing_loss
+from dew.nn.testing import TINY_MOE
 
 EMBED, FEATURES, EXPERTS = 8, 12, 4
 
@@ -51,14 +52,15 @@ def test_moe_matches_a_per_token_numpy_loop(moe_and_params, k):
     y, sown = module.apply({"params": params}, x, mutable=["intermediates"])
     want = np_moe(jax.tree.map(np.asarray, params), np.asarray(x, np.float64), k)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)  # float32 vs float64
-    (aux,) = sown["intermediates"]["aux_loss"]
-    # the formula by hand: f_e from the chosen experts, P_e the mean probability
+    (aux,) = sown["intermediates"]["aux_loss"]  # [batch]: one balance loss per row
+    # the formula by hand, per row: f_e from the chosen experts, P_e the mean probability
     probs = np.asarray(jax.nn.softmax(jnp.einsum("ble,ex->blx", x, params["router"]), -1))
-    chosen = np.argsort(-probs, -1)[..., :k].reshape(-1)
-    f = np.bincount(chosen, minlength=EXPERTS) / chosen.size
-    assert float(aux) == pytest.approx(
-        EXPERTS * np.sum(f * probs.reshape(-1, EXPERTS).mean(0)), rel=1e-6
-    )
+    want_aux = []
+    for row in probs:
+        chosen = np.argsort(-row, -1)[:, :k].reshape(-1)
+        f = np.bincount(chosen, minlength=EXPERTS) / chosen.size
+        want_aux.append(EXPERTS * np.sum(f * row.mean(0)))
+    np.testing.assert_allclose(np.asarray(aux), want_aux, rtol=1e-6)
 
 
 def test_load_balancing_loss_closed_forms():
@@ -85,16 +87,7 @@ def test_routing_is_dropless_and_independent_of_the_batch(moe_and_params):
 
 
 def test_causal_transformer_with_experts_names_expert_first():
-    model = CausalTransformer(
-        vocab_size=32,
-        emb_features=16,
-        num_layers=2,
-        num_heads=2,
-        mlp_features=24,
-        max_seq_len=8,
-        num_experts=4,
-        experts_per_token=2,
-    )
+    model = CausalTransformer(**TINY_MOE)
     tokens = jnp.arange(16).reshape(2, 8) % 32
     variables = model.init(jax.random.key(0), tokens)
     specs = nn.get_partition_spec(variables)["params"]["layers"]["mlp"]
@@ -105,7 +98,7 @@ def test_causal_transformer_with_experts_names_expert_first():
     logits, sown = jax.jit(lambda v: model.apply(v, tokens, mutable=["intermediates"]))(
         {"params": params}
     )
-    aux = sown["intermediates"]["layers"]["mlp"]["aux_loss"][0]  # [layers]
+    aux = sown["intermediates"]["layers"]["mlp"]["aux_loss"][0]  # [layers, batch]
     # scan == loop with experts, and each layer sows its own balance loss
     looped = model.clone(use_scan=False)
     per_layer = {k: v for k, v in params.items() if k != "layers"}
@@ -121,13 +114,6 @@ def test_causal_transformer_with_experts_names_expert_first():
 
 def test_bad_expert_options_are_refused():
     with pytest.raises(ValueError, match="experts_per_token 3 must be between 1 and num_experts 2"):
-        CausalTransformer(
-            vocab_size=32,
-            emb_features=16,
-            num_layers=2,
-            num_heads=2,
-            mlp_features=24,
-            max_seq_len=8,
-            num_experts=2,
-            experts_per_token=3,
-        ).init(jax.random.key(0), jnp.zeros((1, 8), int))
+        CausalTransformer(**{**TINY_MOE, "num_experts": 2, "experts_per_token": 3}).init(
+            jax.random.key(0), jnp.zeros((1, 8), int)
+        )

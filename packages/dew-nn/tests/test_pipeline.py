@@ -9,6 +9,7 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.nn.pipeline import pipeline
+from dew.nn.testing import TINY_LM, TINY_MOE
 
 LAYERS, BATCH, WIDTH = 4, 8, 6
 
@@ -84,9 +85,7 @@ def test_layers_and_batch_must_divide(stack):
         pipeline(layer_fn, params, (x, scale), num_stages=2, num_microbatches=3)
 
 
-TINY = dict(
-    vocab_size=32, emb_features=16, num_layers=4, num_heads=2, mlp_features=24, max_seq_len=8
-)
+TINY = {**TINY_LM, "num_layers": 4}
 
 
 def test_pipelined_transformer_equals_the_plain_stack():
@@ -110,3 +109,21 @@ def test_bad_pipeline_options_are_refused():
         CausalTransformer(**{**TINY, "num_layers": 3}, num_stages=2).init(jax.random.key(0), tokens)
     with pytest.raises(ValueError, match="needs use_scan=True"):
         CausalTransformer(**TINY, num_stages=2, use_scan=False).init(jax.random.key(0), tokens)
+
+
+def test_pipelined_experts_sow_the_per_row_balance_loss_of_the_plain_stack():
+    """The pipeline hands back each row's balance loss averaged over layers: what the
+    plain stack sows as [layers, rows], averaged over layers."""
+    tokens = jax.random.randint(jax.random.key(4), (4, 8), 0, 32)
+    plain = CausalTransformer(**TINY_MOE)
+    piped = CausalTransformer(**TINY_MOE, num_stages=2, pipeline_microbatches=2)
+    params = nn.unbox(plain.init(jax.random.key(0), tokens)["params"])
+    apply = lambda m: jax.jit(  # noqa: E731
+        lambda p: m.apply({"params": p}, tokens, mutable=["intermediates"])
+    )(params)
+    want, want_sown = apply(plain)
+    got, sown = apply(piped)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    (per_layer,) = want_sown["intermediates"]["layers"]["mlp"]["aux_loss"]  # [layers, batch]
+    (aux,) = sown["intermediates"]["aux_loss"]  # [batch]
+    np.testing.assert_allclose(np.asarray(aux), np.asarray(per_layer).mean(0), rtol=1e-5)

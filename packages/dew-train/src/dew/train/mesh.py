@@ -209,8 +209,11 @@ def optimizer_specs(opt_state, params, mesh: Mesh, rules: Rules):
         return None
 
     def fit(path, node):
-        if not isinstance(node, nn.LogicallyPartitioned):
+        if not isinstance(node, nn.meta.AxisMetadata):
             return jax.tree.map(lambda _: PartitionSpec(), node)
+        if not isinstance(node, nn.LogicallyPartitioned):  # other boxes: as Flax gives them
+            spec = node.get_partition_spec()
+            return jax.tree.map(lambda _: spec, node.value)
         found = parameter_of(path)
         return jax.tree.map(
             lambda leaf: _fitted_spec(tuple(leaf.shape), tuple(node.names), found, mesh, rules),

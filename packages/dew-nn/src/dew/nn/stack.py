@@ -7,7 +7,7 @@ Every backbone (decoder, encoder, DiT, ViT) runs its blocks through a
   leading ``[layers, ...]`` axis named by the logical axis ``layers``
   (compiles once whatever the depth). Parameters live under ``name``
   (``layers/...``).
-- ``use_scan=False``: a Python loop; parameters under ``{name[:-1]}_{i}``
+- ``use_scan=False``: a Python loop; parameters under ``{loop_name}_{i}``
   (``layer_0/...``, ``layer_1/...``).
 - ``use_remat``: recompute each layer's activations in the backward pass
   (``jax.checkpoint``), saving what ``remat_policy`` names, if anything.
@@ -54,8 +54,10 @@ class LayerStack:
     num_stages: pipeline stages (GPipe); 1 = no pipeline. Needs ``use_scan``
       and ``num_layers`` a multiple of it.
     num_microbatches: microbatches of the pipeline; None = ``num_stages``.
-    name: where the parameters live: ``name`` when scanned, ``{name without
-      its last letter}_{i}`` when looped (``layers`` -> ``layer_0``).
+    name: where the scanned parameters live (``layers/...``).
+    loop_name: where looped block ``i``'s parameters live: ``{loop_name}_{i}``
+      (``layer_0/...``); a scanned stack's ``[layers, ...]`` parameters sliced
+      at ``i`` are block ``i``'s.
     """
 
     num_layers: int
@@ -65,6 +67,7 @@ class LayerStack:
     num_stages: int = 1
     num_microbatches: int | None = None
     name: str = "layers"
+    loop_name: str = "layer"
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -98,7 +101,7 @@ class LayerStack:
 
     def layer_name(self, index: int) -> str:
         """The name of looped block ``index``."""
-        return f"{self.name[:-1]}_{index}"
+        return f"{self.loop_name}_{index}"
 
     def __call__(
         self,

@@ -85,11 +85,6 @@ def read_hf(path: pathlib.Path, *, dtype, param_dtype, use_scan, ignore_fields) 
     )
 
 
-def param_shapes(model) -> dict[str, jax.ShapeDtypeStruct]:
-    """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed)."""
-    return hf.param_shapes(model)
-
-
 def read_dew(path: pathlib.Path) -> dict[str, Any]:
     """The fields of a :class:`~dew.sampling.Pretrained` from a Dew checkpoint."""
     config = json.loads((path / DEW_CONFIG).read_text())
@@ -100,7 +95,7 @@ def read_dew(path: pathlib.Path) -> dict[str, Any]:
         )
     model = models.build(config["model"]["name"], **config["model"]["config"])
     reader = TensorReader(path)
-    expected = param_shapes(model)
+    expected = hf.param_shapes(model)
     missing = sorted(set(expected) - reader.names)
     extra = sorted(reader.names - set(expected))
     if missing or extra:

@@ -26,9 +26,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dew.nn.keywords import check_keywords
+
 KINDS = ("causal", "full", "block_causal")
 
 
+@check_keywords
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MaskPolicy:
     """A position-based visibility rule; build one with :func:`causal`, :func:`full`,

@@ -34,12 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes
+from dew.nn.keywords import check_keywords
 from dew.nn.pipeline import check_pipeline, pipeline
 
 # The collections a scanned block's variables stack along the layer axis.
 SCANNED_COLLECTIONS = ("params", "cache", "intermediates")
 
 
+@check_keywords
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerStack:
     """How ``num_layers`` blocks run.

@@ -59,15 +59,18 @@ def unrolled(model, params):
     (tools/bench_generate.py). The slicing of the stacked params happens once
     per call, in the compiled program.
     """
-    if not getattr(model, "use_scan", False) or "layers" not in params:
+    if not getattr(model, "use_scan", False) or not hasattr(model, "layer_stack"):
+        return model, params
+    stack = model.layer_stack()  # where the layers' parameters live, both ways
+    if stack.name not in params:
         return model, params
     changes = {"use_scan": False}
     if getattr(model, "num_stages", 1) != 1:
         changes["num_stages"] = 1  # decoding runs the plain stack anyway
-    layers = params["layers"]
-    flat = {k: v for k, v in params.items() if k != "layers"}
-    for i in range(model.num_layers):
-        flat[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], layers)
+    layers = params[stack.name]
+    flat = {k: v for k, v in params.items() if k != stack.name}
+    for i in range(stack.num_layers):
+        flat[stack.layer_name(i)] = jax.tree.map(lambda x, i=i: x[i], layers)
     return model.clone(**changes), flat
 
 

@@ -55,6 +55,13 @@ class CausalLMFormat:
         """The checkpoint tensors of ``model``."""
         raise NotImplementedError
 
+    @staticmethod
+    def layer_prefix(model):
+        """Where the model keeps layer ``i``'s parameters, as its layer stack lays them
+        out: ``layers`` (scanned, one ``[layers, ...]`` array) or ``layer_{i}``."""
+        stack = model.layer_stack()
+        return (lambda i: stack.name) if stack.use_scan else stack.layer_name
+
     # --------------------------------------------------------------- HFFormat
 
     def config_to_dew(
@@ -106,6 +113,7 @@ class CausalLMFormat:
             dtype=model.param_dtype,
             family=self.family,
             where=where,
+            layer_prefix=self.layer_prefix(model),
         )
         check_params(model, flat, self.family)
         return traverse_util.unflatten_dict(flat, sep="/")
@@ -119,5 +127,9 @@ class CausalLMFormat:
         }
         check_params(model, flat, self.family)
         return write_layout(
-            self.layout(model), flat, num_layers=model.num_layers, stacked=model.use_scan
+            self.layout(model),
+            flat,
+            num_layers=model.num_layers,
+            stacked=model.use_scan,
+            layer_prefix=self.layer_prefix(model),
         )

@@ -138,9 +138,9 @@ class Layout:
     buffers: re.Pattern
 
 
-def layer_path(path: str, i: int, *, stacked: bool) -> str:
-    """Dew path of layer ``i``'s ``path``: one stacked ``layers/`` array, or ``layer_{i}/``."""
-    return f"layers/{path}" if stacked else f"layer_{i}/{path}"
+def loop_prefix(i: int) -> str:
+    """Where a looped (unscanned) stack keeps layer ``i``: ``layer_{i}``."""
+    return f"layer_{i}"
 
 
 def read_layout(
@@ -152,12 +152,14 @@ def read_layout(
     dtype,
     family: str,
     where: str = "",
+    layer_prefix: Callable[[int], str] = loop_prefix,
 ) -> dict[str, np.ndarray]:
     """``{'/'-joined Dew path: array}`` from checkpoint ``tensors``, cast to ``dtype``.
 
     tensors: the checkpoint's ``{name: array}``; read one name at a time, so a
       lazy mapping over files keeps one tensor in memory at once.
-    stacked: layer parameters as one ``[layers, ...]`` array per path (a scanned stack).
+    stacked: layer parameters as one ``[layers, ...]`` array per path (a scanned
+      stack) under ``layer_prefix(0)``, or layer ``i``'s under ``layer_prefix(i)``.
     Raises when a tensor is missing, has the wrong shape, or is not part of the model.
     """
     where = f"{where}: " if where else ""
@@ -197,9 +199,9 @@ def read_layout(
                 per_path[path].append(value)
         for path, values in per_path.items():
             if stacked:
-                flat[layer_path(path, 0, stacked=True)] = np.stack(values)
+                flat[f"{layer_prefix(0)}/{path}"] = np.stack(values)
             else:
-                flat.update({layer_path(path, i, stacked=False): x for i, x in enumerate(values)})
+                flat.update({f"{layer_prefix(i)}/{path}": x for i, x in enumerate(values)})
 
     unknown = sorted(n for n in names - used if not layout.buffers.search(n))
     if unknown:
@@ -212,9 +214,15 @@ def read_layout(
 
 
 def write_layout(
-    layout: Layout, flat: Mapping[str, np.ndarray], *, num_layers: int, stacked: bool
+    layout: Layout,
+    flat: Mapping[str, np.ndarray],
+    *,
+    num_layers: int,
+    stacked: bool,
+    layer_prefix: Callable[[int], str] = loop_prefix,
 ) -> dict[str, np.ndarray]:
-    """The checkpoint's ``{name: array}`` from ``{'/'-joined Dew path: array}`` (same dtype)."""
+    """The checkpoint's ``{name: array}`` from ``{'/'-joined Dew path: array}`` (same
+    dtype); ``stacked`` and ``layer_prefix`` as in :func:`read_layout`."""
     out = {}
     for tensor in layout.globals:
         out[layout.prefix + tensor.name] = tensor.to_hf(*(flat[p] for p in tensor.paths))
@@ -224,9 +232,7 @@ def write_layout(
     for i in range(num_layers):
         for tensor in layout.per_layer:
             arrays = [
-                flat[layer_path(p, i, stacked=True)][i]
-                if stacked
-                else flat[layer_path(p, i, stacked=False)]
+                flat[f"{layer_prefix(0)}/{p}"][i] if stacked else flat[f"{layer_prefix(i)}/{p}"]
                 for p in tensor.paths
             ]
             out[layout.prefix + layout.layer.format(i=i) + tensor.name] = tensor.to_hf(*arrays)

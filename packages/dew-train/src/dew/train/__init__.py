@@ -1,7 +1,13 @@
 """dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
 
 from dew.train._run import NonFiniteError
-from dew.train.checkpoints import CheckpointMismatchError, Checkpoints, load_model
+from dew.train.checkpoints import (
+    CheckpointMismatchError,
+    Checkpoints,
+    NoUsableCheckpointError,
+    OptimizerMismatchError,
+    load_model,
+)
 from dew.train.goodput import Goodput
 from dew.train.hooks import EarlyStopping, FitResult, Hook, StepInfo
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
@@ -15,6 +21,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointMismatchError",
     "Checkpoints",
+    "NoUsableCheckpointError",
+    "OptimizerMismatchError",
     "DEFAULT_RULES",
     "MESH_AXES",
     "EarlyStopping",

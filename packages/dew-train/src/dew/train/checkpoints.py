@@ -288,9 +288,11 @@ class CheckpointSession:
         """
         key_impl = jax.random.key_impl(root_key) if _is_typed_key(root_key) else None
         unusable: list[tuple[int, str, str]] = []
+        unfinished = 0  # saves that never completed: no progress was in them
         restored = None
         for step, path in _step_dirs(self.directory):
             why = _incomplete(path)
+            unfinished += why is not None
             if why is None:
                 try:
                     with _quiet_orbax():
@@ -316,6 +318,10 @@ class CheckpointSession:
                 )
             return restored
         if not set_aside and not earlier:
+            return None
+        if unfinished == len(set_aside) and not earlier:
+            # only saves that never finished (a kill during the first one): no
+            # progress is lost by starting over, and they stay on disk, renamed
             return None
         message = no_usable_message(
             self.directory, set_aside, earlier, fresh_hint=not self.spec.start_fresh

@@ -237,7 +237,12 @@ class Trainer:
         fns = self.__dict__.setdefault("_init_fns", {})
         token = _spec_token(spec)
         if token not in fns:
-            fns[token] = jax.jit(lambda k: nn.unbox(self._create(k, spec)), out_shardings=shardings)
+            # unbox_abstract, not nn.unbox: nn.unbox re-applies each parameter's spec to
+            # optimizer arrays of other shapes (Adafactor's factored moments);
+            # out_shardings already places every array
+            fns[token] = jax.jit(
+                lambda k: unbox_abstract(self._create(k, spec)), out_shardings=shardings
+            )
         with self._context():
             return fns[token](self.key)
 
@@ -331,6 +336,17 @@ class Trainer:
                 notes.append(
                     f"Note: eval_every={eval_every} with no validation data (Dataset.val is "
                     f"None): only previews run"
+                )
+        spec_c = self.checkpoints
+        if spec_c is not None and getattr(spec_c, "keep_best", 0):
+            evaluates = eval_every and data.val is not None and self.objective.has_evaluate
+            if not evaluates or (checkpoint_every and checkpoint_every % eval_every):
+                raise ValueError(
+                    f"Checkpoints(keep_best={spec_c.keep_best}, best_metric="
+                    f"{spec_c.best_metric!r}) ranks checkpoints by an evaluation of their own "
+                    f"step, but this run evaluates every {eval_every} steps"
+                    f"{' with no validation data' if data.val is None else ''} and checkpoints "
+                    f"every {checkpoint_every}; set eval_every to a divisor of checkpoint_every"
                 )
         if self.early_stopping is not None and not eval_every:
             raise ValueError(

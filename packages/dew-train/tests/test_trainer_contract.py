@@ -16,7 +16,7 @@ from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.objectives import Objective, Role, Summed, Weighted
 from dew.objectives.lm import LMObjective
-from dew.train import Checkpoints, EarlyStopping, MeshSpec, Trainer
+from dew.train import Checkpoints, EarlyStopping, MeshSpec, Trainer, load_model
 
 ROWS, IN = 8, 3
 ONE = MeshSpec(data=1, devices=jax.devices()[:1])
@@ -209,6 +209,42 @@ def test_frozen_role_is_kept_out_of_the_optimizer_and_recorded(tmp_path):
     assert meta["roles"]["reference"]["trained"] is False
     assert meta["roles"]["reference"]["model"]["name"] == "causal_transformer"
     assert meta["roles"]["reference"]["model"]["config"]["emb_features"] == 8
+    # every role comes back from the directory alone
+    model, policy = load_model(tmp_path, role="policy")
+    assert model == objective.model
+    jax.tree.map(np.testing.assert_array_equal, policy, jax.device_get(state.params))
+    _, reference = load_model(tmp_path, role="reference")
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        reference,
+        jax.device_get(state.frozen["reference"]["params"]),
+    )
+    with pytest.raises(
+        KeyError, match=r"no role 'critic'; its roles are \['policy', 'reference'\]"
+    ):
+        load_model(tmp_path, role="critic")
+    # an inference task from any variables: the checkpoint's equal the live run's
+    lm = LMObjective(model, seq_len=8)
+    prompt = [[1, 2, 3]]
+    from dew.sampling import Sampling, generate
+
+    a = generate(
+        model,
+        lm.export({"params": policy}).params,
+        prompt,
+        4,
+        jax.random.key(0),
+        sampling=Sampling(temperature=0),
+    )
+    b = generate(
+        model,
+        lm.pipeline(state).params,
+        prompt,
+        4,
+        jax.random.key(0),
+        sampling=Sampling(temperature=0),
+    )
+    np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
 def test_role_errors_name_the_problem():

@@ -207,7 +207,6 @@ class CheckpointSession:
         check_writable(self.directory, what="checkpoints")
         self._ocp = ocp
         self._manager = None
-        self.last_saved: int | None = None
 
     @property
     def manager(self):
@@ -449,7 +448,6 @@ class CheckpointSession:
                 force=True,
                 metrics=metrics if spec.keep_best else None,
             )
-        self.last_saved = step
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
@@ -571,7 +569,11 @@ class _Position:
 
 # ---------------------------------------------------------------- load_model
 def load_model(
-    directory: str | os.PathLike, *, step: int | None = None, averaged: bool = False
+    directory: str | os.PathLike,
+    *,
+    step: int | None = None,
+    averaged: bool = False,
+    role: str | None = None,
 ) -> tuple[Any, Any]:
     """``(model, params)`` rebuilt from a checkpoint directory alone.
 
@@ -581,6 +583,9 @@ def load_model(
 
     averaged: return the moving-average weights (``TrainState.averaged``)
       instead of the live ones.
+    role: which of the objective's models (``Objective.roles()``): a trained
+      one (``"policy"``, ``"encoder"``) or a frozen one (``"reference"``,
+      ``"teacher"``); None = the first trained role.
     """
     directory = os.path.abspath(os.fspath(directory))
     candidates = [path for s, path in _step_dirs(directory) if step is None or s == step]
@@ -590,7 +595,7 @@ def load_model(
         if why is None:
             if skipped:
                 print(f"load_model: skipped {'; '.join(skipped)}")
-            return _load_model(path, averaged=averaged)
+            return _load_model(path, averaged=averaged, role=role)
         skipped.append(f"{path} ({why})")
     found = Checkpoints(directory).steps()
     raise FileNotFoundError(
@@ -600,33 +605,68 @@ def load_model(
     )
 
 
-def _load_model(path: str, *, averaged: bool) -> tuple[Any, Any]:
+def _role_record(path: str, meta: dict, role: str | None, averaged: bool):
+    """``(model record, tree path)`` of ``role`` in the saved state."""
+    field = "averaged" if averaged else "params"
+    roles = meta.get("roles")
+    if role is None:
+        return meta.get("model"), (field,)
+    if not roles or role not in roles:
+        raise KeyError(
+            f"checkpoint {path} has no role {role!r}; its roles are "
+            f"{sorted(roles) if roles else ['(one unnamed model: pass role=None)']}"
+        )
+    record = roles[role]
+    if record.get("trained", True):
+        trained = [name for name, r in roles.items() if r.get("trained", True)]
+        return record.get("model"), (field,) if len(trained) == 1 else (field, role)
+    if averaged:
+        raise ValueError(
+            f"role {role!r} of checkpoint {path} is frozen and keeps no moving average; "
+            f"load it with averaged=False"
+        )
+    return record.get("model"), ("frozen", role, "params")
+
+
+def _load_model(path: str, *, averaged: bool, role: str | None = None) -> tuple[Any, Any]:
     import orbax.checkpoint as ocp
 
     from dew.nn import models
 
     meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
-    if not meta.get("model"):
+    record, where = _role_record(path, meta, role, averaged)
+    if not record:
+        note = meta.get("model_note", "")
+        if role is not None:
+            note = meta.get("roles", {}).get(role, {}).get("model_note", note)
         raise ValueError(
-            f"checkpoint {path} does not record its model ({meta.get('model_note', '')}); "
-            f"register the model with @dew.nn.models.register so runs can rebuild it"
+            f"checkpoint {path} does not record the model of "
+            f"{'its model' if role is None else f'role {role!r}'} ({note}); register the "
+            f"model with @dew.nn.models.register so runs can rebuild it"
         )
-    model = models.build(meta["model"]["name"], **meta["model"]["config"])
-    field = "averaged" if averaged else "params"
+    model = models.build(record["name"], **record["config"])
     state_dir = os.path.join(path, "state")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with _quiet_orbax():
         tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
-        if not tree.get(field):
+        subtree = tree
+        for key in where:
+            subtree = subtree.get(key) if isinstance(subtree, dict) else None
+            if not subtree:
+                break
+        if not subtree:
             raise ValueError(
                 f"checkpoint {path} keeps no moving average (its objective had no "
                 f"ema); load it with averaged=False"
+                if averaged
+                else f"checkpoint {path} holds nothing at {'/'.join(where)}"
             )
-        target = {
-            field: jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree[field]
-            )
-        }
+        leaf = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), subtree
+        )
+        target = leaf
+        for key in reversed(where):
+            target = {key: target}
         restored = ocp.PyTreeCheckpointer().restore(
             state_dir,
             args=ocp.args.PyTreeRestore(
@@ -635,7 +675,9 @@ def _load_model(path: str, *, averaged: bool) -> tuple[Any, Any]:
                 partial_restore=True,
             ),
         )
-    return model, restored[field]
+    for key in where:
+        restored = restored[key]
+    return model, restored
 
 
 # ------------------------------------------------------------------- helpers

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dew.nn import axes
@@ -257,7 +256,3 @@ def unbox_abstract(tree):
         tree,
         is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
     )
-
-
-def host_array(x) -> np.ndarray:
-    return np.asarray(jax.device_get(x))

@@ -439,3 +439,18 @@ def test_no_involuntary_rematerialization_under_fsdp_and_tensor(capfd):
     out, err = capfd.readouterr()
     assert "preview step 2: " in out and "eval step 2: " in out
     assert "Involuntary full rematerialization" not in err
+
+
+def test_config_typos_name_the_nearest_keyword(tmp_path):
+    with pytest.raises(
+        TypeError,
+        match=r"Checkpoints got unknown keyword\(s\) 'kep' \(did you mean "
+        r"'keep'\?\); valid: directory, keep,",
+    ):
+        Checkpoints(tmp_path, kep=2)
+    with pytest.raises(
+        TypeError,
+        match=r"MeshSpec got unknown keyword\(s\) 'fsd' \(did you mean "
+        r"'fsdp'\?\)",
+    ):
+        MeshSpec(fsd=2)

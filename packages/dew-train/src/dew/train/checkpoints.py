@@ -60,6 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dew.nn.keywords import check_keywords
 from dew.train._restore import (
     CheckpointMismatchError,
     NoUsableCheckpointError,
@@ -88,6 +89,7 @@ ITEMS = ("state", "data_iter", "meta")
 FORMAT = 1
 
 
+@check_keywords
 @dataclasses.dataclass(frozen=True)
 class Checkpoints:
     """Where and how a run keeps its checkpoints.

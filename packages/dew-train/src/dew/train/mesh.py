@@ -12,6 +12,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dew.nn import axes
+from dew.nn.keywords import check_keywords
 
 MESH_AXES = ("data", "expert", "fsdp", "tensor", "sequence", "stage")
 
@@ -43,6 +44,7 @@ per-expert activations of a mixture of experts (``[expert, batch, ...]``)
 ``data`` and ``fsdp``. Override with ``Trainer(..., rules=...)``."""
 
 
+@check_keywords
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """Sizes of the six mesh axes, in this order.

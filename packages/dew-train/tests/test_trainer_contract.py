@@ -454,3 +454,23 @@ def test_config_typos_name_the_nearest_keyword(tmp_path):
         r"'fsdp'\?\)",
     ):
         MeshSpec(fsd=2)
+
+
+class Unweighted(Linear):
+    """A masked mean whose mask is empty on every third batch."""
+
+    def loss(self, variables, batch, step):
+        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        keep = jnp.where(batch["x"][0, 0] > 10, 1.0, 0.0) * jnp.ones_like(err)  # never > 10
+        return Weighted.mean(err**2, keep), {}
+
+
+def test_a_batch_of_zero_weight_is_rejected_and_named(capsys):
+    trainer = Trainer(Unweighted(), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE, max_rejected=5)
+    state = trainer.fit(linear_data(), steps=2, log_every=0)
+    out = capsys.readouterr().out
+    assert (
+        "step 1: rejected (the loss weight of the batch is 0 (Unweighted: nothing in it "
+        "counts, e.g. every target masked)); nothing applied"
+    ) in out
+    assert int(state.updates) == 0

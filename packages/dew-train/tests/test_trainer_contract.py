@@ -430,12 +430,13 @@ def test_no_involuntary_rematerialization_under_fsdp_and_tensor(capfd):
         key=jax.random.key(0),
         mesh=MeshSpec(data=2, fsdp=2, tensor=2),
     )
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    jax.clear_caches()
+    minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # compile, never read back
     try:
         trainer.fit(data, steps=2, log_every=1, eval_every=2)
     finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
     out, err = capfd.readouterr()
     assert "preview step 2: " in out and "eval step 2: " in out
     assert "Involuntary full rematerialization" not in err

@@ -7,10 +7,12 @@ so the step that ``plan`` measures is the step that ``fit`` runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -99,3 +101,22 @@ def compile_fn(
         .lower(*args)
         .compile()
     )
+
+
+def shard_bytes(abstract, shardings) -> int:
+    """Bytes of ``abstract``'s arrays that the fullest device holds."""
+    per_device: dict[Any, int] = {}
+    leaves = jax.tree.leaves(abstract)
+    sharding_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    for leaf, sharding in zip(leaves, sharding_leaves):
+        itemsize = _itemsize(leaf.dtype)
+        for device, index in sharding.devices_indices_map(leaf.shape).items():
+            size = math.prod(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape))
+            per_device[device] = per_device.get(device, 0) + size * itemsize
+    return max(per_device.values(), default=0)
+
+
+def _itemsize(dtype) -> int:
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8  # a threefry key: two uint32
+    return np.dtype(dtype).itemsize

@@ -32,8 +32,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -45,7 +43,7 @@ from dew.train.mesh import (
     data_parallel_size,
     mesh_sizes,
 )
-from dew.train.placement import compile_fn
+from dew.train.placement import compile_fn, shard_bytes
 from dew.train.step import build_train_step
 from dew.train.trainer import Trainer
 
@@ -192,25 +190,6 @@ def plan(
         flops_per_device=flops / devices,
         compile_seconds=seconds,
     )
-
-
-def shard_bytes(abstract, shardings) -> int:
-    """Bytes of ``abstract``'s arrays that the fullest device holds."""
-    per_device: dict[Any, int] = {}
-    leaves = jax.tree.leaves(abstract)
-    sharding_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-    for leaf, sharding in zip(leaves, sharding_leaves):
-        itemsize = _itemsize(leaf.dtype)
-        for device, index in sharding.devices_indices_map(leaf.shape).items():
-            size = math.prod(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape))
-            per_device[device] = per_device.get(device, 0) + size * itemsize
-    return max(per_device.values(), default=0)
-
-
-def _itemsize(dtype) -> int:
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8  # a threefry key: two uint32
-    return np.dtype(dtype).itemsize
 
 
 def count_flops(jaxpr) -> float:

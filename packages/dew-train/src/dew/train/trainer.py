@@ -49,6 +49,7 @@ from dew.train.placement import (
     compile_fn,
     layout,
     replicated,
+    shard_bytes,
     to_global,
 )
 from dew.train.preemption import StopSignals
@@ -627,8 +628,6 @@ class Trainer:
 
     def _model_line(self, abstract, shardings) -> str:
         count = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.params))
-        from dew.train.plan import shard_bytes
-
         per_device = shard_bytes(abstract.params, shardings.params)
         optimizer = shard_bytes(abstract.opt_state, shardings.opt_state)
         return (

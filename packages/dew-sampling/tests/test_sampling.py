@@ -107,3 +107,15 @@ def test_draws_follow_the_renormalised_kept_distribution():
 def test_bad_rules_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
+
+
+def test_sampling_keyword_typo_names_the_nearest():
+    import pytest as _pytest
+
+    from dew.sampling import Sampling as _Sampling
+
+    with _pytest.raises(
+        TypeError,
+        match=r"Sampling got unknown keyword\(s\) 'temprature' \(did you mean 'temperature'\?\)",
+    ):
+        _Sampling(temprature=0)

@@ -34,13 +34,11 @@ class Generation:
     scores: list[float] | None = None
 
 
-def init_cache(model, params, batch: int, length: int, *, key: jax.Array | None = None):
+def init_cache(model, params, batch: int, length: int):
     """A zeroed KV cache for ``batch`` rows of up to ``length`` positions.
 
-    The shapes come from tracing one ``decode=True`` call (nothing is
-    computed); ``key`` is accepted for backward compatibility and unused.
+    The shapes come from tracing one ``decode=True`` call (nothing is computed).
     """
-    del key
     shapes = jax.eval_shape(
         lambda p: model.apply(
             {"params": p}, jnp.zeros((batch, length), jnp.int32), decode=True, mutable=["cache"]

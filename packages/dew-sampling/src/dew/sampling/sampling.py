@@ -7,7 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dew.nn.keywords import check_keywords
 
+
+@check_keywords
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How the next token is drawn from the logits.

@@ -110,12 +110,8 @@ def test_bad_rules_are_named(kwargs, message):
 
 
 def test_sampling_keyword_typo_names_the_nearest():
-    import pytest as _pytest
-
-    from dew.sampling import Sampling as _Sampling
-
-    with _pytest.raises(
+    with pytest.raises(
         TypeError,
         match=r"Sampling got unknown keyword\(s\) 'temprature' \(did you mean 'temperature'\?\)",
     ):
-        _Sampling(temprature=0)
+        Sampling(temprature=0)

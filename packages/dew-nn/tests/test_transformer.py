@@ -154,3 +154,13 @@ def test_block_causal_cached_attention_equals_full(block):
         cache = v["cache"]
         steps.append(out)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_pipelined_encoder_equals_the_plain_stack(encoder):
+    model, params = encoder
+    padding = jnp.asarray([[True] * 8, [True] * 5 + [False] * 3] * 2)
+    tokens = jnp.asarray(np.concatenate([TOKENS, TOKENS[::-1]]))
+    piped = model.clone(num_stages=2, pipeline_microbatches=2)
+    want = jax.jit(lambda p: model.apply({"params": p}, tokens, attention_mask=padding))(params)
+    got = jax.jit(lambda p: piped.apply({"params": p}, tokens, attention_mask=padding))(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -60,15 +60,17 @@ def check_pipeline(num_layers: int, num_stages: int, batch: int, num_microbatche
 
 def _constrain(tree, leading: tuple):
     """Constrain ``[leading..., batch, ...]`` leaves by logical axes: float
-    activations ``[batch, length, embed]``, other leaves ``[batch, length, ...]``
-    (positions, padding, segment ids, a ``[batch, query, key]`` mask)."""
+    activations ``[batch, length, embed]``, integer and boolean leaves
+    ``[batch, length, ...]`` (positions, padding, segment ids, a ``[batch,
+    query, key]`` mask), any other leaf (a conditioning vector) by batch only."""
 
     def one(x):
         rest = x.ndim - len(leading)
-        if rest == 3 and jnp.issubdtype(x.dtype, jnp.floating):
-            names = (axes.BATCH, axes.LENGTH, axes.EMBED)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            names = (axes.BATCH, axes.LENGTH, axes.EMBED) if rest == 3 else (axes.BATCH,)
         else:
-            names = (axes.BATCH, axes.LENGTH, *([None] * max(rest - 2, 0)))[:rest]
+            names = (axes.BATCH, axes.LENGTH)
+        names = (*names, *([None] * rest))[:rest]
         return nn.with_logical_constraint(x, (*leading, *names))
 
     return jax.tree.map(one, tree)

@@ -174,5 +174,6 @@ class LayerStack:
             num_microbatches=self.microbatches,
         )
         if any(sows_aux):
-            parent.sow("intermediates", "aux_loss", aux)  # [batch]: mean over layers
+            # the mean over layers: [batch] when the block sows per-row values
+            parent.sow("intermediates", "aux_loss", aux)
         return x

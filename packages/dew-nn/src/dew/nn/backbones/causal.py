@@ -3,6 +3,10 @@
 One module covers Llama, Mistral (sliding window), Qwen2 (q/k/v biases) and
 GPT-2 (learned positions, LayerNorm, GELU, biases, tied embeddings) through
 its options, so Hugging Face checkpoints of those families load into it.
+
+Its layers are :class:`DecoderBlock` run by a :class:`dew.nn.stack.LayerStack`
+under the mask policy ``masks.causal(window=sliding_window)``; the
+bidirectional :class:`dew.nn.Transformer` runs the same blocks and stack.
 """
 
 from __future__ import annotations

@@ -122,11 +122,6 @@ def test_beam_search_on_fsdp_and_tensor_equals_one_device_quietly(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="CausalTransformer gathers learned positions from a table split along embed "
-    "(dew/nn/backbones/causal.py); constrain the table to (None, None) before the gather",
-)
 def test_learned_positions_on_fsdp_are_quiet(tiny, mesh, fresh_compiles, capfd):
     model, params = tiny("gpt2")
     sharded = shard(model, params, mesh)

@@ -312,6 +312,10 @@ class CausalTransformer(nn.Module):
                 (self.max_seq_len, self.emb_features),
                 self.param_dtype,
             )
+            # Gathered from a whole table, as the token embedding: a gather from
+            # an embed-split table leaves its output split along embed (and XLA
+            # rematerializes it in full under fsdp).
+            table = nn.with_logical_constraint(table, (None, None))
             x = x + jnp.take(table, positions, axis=0).astype(self.dtype)
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
 

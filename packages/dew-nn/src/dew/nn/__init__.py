@@ -4,6 +4,7 @@ from dew.nn import axes, backbones, masks, models, stack
 from dew.nn.attention import Attention
 from dew.nn.backbones import CausalTransformer
 from dew.nn.backbones.transformer import Transformer
+from dew.nn.backbones.vit import ViT, ViTPredictor
 from dew.nn.masks import MaskPolicy
 from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
@@ -24,6 +25,8 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "Transformer",
+    "ViT",
+    "ViTPredictor",
     "axes",
     "backbones",
     "masks",

@@ -14,6 +14,8 @@ divide by 2 and 4.
 ``TINY_MOE``        ``TINY_LM`` with a mixture of 4 experts, 2 per token
 ``TINY_ENCODER``    bidirectional :class:`dew.nn.backbones.transformer.Transformer`
                     over token ids (a masked-diffusion or MLM backbone)
+``TINY_VIT``        :class:`dew.nn.ViT` over 12x12 RGB images in 4x4 patches (a 3x3 grid)
+``TINY_PREDICTOR``  :class:`dew.nn.ViTPredictor` for ``TINY_VIT`` (JEPA)
 ==================  ============================================================
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from dew.nn.backbones.causal import CausalTransformer
 from dew.nn.backbones.transformer import Transformer
+from dew.nn.backbones.vit import ViT, ViTPredictor
 
 TINY_LM: dict[str, Any] = dict(
     vocab_size=32,
@@ -61,6 +64,30 @@ TINY_ENCODER: dict[str, Any] = dict(
 )
 """A bidirectional :class:`dew.nn.Transformer` over token ids (logits out)."""
 
+TINY_VIT: dict[str, Any] = dict(
+    emb_features=16,
+    num_layers=2,
+    num_heads=4,
+    mlp_features=24,
+    image_size=12,
+    patch_size=4,
+    num_channels=3,
+)
+"""A :class:`dew.nn.ViT` over ``[batch, 12, 12, 3]`` images: 9 patches of 48 values.
+For video add ``num_frames`` and ``tubelet_size``."""
+
+TINY_PREDICTOR: dict[str, Any] = dict(
+    encoder_features=16,
+    emb_features=8,
+    num_layers=1,
+    num_heads=2,
+    mlp_features=16,
+    image_size=12,
+    patch_size=4,
+    num_channels=3,
+)
+"""A :class:`dew.nn.ViTPredictor` from ``TINY_VIT``'s features (width 8)."""
+
 
 def tiny_lm(**overrides: Any) -> CausalTransformer:
     """A :class:`dew.nn.CausalTransformer` of ``TINY_LM`` with ``overrides``."""
@@ -75,3 +102,13 @@ def tiny_moe(**overrides: Any) -> CausalTransformer:
 def tiny_encoder(**overrides: Any) -> Transformer:
     """A :class:`dew.nn.Transformer` of ``TINY_ENCODER`` with ``overrides``."""
     return Transformer(**{**TINY_ENCODER, **overrides})
+
+
+def tiny_vit(**overrides: Any) -> ViT:
+    """A :class:`dew.nn.ViT` of ``TINY_VIT`` with ``overrides``."""
+    return ViT(**{**TINY_VIT, **overrides})
+
+
+def tiny_predictor(**overrides: Any) -> ViTPredictor:
+    """A :class:`dew.nn.ViTPredictor` of ``TINY_PREDICTOR`` with ``overrides``."""
+    return ViTPredictor(**{**TINY_PREDICTOR, **overrides})

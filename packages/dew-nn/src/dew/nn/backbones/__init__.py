@@ -1,5 +1,13 @@
 """Flax linen backbones whose parameters name logical axes (``dew.nn.axes``)."""
 
 from dew.nn.backbones.causal import CausalTransformer, DecoderBlock
+from dew.nn.backbones.vit import PatchGrid, ViT, ViTPredictor, sincos_table
 
-__all__ = ["CausalTransformer", "DecoderBlock"]
+__all__ = [
+    "CausalTransformer",
+    "DecoderBlock",
+    "PatchGrid",
+    "ViT",
+    "ViTPredictor",
+    "sincos_table",
+]

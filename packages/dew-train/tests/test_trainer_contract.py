@@ -404,10 +404,13 @@ def test_sequence_length_comes_from_the_data_spec(tmp_path):
 
 # ------------------------------------------------------------- quiet logs
 @pytest.mark.slow
-def test_no_involuntary_rematerialization_under_fsdp_and_tensor(capfd):
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_no_involuntary_rematerialization_under_fsdp_and_tensor(positions, capfd):
     """Training, evaluation and the generated preview under data x fsdp x tensor
     compile without XLA's "[SPMD] Involuntary full rematerialization" warning
-    (compiled fresh: a persistent-cache hit would not warn)."""
+    (compiled fresh: a persistent-cache hit would not warn). Learned positions
+    are the GPT-2 style, gathered from a table."""
+    extra = {"position_embedding": "learned"} if positions == "learned" else {}
     model = CausalTransformer(
         vocab_size=264,
         emb_features=24,
@@ -416,6 +419,7 @@ def test_no_involuntary_rematerialization_under_fsdp_and_tensor(capfd):
         num_kv_heads=2,
         mlp_features=48,
         max_seq_len=24,
+        **extra,
     )
     text = np.random.default_rng(0).integers(0, 264, (8, 13)).astype(np.int32)
     data = Dataset(

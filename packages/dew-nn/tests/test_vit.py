@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn import ViT, ViTPredictor, models
+from dew.nn import ViT, ViTPredictor, hf, models
 from dew.nn.backbones.vit import PatchGrid, sincos_table
 from dew.nn.testing import TINY_PREDICTOR, TINY_VIT, tiny_predictor, tiny_vit
 
@@ -329,3 +329,85 @@ def test_input_errors_are_raised_before_compiling(vit):
         video.init(jax.random.key(0), jnp.zeros((1, 1, 8, 8, 3)))
     with pytest.raises(ValueError, match=r"integer patch indices \[batch, K\] with batch 2"):
         model.apply({"params": params}, jnp.asarray(IMAGES), jnp.zeros((3,), jnp.int32))
+
+
+# ------------------------------------------------------------------ the ijepa format
+
+
+def test_ijepa_patch_embedding_is_the_conv():
+    """transformers' Conv2d (kernel = stride = patch) over NCHW pixels, one output
+    at a time, equals Dew's patch_embed over the patches of the NHWC image."""
+    model = tiny_vit(position_embedding="learned")
+    weight = RNG.normal(size=(16, 3, 4, 4))
+    (kernel,) = hf.get("ijepa").layout(model).globals[0].to_dew(weight)
+    nchw = IMAGES.transpose(0, 3, 1, 2).astype(np.float64)
+    conv = np.zeros((2, 16, 3, 3))
+    for b, e, i, j in np.ndindex(*conv.shape):
+        conv[b, e, i, j] = np.sum(weight[e] * nchw[b, :, 4 * i : 4 * i + 4, 4 * j : 4 * j + 4])
+    got = np.asarray(model.patchify(jnp.asarray(IMAGES)), np.float64) @ kernel
+    np.testing.assert_allclose(got, conv.reshape(2, 16, 9).transpose(0, 2, 1), atol=1e-10)
+
+
+def test_ijepa_config_and_tensors_round_trip():
+    fmt = hf.get("ijepa")
+    config = {
+        "architectures": ["IJepaModel"],
+        "model_type": "ijepa",
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 24,
+        "image_size": [12, 12],
+        "patch_size": 4,
+        "hidden_act": "gelu",
+        "layer_norm_eps": 1e-12,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "qkv_bias": True,
+        "pooler_output_size": 16,
+        "pooler_act": "tanh",
+        "initializer_range": 0.02,
+    }
+    assert hf.family_of(config) == "ijepa"
+    name, options = fmt.config_to_dew(config)
+    model = models.build(name, **options)
+    assert model == tiny_vit(position_embedding="learned", norm_eps=1e-12)
+    assert fmt.config_to_dew(fmt.config_from_dew(model, base=config)) == (name, options)
+    params = init(model, IMAGES)
+    tensors = fmt.params_to_hf(params, model)
+    assert tensors["encoder.layer.1.attention.attention.query.weight"].shape == (16, 16)
+    assert tensors["embeddings.position_embeddings"].shape == (1, 9, 16)
+    back = fmt.params_from_hf(tensors, model)
+    jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, params))
+    looped = fmt.params_from_hf(tensors, model.clone(use_scan=False))
+    np.testing.assert_array_equal(
+        looped["layer_1"]["mlp"]["up"]["kernel"], params["layers"]["mlp"]["up"]["kernel"][1]
+    )
+
+
+def test_a_sincos_vit_is_written_with_its_table():
+    fmt = hf.get("ijepa")
+    model = tiny_vit()
+    params = init(model, IMAGES)
+    tensors = fmt.params_to_hf(params, model)
+    np.testing.assert_allclose(
+        tensors["embeddings.position_embeddings"][0], np_sincos(16, (3, 3)), atol=1e-6
+    )
+    back = fmt.params_from_hf(tensors, model)  # the table is checked, not kept
+    assert "position_embed" not in back
+    tensors["embeddings.position_embeddings"] = tensors["embeddings.position_embeddings"] + 1
+    with pytest.raises(ValueError, match="not the sine-cosine table"):
+        fmt.params_from_hf(tensors, model)
+
+
+def test_ijepa_errors_name_what_is_unsupported():
+    fmt = hf.get("ijepa")
+    base = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8)
+    with pytest.raises(ValueError, match=r"'vjepa2'.*not supported.*ijepa \(IJepaModel\)"):
+        hf.family_of({"model_type": "vjepa2", "architectures": ["VJEPA2Model"]})
+    with pytest.raises(ValueError, match=r"image_size=\[12, 16\]; Dew's ViT takes square"):
+        fmt.config_to_dew(dict(base, image_size=[12, 16]))
+    with pytest.raises(ValueError, match="qkv_bias=False"):
+        fmt.config_to_dew(dict(base, qkv_bias=False))
+    with pytest.raises(ValueError, match=r"num_frames=None \(images\).*format='dew'"):
+        fmt.config_from_dew(tiny_vit(**VIDEO_CONFIG))

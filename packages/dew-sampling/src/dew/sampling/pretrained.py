@@ -23,13 +23,17 @@ from dew.sampling.pipelines import TextGeneration
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Pretrained:
-    """A causal LM with its weights and tokenizer, and the format it came in.
+    """A model with its weights (and tokenizer, for a language model), and the format
+    it came in.
 
-    model: the module (:class:`dew.nn.CausalTransformer` for Hugging Face formats).
+    model: the module: :class:`dew.nn.CausalTransformer` for the Hugging Face
+      causal-LM families, :class:`dew.nn.ViT` for ``'ijepa'`` (transformers'
+      ``IJepaModel``: ``model.apply({'params': params}, images)`` gives its
+      ``last_hidden_state``).
     params: its parameter tree (unboxed; numpy or jax arrays).
     tokenizer: ``ByteTokenizer``, ``HFTokenizer`` or None.
     format: what :meth:`save` writes: ``'dew'`` or a Hugging Face family
-      (``'llama'``, ``'mistral'``, ``'qwen2'``, ``'gpt2'``; ``dew.nn.hf.names()``).
+      (``'llama'``, ``'mistral'``, ``'qwen2'``, ``'gpt2'``, ``'ijepa'``; ``dew.nn.hf.names()``).
     hf_config: the ``config.json`` a Hugging Face checkpoint came with; the
       fields Dew ignores (token ids, ...) are written back by :meth:`save`.
     end_ids: token ids that end a generation; None = the tokenizer's ``end_id``
@@ -119,6 +123,11 @@ class Pretrained:
 
     def pipeline(self, **options) -> TextGeneration:
         """A :class:`dew.sampling.TextGeneration` over this model (strings in, strings out)."""
+        if getattr(type(self.model), "registry_name", None) == "vit":
+            raise ValueError(
+                "this checkpoint is an image encoder (dew.nn.ViT), not a language model; "
+                "call model.apply({'params': params}, images) for its features"
+            )
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer; build TextGeneration with one")
         return TextGeneration(

@@ -16,21 +16,27 @@ Families: ``llama``, ``mistral``, ``qwen2`` (:mod:`dew.nn.hf.llama`) and
 ``gpt2`` (:mod:`dew.nn.hf.gpt2`). A new family is one object that follows
 :class:`HFFormat` (causal LMs subclass :class:`CausalLMFormat`), passed to
 :func:`register`.
+
+Image encoders: ``ijepa`` (:mod:`dew.nn.hf.ijepa`), transformers' ``IJepaModel``
+into :class:`dew.nn.ViT`.
 """
 
 from dew.nn.hf.causal_lm import CausalLMFormat
 from dew.nn.hf.fields import IGNORED_FIELDS, ConfigFields
 from dew.nn.hf.format import HFFormat, family_of, get, names, param_shapes, register
 from dew.nn.hf.gpt2 import GPT2
+from dew.nn.hf.ijepa import IJEPA
 from dew.nn.hf.llama import LLAMA, MISTRAL, QWEN2
 
 for _fmt in (LLAMA, MISTRAL, QWEN2, GPT2):
     register(_fmt)
 del _fmt
+register(IJEPA)  # I-JEPA's image encoder, into dew.nn.ViT
 
 __all__ = [
     "GPT2",
     "IGNORED_FIELDS",
+    "IJEPA",
     "LLAMA",
     "MISTRAL",
     "QWEN2",

@@ -12,7 +12,8 @@ import jax
 class TrainState:
     """The state of a run.
 
-    params: the live parameters (the optimized collection).
+    params: the live parameters (the optimized collection): the trained role's
+      tree, or ``{role: tree}`` when the objective trains several roles.
     opt_state: the optax state.
     key: the run's PRNG key; step ``s`` draws from ``fold_in(key, s)``.
     step: attempts, accepted or rejected (int32).
@@ -20,8 +21,9 @@ class TrainState:
     updates: optimizer updates applied (int32).
     averaged: the parameter tree with moving-average values at the leaves the
       objective's EMA covers and live values elsewhere; None without an EMA.
-    frozen: the objective's other collections (a reference policy, a teacher),
-      checkpointed and never optimized.
+    frozen: the objective's other collections, by frozen role name
+      (``frozen['reference']['params']``: a reference policy, a teacher, a text
+      encoder), checkpointed and never optimized or averaged.
     """
 
     params: Any

@@ -33,6 +33,7 @@ import numpy as np
 from dew.nn import axes, masks, models
 from dew.nn.backbones.causal import ACTIVATION_AXES, BlockConfig, DecoderBlock
 from dew.nn.norms import make_norm
+from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
 
 POSITION_EMBEDDINGS = ("sincos", "learned")
@@ -264,12 +265,16 @@ class _PatchModel:
         ``position_embed``."""
         if self.position_embedding == "sincos":
             return jnp.asarray(sincos_table(self.emb_features, self.grid.shape))
-        return self.param(
+        table = self.param(
             "position_embed",
             nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (None, axes.EMBED)),
             (self.num_patches, self.emb_features),
             self.param_dtype,
         )
+        # Gathered from a whole table, as CausalTransformer's: a gather from an
+        # embed-split table leaves its output split along embed (and XLA
+        # rematerializes it in full under fsdp).
+        return nn.with_logical_constraint(table, (None, None))
 
     def dense(self, features, in_axis, out_axis, name):
         return nn.Dense(
@@ -286,6 +291,9 @@ class _PatchModel:
 
     def blocks_and_norm(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """The stack of bidirectional blocks and the final norm: ``[batch, tokens, embed]``."""
+        check_divides(
+            x.shape[1], axes.LENGTH, f"{type(self).__name__} tokens [batch, tokens, embed]"
+        )
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
         valid = jnp.ones(positions.shape, jnp.bool_)
         x = self.layer_stack()(

@@ -87,9 +87,13 @@ def test_video_blocks_are_tubes_over_all_frames():
     layout = MultiBlock(num_targets=2, min_keep=4).layout(3, 6, 6)
     masks = jax.device_get(layout.sample(jax.random.key(0), 5))
     blocks = masks.target_blocks.reshape(5, 2, 3, 36)
-    np.testing.assert_array_equal(blocks[:, :, 1:], np.broadcast_to(blocks[:, :, :1], blocks[:, :, 1:].shape))
+    np.testing.assert_array_equal(
+        blocks[:, :, 1:], np.broadcast_to(blocks[:, :, :1], blocks[:, :, 1:].shape)
+    )
     context = masks.context_block.reshape(5, 3, 36)
-    np.testing.assert_array_equal(context[:, 1:], np.broadcast_to(context[:, :1], context[:, 1:].shape))
+    np.testing.assert_array_equal(
+        context[:, 1:], np.broadcast_to(context[:, :1], context[:, 1:].shape)
+    )
     assert layout.target_keep % 3 == 0 and masks.targets.max() < 108
 
 

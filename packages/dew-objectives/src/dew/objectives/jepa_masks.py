@@ -160,8 +160,12 @@ class MaskLayout:
         rows, cols = _block_shape(s, a, self.height, self.width)
         # float rounding on the device may differ from the host scan: top up to min_area
         max_rows, max_cols = max(self.height - 1, 1), max(self.width - 1, 1)
-        cols = jnp.where(rows * cols < min_area, jnp.minimum(jnp.ceil(min_area / rows), max_cols), cols)
-        rows = jnp.where(rows * cols < min_area, jnp.minimum(jnp.ceil(min_area / cols), max_rows), rows)
+        cols = jnp.where(
+            rows * cols < min_area, jnp.minimum(jnp.ceil(min_area / rows), max_cols), cols
+        )
+        rows = jnp.where(
+            rows * cols < min_area, jnp.minimum(jnp.ceil(min_area / cols), max_rows), rows
+        )
         rows, cols = rows.astype(jnp.int32), cols.astype(jnp.int32)
         top = jax.random.randint(k_top, (), 0, self.height - rows + 1)
         left = jax.random.randint(k_left, (), 0, self.width - cols + 1)
@@ -175,9 +179,9 @@ class MaskLayout:
         spec = self.spec
         k_context, k_targets, k_pick_c, k_pick_t = jax.random.split(key, 4)
         min_area = self.target_keep // self.frames
-        blocks = jax.vmap(lambda k: self._block(k, spec.target_scale, spec.target_aspect, min_area))(
-            jax.random.split(k_targets, spec.num_targets)
-        )  # [num_targets, patches]
+        blocks = jax.vmap(
+            lambda k: self._block(k, spec.target_scale, spec.target_aspect, min_area)
+        )(jax.random.split(k_targets, spec.num_targets))  # [num_targets, patches]
         context_block = self._block(k_context, spec.context_scale, spec.context_aspect, 1)
         covered = blocks.any(axis=0)
         # priority: context block minus targets, then other non-target patches, never a target

@@ -228,6 +228,17 @@ def test_scan_equals_loop_and_remat_equals_plain(vit):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_pipelined_vit_equals_the_plain_stack(vit):
+    """Two stages, two microbatches, different kept patches in every row."""
+    model, params = vit
+    images = jnp.asarray(np.concatenate([IMAGES, IMAGES[::-1]]))
+    kept = jnp.asarray([[0, 4, 8, 2], [7, 1, 5, 3], [3, 2, 1, 0], [8, 6, 4, 2]], jnp.int32)
+    piped = model.clone(num_stages=2, pipeline_microbatches=2)
+    want = jax.jit(lambda p: model.apply({"params": p}, images, kept))(params)
+    got = jax.jit(lambda p: piped.apply({"params": p}, images, kept))(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_parameters_name_logical_axes():
     model = tiny_vit(position_embedding="learned")
     boxed = model.init(jax.random.key(0), jnp.asarray(IMAGES))["params"]

@@ -239,6 +239,8 @@ class _PatchModel:
             use_scan=self.use_scan,
             use_remat=self.use_remat,
             remat_policy=self.remat_policy,
+            num_stages=self.num_stages,
+            num_microbatches=self.pipeline_microbatches,
         )
 
     def block_config(self) -> BlockConfig:
@@ -321,6 +323,9 @@ _SHARED_DOC = """
       use_remat: recompute each block's activations in the backward pass.
       remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name; None = keep nothing.
       init_std: standard deviation of the normal weight initialiser (0.02, as I-JEPA).
+      num_stages: pipeline stages of the layer stack (:mod:`dew.nn.pipeline`); 1 = none.
+        Needs ``use_scan`` and ``num_layers`` a multiple of it.
+      pipeline_microbatches: microbatches of the pipeline; None = ``num_stages``.
 """
 
 
@@ -358,6 +363,8 @@ class ViT(_PatchModel, nn.Module):
     use_remat: bool = False
     remat_policy: str | None = None
     init_std: float = 0.02
+    num_stages: int = 1
+    pipeline_microbatches: int | None = None
 
     def example_inputs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract arguments to ``init`` with (one example of pixels)."""
@@ -441,6 +448,8 @@ class ViTPredictor(_PatchModel, nn.Module):
     use_remat: bool = False
     remat_policy: str | None = None
     init_std: float = 0.02
+    num_stages: int = 1
+    pipeline_microbatches: int | None = None
 
     def example_inputs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract arguments to ``init`` with: one context token, one target."""

@@ -105,11 +105,7 @@ class PatchGrid:
         want = self.pixel_shape(channels)
         if tuple(pixels.shape[1:]) == want:
             return
-        kind = (
-            "videos [batch, frames, height, width, channels]"
-            if self.is_video
-            else ("images [batch, height, width, channels]")
-        )
+        kind = "videos [batch, frames, H, W, C]" if self.is_video else "images [batch, H, W, C]"
         hint = ""
         if self.is_video and pixels.ndim == 5 and pixels.shape[1] != self.num_frames:
             hint = (

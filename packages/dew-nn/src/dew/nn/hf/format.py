@@ -128,10 +128,11 @@ def as_module(config, registry_name: str) -> nn.Module:
 
 
 def param_shapes(model: nn.Module) -> dict[str, jax.ShapeDtypeStruct]:
-    """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed)."""
-    shapes = jax.eval_shape(
-        model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    )
+    """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed);
+    a model with ``example_inputs()`` (ViT, ViTPredictor) is traced on those."""
+    example = getattr(model, "example_inputs", None)
+    inputs = example() if example is not None else (jax.ShapeDtypeStruct((1, 1), jnp.int32),)
+    shapes = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), *inputs)
     return traverse_util.flatten_dict(nn.unbox(shapes["params"]), sep="/")
 
 

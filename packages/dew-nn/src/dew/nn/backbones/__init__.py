@@ -1,12 +1,14 @@
 """Flax linen backbones whose parameters name logical axes (``dew.nn.axes``)."""
 
 from dew.nn.backbones.causal import CausalTransformer, DecoderBlock
+from dew.nn.backbones.transformer import Transformer
 from dew.nn.backbones.vit import PatchGrid, ViT, ViTPredictor, sincos_table
 
 __all__ = [
     "CausalTransformer",
     "DecoderBlock",
     "PatchGrid",
+    "Transformer",
     "ViT",
     "ViTPredictor",
     "sincos_table",

@@ -1,0 +1,334 @@
+"""Joint-embedding predictive architecture: I-JEPA (Assran et al., 2023) and
+V-JEPA (Bardes et al., 2024).
+
+A context encoder ``f_theta`` reads only the context patches of an image (or
+video); a narrow predictor ``g_phi`` predicts, from those tokens and the
+target positions, the features a target encoder ``f_xi`` gives the whole
+image at each target block (:mod:`dew.objectives.jepa_masks`)::
+
+    h = stop_grad(LayerNorm(f_xi(x)))                 # no affine, over features
+    z = g_phi(f_theta(x[context]), context, targets)  # per target block
+    loss = mean over blocks, patches, features of smooth_l1(z - h[targets])  (I-JEPA)
+                                               or |z - h[targets]|           (V-JEPA)
+
+The target encoder is the trainer's moving average of the encoder alone,
+``xi <- m xi + (1 - m) theta`` after every optimizer update, with ``m``
+linear from 0.996 to 1.0 over the planned updates (facebookresearch/ijepa
+``src/train.py``); it starts equal to ``theta`` and the loss reads it as
+``variables['averaged']['encoder']``.
+
+Batches: ``image`` ``[batch, H, W, C]`` (uint8 pixels are scaled to [-1, 1]
+inside, floats pass as they are) or ``video`` ``[batch, F, H, W, C]``; an
+optional ``label`` is for probes only. The encoder is a
+:class:`dew.nn.backbones.ViT` (or any module with its call signature and
+``grid``), the predictor a :class:`dew.nn.backbones.ViTPredictor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import EMA, Objective, Role, Step
+from dew.objectives.jepa_masks import MaskLayout, Masks, MultiBlock
+from dew.objectives.weighted import Weighted
+
+LOSSES = ("smooth_l1", "l1")
+
+
+def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Normalise over the last axis, without scale or bias (I-JEPA's target norm)."""
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps)
+
+
+def smooth_l1(d: jax.Array) -> jax.Array:
+    """``0.5 d^2`` for ``|d| < 1``, else ``|d| - 0.5`` (torch's ``beta = 1``)."""
+    a = jnp.abs(d)
+    return jnp.where(a < 1.0, 0.5 * d * d, a - 0.5)
+
+
+def feature_std(x: jax.Array) -> jax.Array:
+    """Per-feature standard deviation over every other axis, averaged over features."""
+    flat = x.reshape(-1, x.shape[-1])
+    return jnp.mean(jnp.std(flat, axis=0))
+
+
+def effective_rank(x: jax.Array) -> jax.Array:
+    """RankMe (Garrido et al., 2023) of ``x [examples, features]``, centred:
+    ``exp(entropy(s / sum(s)))`` of its singular values ``s``; 1 = collapsed to
+    a line, ``min(examples, features)`` = all directions equal."""
+    x = x - x.mean(0, keepdims=True)
+    s = jnp.linalg.svd(x.astype(jnp.float32), compute_uv=False)
+    p = s / (jnp.sum(s) + 1e-12) + 1e-12
+    return jnp.exp(-jnp.sum(p * jnp.log(p)))
+
+
+def momentum_schedule(start: float, end: float, updates: int):
+    """``m(u) = start + (end - start) * min(u / updates, 1)``, the EMA decay at update ``u``."""
+
+    def schedule(u):
+        return start + (end - start) * jnp.minimum(jnp.asarray(u, jnp.float32) / updates, 1.0)
+
+    return schedule
+
+
+@dataclasses.dataclass(eq=False)
+class JepaObjective(Objective):
+    """I-JEPA / V-JEPA: predict target-encoder features of masked blocks.
+
+    encoder: the context encoder, ``encoder(pixels, positions=None) -> [batch,
+      K, features]`` with a ``grid`` (:class:`dew.nn.backbones.ViT`); its
+      moving average is the target encoder.
+    predictor: ``predictor(context, context_positions, target_positions) ->
+      [batch, T, features]`` (:class:`dew.nn.backbones.ViTPredictor`).
+    planned_updates: optimizer updates over which the momentum goes from
+      ``momentum[0]`` to ``momentum[1]`` (the run's total steps).
+    momentum: ``(start, end)`` EMA decay of the target encoder (I-JEPA
+      ``(0.996, 1.0)``, V-JEPA ``(0.998, 1.0)``).
+    masks: the :class:`MultiBlock` block sampler (I-JEPA's defaults).
+    loss_type: ``'smooth_l1'`` (I-JEPA) or ``'l1'`` (V-JEPA ``loss_exp=1``).
+    input_key: the batch key of the pixels; None = ``'video'`` when the
+      encoder takes video (``encoder.grid.is_video``), else ``'image'``.
+    """
+
+    encoder: Any
+    predictor: Any
+    planned_updates: int
+    momentum: tuple[float, float] = (0.996, 1.0)
+    masks: MultiBlock = dataclasses.field(default_factory=MultiBlock)
+    loss_type: str = "smooth_l1"
+    input_key: str | None = None
+
+    uses_averaged = True
+
+    def __post_init__(self):
+        if self.loss_type not in LOSSES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; use one of {LOSSES}")
+        if isinstance(self.planned_updates, bool) or self.planned_updates < 1:
+            raise ValueError(
+                f"planned_updates must be the run's optimizer updates (>= 1), got "
+                f"{self.planned_updates!r}; the momentum reaches {self.momentum[1]} there"
+            )
+        start, end = self.momentum
+        if not 0.0 <= start <= end <= 1.0:
+            raise ValueError(
+                f"momentum must be (start, end) with 0 <= start <= end <= 1, got {self.momentum}"
+            )
+        grid = getattr(self.encoder, "grid", None)
+        if grid is None:
+            raise TypeError(
+                f"JepaObjective's encoder must describe its patch grid (.grid, as "
+                f"dew.nn.backbones.ViT does); got {type(self.encoder).__name__}"
+            )
+        if self.input_key is None:
+            self.input_key = "video" if grid.is_video else "image"
+        shape = tuple(grid.shape)
+        frames, height, width = (1, *shape) if len(shape) == 2 else shape
+        self.layout: MaskLayout = self.masks.layout(frames, height, width)
+        self.ema = EMA(
+            decay=momentum_schedule(start, end, self.planned_updates),
+            include=lambda path: path.split("/")[0] == "encoder",
+        )
+
+    # ------------------------------------------------------------- models
+    def roles(self) -> tuple[Role, ...]:
+        return (
+            Role(name="encoder", module=self.encoder),
+            Role(name="predictor", module=self.predictor),
+        )
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's pixels, ``(H, W, C)`` or ``(F, H, W, C)``."""
+        return tuple(self.encoder.grid.pixel_shape(self.encoder.num_channels))
+
+    def init(self, key, spec=None):
+        if spec is not None and self.input_key in spec:
+            given = tuple(spec[self.input_key].shape)
+            if given != self.input_shape:
+                raise ValueError(
+                    f"the data declares batch[{self.input_key!r}] rows of {given}, but the "
+                    f"encoder reads {self.input_shape}; build the ViT for the data's size"
+                )
+        k_encoder, k_predictor = jax.random.split(key)
+        pixels = jnp.zeros((1, *self.input_shape), jnp.float32)
+        encoder = self.encoder.init(k_encoder, pixels)
+        features = jax.eval_shape(self.encoder.apply, encoder, pixels).shape[-1]
+        context = jnp.zeros((1, self.layout.context_keep, features), jnp.float32)
+        context_positions = jnp.zeros((1, self.layout.context_keep), jnp.int32)
+        target_positions = jnp.zeros((1, self.layout.target_keep), jnp.int32)
+        predictor = self.predictor.init(k_predictor, context, context_positions, target_positions)
+        return {"params": {"encoder": encoder["params"], "predictor": predictor["params"]}}
+
+    # --------------------------------------------------------------- loss
+    def draw_masks(self, key: jax.Array, batch: int) -> Masks:
+        """The masks of a batch of ``batch`` examples (a pure function of ``key``)."""
+        return self.layout.sample(key, batch)
+
+    def _terms(self, variables, batch, key):
+        from dew.sampling.features import encode, scale_inputs
+
+        pixels = scale_inputs(batch[self.input_key])
+        rows = pixels.shape[0]
+        masks = self.draw_masks(key, rows)
+        n, kt = self.masks.num_targets, self.layout.target_keep
+        target_params = variables["averaged"]["encoder"]
+        full = jax.lax.stop_gradient(encode(self.encoder, target_params, pixels))
+        h = jax.lax.stop_gradient(layer_norm(full))  # [batch, patches, features]
+        flat = masks.targets.reshape(rows, n * kt)
+        h = jnp.take_along_axis(h, flat[:, :, None], axis=1).reshape(rows, n, kt, -1)
+        params = variables["params"]
+        context = encode(self.encoder, params["encoder"], pixels, masks.context)  # [batch, K, f]
+        # each target block is a predictor row of its own (I-JEPA repeats the context)
+        z = self.predictor.apply(
+            {"params": params["predictor"]},
+            jnp.repeat(context, n, axis=0),
+            jnp.repeat(masks.context, n, axis=0),
+            masks.targets.reshape(rows * n, kt),
+        ).reshape(rows, n, kt, -1)  # [batch, blocks, patches, features]
+        d = z - h
+        per_element = smooth_l1(d) if self.loss_type == "smooth_l1" else jnp.abs(d)
+        weights = jnp.ones((rows,), jnp.float32)
+        if "example_mask" in batch:  # padded rows of a last validation batch
+            weights = batch["example_mask"].astype(jnp.float32)
+        loss = Weighted.mean(per_element, weights[:, None, None, None])
+        metrics = {
+            "target_std": feature_std(h),
+            "prediction_std": feature_std(z),
+            "effective_rank": effective_rank(full.mean(axis=1)),
+        }
+        return loss, metrics
+
+    def loss(self, variables, batch, step: Step):
+        loss, metrics = self._terms(variables, batch, step.key)
+        return loss, {"jepa_loss": loss, **metrics}
+
+    def evaluate(self, variables, batch, step: Step):
+        """The loss and the feature statistics on a validation batch (masks from the
+        evaluation key); ``variables['averaged']`` when present, else the encoder
+        itself stands in for the target encoder."""
+        if "averaged" not in variables:
+            variables = {**variables, "averaged": variables["params"]}
+        loss, metrics = self._terms(variables, batch, step.key)
+        return {"loss": loss, **metrics}
+
+    # ------------------------------------------------------- checks, export
+    def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
+        key = self.input_key
+        if key not in batch:
+            raise KeyError(
+                f"JepaObjective needs batch[{key!r}] "
+                f"({'[batch, F, H, W, C]' if key == 'video' else '[batch, H, W, C]'}); the batch "
+                f"has keys {sorted(batch)}"
+            )
+        pixels = np.asarray(batch[key])
+        want = self.input_shape
+        if pixels.shape[1:] == want:
+            if not (np.issubdtype(pixels.dtype, np.floating) or pixels.dtype == np.uint8):
+                raise TypeError(
+                    f"batch[{key!r}] holds {pixels.dtype}; give uint8 pixels (scaled to [-1, 1] "
+                    f"inside) or floats"
+                )
+            return
+        grid = self.encoder.grid
+        hint = "resize or crop the inputs, or build the encoder for their size"
+        if pixels.ndim == len(want) + 1:
+            sides = pixels.shape[-3:-1]
+            if any(s % grid.patch_size for s in sides):
+                hint = (
+                    f"height and width {tuple(sides)} must be multiples of patch_size "
+                    f"{grid.patch_size}; crop or resize to {want}"
+                )
+        raise ValueError(
+            f"batch[{key!r}] has shape {pixels.shape}; the encoder reads rows of {want} "
+            f"(image_size {grid.image_size}, patch_size {grid.patch_size}"
+            f"{f', {grid.num_frames} frames' if grid.is_video else ''}): {hint}"
+        )
+
+    def export(self, variables, *, pooling: str = "mean"):
+        """A :class:`dew.sampling.features.FeatureExtractor` of
+        ``variables['params']['encoder']``: the target encoder for
+        ``pipeline(state)`` (the averaged weights), the context encoder for
+        ``state.variables()``."""
+        from dew.sampling.features import FeatureExtractor
+
+        return FeatureExtractor(
+            encoder=self.encoder,
+            params=variables["params"]["encoder"],
+            input_shape=self.input_shape,
+            pooling=pooling,
+        )
+
+    def feature_extractor(self, state, *, encoder: str = "target", pooling: str = "mean"):
+        """The ``'target'`` (moving-average) or ``'context'`` encoder of a ``TrainState``."""
+        if encoder not in ("target", "context"):
+            raise ValueError(f"encoder must be 'target' or 'context', got {encoder!r}")
+        return self.export(state.variables(averaged=encoder == "target"), pooling=pooling)
+
+    def probe_hook(self, data, *, encoder: str = "context", method: str = "linear", **options):
+        """``fn(info)`` for ``trainer.add_hook(fn, every=N)``: probe accuracy of the
+        encoder's pooled features, logged as ``probe_accuracy`` (see :func:`probe`).
+
+        data: a ``dew.data.Dataset`` with labelled batches (``label``): the
+          probe fits on ``options.get('train_batches', 4)`` batches of
+          ``data.train`` and scores one pass of ``data.val``.
+        """
+
+        def probe_accuracy(info):
+            extractor = self.feature_extractor(info.state, encoder=encoder)
+            accuracy = probe(extractor, data, method=method, key=self.input_key, **options)
+            info.log({"probe_accuracy": accuracy}, kind="eval")
+            info.print(f"probe ({encoder} encoder, {method}) step {info.step}: {accuracy:.4f}")
+
+        return probe_accuracy
+
+
+def probe(
+    extractor,
+    data,
+    *,
+    method: str = "linear",
+    key: str = "image",
+    train_batches: int = 4,
+    ridge: float = 1e-3,
+    k: int = 20,
+) -> float:
+    """Accuracy of a probe on ``extractor``'s pooled features (one process).
+
+    Fits on the first ``train_batches`` batches of ``data.train`` and scores
+    one pass of ``data.val`` (rows with ``example_mask`` 0 are dropped);
+    ``method`` is ``'linear'`` (closed-form ridge,
+    :func:`dew.sampling.features.linear_probe_accuracy`) or ``'knn'``.
+    """
+    from dew.data import Partition
+    from dew.sampling.features import knn_accuracy, linear_probe_accuracy
+
+    if method not in ("linear", "knn"):
+        raise ValueError(f"unknown probe method {method!r}; use 'linear' or 'knn'")
+    if data.val is None:
+        raise ValueError("a probe needs labelled validation data (Dataset.val is None)")
+    whole = Partition(0, 1)
+
+    def collect(batches):
+        xs, ys = [], []
+        for batch in batches:
+            if "label" not in batch:
+                raise KeyError(f"a probe needs batch['label']; the batch has keys {sorted(batch)}")
+            keep = np.asarray(batch.get("example_mask", np.ones(len(batch["label"]), bool)), bool)
+            xs.append(extractor(np.asarray(batch[key])[keep]))
+            ys.append(np.asarray(batch["label"])[keep])
+        return np.concatenate(xs), np.concatenate(ys)
+
+    stream = data.train(whole)
+    train_x, train_y = collect(next(stream) for _ in range(train_batches))
+    test_x, test_y = collect(data.val(whole))
+    if method == "knn":
+        return knn_accuracy(train_x, train_y, test_x, test_y, k=k)
+    return linear_probe_accuracy(train_x, train_y, test_x, test_y, ridge=ridge)

@@ -20,7 +20,24 @@ def lm_case():
     return LMObjective(model, seq_len=8), batch
 
 
-CASES = {"lm": lm_case}
+def jepa_case():
+    from dew.nn import ViT, ViTPredictor
+    from dew.objectives.jepa import JepaObjective
+    from dew.objectives.jepa_masks import MultiBlock
+
+    grid = dict(image_size=8, patch_size=2, num_channels=1, position_embedding="learned")
+    encoder = ViT(emb_features=16, num_layers=1, num_heads=2, mlp_features=32, **grid)
+    predictor = ViTPredictor(
+        encoder_features=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16, **grid
+    )
+    objective = JepaObjective(
+        encoder, predictor, planned_updates=10, masks=MultiBlock(num_targets=2, min_keep=4)
+    )
+    batch = {"image": np.random.default_rng(0).integers(0, 256, (4, 8, 8, 1)).astype(np.uint8)}
+    return objective, batch
+
+
+CASES = {"lm": lm_case, "jepa": jepa_case}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -179,7 +179,8 @@ class JepaObjective(Objective):
         rows = pixels.shape[0]
         masks = self.draw_masks(key, rows)
         n, kt = self.masks.num_targets, self.layout.target_keep
-        target_params = variables["averaged"]["encoder"]
+        # without 'averaged' (outside the trainer) the encoder is its own target
+        target_params = variables.get("averaged", variables["params"])["encoder"]
         full = jax.lax.stop_gradient(encode(self.encoder, target_params, pixels))
         h = jax.lax.stop_gradient(layer_norm(full))  # [batch, patches, features]
         flat = masks.targets.reshape(rows, n * kt)
@@ -212,10 +213,8 @@ class JepaObjective(Objective):
 
     def evaluate(self, variables, batch, step: Step):
         """The loss and the feature statistics on a validation batch (masks from the
-        evaluation key); ``variables['averaged']`` when present, else the encoder
-        itself stands in for the target encoder."""
-        if "averaged" not in variables:
-            variables = {**variables, "averaged": variables["params"]}
+        evaluation key); the trainer evaluates with the averaged weights, so the
+        target encoder reads itself."""
         loss, metrics = self._terms(variables, batch, step.key)
         return {"loss": loss, **metrics}
 

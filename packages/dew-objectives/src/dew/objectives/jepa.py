@@ -208,8 +208,7 @@ class JepaObjective(Objective):
         return loss, metrics
 
     def loss(self, variables, batch, step: Step):
-        loss, metrics = self._terms(variables, batch, step.key)
-        return loss, {"jepa_loss": loss, **metrics}
+        return self._terms(variables, batch, step.key)
 
     def evaluate(self, variables, batch, step: Step):
         """The loss and the feature statistics on a validation batch (masks from the

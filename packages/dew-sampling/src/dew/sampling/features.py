@@ -84,16 +84,9 @@ class FeatureExtractor:
     def with_pooling(self, pooling: str) -> FeatureExtractor:
         return dataclasses.replace(self, pooling=pooling)
 
-    @functools.cached_property
+    @property
     def _apply(self):
-        pool = self.pooling == "mean"
-
-        @jax.jit
-        def apply(params, x):
-            features = encode(self.encoder, params, scale_inputs(x))  # [batch, patches, features]
-            return features.mean(axis=1) if pool else features
-
-        return apply
+        return _compiled_features(self.encoder, self.pooling == "mean")
 
     def __call__(self, inputs) -> np.ndarray:
         """Features of ``inputs [batch, *input_shape]`` (uint8 pixels or floats), on the host."""
@@ -175,6 +168,19 @@ class FeatureExtractor:
             input_shape=input_shape,
             pooling=description["pooling"],
         )
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_features(encoder, pool: bool):
+    """One compiled feature function per (encoder, pooling), shared by every
+    extractor of that encoder (a probe every N steps compiles once)."""
+
+    @jax.jit
+    def apply(params, x):
+        features = encode(encoder, params, scale_inputs(x))  # [batch, patches, features]
+        return features.mean(axis=1) if pool else features
+
+    return apply
 
 
 def _check_pairs(train_x, train_y, test_x, test_y):

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes
-from dew.nn.masks import MaskPolicy, attention_mask, causal
-from dew.nn.rope import RopeScaling, apply_rope, inverse_frequencies
+from dew.nn.masks import MaskPolicy, attention_mask, causal, full
+from dew.nn.rope import RopeScaling, apply_axial_rope, apply_rope, inverse_frequencies
 
 
 class Attention(nn.Module):
@@ -24,6 +24,11 @@ class Attention(nn.Module):
     (``key``, ``value`` ``[batch, kv_heads, cache_length, head_dim]``,
     ``positions``, ``valid`` ``[batch, cache_length]`` and ``index``); the cache
     length is the length of the sequence the cache was initialised with.
+
+    Tokens on a grid (patches, tubelets) give ``positions`` as coordinates
+    ``[batch, length, axes]``: the rotary embedding is then V-JEPA 2's axial one
+    (:func:`dew.nn.rope.apply_axial_rope`, base ``rope_theta``), and the mask
+    must be ``masks.full()``, since coordinates do not order the tokens.
     """
 
     num_heads: int
@@ -73,7 +78,8 @@ class Attention(nn.Module):
     ):
         """``x [batch, length, embed] -> [batch, length, embed]``.
 
-        positions: ``[batch, length]`` token positions (RoPE and the mask policy).
+        positions: ``[batch, length]`` token positions (RoPE and the mask policy),
+          or ``[batch, length, axes]`` grid coordinates (the axial RoPE; full mask only).
         valid: ``[batch, length]``, False marks padding, which no query sees.
         segment_ids: optional ``[batch, length]`` ids of packed sequences; a query
           sees keys of its own segment only. Not with ``decode``.
@@ -81,12 +87,19 @@ class Attention(nn.Module):
           key (``keys`` = the cache length when decoding).
         """
         length = x.shape[1]
+        coordinates = None
+        if positions.ndim == 3:
+            coordinates = positions
+            positions = self._grid_mask_positions(coordinates, decode)
         q = self._project(
             "query", x, self.num_heads, axes.HEADS
         )  # [batch, length, heads, head_dim]
         k = self._project("key", x, self.num_kv_heads, axes.KV_HEADS)
         v = self._project("value", x, self.num_kv_heads, axes.KV_HEADS)
-        if self.rope_theta is not None:
+        if self.rope_theta is not None and coordinates is not None:
+            q = apply_axial_rope(q, coordinates, self.rope_theta)
+            k = apply_axial_rope(k, coordinates, self.rope_theta)
+        elif self.rope_theta is not None:
             inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
             q = apply_rope(q, positions, inv_freq)
             k = apply_rope(k, positions, inv_freq)
@@ -130,6 +143,29 @@ class Attention(nn.Module):
                 "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)
             ).astype(self.dtype)
         return y  # [batch, length, embed]
+
+    def _grid_mask_positions(self, coordinates, decode: bool):
+        """``[batch, length]`` slot indices standing in for the positions of tokens
+        given by grid coordinates, under the full mask that alone ignores them."""
+        if decode:
+            raise ValueError(
+                f"Attention got grid coordinates {tuple(coordinates.shape)} [batch, length, "
+                f"axes] with decode=True; the decoding cache keeps [batch, length] positions, "
+                f"so decode with 1-D positions"
+            )
+        if self.mask != full():
+            raise ValueError(
+                f"Attention got grid coordinates {tuple(coordinates.shape)} [batch, length, "
+                f"axes] under the mask {self.mask}; coordinates do not order tokens, so use "
+                f"masks.full() (or give 1-D positions [batch, length])"
+            )
+        if self.rope_scaling is not None:
+            raise ValueError(
+                f"rope_scaling {self.rope_scaling} does not apply to the axial rotary "
+                f"embedding of grid coordinates; use rope_scaling=None"
+            )
+        batch, length = coordinates.shape[:2]
+        return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
 
     def _cached_attention(self, q, k, v, positions, valid, query_key_mask):
         """Attention over the ``cache`` collection, appending this call's keys and values.

@@ -3,6 +3,10 @@
 Uses the "rotate half" layout of GPT-NeoX and Hugging Face Llama: the first
 and second halves of each head's features form the rotated pairs, so
 Hugging Face checkpoints load without permuting weights.
+
+:func:`apply_axial_rope` rotates by coordinates on a grid instead (patches of
+an image or tubelets of a video), in V-JEPA 2's layout (Assran et al., 2025),
+so its checkpoints load as they are.
 """
 
 from __future__ import annotations
@@ -69,3 +73,45 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     first, second = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def axial_section_dim(head_dim: int, num_axes: int) -> int:
+    """Features of each head that one grid axis rotates: the largest even number
+    ``<= head_dim / num_axes`` (V-JEPA 2's ``2 * ((head_dim // 3) // 2)`` for video)."""
+    return 2 * ((head_dim // num_axes) // 2)
+
+
+def apply_axial_rope(x: jax.Array, coordinates: jax.Array, theta: float = 10000.0) -> jax.Array:
+    """Rotate ``x`` ``[batch, length, heads, head_dim]`` by grid coordinates
+    ``[batch, length, axes]`` (patch indices along each axis: time, row, column).
+
+    V-JEPA 2's layout: axis ``a`` owns features ``[a S, (a + 1) S)`` of each
+    head, ``S = axial_section_dim(head_dim, axes)``; the remaining ``head_dim -
+    axes S`` features pass unrotated. Within a section, feature ``i`` pairs
+    with its neighbour (``2j`` with ``2j + 1``) and turns by the angle
+    ``c_a w_(i mod S/2)``, ``w_k = theta^(-2k / S)``::
+
+        out[2j]     = x[2j]     cos(c_a w_(2j mod S/2))     - x[2j + 1] sin(c_a w_(2j mod S/2))
+        out[2j + 1] = x[2j + 1] cos(c_a w_(2j+1 mod S/2)) + x[2j]     sin(c_a w_(2j+1 mod S/2))
+
+    (the angles are the ``S/2`` frequencies tiled twice, as V-JEPA 2's
+    ``rotate_queries_or_keys`` repeats them, so the two members of a pair
+    turn by different angles).
+    """
+    num_axes, head_dim = coordinates.shape[-1], x.shape[-1]
+    section = axial_section_dim(head_dim, num_axes)
+    if section == 0:
+        raise ValueError(
+            f"head_dim {head_dim} is too small for a rotary embedding over {num_axes} grid "
+            f"axes; it needs head_dim >= {2 * num_axes} (2 features per axis)"
+        )
+    rotated_dim = num_axes * section
+    inv_freq = jnp.asarray(inverse_frequencies(section, theta, None), jnp.float32)
+    angles = coordinates[..., None].astype(jnp.float32) * inv_freq  # [batch, length, axes, S/2]
+    angles = jnp.tile(angles, 2).reshape(*coordinates.shape[:2], 1, rotated_dim)
+    x32 = x.astype(jnp.float32)
+    pairs = x32[..., :rotated_dim].reshape(*x.shape[:-1], rotated_dim // 2, 2)
+    turned = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(*x.shape[:-1], -1)
+    out = x32[..., :rotated_dim] * jnp.cos(angles) + turned * jnp.sin(angles)
+    out = jnp.concatenate([out, x32[..., rotated_dim:]], axis=-1)
+    return out.astype(x.dtype)  # [batch, length, heads, head_dim]

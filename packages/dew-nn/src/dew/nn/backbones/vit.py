@@ -10,6 +10,9 @@ width)`` or ``(time, height, width)``; a position is that number. Each patch
 is flattened in ``(frame, row, column, channel)`` order (:class:`PatchGrid`),
 projected to ``emb_features`` and given its position's embedding: the fixed
 sine-cosine table of I-JEPA / V-JEPA (:func:`sincos_table`) or a learned one.
+With ``position_embedding='rope'`` no embedding is added; instead the
+attention rotates queries and keys by the patch's grid coordinates, as V-JEPA 2
+does (Assran et al., 2025; :func:`dew.nn.rope.apply_axial_rope`).
 
 The blocks are :class:`~dew.nn.backbones.causal.DecoderBlock` run through
 :class:`~dew.nn.stack.LayerStack` under a full (bidirectional) mask: pre-norm
@@ -33,10 +36,12 @@ import numpy as np
 from dew.nn import axes, masks, models
 from dew.nn.backbones.causal import ACTIVATION_AXES, BlockConfig, DecoderBlock
 from dew.nn.norms import make_norm
+from dew.nn.rope import axial_section_dim
 from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
 
-POSITION_EMBEDDINGS = ("sincos", "learned")
+POSITION_EMBEDDINGS = ("sincos", "learned", "rope")
+ROPE_THETA = 10000.0  # V-JEPA 2's rotary base
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -227,6 +232,14 @@ class _PatchModel:
             )
         if self.position_embedding == "sincos":
             sincos_table(self.emb_features, (1,) * len(grid.shape))
+        head_dim = self.emb_features // self.num_heads
+        if self.position_embedding == "rope" and not axial_section_dim(head_dim, len(grid.shape)):
+            raise ValueError(
+                f"position_embedding='rope' over a {len(grid.shape)}-D patch grid needs at "
+                f"least 2 features per axis in each head, so head_dim >= {2 * len(grid.shape)}; "
+                f"got head_dim {head_dim} (emb_features {self.emb_features} / num_heads "
+                f"{self.num_heads}): use fewer heads or another position_embedding"
+            )
         self.layer_stack()
 
     def layer_stack(self) -> LayerStack:
@@ -248,7 +261,7 @@ class _PatchModel:
             mlp_activation=self.mlp_activation,
             norm=self.norm,
             norm_eps=self.norm_eps,
-            rope_theta=None,
+            rope_theta=ROPE_THETA if self.position_embedding == "rope" else None,
             rope_scaling=None,
             mask=masks.full(),
             use_qkv_bias=self.use_bias,
@@ -258,9 +271,23 @@ class _PatchModel:
             param_dtype=self.param_dtype,
         )
 
-    def position_table(self) -> jax.Array:
+    def add_positions(self, x: jax.Array, positions: jax.Array, table) -> jax.Array:
+        """``x [batch, K, embed]`` plus the rows of ``table`` (:meth:`position_table`) at
+        ``positions [batch, K]``; unchanged without a table ('rope' acts in the attention)."""
+        if table is None:
+            return x
+        return x + jnp.take(table, positions, axis=0).astype(self.dtype)
+
+    def grid_coordinates(self, positions: jax.Array) -> jax.Array:
+        """``[batch, K, axes]``: the grid coordinates ``(time,) row, column`` of patch
+        indices ``positions [batch, K]``."""
+        return jnp.stack(jnp.unravel_index(positions, self.grid.shape), axis=-1).astype(jnp.int32)
+
+    def position_table(self) -> jax.Array | None:
         """``[patches, emb_features]``: the fixed sine-cosine table or the learned
-        ``position_embed``."""
+        ``position_embed``; None under 'rope'."""
+        if self.position_embedding == "rope":
+            return None
         if self.position_embedding == "sincos":
             return jnp.asarray(sincos_table(self.emb_features, self.grid.shape))
         table = self.param(
@@ -294,6 +321,8 @@ class _PatchModel:
         )
         x = nn.with_logical_constraint(x, ACTIVATION_AXES)
         valid = jnp.ones(positions.shape, jnp.bool_)
+        if self.position_embedding == "rope":
+            positions = self.grid_coordinates(positions)  # [batch, tokens, axes]
         x = self.layer_stack()(
             self, DecoderBlock, dict(config=self.block_config()), x, positions, valid
         )
@@ -307,8 +336,11 @@ _SHARED_DOC = """
       num_frames: frames of a video input ``[batch, frames, H, W, C]``; None =
         images ``[batch, H, W, C]``.
       tubelet_size: frames per tubelet (video); 1 for images.
-      position_embedding: 'sincos' (the fixed table of :func:`sincos_table`) or
-        'learned' (a ``[patches, embed]`` parameter ``position_embed``).
+      position_embedding: 'sincos' (the fixed table of :func:`sincos_table`),
+        'learned' (a ``[patches, embed]`` parameter ``position_embed``) or 'rope'
+        (no table: the attention rotates queries and keys by each patch's grid
+        coordinates, V-JEPA 2's 3-D rotary for video, its 2-D analogue for images;
+        :func:`dew.nn.rope.apply_axial_rope`, base 10000).
       mlp_activation: 'gelu_exact' (erf GELU, as I-JEPA), 'gelu' (tanh), 'relu' or 'swiglu'.
       norm: 'layer' or 'rms'.
       norm_eps: epsilon of the norms.
@@ -398,7 +430,7 @@ class ViT(_PatchModel, nn.Module):
             check_positions(positions, batch, "ViT positions")
             patches = jnp.take_along_axis(patches, positions[:, :, None], axis=1)  # [batch, K, ...]
         x = self.dense(self.emb_features, None, axes.EMBED, "patch_embed")(patches)
-        x = x + jnp.take(self.position_table(), positions, axis=0).astype(self.dtype)
+        x = self.add_positions(x, positions, self.position_table())
         return self.blocks_and_norm(x, positions).astype(jnp.float32)  # [batch, K, embed]
 
 
@@ -480,16 +512,17 @@ class ViTPredictor(_PatchModel, nn.Module):
         x = self.dense(self.emb_features, None, axes.EMBED, "input_projection")(
             context.astype(self.dtype)
         )
-        x = x + jnp.take(table, context_positions, axis=0).astype(self.dtype)
+        x = self.add_positions(x, context_positions, table)
         mask_token = self.param(
             "mask_token",
             nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (axes.EMBED,)),
             (self.emb_features,),
             self.param_dtype,
         )
-        targets = mask_token.astype(self.dtype) + jnp.take(table, target_positions, axis=0).astype(
-            self.dtype
-        )  # [batch, T, embed]
+        targets = jnp.broadcast_to(
+            mask_token.astype(self.dtype), (*target_positions.shape, self.emb_features)
+        )
+        targets = self.add_positions(targets, target_positions, table)  # [batch, T, embed]
         x = jnp.concatenate([x, targets], axis=1)  # [batch, K + T, embed]
         positions = jnp.concatenate([context_positions, target_positions], axis=1).astype(jnp.int32)
         x = self.blocks_and_norm(x, positions)[:, num_context:]  # [batch, T, embed]

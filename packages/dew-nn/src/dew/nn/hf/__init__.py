@@ -19,6 +19,9 @@ Families: ``llama``, ``mistral``, ``qwen2`` (:mod:`dew.nn.hf.llama`) and
 
 Image encoders: ``ijepa`` (:mod:`dew.nn.hf.ijepa`), transformers' ``IJepaModel``
 into :class:`dew.nn.ViT`.
+
+Video encoders: ``vjepa2`` (:mod:`dew.nn.hf.vjepa2`), the encoder of
+transformers' ``VJEPA2Model`` into :class:`dew.nn.ViT` (``position_embedding='rope'``).
 """
 
 from dew.nn.hf.causal_lm import CausalLMFormat
@@ -27,11 +30,13 @@ from dew.nn.hf.format import HFFormat, family_of, get, names, param_shapes, regi
 from dew.nn.hf.gpt2 import GPT2
 from dew.nn.hf.ijepa import IJEPA
 from dew.nn.hf.llama import LLAMA, MISTRAL, QWEN2
+from dew.nn.hf.vjepa2 import VJEPA2
 
 for _fmt in (LLAMA, MISTRAL, QWEN2, GPT2):
     register(_fmt)
 del _fmt
 register(IJEPA)  # I-JEPA's image encoder, into dew.nn.ViT
+register(VJEPA2)  # V-JEPA 2's video encoder, into dew.nn.ViT with 3-D rotary positions
 
 __all__ = [
     "GPT2",
@@ -40,6 +45,7 @@ __all__ = [
     "LLAMA",
     "MISTRAL",
     "QWEN2",
+    "VJEPA2",
     "CausalLMFormat",
     "ConfigFields",
     "HFFormat",

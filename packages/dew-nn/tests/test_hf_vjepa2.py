@@ -119,6 +119,15 @@ def test_config_and_tensors_round_trip():
     )
 
 
+def test_the_hub_config_fields_load():
+    """Fields of facebook/vjepa2-vitl-fpc64-256's config.json that transformers
+    does not read (the size is crop_size; the MLP is hidden_act)."""
+    hub = dict(CONFIG, image_size=256, hidden_dropout_prob=0.0, use_SiLU=False, wide_SiLU=True)
+    assert hf.get("vjepa2").config_to_dew(hub) == hf.get("vjepa2").config_to_dew(CONFIG)
+    with pytest.raises(ValueError, match=r"use_SiLU=True.*supported: False"):
+        hf.get("vjepa2").config_to_dew(dict(hub, use_SiLU=True))
+
+
 def test_a_non_integer_mlp_ratio_round_trips():
     fmt = hf.get("vjepa2")
     model = vit(mlp_features=40)

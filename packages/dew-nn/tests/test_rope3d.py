@@ -164,6 +164,18 @@ def test_a_subset_is_rotated_by_its_own_coordinates(vit):
     np.testing.assert_allclose(permuted, np.asarray(got)[:, order], atol=1e-5, rtol=0)
 
 
+def test_pipelined_rope_vit_equals_the_plain_stack(vit):
+    """Coordinates [batch, K, 3] travel through two stages and two microbatches
+    with different kept tubelets in every row."""
+    model, params = vit
+    video = jnp.asarray(np.concatenate([VIDEO, VIDEO[::-1]]))
+    kept = jnp.asarray([[0, 4, 7, 2], [7, 1, 5, 3], [3, 2, 1, 0], [6, 5, 4, 2]], jnp.int32)
+    piped = model.clone(num_stages=2, pipeline_microbatches=2)
+    want = jax.jit(lambda p: model.apply({"params": p}, video, kept))(params)
+    got = jax.jit(lambda p: piped.apply({"params": p}, video, kept))(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_rope_on_images_is_two_dimensional():
     images = RNG.normal(size=(2, 8, 8, 3)).astype(np.float32)
     model = rope_vit(num_frames=None, tubelet_size=1)

@@ -62,6 +62,10 @@ UNUSED_FIELDS = (
     "num_pooler_layers",
     "drop_path_rate",
     "attention_probs_dropout_prob",
+    "hidden_dropout_prob",
+    # in the Hub's config.json, unread by transformers' VJEPA2Model (crop_size sets the size)
+    "image_size",
+    "wide_SiLU",
 )
 
 
@@ -117,6 +121,8 @@ class VJepa2Format:
         ratio = fields.get("mlp_ratio", 4.0)
         activation = fields.expect("hidden_act", tuple(ACTIVATIONS), "gelu")
         fields.expect("qkv_bias", (True,), True)
+        # the original code's SwiGLU switch, which transformers' VJEPA2MLP does not have
+        fields.expect("use_SiLU", (False,), False)
         for name in UNUSED_FIELDS:
             fields.get(name, None)
         options = dict(

@@ -414,8 +414,8 @@ def test_a_sincos_vit_is_written_with_its_table():
 def test_ijepa_errors_name_what_is_unsupported():
     fmt = hf.get("ijepa")
     base = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8)
-    with pytest.raises(ValueError, match=r"'vjepa2'.*not supported.*ijepa \(IJepaModel\)"):
-        hf.family_of({"model_type": "vjepa2", "architectures": ["VJEPA2Model"]})
+    with pytest.raises(ValueError, match=r"'vit_mae'.*not supported.*ijepa \(IJepaModel\)"):
+        hf.family_of({"model_type": "vit_mae", "architectures": ["ViTMAEModel"]})
     with pytest.raises(ValueError, match=r"image_size=\[12, 16\]; Dew's ViT takes square"):
         fmt.config_to_dew(dict(base, image_size=[12, 16]))
     with pytest.raises(ValueError, match="qkv_bias=False"):

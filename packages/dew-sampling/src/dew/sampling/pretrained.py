@@ -27,13 +27,13 @@ class Pretrained:
     it came in.
 
     model: the module: :class:`dew.nn.CausalTransformer` for the Hugging Face
-      causal-LM families, :class:`dew.nn.ViT` for ``'ijepa'`` (transformers'
+      causal-LM families, :class:`dew.nn.ViT` for ``'ijepa'`` and ``'vjepa2'`` (transformers'
       ``IJepaModel``: ``model.apply({'params': params}, images)`` gives its
       ``last_hidden_state``).
     params: its parameter tree (unboxed; numpy or jax arrays).
     tokenizer: ``ByteTokenizer``, ``HFTokenizer`` or None.
     format: what :meth:`save` writes: ``'dew'`` or a Hugging Face family
-      (``'llama'``, ``'mistral'``, ``'qwen2'``, ``'gpt2'``, ``'ijepa'``; ``dew.nn.hf.names()``).
+      (``'llama'``, ``'mistral'``, ``'qwen2'``, ``'gpt2'``, ``'ijepa'``, ``'vjepa2'``; ``dew.nn.hf.names()``).
     hf_config: the ``config.json`` a Hugging Face checkpoint came with; the
       fields Dew ignores (token ids, ...) are written back by :meth:`save`.
     end_ids: token ids that end a generation; None = the tokenizer's ``end_id``

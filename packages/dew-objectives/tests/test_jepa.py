@@ -38,19 +38,18 @@ def setup():
 
 def numpy_loss(obj, variables, pixels, key, loss_type):
     """The I-JEPA loss step by step in numpy around the two modules."""
+    encoder, predictor = jax.jit(ENCODER.apply), jax.jit(PREDICTOR.apply)
     x = pixels.astype(np.float64) / 127.5 - 1.0
     masks = jax.device_get(obj.draw_masks(key, len(x)))
     xf = jnp.asarray(x, jnp.float32)
-    h = np.asarray(ENCODER.apply({"params": variables["averaged"]["encoder"]}, xf), np.float64)
+    h = np.asarray(encoder({"params": variables["averaged"]["encoder"]}, xf), np.float64)
     h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-6)
     params = variables["params"]
     losses = []
     for b in range(len(x)):
-        context = ENCODER.apply(
-            {"params": params["encoder"]}, xf[b : b + 1], masks.context[b : b + 1]
-        )
+        context = encoder({"params": params["encoder"]}, xf[b : b + 1], masks.context[b : b + 1])
         for t in range(obj.masks.num_targets):
-            z = PREDICTOR.apply(
+            z = predictor(
                 {"params": params["predictor"]},
                 context,
                 masks.context[b : b + 1],

@@ -184,7 +184,7 @@ def toy(tmp_path_factory):
     )
     trainer.add_hook(objective.probe_hook(wave_data(128)), every=STEPS)
     initial = jax.device_get(trainer.init_state())
-    state = trainer.fit(wave_data(64), steps=STEPS, log_every=100)
+    state = trainer.fit(wave_data(64), steps=STEPS, log_every=100, eval_every=STEPS)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     return objective, initial, jax.device_get(state), records
 
@@ -202,6 +202,9 @@ def test_toy_probe_beats_random_init_and_features_do_not_collapse(toy, tmp_path)
     images, _ = waves(np.random.default_rng(3), 256)
     std_before = objective.feature_extractor(initial, encoder="context")(images).std(0).mean()
     assert context(images).std(0).mean() >= 0.5 * std_before
+    evaluated = [r for r in records if r["kind"] == "eval" and "loss" in r]
+    assert len(evaluated) == 1 and evaluated[0]["effective_rank"] > 1.0
+    assert np.isfinite(evaluated[0]["loss"])
     train = [r for r in records if r["kind"] == "train"]
     assert all(r["effective_rank"] > 1.0 for r in train)
     assert train[-1]["target_std"] >= 0.5 * train[0]["target_std"]

@@ -1,0 +1,256 @@
+"""The options every transformer backbone over token positions shares.
+
+:class:`TransformerOptions` holds the fields, validation and derived values
+that :class:`dew.nn.CausalTransformer` (a decoder) and
+:class:`dew.nn.Transformer` (an encoder) have in common: the widths and
+depth, attention heads, feed-forward block, norms, positions, dtypes, the
+layer stack, and the input embeddings and final norm built from them. Each
+backbone adds its own fields (the vocabulary, the mask, the output head) and
+gives ``mask``, the attention :class:`dew.nn.masks.MaskPolicy` of its layers.
+
+:class:`BlockConfig` is what one layer needs, derived from those options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dew.nn import axes, masks
+from dew.nn.norms import make_norm
+from dew.nn.rope import RopeScaling
+from dew.nn.stack import LayerStack
+
+ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """What one transformer layer needs; derived from the backbone's options.
+
+    mask: which keys a query sees (:mod:`dew.nn.masks`): causal for a decoder,
+      full for an encoder.
+    num_experts: experts of a mixture-of-experts feed-forward block; 0 = the
+      dense MLP.
+    experts_per_token: experts each token is routed to; read only when
+      ``num_experts > 0``.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_features: int
+    mlp_activation: str
+    norm: str
+    norm_eps: float
+    rope_theta: float | None
+    rope_scaling: RopeScaling | None
+    mask: masks.MaskPolicy
+    use_qkv_bias: bool
+    use_bias: bool
+    init_std: float
+    dtype: Any
+    param_dtype: Any
+    num_experts: int = 0
+    experts_per_token: int = 2
+
+    def __post_init__(self):
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0 = dense MLP), got {self.num_experts}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token {self.experts_per_token} must be between 1 and "
+                f"num_experts {self.num_experts}"
+            )
+
+
+class TransformerOptions(nn.Module, kw_only=True):
+    """Fields, checks and input/output layers shared by the transformer backbones.
+
+    Not a model on its own: a backbone subclasses it (keyword-only, like it),
+    adds its fields and gives ``mask``, the :class:`dew.nn.masks.MaskPolicy`
+    of its layers (a field or a property).
+
+    Attributes:
+      emb_features: width of the residual stream.
+      num_layers: transformer layers.
+      num_heads: query heads.
+      mlp_features: hidden width of the feed-forward block.
+      max_seq_len: the longest sequence in positions (for a decoder, prompt +
+        generated tokens).
+      num_kv_heads: key/value heads (grouped-query attention); None = num_heads.
+      head_dim: features per head; None = emb_features // num_heads.
+      mlp_activation: 'swiglu' (gated SiLU), 'gelu' (tanh approx.), 'gelu_exact', 'relu'.
+      norm: 'rms' (RMSNorm) or 'layer' (LayerNorm with bias).
+      norm_eps: epsilon of the norms.
+      position_embedding: 'rope' or 'learned' (a [max_seq_len, embed] table, GPT-2).
+      rope_theta: RoPE base.
+      rope_scaling: optional :class:`RopeScaling` ('linear' or 'llama3').
+      use_qkv_bias: biases on the query/key/value projections (Qwen2).
+      use_bias: biases on every dense layer (GPT-2).
+      dtype: computation dtype; outputs are returned in float32.
+      param_dtype: parameter dtype.
+      use_remat: recompute each layer's activations in the backward pass.
+      remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name saying
+        what to keep (:class:`dew.nn.stack.LayerStack`); None = nothing.
+      use_scan: one scanned layer with a leading 'layers' axis (fast compiles).
+      init_std: standard deviation of the normal weight initialiser; None =
+        ``emb_features ** -0.5`` (0.125 at width 64, 0.016 at 4096).
+      num_stages: pipeline stages of the layer stack (:mod:`dew.nn.pipeline`,
+        a GPipe schedule); 1 = no pipeline. Needs ``use_scan`` and
+        ``num_layers`` a multiple of it; the trainer's ``stage`` mesh axis
+        should equal it.
+      pipeline_microbatches: microbatches the batch is cut into for the
+        pipeline; None = ``num_stages``. More microbatches, a smaller bubble
+        (``(stages - 1) / (microbatches + stages - 1)`` of the time idle).
+    """
+
+    emb_features: int
+    num_layers: int
+    num_heads: int
+    mlp_features: int
+    max_seq_len: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp_activation: str = "swiglu"
+    norm: str = "rms"
+    norm_eps: float = 1e-6
+    position_embedding: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    use_qkv_bias: bool = False
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    use_remat: bool = False
+    remat_policy: str | None = None
+    use_scan: bool = True
+    init_std: float | None = None
+    num_stages: int = 1
+    pipeline_microbatches: int | None = None
+
+    config_decoders = {"rope_scaling": RopeScaling}
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def weight_std(self) -> float:
+        return self.init_std if self.init_std is not None else self.emb_features**-0.5
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline_microbatches or self.num_stages
+
+    def check(self) -> None:
+        """Raise ``ValueError`` on an inconsistent configuration."""
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
+            )
+        if self.head_dim is None and self.emb_features % self.num_heads:
+            raise ValueError(
+                f"emb_features {self.emb_features} does not divide over num_heads "
+                f"{self.num_heads}; set head_dim explicitly"
+            )
+        if self.position_embedding not in ("rope", "learned"):
+            raise ValueError(
+                f"unknown position_embedding {self.position_embedding!r}; use 'rope' or 'learned'"
+            )
+        self.block_config()
+        self.layer_stack()
+
+    def layer_stack(self) -> LayerStack:
+        """The layer stack (validated when built)."""
+        return LayerStack(
+            num_layers=self.num_layers,
+            use_scan=self.use_scan,
+            use_remat=self.use_remat,
+            remat_policy=self.remat_policy,
+            num_stages=self.num_stages,
+            num_microbatches=self.pipeline_microbatches,
+        )
+
+    def block_config(self) -> BlockConfig:
+        """One layer's configuration (validated when built)."""
+        return BlockConfig(
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim or self.emb_features // self.num_heads,
+            mlp_features=self.mlp_features,
+            mlp_activation=self.mlp_activation,
+            norm=self.norm,
+            norm_eps=self.norm_eps,
+            rope_theta=self.rope_theta if self.position_embedding == "rope" else None,
+            rope_scaling=self.rope_scaling,
+            mask=self.mask,
+            use_qkv_bias=self.use_qkv_bias,
+            use_bias=self.use_bias,
+            init_std=self.weight_std,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+
+    def embed_tokens(self, vocab_size: int, tokens: jax.Array) -> tuple[nn.Embed, jax.Array]:
+        """The token embedding ``embed`` and its rows for ``tokens [batch, length]``
+        (``[batch, length, embed]`` in ``dtype``); call from a compact method."""
+        embed = nn.Embed(
+            vocab_size,
+            self.emb_features,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(self.weight_std), (axes.VOCAB, axes.EMBED)
+            ),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="embed",
+        )
+        # Look rows up in a table gathered whole along embed (split only over
+        # vocab): a gather from an embed-split table leaves its output split
+        # along embed, which the partitioner cannot turn into a batch split.
+        table = nn.with_logical_constraint(embed.embedding, (axes.VOCAB, None))
+        return embed, jnp.take(table, tokens, axis=0).astype(self.dtype)
+
+    def add_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``x [batch, length, embed]`` plus the learned ``position_embed`` rows
+        at ``positions`` (unchanged for RoPE, which acts in the attention),
+        constrained as the residual stream; call from a compact method."""
+        if self.position_embedding == "learned":
+            table = self.param(
+                "position_embed",
+                nn.with_logical_partitioning(
+                    nn.initializers.normal(self.weight_std), (None, axes.EMBED)
+                ),
+                (self.max_seq_len, self.emb_features),
+                self.param_dtype,
+            )
+            # Gathered from a whole table, as the token embedding: a gather from
+            # an embed-split table leaves its output split along embed (and XLA
+            # rematerializes it in full under fsdp).
+            table = nn.with_logical_constraint(table, (None, None))
+            x = x + jnp.take(table, positions, axis=0).astype(self.dtype)
+        return nn.with_logical_constraint(x, ACTIVATION_AXES)
+
+    def norm_output(self, x: jax.Array) -> jax.Array:
+        """``x`` through the norm after the last layer (``final_norm``); call
+        from a compact method."""
+        return make_norm(self.norm, self.norm_eps, self.dtype, self.param_dtype, "final_norm")(x)
+
+
+def positions_and_valid(
+    batch: int, length: int, positions: jax.Array | None, attention_mask: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """``positions`` (default ``0..length-1`` in every row) and the boolean
+    ``valid [batch, length]`` of ``attention_mask`` (default all True)."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    valid = (
+        jnp.ones((batch, length), jnp.bool_)
+        if attention_mask is None
+        else attention_mask.astype(jnp.bool_)
+    )
+    return positions, valid

@@ -6,8 +6,9 @@ step (the global masked token mean, computed with optax's cross-entropy).
 
 The rows: even rows keep all 8 targets, odd rows one, so a mean of
 per-microbatch means (the old behaviour) is off by several percent.
-Tolerance: 1e-6 relative (float32 sums in another order); parameters also
-atol 1e-7, one float32 ulp of the O(1) weights, for the few that sit near zero.
+Tolerance: 1e-6 relative (float32 sums in another order); for parameters,
+1e-6 relative to each array's largest entry as well (an entry near zero moves
+by the same few float32 ulps of the gradient as its neighbours).
 """
 
 import itertools
@@ -22,14 +23,13 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn import CausalTransformer
+from dew.nn.testing import TINY_LM, TINY_MOE
 from dew.objectives.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
-SEQ, ROWS, VOCAB, LR = 8, 16, 32, 1.0
-TINY = dict(
-    vocab_size=VOCAB, emb_features=16, num_layers=2, num_heads=2, mlp_features=32, max_seq_len=SEQ
-)
-MOE = dict(TINY, num_experts=4, experts_per_token=2)
+SEQ, ROWS, LR = 8, 16, 1.0
+TINY, MOE = TINY_LM, TINY_MOE
+VOCAB = TINY["vocab_size"]
 ONE_DEVICE = MeshSpec(data=1, devices=jax.devices()[:1])
 
 
@@ -122,7 +122,11 @@ def test_weighted_rows_accumulate_exactly(name, config, devices, accumulate, ref
         assert 1.0 <= record["aux_loss"] <= MOE["num_experts"]
     else:
         assert "aux_loss" not in record
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), params, want)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max()),
+        params,
+        want,
+    )
 
 
 def test_a_mean_of_microbatch_means_would_differ(references):

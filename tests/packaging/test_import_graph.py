@@ -38,6 +38,8 @@ DISTRIBUTIONS = {
     "PIL": "pillow",
     "pyarrow": "pyarrow",
     "jaxlib": "jax",
+    "qwix": "qwix",
+    "av": "av",
 }
 
 

@@ -1,6 +1,7 @@
 """Videos: clips of .npy arrays and GIFs, clip length, stride, hop, resizing, errors."""
 
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -105,3 +106,116 @@ def test_validation_clips_from_the_head_or_separate_files(tmp_path):
     np.save(tmp_path / "val" / "b.npy", np.zeros((4, 3, 3, 3), np.uint8))
     with pytest.raises(ValueError, match=r"validation examples \(video uint8 \[2, 3, 3, 3\]\)"):
         Videos(tmp_path / "train", frames=2, val_paths=tmp_path / "val").load(batch=2)
+
+
+# MP4 and WebM through PyAV. The background is a linear ramp (bicubic resizing keeps a
+# linear function linear away from the borders, so resized frames have a closed form)
+# and a yellow square moves one pixel right per frame.
+HEIGHT, WIDTH = 16, 24
+
+
+def ramp_with_square(frames, *, square=True):
+    t, y, x = np.meshgrid(np.arange(frames), np.arange(HEIGHT), np.arange(WIDTH), indexing="ij")
+    video = np.stack([4 * x + 3 * y + 10, 2 * x + 5 * y + 20, 3 * x + 2 * y + 30], -1)
+    video = video.astype(np.uint8)
+    for f in range(frames if square else 0):
+        video[f, 4:8, 2 + f : 6 + f] = (250, 250, 40)
+    return video
+
+
+def write_clip(path, video, *, codec, pixel_format, options):
+    """Encode ``video`` with PyAV, a key frame every 4 frames (so late clips seek)."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=10, options={"g": "4", **options})
+        stream.height, stream.width, stream.pix_fmt = HEIGHT, WIDTH, pixel_format
+        for frame in video:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+# (suffix, codec, pixel format, options, atol): H.264 at crf 0 in yuv444p loses only the
+# 8-bit RGB <-> YUV rounding (measured max 2 levels); lossless VP9 in planar RGB is exact.
+CODECS = {
+    "mp4": (".mp4", "libx264", "yuv444p", {"crf": "0"}, 2),
+    "webm": (".webm", "libvpx-vp9", "gbrp", {"lossless": "1"}, 0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CODECS))
+def test_mp4_and_webm_clips_match_the_frames_written(tmp_path, kind):
+    suffix, codec, pixel_format, options, atol = CODECS[kind]
+    video = ramp_with_square(14)
+    path = tmp_path / f"clip{suffix}"
+    write_clip(path, video, codec=codec, pixel_format=pixel_format, options=options)
+    reader = Videos(path, frames=3, stride=2, hop=3)
+    # span 5: starts 0, 3, 6, 9 fit in 14 frames; 6 and 9 start past a key frame (seek).
+    assert reader.clips() == [(str(path), s) for s in (0, 3, 6, 9)]
+    data = reader.load(batch=4)
+    clips = next(data.train(Partition()))["video"]
+    assert clips.dtype == np.uint8 and clips.shape == (4, 3, HEIGHT, WIDTH, 3)
+    clips = sorted(clips, key=lambda clip: int(np.argmax(clip[0, 5, :, 0] > 240)))  # by square
+    for clip, start in zip(clips, (0, 3, 6, 9), strict=True):
+        expected = video[start : start + 5 : 2].astype(int)
+        assert np.abs(clip.astype(int) - expected).max() <= atol, start
+
+
+def test_decoded_clips_resize_and_crop_like_numpy(tmp_path):
+    suffix, codec, pixel_format, options, _ = CODECS["webm"]
+    video = ramp_with_square(6, square=False)
+    write_clip(
+        tmp_path / f"a{suffix}", video, codec=codec, pixel_format=pixel_format, options=options
+    )
+    clip = next(Videos(tmp_path, frames=2, size=8).load(batch=1).train(Partition()))["video"][0]
+    # Shorter side 16 -> 8 (scale 1/2, 24 -> 12 wide), then columns 2..9 of 12 kept. Output
+    # pixel (i, j) is centred on input (2 i + 0.5, 2 (j + 2) + 0.5), where the ramp is linear;
+    # compare rows and columns whose bicubic support (4 input pixels each side) is inside.
+    i, j = np.meshgrid(np.arange(8), np.arange(8), indexing="ij")
+    y, x = 2 * i + 0.5, 2 * (j + 2) + 0.5
+    expected = np.stack([4 * x + 3 * y + 10, 2 * x + 5 * y + 20, 3 * x + 2 * y + 30], -1)
+    inner = (slice(2, 6), slice(0, 8))
+    assert clip.shape == (2, 8, 8, 3)
+    # 1 level: pillow's fixed-point filter weights and the rounding to uint8.
+    np.testing.assert_allclose(clip[0][inner], expected[inner], atol=1)
+    np.testing.assert_array_equal(clip[0], clip[1])
+
+
+def test_decoded_clip_position_restores(tmp_path):
+    suffix, codec, pixel_format, options, _ = CODECS["mp4"]
+    for name, shift in (("a", 0), ("b", 3)):
+        video = np.roll(ramp_with_square(12), shift, axis=2)
+        write_clip(
+            tmp_path / f"{name}{suffix}",
+            video,
+            codec=codec,
+            pixel_format=pixel_format,
+            options=options,
+        )
+    data = Videos(tmp_path, frames=2, stride=2, seed=3).load(batch=2)
+    iterator = data.train(Partition())
+    next(iterator)
+    state = iterator.get_state()
+    expected = [next(iterator)["video"] for _ in range(3)]  # crosses an epoch (6 clips)
+    fresh = data.train(Partition())
+    fresh.set_state(state)
+    for batch in expected:
+        np.testing.assert_array_equal(next(fresh)["video"], batch)
+
+
+def test_unreadable_mp4_names_the_file_and_missing_pyav_names_the_extra(tmp_path, monkeypatch):
+    suffix, codec, pixel_format, options, _ = CODECS["mp4"]
+    write_clip(
+        tmp_path / f"good{suffix}",
+        ramp_with_square(4),
+        codec=codec,
+        pixel_format=pixel_format,
+        options=options,
+    )
+    (tmp_path / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a movie" * 4)
+    with pytest.raises(RecordError, match=r"broken\.mp4.*PyAV cannot open it.*skip_errors=True"):
+        Videos(tmp_path, frames=2).load(batch=1)
+    assert Videos(tmp_path, frames=2, skip_errors=True).load(batch=1).records == 2
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
+    with pytest.raises(ImportError, match=r'good\.mp4 needs av.*pip install "dew-data\[video\]"'):
+        Videos(tmp_path / f"good{suffix}", frames=2).load(batch=1)

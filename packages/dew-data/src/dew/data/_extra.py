@@ -1,5 +1,6 @@
-"""Imports of the ``[hf]`` extra (``datasets``, ``pillow``, ``tokenizers``, ``pyarrow``),
-made where a reader needs them, with an error that says how to install them."""
+"""Imports of the optional extras, made where a reader needs them, with an error that
+says how to install them: ``[hf]`` (``datasets``, ``pillow``, ``tokenizers``,
+``pyarrow``) and ``[video]`` (PyAV, ``av``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ _DISTRIBUTIONS = {
     "PIL": "pillow",
     "tokenizers": "tokenizers",
     "pyarrow": "pyarrow",
+    "av": "av",
 }
 
 
-def hf_import(module: str, *, needed_by: str) -> ModuleType:
+def hf_import(module: str, *, needed_by: str, extra: str = "hf") -> ModuleType:
     """``importlib.import_module(module)``; when it is missing, an ImportError naming
-    what needs it and the extra that installs it."""
+    what needs it and the extra that installs it (``extra``: ``"hf"`` or ``"video"``)."""
     try:
         return importlib.import_module(module)
     except ImportError as error:
@@ -27,5 +29,5 @@ def hf_import(module: str, *, needed_by: str) -> ModuleType:
         distribution = _DISTRIBUTIONS.get(top, top)
         raise ImportError(
             f"{needed_by} needs {distribution}, which is not installed; install the "
-            f'extra that brings it: pip install "dew-data[hf]"'
+            f'extra that brings it: pip install "dew-data[{extra}]"'
         ) from error

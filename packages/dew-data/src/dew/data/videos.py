@@ -1,4 +1,4 @@
-"""``Videos``: clips of local video files (numpy arrays, GIFs) as uint8 batches."""
+"""``Videos``: clips of local video files (MP4, WebM, numpy arrays, GIFs) as uint8 batches."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.data import _pyav
 from dew.data._corpus import expand_paths
 from dew.data._extra import hf_import
 from dew.data._reader import Rows, check_split, compose, split_rows
@@ -14,7 +15,7 @@ from dew.data.dataset import Dataset, Field
 from dew.data.images import fit_image
 from dew.data.records import RecordError, SkipCount
 
-SUFFIXES = (".npy", ".gif")
+SUFFIXES = (".npy", ".gif", *_pyav.SUFFIXES)
 
 
 def _npy_header(path: str) -> tuple[int, int, int]:
@@ -41,7 +42,11 @@ def _gif_header(path: str) -> tuple[int, int, int]:
 def read_header(path: str) -> tuple[int, int, int]:
     """``(frames, height, width)`` of a clip file, or :class:`RecordError` naming it."""
     try:
-        return _npy_header(path) if path.endswith(".npy") else _gif_header(path)
+        if path.endswith(".npy"):
+            return _npy_header(path)
+        if path.endswith(".gif"):
+            return _gif_header(path)
+        return _pyav.header(path)
     except (OSError, ValueError, SyntaxError) as error:
         raise RecordError(path, f"{type(error).__name__}: {error}") from error
 
@@ -51,6 +56,8 @@ def read_frames(path: str, frame_indices: range) -> np.ndarray:
     if path.endswith(".npy"):
         array = np.load(path, mmap_mode="r", allow_pickle=False)
         return np.array(array[frame_indices.start : frame_indices.stop : frame_indices.step])
+    if not path.endswith(".gif"):
+        return _pyav.frames(path, frame_indices)
     Image = hf_import("PIL.Image", needed_by=f"Videos reading the GIF {path}")
 
     with Image.open(path) as image:
@@ -108,14 +115,16 @@ class Videos:
     order (``val_from="head"``: the first), or every clip of ``val_paths``.
 
     paths: clip files, directories of them, glob patterns, or a list: ``.npy``
-      arrays (uint8 ``[T, height, width, 3]``, read memory-mapped) and ``.gif``
-      (decoded with pillow, the ``[hf]`` extra).
+      arrays (uint8 ``[T, height, width, 3]``, read memory-mapped), ``.gif``
+      (decoded with pillow, the ``[hf]`` extra), and ``.mp4``, ``.webm``,
+      ``.mkv``, ``.mov``, ``.avi`` (the first video stream, decoded to RGB with
+      PyAV, the ``[video]`` extra: ``pip install "dew-data[video]"``).
     frames: frames per clip.
     stride: frames between consecutive frames of a clip (1 = every frame).
     hop: frames between the starts of consecutive clips of a file; None =
       the clip's span (clips do not overlap).
-    size: resize (shorter side) and centre-crop every frame to ``size x size``
-      pixels; None = keep frames as they are (all files must then share one
+    size: resize (shorter side, bicubic, with pillow) and centre-crop every
+      frame to ``size x size`` pixels; None = keep frames as they are (all files must then share one
       height and width).
     val_fraction: share of the clips held out for validation; 0 = no
       validation set. Not used with ``val_paths``.

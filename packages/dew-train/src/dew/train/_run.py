@@ -13,6 +13,7 @@ import jax
 from dew.objectives import weighted as wt
 from dew.train.hooks import EarlyStoppingState, FitResult, StepInfo
 from dew.train.logs import format_value
+from dew.train.previews import as_pixels
 from dew.train.step import Stream, microbatch_key
 
 
@@ -139,7 +140,14 @@ class Run:
             sample = t.objective.preview(
                 variables, microbatch_key(state.key, state.step, Stream.PREVIEW)
             )
-            if sample is not None:
+            pixels = as_pixels(sample)
+            if pixels is not None:
+                path = self.log.image(step, "preview", pixels)
+                shape = "x".join(map(str, pixels.shape))
+                self.log.print(
+                    f"preview step {step}: uint8 {shape}" + (f", {path}" if path else "")
+                )
+            elif sample is not None:
                 self.log.print(
                     f"preview step {step}: {sample!r}"
                     if isinstance(sample, str)

@@ -219,6 +219,21 @@ class MetricsLog:
         if line is not None:
             self.print(line)
 
+    def image(self, step: int, name: str, pixels) -> str | None:
+        """Write an image or video preview (:mod:`dew.train.previews`) into the run
+        directory and TensorBoard (as ``{name}``); returns the file's path, None when
+        there is no run directory or this is not the main process."""
+        if not self.is_main or self.run_dir is None:
+            return None
+        from dew.train.previews import tensorboard_image, write_preview
+
+        path = write_preview(self.run_dir, step, pixels)
+        if self._tb is None:
+            self._open_tensorboard(None)
+        self._tb.add_image(name, tensorboard_image(pixels), step, dataformats="HWC")
+        self._tb.flush()
+        return path
+
     def close(self) -> None:
         if self.is_main:
             for tracker in self.trackers:

@@ -11,6 +11,7 @@ from dew.nn.moe import MoE
 from dew.nn.norms import LayerNorm, RMSNorm
 from dew.nn.rope import RopeScaling
 from dew.nn.stack import LayerStack
+from dew.nn.value import Critic, ValueHead
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "MLP",
     "Attention",
     "CausalTransformer",
+    "Critic",
     "LayerNorm",
     "LayerStack",
     "MaskPolicy",
@@ -26,6 +28,7 @@ __all__ = [
     "RopeScaling",
     "Transformer",
     "ViT",
+    "ValueHead",
     "ViTPredictor",
     "axes",
     "backbones",

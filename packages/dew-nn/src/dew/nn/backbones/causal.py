@@ -132,7 +132,8 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         segment_ids: jax.Array | None = None,
         query_key_mask: jax.Array | None = None,
         decode: bool = False,
-    ) -> jax.Array:
+        return_hidden: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Logits ``[batch, length, vocab]`` (float32) for ``tokens [batch, length]``.
 
         positions: ``[batch, length]`` position of each token (default 0..length-1);
@@ -144,6 +145,9 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         query_key_mask: boolean ``[batch, length, keys]`` ANDed with the causal mask
           (``keys`` = ``length``, or the cache length when decoding).
         decode: read and append to the ``cache`` collection (see :class:`Attention`).
+        return_hidden: also return the final hidden states (after the output norm,
+          what the output projection reads): ``(logits, hidden [batch, length, embed])``,
+          for a value head on the trunk (:class:`dew.nn.value.ValueHead`).
         """
         self.check()
         batch, length = tokens.shape
@@ -178,4 +182,5 @@ class CausalTransformer(TransformerOptions, kw_only=True):
                 param_dtype=self.param_dtype,
                 name="lm_head",
             )(x)
-        return logits.astype(jnp.float32)  # [batch, length, vocab]
+        logits = logits.astype(jnp.float32)  # [batch, length, vocab]
+        return (logits, x) if return_hidden else logits

@@ -1,0 +1,314 @@
+"""Rewards of completions: jittable functions of token arrays and host Python
+functions over decoded text, weighted and summed.
+
+    r_i = sum_k w_k r_k(o_i)
+
+Two kinds, called once per rollout batch, each reported as its own metric
+(``reward/<name>``) next to the weighted sum (``reward``):
+
+- :class:`TokenReward`: ``fn(completion, completion_mask, batch) -> [rows]``,
+  traced into the compiled rollout. ``completion`` int32 ``[rows, new]``,
+  ``completion_mask`` bool ``[rows, new]`` (True on the new tokens, an end id
+  included), ``batch`` the prompt batch with every key repeated per
+  completion (``prompt``, ``prompt_mask``, the reader's ``answer``...).
+- :class:`TextReward`: ``fn(prompts, completions, **columns) -> [rows]``, on
+  the host, between the compiled rollout and the compiled advantages.
+  ``prompts`` and ``completions`` are lists of decoded strings (a
+  completion's end id removed); ``columns`` the reader's other keys, one
+  entry per completion: an integer key with a ``<key>_mask`` companion (the
+  ``dew.data.Prompts`` reader's ``answer``) decoded to a string, any other
+  key its numpy row. ``fn`` receives the columns its signature names (all
+  of them with ``**kwargs``), TRL's convention for reward functions.
+
+A plain callable in ``rewards=[...]`` is a :class:`TextReward` of weight 1.
+
+A reward that returns the wrong shape, a non-finite value, or raises stops
+the step before any update with a :class:`RewardError` naming the function
+and the prompt (``prompt b``, ``sample g of its group``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class RewardError(ValueError):
+    """A reward function failed, returned the wrong shape or a non-finite value."""
+
+
+def _name_of(fn: Callable, name: str) -> str:
+    return name or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenReward:
+    """A jittable reward of token arrays, traced into the compiled rollout.
+
+    fn: ``fn(completion int32[rows, new], completion_mask bool[rows, new], batch)
+      -> float[rows]``; ``batch`` holds the prompt batch's keys, each row
+      repeated per completion.
+    weight: its coefficient in the summed reward.
+    name: the metric name (``reward/<name>``); "" = ``fn.__name__``.
+    """
+
+    fn: Callable
+    weight: float = 1.0
+    name: str = ""
+
+    def __post_init__(self):
+        _check_reward(self)
+
+    @property
+    def label(self) -> str:
+        return _name_of(self.fn, self.name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TextReward:
+    """A host Python reward over decoded text, called once per rollout batch.
+
+    fn: ``fn(prompts: list[str], completions: list[str], **columns) -> sequence of
+      rows floats`` (see the module docstring for ``columns``).
+    weight: its coefficient in the summed reward.
+    name: the metric name (``reward/<name>``); "" = ``fn.__name__``.
+    """
+
+    fn: Callable
+    weight: float = 1.0
+    name: str = ""
+
+    def __post_init__(self):
+        _check_reward(self)
+
+    @property
+    def label(self) -> str:
+        return _name_of(self.fn, self.name)
+
+
+def _check_reward(reward) -> None:
+    kind = type(reward).__name__
+    if not callable(reward.fn):
+        raise TypeError(f"{kind}.fn must be callable, got {type(reward.fn).__name__}")
+    if not math.isfinite(reward.weight):
+        raise ValueError(f"{kind} {reward.label!r}: weight must be finite, got {reward.weight}")
+    label = reward.label
+    if not label or "/" in label or label.strip() != label:
+        raise ValueError(
+            f"{kind} name {label!r} is not usable as a metric name; give name='...' "
+            f"without '/' or surrounding spaces"
+        )
+
+
+def where(row: int, group_size: int) -> str:
+    """``"completion r (prompt b, sample g of its group of G)"`` for row ``r``."""
+    b, g = divmod(row, group_size)
+    return f"completion {row} (prompt {b} of the batch, sample {g} of its group of {group_size})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewards:
+    """The rewards of an objective, in order: token rewards and text rewards,
+    each with its weight. Build with :meth:`of`."""
+
+    items: tuple[TokenReward | TextReward, ...]
+
+    @classmethod
+    def of(cls, rewards: Sequence[Any]) -> Rewards:
+        """From ``rewards=[...]``: :class:`TokenReward`, :class:`TextReward`, or plain
+        callables (text rewards of weight 1)."""
+        if callable(rewards) or isinstance(rewards, TokenReward | TextReward):
+            rewards = [rewards]
+        items = []
+        for r in rewards:
+            if isinstance(r, TokenReward | TextReward):
+                items.append(r)
+            elif callable(r):
+                items.append(TextReward(fn=r))
+            else:
+                raise TypeError(
+                    f"a reward must be a TokenReward, a TextReward or a callable (a text "
+                    f"reward), got {type(r).__name__} {r!r:.60}"
+                )
+        if not items:
+            raise ValueError(
+                "no rewards given; pass rewards=[TokenReward(fn=...)] or [TextReward(fn=...)] "
+                "(a plain callable is a text reward)"
+            )
+        names = [r.label for r in items]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"reward names {twice} appear more than once ({names}); give each its own "
+                f"name=... (they are metric names)"
+            )
+        return cls(tuple(items))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.label for r in self.items)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """``[rewards]`` float32 coefficients, in :attr:`names` order."""
+        return np.asarray([r.weight for r in self.items], np.float32)
+
+    @property
+    def token(self) -> tuple[TokenReward, ...]:
+        return tuple(r for r in self.items if isinstance(r, TokenReward))
+
+    @property
+    def text(self) -> tuple[TextReward, ...]:
+        return tuple(r for r in self.items if isinstance(r, TextReward))
+
+    # ------------------------------------------------------------- compiled
+    def token_values(self, completion, completion_mask, batch) -> jax.Array:
+        """``[rows, token rewards]`` float32, traced; a function returning another
+        shape is a :class:`RewardError` at trace time (before compiling)."""
+        rows = completion.shape[0]
+        columns = []
+        for r in self.token:
+            value = jnp.asarray(r.fn(completion, completion_mask, batch))
+            if value.shape != (rows,):
+                raise RewardError(
+                    f"token reward {r.label!r} returned shape {value.shape}; it must return "
+                    f"one value per completion, shape ({rows},)"
+                )
+            columns.append(value.astype(jnp.float32))
+        if not columns:
+            return jnp.zeros((rows, 0), jnp.float32)
+        return jnp.stack(columns, axis=1)
+
+    def combine(self, token_values: jax.Array, text_values: jax.Array) -> jax.Array:
+        """``[rows, rewards]`` in :attr:`names` order from the two kinds' columns."""
+        t = iter(range(token_values.shape[1]))
+        h = iter(range(text_values.shape[1]))
+        cols = [
+            token_values[:, next(t)] if isinstance(r, TokenReward) else text_values[:, next(h)]
+            for r in self.items
+        ]
+        return jnp.stack(cols, axis=1)
+
+    def total(self, values: jax.Array) -> jax.Array:
+        """``[rows]`` ``sum_k w_k r_k`` of ``values [rows, rewards]``."""
+        return values @ jnp.asarray(self.weights)
+
+    # ---------------------------------------------------------------- host
+    def check_token_values(self, values: np.ndarray, group_size: int) -> None:
+        """Raise :class:`RewardError` at the first non-finite token-reward value."""
+        for k, r in enumerate(self.token):
+            _check_finite(values[:, k], f"token reward {r.label!r}", group_size)
+
+    def text_values(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: Mapping[str, list],
+        group_size: int,
+    ) -> np.ndarray:
+        """``[rows, text rewards]`` float32: each text reward called once over the
+        batch; its result checked for shape and finiteness."""
+        rows = len(completions)
+        out = np.zeros((rows, len(self.text)), np.float32)
+        for k, r in enumerate(self.text):
+            kwargs = _accepted(r.fn, columns)
+            what = f"text reward {r.label!r}"
+            try:
+                value = r.fn(prompts=prompts, completions=completions, **kwargs)
+            except Exception as error:
+                row = _first_failing_row(r.fn, prompts, completions, kwargs)
+                at = where(row, group_size) if row is not None else f"a batch of {rows} rows"
+                raise RewardError(
+                    f"{what} raised {type(error).__name__}: {error} on {at}; the step was not "
+                    f"applied. Fix the function (it gets prompts=, completions= and the "
+                    f"columns {sorted(columns)})\n{traceback.format_exc(limit=-3)}"
+                ) from error
+            try:
+                value = np.asarray(value, np.float64)
+            except (TypeError, ValueError) as error:
+                raise RewardError(
+                    f"{what} returned {type(value).__name__}, which is not a sequence of "
+                    f"numbers ({error}); return one float per completion ({rows})"
+                ) from error
+            if value.shape != (rows,):
+                raise RewardError(
+                    f"{what} returned shape {value.shape} for {rows} completions; return one "
+                    f"float per completion, shape ({rows},); the step was not applied"
+                )
+            _check_finite(value, what, group_size)
+            out[:, k] = value
+        return out
+
+
+def _check_finite(value: np.ndarray, what: str, group_size: int) -> None:
+    bad = np.flatnonzero(~np.isfinite(value))
+    if bad.size:
+        row = int(bad[0])
+        raise RewardError(
+            f"{what} returned {value[row]} for {where(row, group_size)} ({bad.size} non-finite "
+            f"value(s) in the batch); the step was not applied. Rewards must be finite"
+        )
+
+
+def _accepted(fn: Callable, columns: Mapping[str, list]) -> dict[str, list]:
+    """The columns ``fn`` takes: all with ``**kwargs``, else those it names."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return dict(columns)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(columns)
+    named = {p.name for p in params}
+    return {k: v for k, v in columns.items() if k in named}
+
+
+def _first_failing_row(fn, prompts, completions, kwargs) -> int | None:
+    """The first row on which ``fn`` alone raises, or None (it fails only on the batch)."""
+    for row in range(len(completions)):
+        try:
+            fn(
+                prompts=prompts[row : row + 1],
+                completions=completions[row : row + 1],
+                **{k: v[row : row + 1] for k, v in kwargs.items()},
+            )
+        except Exception:
+            return row
+    return None
+
+
+def decode_rows(tokenizer, ids: np.ndarray, mask: np.ndarray, end_ids=()) -> list[str]:
+    """Each row's ids where ``mask`` is True, end ids removed, decoded to text."""
+    end = set(int(e) for e in end_ids)
+    out = []
+    for row, keep in zip(np.asarray(ids), np.asarray(mask, bool)):
+        out.append(tokenizer.decode([int(t) for t in row[keep] if int(t) not in end]))
+    return out
+
+
+def text_columns(
+    tokenizer, batch: Mapping[str, np.ndarray], *, skip: Sequence[str] = ()
+) -> dict[str, list]:
+    """The reader's columns as a text reward receives them: an integer key with a
+    ``<key>_mask`` companion decoded to strings, any other key its rows (numpy
+    rows, Python scalars for one value per row); masks and ``skip`` left out."""
+    out: dict[str, list] = {}
+    for key, value in batch.items():
+        if key in skip or (key.endswith("_mask") and key[: -len("_mask")] in batch):
+            continue
+        value = np.asarray(value)
+        mask = batch.get(f"{key}_mask")
+        if mask is not None and np.issubdtype(value.dtype, np.integer):
+            out[key] = decode_rows(tokenizer, value, np.asarray(mask))
+        elif value.ndim == 1:
+            out[key] = value.tolist()
+        else:
+            out[key] = list(value)
+    return out

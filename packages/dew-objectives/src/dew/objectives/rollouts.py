@@ -1,0 +1,214 @@
+"""Rollouts for on-policy objectives: prompts -> completions and their log-probs.
+
+Everything here runs inside the trainer's compiled prepare phase, on the same
+weights, mesh and dtype as the loss (GRPO, PPO, on-policy distillation):
+
+1. :func:`sample_completions` repeats each prompt ``group_size`` times (row
+   ``b * group_size + g`` is sample ``g`` of prompt ``b``) and continues every
+   row with :func:`dew.sampling.decode`, the cached, traceable decoder of
+   ``dew.sampling``; the draw of row ``r`` depends only on ``key`` and ``r``.
+2. :func:`rollout_logprobs` scores the completions with one full forward
+   pass over ``[prompt | completion]``:
+
+       log pi(o_t | q, o_<t) = log_softmax(filter(logits_t / T))[o_t]
+
+   with the sampler's temperature ``T`` and truncation (top-k / top-p /
+   min-p, :func:`dew.sampling.filter_logits`), the prompt's left padding and
+   positions. The loss calls the same function on the same rows, so the
+   "old" log-probs a rollout stores and the log-probs of the first update
+   come from one computation on the same weights: the importance ratio
+   ``rho = exp(logp - old_logp)`` of the first update is 1 (TRL #454 and
+   trlx #107 are the bugs this rules out: temperature missing from the
+   training logits, other padding or positions). The decoder's own
+   log-probs (raw logits, cached attention) are not reused for that reason.
+3. :func:`check_first_ratio` is the library's debug assertion of that
+   contract: on the first update of a prepared batch, ``max |rho - 1|`` over
+   the completion tokens must be ``<= 1e-6``; it raises
+   :class:`RatioError` from inside the compiled step otherwise. Objectives
+   turn it on with a constructor flag, or ``DEW_DEBUG=1`` in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dew.objectives.logprobs import rollout_positions, token_logprobs
+from dew.sampling import Sampling, decode, filter_logits
+
+RATIO_TOLERANCE = 1e-6
+"""The largest ``|rho - 1|`` :func:`check_first_ratio` accepts on a first update."""
+
+
+@flax.struct.dataclass
+class Rollout:
+    """Completions of a batch of prompts, one row per completion.
+
+    prompt: int32 ``[rows, prompt_len]``, left-padded (each prompt ends in the last column).
+    prompt_mask: bool ``[rows, prompt_len]``, False on padding.
+    completion: int32 ``[rows, max_new_tokens]``: the new tokens, an end id
+      included, then ``pad_id``.
+    completion_mask: bool ``[rows, max_new_tokens]``, True on the new tokens
+      (the end id included), False after a row ended.
+    """
+
+    prompt: jax.Array
+    prompt_mask: jax.Array
+    completion: jax.Array
+    completion_mask: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        """``[rows]`` new tokens per row (an end id counted)."""
+        return jnp.sum(self.completion_mask, axis=-1, dtype=jnp.int32)
+
+    def as_dict(self) -> dict[str, jax.Array]:
+        """The four arrays by name (what a prepared batch stores)."""
+        return {
+            "prompt": self.prompt,
+            "prompt_mask": self.prompt_mask,
+            "completion": self.completion,
+            "completion_mask": self.completion_mask,
+        }
+
+    @classmethod
+    def from_batch(cls, batch) -> Rollout:
+        """The rollout stored in a prepared batch (keys as :meth:`as_dict` names them)."""
+        return cls(
+            prompt=batch["prompt"],
+            prompt_mask=batch["prompt_mask"],
+            completion=batch["completion"],
+            completion_mask=batch["completion_mask"],
+        )
+
+
+def repeat_rows(x: jax.Array, group_size: int) -> jax.Array:
+    """``[batch, ...] -> [batch * group_size, ...]``, row ``b`` repeated ``group_size``
+    times in a row (row ``b * group_size + g``)."""
+    return jnp.repeat(x, group_size, axis=0, total_repeat_length=x.shape[0] * group_size)
+
+
+def sample_completions(
+    model,
+    params,
+    prompt: jax.Array,
+    prompt_mask: jax.Array,
+    *,
+    key: jax.Array,
+    max_new_tokens: int,
+    sampling: Sampling,
+    group_size: int = 1,
+    end_ids: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> Rollout:
+    """``group_size`` completions of each prompt, traceable (call it inside ``prepare``).
+
+    prompt, prompt_mask: ``[batch, prompt_len]`` left-padded prompts (the
+      ``dew.data.Prompts`` reader's ``prompt`` and ``prompt_mask``).
+    key: the rollout's key (``step.key`` of the prepare phase).
+    Returns a :class:`Rollout` of ``batch * group_size`` rows; no gradient
+    flows through it.
+    """
+    prompt = repeat_rows(prompt, group_size)  # [batch * group, prompt_len]
+    prompt_mask = repeat_rows(prompt_mask.astype(bool), group_size)
+    tokens, _, lengths = decode(
+        model,
+        params,
+        prompt,
+        prompt_mask,
+        max_new_tokens=max_new_tokens,
+        key=key,
+        sampling=sampling,
+        end_ids=tuple(end_ids),
+        pad_id=pad_id,
+    )
+    mask = jnp.arange(max_new_tokens)[None, :] < lengths[:, None]  # [rows, new]
+    return jax.lax.stop_gradient(
+        Rollout(prompt=prompt, prompt_mask=prompt_mask, completion=tokens, completion_mask=mask)
+    )
+
+
+def rollout_logprobs(model, params, rollout: Rollout, *, sampling: Sampling) -> jax.Array:
+    """``[rows, max_new_tokens]`` float32 ``log pi(o_t | q, o_<t)`` of each completion
+    token under ``params``, with the sampler's temperature and truncation; 0 on
+    positions after a row ended.
+
+    One forward pass over ``[prompt | completion]`` with the positions and
+    attention mask :func:`dew.sampling.decode` uses
+    (:func:`dew.objectives.logprobs.rollout_positions`); the logits at
+    position ``prompt_len - 1 + t`` score completion token ``t``
+    (:func:`scored_logprobs`). Differentiable in ``params``: the loss calls it
+    for the new log-probs, a rollout for the old and the reference ones.
+    """
+    prompt_len = rollout.prompt.shape[1]
+    new = rollout.completion.shape[1]
+    tokens = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)  # [rows, length]
+    positions, mask = rollout_positions(rollout.prompt_mask, new)
+    logits = model.apply(
+        {"params": nn.meta.unbox(params)}, tokens, positions=positions, attention_mask=mask
+    )  # [rows, length, vocab]
+    logits = logits[:, prompt_len - 1 : prompt_len - 1 + new]  # [rows, new, vocab]
+    logps = scored_logprobs(logits, rollout.completion, sampling)
+    return jnp.where(rollout.completion_mask, logps, 0.0)
+
+
+def scored_logprobs(logits: jax.Array, targets: jax.Array, sampling: Sampling) -> jax.Array:
+    """``log p(targets)`` under the distribution ``sampling`` draws from: the
+    logits divided by the temperature and, with top-k / top-p / min-p, the
+    excluded tokens removed (:func:`dew.sampling.filter_logits`), renormalised.
+    A greedy ``sampling`` scores at temperature 1. float32 ``[...]``."""
+    truncates = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
+    if truncates and not sampling.is_greedy:
+        return token_logprobs(filter_logits(logits, sampling), targets)
+    temperature = 1.0 if sampling.is_greedy else sampling.temperature
+    return token_logprobs(logits, targets, temperature=temperature)
+
+
+class RatioError(AssertionError):
+    """The first update of a prepared batch saw an importance ratio other than 1."""
+
+
+def debug_enabled(flag: bool | None) -> bool:
+    """An objective's debug flag: ``flag`` when given, else ``DEW_DEBUG=1`` in the
+    environment (read when the objective is built)."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("DEW_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def max_ratio_deviation(ratio: jax.Array, mask: jax.Array) -> jax.Array:
+    """``max |rho - 1|`` over the tokens where ``mask`` is True (0 when none)."""
+    return jnp.max(jnp.where(mask, jnp.abs(ratio.astype(jnp.float32) - 1.0), 0.0))
+
+
+def check_first_ratio(
+    ratio: jax.Array,
+    mask: jax.Array,
+    *,
+    step: jax.Array,
+    updates_per_batch: int,
+    what: str,
+    tolerance: float = RATIO_TOLERANCE,
+) -> None:
+    """Debug assertion, traced into the loss: on the first update of a prepared
+    batch (``step % updates_per_batch == 0``) ``max |rho - 1| <= tolerance``, or
+    :class:`RatioError` (raised on the host through ``jax.debug.callback``; the
+    compiled step fails with its message).
+    """
+    deviation = max_ratio_deviation(ratio, mask)
+    first = (step % updates_per_batch) == 0
+
+    def check(deviation, first, step):
+        if bool(first) and float(deviation) > tolerance:
+            raise RatioError(
+                f"{what}: the first update of the prepared batch at step {int(step)} has "
+                f"max |rho - 1| = {float(deviation):.3g} > {tolerance:g}; the loss's "
+                f"log-probs differ from the rollout's (temperature, truncation, padding, "
+                f"positions or dropout differ between prepare and loss)"
+            )
+
+    jax.debug.callback(check, deviation, first, step)

@@ -221,8 +221,30 @@ class Objective:
         gradients, on the pre-update weights (rollouts and their rewards,
         reference log-probs, values and advantages; masks; noise). The trainer
         then runs ``prepared_updates.per_batch`` optimizer updates over its rows. Every
-        array's leading dimension is the rows, divisible by ``prepared_updates.minibatches``."""
+        array's leading dimension is the rows, divisible by ``prepared_updates.minibatches``.
+        With :meth:`prepare_host`, this is the first of three parts: compiled
+        ``prepare`` -> host ``prepare_host`` -> compiled ``prepare_finish``."""
         raise NotImplementedError
+
+    def prepare_host(self, rollout: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Optional: host Python between :meth:`prepare` and :meth:`prepare_finish`
+        (rewards over decoded text, a reward model served elsewhere).
+
+        rollout: :meth:`prepare`'s output as numpy arrays, every row of the global
+          batch (gathered from all processes). Returns new arrays with the same
+          leading rows axis; the trainer places them on the mesh and passes
+          ``{**prepare's output, **these}`` to :meth:`prepare_finish`, compiled.
+        Raising (a ``ValueError`` naming the bad row) ends ``fit`` before any
+        update of this batch is applied; checkpoints already written stay.
+        Must be a pure function of ``rollout``, so a resumed run repeats it."""
+        raise NotImplementedError
+
+    def prepare_finish(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
+        """Optional, with :meth:`prepare_host`: the second compiled part of the
+        prepare phase (advantages from the host's rewards), on the same
+        pre-update weights, without gradients. Returns the training batch.
+        Default: the batch as it is."""
+        return dict(batch)
 
     def loss(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
         """``(loss, metrics)``: the loss a scalar (a mean, equal weight per row), a
@@ -268,3 +290,7 @@ class Objective:
     @property
     def has_prepare(self) -> bool:
         return type(self).prepare is not Objective.prepare
+
+    @property
+    def has_prepare_host(self) -> bool:
+        return self.has_prepare and type(self).prepare_host is not Objective.prepare_host

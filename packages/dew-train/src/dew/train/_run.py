@@ -17,6 +17,11 @@ from dew.train.previews import as_pixels
 from dew.train.step import Stream, microbatch_key
 
 
+ROLLOUT_TOKENS = "rollout_tokens"
+"""The ``Summed`` metric of tokens an objective's prepare phase generated; with
+it the log shows ``rollout_tokens_per_second`` (over the prepare time)."""
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
@@ -206,6 +211,8 @@ class Interval:
         self.weighted: dict | None = None
         self.plain: dict[str, float] = {}
         self.last: dict[str, float] = {}
+        # seconds of the prepare phases (rollouts) that fed this interval
+        self.prepare_seconds = 0.0
 
     def add(self, values) -> None:
         self.steps += 1
@@ -234,4 +241,9 @@ class Interval:
         out["examples_per_second"] = examples_per_step * self.steps / seconds
         if tokens_key is not None and self.weighted and tokens_key in self.weighted:
             out["tokens_per_second"] = float(self.weighted[tokens_key].total) / seconds
+        if self.prepare_seconds > 0 and self.weighted and ROLLOUT_TOKENS in self.weighted:
+            # an objective counts each prepared batch's rollout tokens once (its
+            # first epoch): exact when log_every is a multiple of the updates per batch
+            rollout = float(self.weighted[ROLLOUT_TOKENS].total)
+            out["rollout_tokens_per_second"] = rollout / self.prepare_seconds
         return out

@@ -61,6 +61,30 @@ def to_global(
     return out
 
 
+def to_host(batch: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Global arrays -> numpy arrays holding every row, on every process
+    (gathered across processes when there are several)."""
+    if jax.process_count() == 1:
+        return {k: np.asarray(v) for k, v in jax.device_get(dict(batch)).items()}
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(dict(batch), tiled=True)
+    return {k: np.asarray(v) for k, v in gathered.items()}
+
+
+def from_host(batch: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
+    """Numpy arrays holding every row (the same on every process) -> global
+    arrays sharded by rows."""
+    out = {}
+    for name, value in batch.items():
+        value = np.asarray(value)
+        sharding = batch_sharding(mesh, rules, value.ndim)
+        out[name] = jax.make_array_from_callback(
+            value.shape, sharding, lambda index, v=value: v[index]
+        )
+    return out
+
+
 def abstract_batch(batch: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict:
     """``{name: ShapeDtypeStruct}`` with the row sharding of each key."""
     return {

@@ -7,6 +7,8 @@
 and, for an objective with ``prepare``:
 
     prepared = prepare(state, batch)           # compiled, no gradient, pre-update weights
+    prepared = finish(state, host(prepared))   # optional host stage (text rewards), then
+                                               # compiled again
     for u in range(epochs * minibatches):      # one trainer step each
         state = train_step(state, minibatch(prepared, u))
 
@@ -259,6 +261,19 @@ def build_prepare(objective: Objective) -> Callable:
         return objective.prepare(variables, batch, step)
 
     return prepare
+
+
+def build_prepare_finish(objective: Objective) -> Callable:
+    """``(state, batch) -> prepared batch``: the objective's ``prepare_finish`` (after
+    its host stage) on the same pre-update weights, without gradients; its key
+    is ``fold_in(prepare key, 1)``."""
+
+    def finish(state: TrainState, batch):
+        variables = jax.lax.stop_gradient(objective_variables(objective, state, state.params))
+        key = jax.random.fold_in(microbatch_key(state.key, state.step, Stream.PREPARE), 1)
+        return objective.prepare_finish(variables, batch, Step(index=state.step, key=key))
+
+    return finish
 
 
 def minibatch_fn(updates: Updates) -> Callable:

@@ -4,6 +4,8 @@ The loop::
 
     for each data batch:                      # every prepared_updates.per_batch steps
         batch = prepare(state, batch)         # objectives with a prepare phase only
+                                              # (compiled; then, with prepare_host, host
+                                              # Python and a compiled prepare_finish)
         for each update over the batch:       # one step each
             state, metrics = step(state, minibatch)
             hooks: metrics and logging, evaluation and preview, checkpoint,
@@ -47,16 +49,19 @@ from dew.train.placement import (
     abstract_batch,
     check_batch_rows,
     compile_fn,
+    from_host,
     layout,
     replicated,
     shard_bytes,
     to_global,
+    to_host,
 )
 from dew.train.preemption import StopSignals
 from dew.train.state import TrainState
 from dew.train.step import (
     Stream,
     build_prepare,
+    build_prepare_finish,
     build_train_step,
     microbatch_key,
     minibatch_fn,
@@ -481,7 +486,9 @@ class Trainer:
                         self.objective.check_batch(local)
                         self._check_spec(spec, local, data)
                         batch = to_global(local, partition, data.batch, mesh, self.rules)
+                    began = goodput.seconds["prepare"]  # compilation not counted
                     prepared = self._prepared(state, batch, shardings, goodput)
+                    run.interval.prepare_seconds += goodput.seconds["prepare"] - began
                 update = self._compiled_update(state, prepared, shardings, goodput)
                 with goodput.measure("steps"):
                     state, metrics = update(state, prepared)
@@ -512,13 +519,29 @@ class Trainer:
     def _prepared(self, state, batch, shardings, goodput):
         if not self.objective.has_prepare:
             return batch
-        key = layout(batch)
+        objective = self.objective
+        has_host = objective.has_prepare_host
+        prepared = self._run_prepare(
+            "prepare", build_prepare(objective), state, batch, shardings, goodput, not has_host
+        )
+        if not has_host:
+            return prepared
+        with goodput.measure("prepare"):
+            extra = objective.prepare_host(to_host(prepared))
+            self._check_host(extra, prepared)
+            merged = {**prepared, **from_host(extra, self.device_mesh, self.rules)}
+        finish = build_prepare_finish(objective)
+        return self._run_prepare("finish", finish, state, merged, shardings, goodput, True)
+
+    def _run_prepare(self, part, fn, state, batch, shardings, goodput, final):
+        """One compiled part of the prepare phase, compiled once per batch layout."""
+        key = (part, layout(batch))
         cache = self.__dict__.setdefault("_compiled_prepare", {})
         if key not in cache:
             with goodput.measure("compile"):
-                fn = build_prepare(self.objective)
                 out = jax.eval_shape(fn, state, batch)
-                self._check_prepared(out)
+                if final:
+                    self._check_prepared(out)
                 out_shardings = {
                     k: v.sharding
                     for k, v in abstract_batch(out, self.device_mesh, self.rules).items()
@@ -533,6 +556,22 @@ class Trainer:
             prepared = cache[key](state, batch)
             jax.block_until_ready(prepared)
         return prepared
+
+    def _check_host(self, extra, prepared) -> None:
+        name = type(self.objective).__name__
+        if not isinstance(extra, Mapping):
+            raise TypeError(
+                f"{name}.prepare_host must return a dict of numpy arrays, got "
+                f"{type(extra).__name__}"
+            )
+        rows = next(iter(prepared.values())).shape[0]
+        for key, value in extra.items():
+            shape = np.shape(value)
+            if not shape or shape[0] != rows:
+                raise ValueError(
+                    f"{name}.prepare_host returned {key!r} of shape {shape}; every array needs "
+                    f"the {rows} rows of the prepared batch as its leading axis"
+                )
 
     def _check_prepared(self, out) -> None:
         name = type(self.objective).__name__

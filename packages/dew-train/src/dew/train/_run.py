@@ -16,7 +16,6 @@ from dew.train.logs import format_value
 from dew.train.previews import as_pixels
 from dew.train.step import Stream, microbatch_key
 
-
 ROLLOUT_TOKENS = "rollout_tokens"
 """The ``Summed`` metric of tokens an objective's prepare phase generated; with
 it the log shows ``rollout_tokens_per_second`` (over the prepare time)."""

@@ -1,5 +1,7 @@
 """dew.objectives.logprobs against numpy, the sampler and the cached decoder."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ MODEL = CausalTransformer(**TINY_LM)
 
 @pytest.fixture(scope="module")
 def params():
-    return nn.unbox(MODEL.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+    init = jax.jit(MODEL.init)
+    return nn.unbox(init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
 
 
 def numpy_logprobs(logits, targets, temperature=1.0):
@@ -63,15 +66,14 @@ def test_temperature_zero_is_an_error():
         lp.token_logprobs(jnp.zeros((1, 3)), jnp.zeros((1,), jnp.int32), temperature=0.0)
 
 
-def test_sequence_logprobs_equal_each_prefix_run_alone(params):
+def test_sequence_logprobs_score_each_next_id(params):
     ids = jnp.asarray(np.random.default_rng(4).integers(0, 32, (2, 8)), jnp.int32)
-    got = np.asarray(lp.sequence_logprobs(MODEL, params, ids, temperature=0.8))
+    fn = jax.jit(functools.partial(lp.sequence_logprobs, MODEL, temperature=0.8))
+    got = np.asarray(fn(params, ids))
     assert got.shape == (2, 8) and np.all(got[:, 0] == 0)
-    for t in range(1, 8):  # a causal model: the prefix alone scores the next id the same
-        logits = MODEL.apply({"params": params}, ids[:, :t])[:, -1]
-        np.testing.assert_allclose(
-            got[:, t], numpy_logprobs(logits, ids[:, t], 0.8), atol=1e-5, err_msg=f"position {t}"
-        )
+    logits = jax.jit(MODEL.apply)({"params": params}, ids)  # logits[t] predicts ids[t + 1]
+    want = numpy_logprobs(logits[:, :-1], ids[:, 1:], 0.8)
+    np.testing.assert_allclose(got[:, 1:], want, atol=1e-5)
 
 
 def left_pad(prompts, length):
@@ -88,21 +90,23 @@ def test_completion_logprobs_match_the_cached_decoder(params):
     the log-probs ``decode`` reported while sampling (positions and masks agree)."""
     prompts = [[3, 4, 5, 6, 7], [9, 2], [1, 1, 1], [30]]
     ids, mask = left_pad(prompts, 8)
-    new, logprobs, lengths = decode(
-        MODEL, params, ids, mask, max_new_tokens=6, key=jax.random.key(5), sampling=Sampling()
-    )
-    scored = lp.completion_logprobs(MODEL, params, ids, mask, new)
+    run = jax.jit(functools.partial(decode, MODEL, max_new_tokens=6, sampling=Sampling()))
+    new, logprobs, lengths = run(params, ids, mask, key=jax.random.key(5))
+    score = jax.jit(functools.partial(lp.completion_logprobs, MODEL))
+    scored = score(params, ids, mask, new)
     valid = np.arange(6)[None] < np.asarray(lengths)[:, None]
     np.testing.assert_allclose(np.where(valid, scored, 0.0), logprobs, atol=1e-5)
     # More left padding changes nothing: padding is never seen.
     ids16, mask16 = left_pad(prompts, 16)
-    scored16 = lp.completion_logprobs(MODEL, params, ids16, mask16, new)
-    np.testing.assert_allclose(scored16, scored, atol=1e-5)
-    # Each row alone, unpadded, at positions 0.. (what the model sees without padding).
+    np.testing.assert_allclose(score(params, ids16, mask16, new), scored, atol=1e-5)
+    # Each row without padding, at positions 0.. (right-padded: a causal model never
+    # reads what follows).
+    rows = np.zeros((4, 12), np.int32)
     for r, p in enumerate(prompts):
-        row = jnp.asarray([p + np.asarray(new[r]).tolist()], jnp.int32)
-        alone = lp.sequence_logprobs(MODEL, params, row)[0, len(p) :]
-        np.testing.assert_allclose(alone, scored[r], atol=1e-5, err_msg=f"row {r}")
+        rows[r, : len(p) + 6] = p + np.asarray(new[r]).tolist()
+    alone = jax.jit(functools.partial(lp.sequence_logprobs, MODEL))(params, jnp.asarray(rows))
+    for r, p in enumerate(prompts):
+        np.testing.assert_allclose(alone[r, len(p) : len(p) + 6], scored[r], atol=1e-5)
 
 
 def test_rollout_positions_continue_the_prompt():

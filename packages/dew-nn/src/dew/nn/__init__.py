@@ -2,7 +2,7 @@
 
 from dew.nn import axes, backbones, masks, models, stack
 from dew.nn.attention import Attention
-from dew.nn.backbones import CausalTransformer
+from dew.nn.backbones import CausalTransformer, DiT, VideoDiT
 from dew.nn.backbones.transformer import Transformer
 from dew.nn.backbones.vit import ViT, ViTPredictor
 from dew.nn.masks import MaskPolicy
@@ -19,6 +19,7 @@ __all__ = [
     "MLP",
     "Attention",
     "CausalTransformer",
+    "DiT",
     "Critic",
     "LayerNorm",
     "LayerStack",
@@ -27,6 +28,7 @@ __all__ = [
     "RMSNorm",
     "RopeScaling",
     "Transformer",
+    "VideoDiT",
     "ViT",
     "ValueHead",
     "ViTPredictor",

@@ -3,16 +3,53 @@ pretrained checkpoints (Hugging Face and Dew formats)."""
 
 from dew.sampling.beam import beam_decode, beam_search
 from dew.sampling.decoding import Generation, init_cache
+from dew.sampling.diffusion_pipelines import (
+    ClassToImage,
+    ClassToVideo,
+    TextToImage,
+    TextToVideo,
+    sample_grid,
+)
+from dew.sampling.diffusion_samplers import (
+    DDIM,
+    DDPM,
+    Denoised,
+    EDMHeun,
+    FlowEuler,
+    FlowHeun,
+    make_sampler,
+    model_denoiser,
+    sample_diffusion,
+)
+from dew.sampling.diffusion_targets import TARGETS, predictions_of, target_of
 from dew.sampling.features import FeatureExtractor
 from dew.sampling.generate import decode, generate
+from dew.sampling.noise_schedules import DDPMSchedule, EDMSchedule, FlowSchedule
 from dew.sampling.pipelines import TextGeneration
 from dew.sampling.pretrained import Pretrained
 from dew.sampling.prompts import pad_prompts
 from dew.sampling.sampling import Sampling, filter_logits, sample_logits
+from dew.sampling.text_encoders import TextEncoder
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClassToImage",
+    "ClassToVideo",
+    "TextEncoder",
+    "TextToImage",
+    "TextToVideo",
+    "sample_grid",
+    "DDIM",
+    "DDPM",
+    "DDPMSchedule",
+    "Denoised",
+    "EDMHeun",
+    "EDMSchedule",
+    "FlowEuler",
+    "FlowHeun",
+    "FlowSchedule",
+    "TARGETS",
     "FeatureExtractor",
     "Generation",
     "Pretrained",
@@ -24,6 +61,11 @@ __all__ = [
     "filter_logits",
     "generate",
     "init_cache",
+    "make_sampler",
+    "model_denoiser",
     "pad_prompts",
+    "predictions_of",
+    "sample_diffusion",
     "sample_logits",
+    "target_of",
 ]

@@ -140,7 +140,7 @@ def parity(session: nox.Session) -> None:
         external=True,
     )
     session.install("-q", "-r", requirements)
-    session.install("-q", "torch==2.13.0", "transformers>=5", "safetensors")
+    session.install("-q", "torch==2.13.0", "transformers>=5", "diffusers", "safetensors")
     session.install(
         "-q", "--no-deps", "./packages/dew-nn", "./packages/dew-data", "./packages/dew-sampling"
     )

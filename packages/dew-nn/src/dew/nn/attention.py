@@ -54,7 +54,11 @@ class Attention(nn.Module):
             (x.shape[-1], heads, self.head_dim),
             (axes.EMBED, head_axis, axes.HEAD_DIM),
         )
-        y = jnp.einsum("ble,ehd->blhd", x.astype(self.dtype), kernel.astype(self.dtype))
+        # A dot_general (not an einsum), as every Dew kernel contraction: LoRA (qwix) adds
+        # its adapters to dot_generals against a parameter.
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (((2,), (0,)), ((), ()))
+        )  # [batch, length, heads, head_dim]
         if self.use_qkv_bias:
             bias = self._param(
                 f"{name}_bias",
@@ -120,9 +124,11 @@ class Attention(nn.Module):
             # One flat contraction: XLA then lays out the small activation, not
             # the kernel, which it would otherwise transpose at every decode step.
             heads_dim = self.num_heads * self.head_dim
-            y = out.reshape(*out.shape[:2], heads_dim).astype(self.dtype) @ kernel.reshape(
-                heads_dim, -1
-            ).astype(self.dtype)
+            y = jax.lax.dot_general(
+                out.reshape(*out.shape[:2], heads_dim).astype(self.dtype),
+                kernel.reshape(heads_dim, -1).astype(self.dtype),
+                (((2,), (0,)), ((), ())),
+            )
         else:
             index = jnp.arange(length)
             mask = attention_mask(
@@ -137,7 +143,9 @@ class Attention(nn.Module):
                 query_key_mask=query_key_mask,
             )  # [batch, 1, query, key]
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
-            y = jnp.einsum("blhd,hde->ble", out.astype(self.dtype), kernel.astype(self.dtype))
+            y = jax.lax.dot_general(
+                out.astype(self.dtype), kernel.astype(self.dtype), (((2, 3), (0, 1)), ((), ()))
+            )
         if self.use_out_bias:
             y = y + self._param(
                 "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)

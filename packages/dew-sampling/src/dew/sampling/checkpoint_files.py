@@ -6,7 +6,8 @@ parsing (its numpy API; bfloat16 through ``ml_dtypes``).
 
 A sharded checkpoint is Hugging Face's layout: ``model-00001-of-00003.safetensors``
 ... plus ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes},
-"weight_map": {tensor name: file name}}``.
+"weight_map": {tensor name: file name}}``. diffusers names the same files
+``diffusion_pytorch_model*`` (``write_tensors(..., name=...)``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors.numpy import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -31,7 +33,8 @@ class TensorReader(Mapping):
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = pathlib.Path(directory)
-        index = self.directory / INDEX
+        indexes = sorted(self.directory.glob(f"*{INDEX_SUFFIX}"))
+        index = indexes[0] if indexes else self.directory / INDEX
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             missing = sorted({f for f in weight_map.values() if not (self.directory / f).exists()})
@@ -79,10 +82,10 @@ class TensorReader(Mapping):
         return len(self.files)
 
 
-def remove_weights(directory: str | os.PathLike) -> None:
-    """Delete the weight files a previous save left (``model*.safetensors`` and the index)."""
+def remove_weights(directory: str | os.PathLike, name: str = "model") -> None:
+    """Delete the weight files a previous save left (``{name}*.safetensors`` and the index)."""
     directory = pathlib.Path(directory)
-    for path in [directory / INDEX, *directory.glob("model*.safetensors")]:
+    for path in [directory / f"{name}{INDEX_SUFFIX}", *directory.glob(f"{name}*.safetensors")]:
         if path.exists():
             path.unlink()
 
@@ -92,27 +95,33 @@ def write_tensors(
     tensors: dict[str, np.ndarray],
     *,
     max_shard_bytes: int | None = None,
+    name: str = "model",
 ) -> list[str]:
-    """Write ``tensors`` as ``model.safetensors``, or as shards of at most
+    """Write ``tensors`` as ``{name}.safetensors``, or as shards of at most
     ``max_shard_bytes`` (a tensor larger than that gets a shard of its own) plus
-    the index. Returns the file names written."""
+    the index. Returns the file names written.
+
+    name: the files' stem: ``'model'`` (transformers) or ``'diffusion_pytorch_model'``
+      (diffusers).
+    """
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    remove_weights(directory)
+    remove_weights(directory, name)
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     metadata = {"format": "pt"}  # transformers refuses files without it
     if max_shard_bytes is None:
-        save_file(tensors, directory / SINGLE, metadata=metadata)
-        return [SINGLE]
+        single = f"{name}.safetensors"
+        save_file(tensors, directory / single, metadata=metadata)
+        return [single]
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, value in tensors.items():
+    for key, value in tensors.items():
         if shards[-1] and size + value.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = value
+        shards[-1][key] = value
         size += value.nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = [f"{name}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(names, shards):
         save_file(shard, directory / file, metadata=metadata)
@@ -121,5 +130,5 @@ def write_tensors(
         "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
         "weight_map": weight_map,
     }
-    (directory / INDEX).write_text(json.dumps(index, indent=2))
+    (directory / f"{name}{INDEX_SUFFIX}").write_text(json.dumps(index, indent=2))
     return names

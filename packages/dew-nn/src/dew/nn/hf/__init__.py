@@ -20,11 +20,15 @@ Families: ``llama``, ``mistral``, ``qwen2`` (:mod:`dew.nn.hf.llama`) and
 Image encoders: ``ijepa`` (:mod:`dew.nn.hf.ijepa`), transformers' ``IJepaModel``
 into :class:`dew.nn.ViT`.
 
+Diffusion transformers: ``dit`` (:mod:`dew.nn.hf.dit`), diffusers'
+``DiTTransformer2DModel`` (told by ``_class_name``) into :class:`dew.nn.DiT`.
+
 Video encoders: ``vjepa2`` (:mod:`dew.nn.hf.vjepa2`), the encoder of
 transformers' ``VJEPA2Model`` into :class:`dew.nn.ViT` (``position_embedding='rope'``).
 """
 
 from dew.nn.hf.causal_lm import CausalLMFormat
+from dew.nn.hf.dit import DIT
 from dew.nn.hf.fields import IGNORED_FIELDS, ConfigFields
 from dew.nn.hf.format import HFFormat, family_of, get, names, param_shapes, register
 from dew.nn.hf.gpt2 import GPT2
@@ -37,8 +41,10 @@ for _fmt in (LLAMA, MISTRAL, QWEN2, GPT2):
 del _fmt
 register(IJEPA)  # I-JEPA's image encoder, into dew.nn.ViT
 register(VJEPA2)  # V-JEPA 2's video encoder, into dew.nn.ViT with 3-D rotary positions
+register(DIT)  # diffusers' DiTTransformer2DModel, into dew.nn.DiT
 
 __all__ = [
+    "DIT",
     "GPT2",
     "IGNORED_FIELDS",
     "IJEPA",

@@ -104,7 +104,10 @@ def get(family: str) -> HFFormat:
 
 def family_of(hf_config: Mapping[str, Any], where: str = "") -> str:
     """The registered family of a ``config.json`` (its ``model_type``, or for very
-    old checkpoints its ``architectures``); an unsupported one lists the supported."""
+    old checkpoints its ``architectures``; a diffusers model's ``_class_name``); an
+    unsupported one lists the supported."""
+    if "_class_name" in hf_config:
+        return _diffusers_family(hf_config, where)
     model_type = hf_config.get("model_type")
     if model_type is None:
         by_class = {f.architecture: f.family for f in _FORMATS.values()}
@@ -120,6 +123,22 @@ def family_of(hf_config: Mapping[str, Any], where: str = "") -> str:
     return model_type
 
 
+def _diffusers_family(hf_config: Mapping[str, Any], where: str) -> str:
+    """The family of a diffusers model's config (its ``_class_name``)."""
+    by_class = {
+        f.architecture: f.family
+        for f in _FORMATS.values()
+        if getattr(f, "library", "transformers") == "diffusers"
+    }
+    name = hf_config["_class_name"]
+    if name not in by_class:
+        raise ValueError(
+            f"{where or 'checkpoint'}: diffusers class _class_name={name!r} is not supported; "
+            f"Dew loads the diffusers classes {', '.join(sorted(by_class)) or '(none)'}"
+        )
+    return by_class[name]
+
+
 def as_module(config, registry_name: str) -> nn.Module:
     """``config`` as a built module: a module stays one, options are built."""
     if isinstance(config, nn.Module):
@@ -129,10 +148,13 @@ def as_module(config, registry_name: str) -> nn.Module:
 
 def param_shapes(model: nn.Module) -> dict[str, jax.ShapeDtypeStruct]:
     """``{'/'-joined path: shape}`` of the model's parameters (traced, nothing computed);
-    a model with ``example_inputs()`` (ViT, ViTPredictor) is traced on those."""
+    a model with ``example_inputs()`` (ViT, ViTPredictor, DiT) is traced on those, and on
+    ``example_keywords()`` when it has them (a DiT's label and context)."""
     example = getattr(model, "example_inputs", None)
     inputs = example() if example is not None else (jax.ShapeDtypeStruct((1, 1), jnp.int32),)
-    shapes = jax.eval_shape(model.init, jax.ShapeDtypeStruct((2,), jnp.uint32), *inputs)
+    keywords = getattr(model, "example_keywords", dict)()
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    shapes = jax.eval_shape(lambda k, a, kw: model.init(k, *a, **kw), key, inputs, keywords)
     return traverse_util.flatten_dict(nn.unbox(shapes["params"]), sep="/")
 
 

@@ -171,7 +171,8 @@ def _write_hf(path, model, params, tokenizer, family, end_ids, base, max_shard_b
     config = fmt.config_from_dew(model, base=base, dtype_name=_dtype_name(tensors))
     if base is None and end_ids:
         config["eos_token_id"] = end_ids[0] if len(end_ids) == 1 else list(end_ids)
-    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
+    weights_name = getattr(fmt, "weights_name", "model")  # diffusers: diffusion_pytorch_model
+    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes, name=weights_name)
     (path / HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     _write_tokenizer(path, tokenizer, allow_bytes=False)
 

@@ -1,0 +1,564 @@
+"""Image and video diffusion: DDPM / iDDPM, v-prediction, EDM and flow matching.
+
+For data ``x0`` (a batch of images or videos, or latents), noise ``eps ~ N(0, I)``
+and a time ``t`` drawn from the step key, the schedule
+(:mod:`dew.sampling.noise_schedules`) mixes ``x_t = alpha(t) x0 + sigma(t) eps`` and
+the denoiser regresses its target (:mod:`dew.sampling.diffusion_targets`)::
+
+    loss_i = mean over non-batch dims of (F(x_t, t, c) - target)^2     eps / v / x0 / flow
+    loss_i = lambda(sigma) mean of (D(x_t, sigma, c) - x0)^2           EDM (x0 target)
+
+averaged over examples with an optional per-example weight (``batch['weight']``;
+``batch['example_mask']`` drops padded rows). The references: DDPM (Ho et al. 2020,
+``L_simple``), iDDPM (Nichol & Dhariwal 2021: the cosine schedule and the hybrid
+loss ``L_simple + L_vlb`` of a learned variance), v-prediction (Salimans & Ho 2022),
+EDM (Karras et al. 2022, ``training/loss.py::EDMLoss``), rectified flow / flow matching
+(Liu et al. 2022; Lipman et al. 2022; SD3's logit-normal times, Esser et al. 2024).
+
+**Conditioning** ``c``: ``batch['label'] int32 [batch]`` (the model's ``num_classes``;
+``num_classes`` itself is the null class) and/or ``batch['context'] [batch, tokens,
+context_features]`` text embeddings (optional ``batch['context_mask'] [batch,
+tokens]``). With probability ``cond_dropout`` (10%) per example the condition is
+replaced by the null one, so the same network learns the unconditional model that
+classifier-free guidance needs (Ho & Salimans 2022): the label by the null class, the
+context by ``null_context`` (default all zeros, ``[tokens, features]``; pass the
+embedding of the empty prompt to match Stable Diffusion's choice) with its mask all
+ones. Label and context of a row drop together.
+
+**Learned variance** (``model.learn_sigma``, DDPM schedules only): the model outputs
+``2C`` channels, the prediction then iDDPM's ``v`` in ``[-1, 1]``, ``log Sigma = f log
+beta_t + (1 - f) log beta~_t``, ``f = (v + 1) / 2``; the loss adds the variational
+bound term at ``t`` with the mean's gradient stopped (improved-diffusion
+``_vb_terms_bpd``: ``KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t))`` in bits per dimension,
+the discretized Gaussian decoder NLL at ``t = 0``), scaled by ``T / 1000``.
+
+Batches: ``image`` ``[batch, H, W, C]`` (``uint8`` pixels are scaled to ``[-1, 1]``
+inside; floats, e.g. pre-encoded latents, pass as they are) or ``video``
+``[batch, F, H, W, C]``; another key with ``input_key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.weighted import Weighted
+from dew.sampling.diffusion_samplers import (
+    check_target_for,
+    make_sampler,
+    model_denoiser,
+    sample_diffusion,
+)
+from dew.sampling.diffusion_targets import predictions_of, target_of
+from dew.sampling.noise_schedules import DDPMSchedule, Schedule, _rows
+
+DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
+EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def warmup_ema_decay(updates: jax.Array, max_decay: float = 0.9999) -> jax.Array:
+    """``min(max_decay, (1 + u) / (10 + u))`` at update ``u``: the average follows the
+    weights early and reaches ``max_decay`` after ``~9 / (1 - max_decay)`` updates
+    (diffusers ``EMAModel`` / timm warm-up)."""
+    u = jnp.asarray(updates, jnp.float32)
+    return jnp.minimum(max_decay, (1.0 + u) / (10.0 + u))
+
+
+def default_ema() -> EMA:
+    """EMA 0.9999 (DiT, Latte) with the ``(1 + u) / (10 + u)`` warm-up."""
+    return EMA(decay=functools.partial(warmup_ema_decay, max_decay=0.9999))
+
+
+def normal_kl(mean1, logvar1, mean2, logvar2):
+    """``KL(N(mean1, e^logvar1) || N(mean2, e^logvar2))`` elementwise (nats)."""
+    return 0.5 * (
+        -1.0
+        + logvar2
+        - logvar1
+        + jnp.exp(logvar1 - logvar2)
+        + (mean1 - mean2) ** 2 * jnp.exp(-logvar2)
+    )
+
+
+def discretized_gaussian_log_likelihood(x, means, log_scales):
+    """log-likelihood of data ``x`` in ``[-1, 1]`` on 256 bins under ``N(means,
+    e^(2 log_scales))`` (improved-diffusion ``losses.py``, tanh approximation of the
+    normal CDF)."""
+
+    def cdf(v):
+        return 0.5 * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+
+    centered = x - means
+    inv_std = jnp.exp(-log_scales)
+    cdf_plus = cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_min = cdf(inv_std * (centered - 1.0 / 255.0))
+    log_cdf_plus = jnp.log(jnp.maximum(cdf_plus, 1e-12))
+    log_one_minus_cdf_min = jnp.log(jnp.maximum(1.0 - cdf_min, 1e-12))
+    log_delta = jnp.log(jnp.maximum(cdf_plus - cdf_min, 1e-12))
+    return jnp.where(
+        x < -0.999, log_cdf_plus, jnp.where(x > 0.999, log_one_minus_cdf_min, log_delta)
+    )
+
+
+def posterior_tables(schedule: DDPMSchedule) -> dict[str, np.ndarray]:
+    """Per timestep ``[T]`` float64: ``q(x_{t-1} | x_t, x0) = N(c0 x0 + ct x_t,
+    e^log_var)`` (``log_var`` clipped at ``t = 0`` as improved-diffusion) and ``log
+    beta_t``."""
+    betas = schedule.betas
+    abar = np.cumprod(1.0 - betas)
+    prev = np.concatenate([[1.0], abar[:-1]])
+    var = betas * (1.0 - prev) / (1.0 - abar)
+    return {
+        "c0": betas * np.sqrt(prev) / (1.0 - abar),
+        "ct": (1.0 - prev) * np.sqrt(1.0 - betas) / (1.0 - abar),
+        "log_var": np.log(np.concatenate([var[1:2], var[1:]])),
+        "log_beta": np.log(betas),
+    }
+
+
+def _mean_rows(x: jax.Array) -> jax.Array:
+    """``[batch, ...] -> [batch]``: the mean over every non-batch axis."""
+    return jnp.mean(x.reshape(x.shape[0], -1), axis=1)
+
+
+@dataclasses.dataclass(eq=False)
+class DiffusionObjective(Objective):
+    """Diffusion training of a denoiser ``model.apply(vars, x, t, label=, context=)``.
+
+    model: the denoiser (:class:`dew.nn.backbones.DiT`, ``VideoDiT``, or any module
+      with that call); read for ``num_classes``, ``context_features``, ``learn_sigma``,
+      ``in_channels``, ``sample_shape`` / ``num_frames`` when it has them.
+    schedule: :class:`~dew.sampling.DDPMSchedule` (default: linear, T = 1000),
+      :class:`~dew.sampling.FlowSchedule` or :class:`~dew.sampling.EDMSchedule`.
+    target: ``'eps'``, ``'v'``, ``'x0'`` or ``'flow'``; None = the schedule's usual one
+      (eps for DDPM, flow for flow matching, x0 for EDM).
+    cond_dropout: probability per example of training on the null condition (CFG);
+      0 = never (then guidance is refused).
+    null_context: ``[tokens, context_features]`` embedding of the null prompt; None = zeros.
+    ema: the moving average of the denoiser (default 0.9999 with warm-up); None = none.
+      Sampling, evaluation and export use it.
+    input_key: the batch key of the data; None = ``'video'`` for a model with
+      ``num_frames`` (``VideoDiT``), else ``'image'``.
+    sample_shape: one example's shape ``(H, W, C)`` / ``(F, H, W, C)`` to sample; None
+      = from the model (``sample_shape``, ``in_channels``, ``num_frames``).
+    clip_denoised: samplers clip ``x0`` to ``[-c, c]`` (improved-diffusion, needed by eps
+      on the cosine schedule near ``t = T``); ``'auto'`` = 1.0 for ``image`` / ``video``
+      inputs (pixels in [-1, 1]), None (no clip) for any other key (latents).
+    guidance: the default classifier-free guidance scale of :meth:`sample` (1 = none).
+    eval_times: fractions of the time range at which :meth:`evaluate` reports the loss
+      (``loss_t0.1``, ...): timestep ``round(f (T-1))``, flow time ``f``, EDM sigma
+      at fraction ``f`` of the rho-spaced range (1 = ``sigma_max``).
+    eval_seed: the seed of evaluation's noise: the same noise for every batch of a
+      shape and every run, so loss curves of two runs compare.
+    """
+
+    model: Any
+    schedule: Schedule = dataclasses.field(default_factory=DDPMSchedule)
+    target: str | None = None
+    cond_dropout: float = 0.1
+    null_context: Any = None
+    ema: EMA | None = dataclasses.field(default_factory=default_ema)
+    input_key: str | None = None
+    sample_shape: tuple[int, ...] | None = None
+    clip_denoised: float | str | None = "auto"
+    guidance: float = 1.0
+    eval_times: tuple[float, ...] = EVAL_FRACTIONS
+    eval_seed: int = 0
+
+    def __post_init__(self):
+        if self.target is None:
+            self.target = DEFAULT_TARGETS[self.schedule.family]
+        check_target_for(self.schedule, self.target)
+        if not 0.0 <= self.cond_dropout < 1.0:
+            raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
+        if self.learn_sigma and self.schedule.family != "ddpm":
+            raise ValueError(
+                f"a learned variance (model.learn_sigma) is iDDPM's and needs a DDPMSchedule; "
+                f"got {type(self.schedule).__name__}: build the model with learn_sigma=False"
+            )
+        if self.input_key is None:
+            self.input_key = "video" if hasattr(self.model, "num_frames") else "image"
+        if self.clip_denoised == "auto":
+            self.clip_denoised = 1.0 if self.input_key in ("image", "video") else None
+        if self.sample_shape is not None:
+            self.sample_shape = tuple(int(s) for s in self.sample_shape)
+        if not all(0.0 <= f <= 1.0 for f in self.eval_times):
+            raise ValueError(f"eval_times are fractions in [0, 1], got {self.eval_times}")
+        self.check_guidance(self.guidance)
+
+    # ------------------------------------------------------------- model facts
+    @property
+    def num_classes(self) -> int:
+        return int(getattr(self.model, "num_classes", 0) or 0)
+
+    @property
+    def context_features(self) -> int:
+        return int(getattr(self.model, "context_features", 0) or 0)
+
+    @property
+    def learn_sigma(self) -> bool:
+        return bool(getattr(self.model, "learn_sigma", False))
+
+    @property
+    def is_video(self) -> bool:
+        return self.input_key == "video"
+
+    def example_shape(self) -> tuple[int, ...]:
+        """One example's shape: ``sample_shape``, else the model's."""
+        if self.sample_shape is not None:
+            return self.sample_shape
+        if not hasattr(self.model, "sample_shape") or not hasattr(self.model, "in_channels"):
+            raise ValueError(
+                f"{type(self.model).__name__} does not say its input size; pass "
+                f"DiffusionObjective(sample_shape=(H, W, C)) (or (F, H, W, C))"
+            )
+        shape = (*self.model.sample_shape, self.model.in_channels)
+        if self.is_video:
+            shape = (getattr(self.model, "num_frames", None) or 1, *shape)
+        return tuple(int(s) for s in shape)
+
+    def check_guidance(self, guidance: float) -> None:
+        if guidance != 1.0 and self.cond_dropout == 0.0:
+            raise ValueError(
+                f"guidance {guidance} needs the unconditional model, which is trained only "
+                f"with condition dropout; this objective has cond_dropout=0: train with "
+                f"cond_dropout > 0 (e.g. 0.1) or sample with guidance=1.0"
+            )
+        if guidance != 1.0 and not (self.num_classes or self.context_features):
+            raise ValueError(
+                f"guidance {guidance} needs a conditioned model (num_classes or "
+                f"context_features); this one is unconditional: use guidance=1.0"
+            )
+
+    # --------------------------------------------------------------------- init
+    def init(self, key, spec=None):
+        shape = self.example_shape() if spec is None or self.input_key not in spec else None
+        if shape is None:
+            shape = tuple(spec[self.input_key].shape)
+        tokens = 1
+        if spec is not None and "context" in spec:
+            tokens = int(spec["context"].shape[0])
+        x = jnp.zeros((1, *shape), jnp.float32)
+        return self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+
+    def _dummy(self, rows: int, tokens: int) -> dict[str, jax.Array]:
+        out = {}
+        if self.num_classes:
+            out["label"] = jnp.zeros((rows,), jnp.int32)
+        if self.context_features:
+            out["context"] = jnp.zeros((rows, tokens, self.context_features), jnp.float32)
+        return out
+
+    # --------------------------------------------------------------- conditions
+    def _null_context(self, context: jax.Array) -> jax.Array:
+        if self.null_context is None:
+            return jnp.zeros(context.shape[1:], context.dtype)
+        return jnp.asarray(self.null_context, context.dtype)
+
+    def conditions(self, batch, drop_key: jax.Array | None) -> dict[str, jax.Array]:
+        """The model's ``label`` / ``context`` / ``context_mask`` keywords of a batch,
+        with condition dropout when ``drop_key`` is given."""
+        out = {}
+        rows = batch[self.input_key].shape[0]
+        drop = None
+        if drop_key is not None and self.cond_dropout > 0:
+            drop = jax.random.bernoulli(drop_key, self.cond_dropout, (rows,))
+        if self.num_classes:
+            label = jnp.asarray(batch["label"], jnp.int32)
+            out["label"] = label if drop is None else jnp.where(drop, self.num_classes, label)
+        if self.context_features:
+            context = jnp.asarray(batch["context"], jnp.float32)
+            mask = batch.get("context_mask")
+            if drop is not None:
+                null = jnp.broadcast_to(self._null_context(context), context.shape)
+                context = jnp.where(drop[:, None, None], null, context)
+                if mask is not None:
+                    mask = jnp.where(drop[:, None], True, jnp.asarray(mask, bool))
+            out["context"] = context
+            if mask is not None:
+                out["context_mask"] = jnp.asarray(mask, bool)
+        return out
+
+    # --------------------------------------------------------------------- loss
+    def _data(self, batch) -> jax.Array:
+        x = jnp.asarray(batch[self.input_key])
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return x.astype(jnp.float32) / 127.5 - 1.0
+        return x.astype(jnp.float32)
+
+    def _row_weights(self, batch, rows: int) -> jax.Array:
+        weights = jnp.ones((rows,), jnp.float32)
+        if "weight" in batch:
+            weights = weights * jnp.asarray(batch["weight"], jnp.float32)
+        if "example_mask" in batch:  # padded rows of a last validation batch
+            weights = weights * jnp.asarray(batch["example_mask"], jnp.float32)
+        return weights
+
+    def per_example_loss(self, params, batch, *, time, noise, drop_key):
+        """``(loss [batch], metrics [batch] per name)`` at times ``time [batch]`` and noise
+        ``noise`` (shape of the data)."""
+        x0 = self._data(batch)
+        alpha, sigma = (_rows(c, x0) for c in self.schedule.coefficients(time))
+        x_t = alpha * x0 + sigma * noise
+        x_in, model_t = self.schedule.model_input(x_t, time)
+        raw = self.model.apply(
+            {"params": params}, x_in, model_t, **self.conditions(batch, drop_key)
+        )
+        raw = raw.astype(jnp.float32)
+        variance = None
+        if self.learn_sigma:
+            raw, variance = jnp.split(raw, 2, axis=-1)
+        prediction = self.schedule.network_output(raw, x_t, time)
+        if self.schedule.family == "edm":
+            mse = _mean_rows((prediction - x0) ** 2)
+            loss = self.schedule.loss_weight(time) * mse
+        else:
+            mse = _mean_rows((prediction - target_of(self.target, x0, noise, alpha, sigma)) ** 2)
+            loss = mse
+        metrics = {"mse": mse}
+        if variance is not None:
+            vb = self._vb_terms(jax.lax.stop_gradient(prediction), variance, x0, x_t, time)
+            vb = vb * (self.schedule.num_timesteps / 1000.0)
+            loss = loss + vb
+            metrics["vb"] = vb
+        return loss, metrics
+
+    def _vb_terms(self, prediction, variance, x0, x_t, time):
+        """iDDPM's ``L_t`` (bits per dimension) with the mean from a frozen prediction."""
+        tables = {
+            k: jnp.asarray(v, jnp.float32)[time] for k, v in posterior_tables(self.schedule).items()
+        }
+        c0, ct, log_var, log_beta = (
+            _rows(tables[k], x0) for k in ("c0", "ct", "log_var", "log_beta")
+        )
+        alpha, sigma = (_rows(c, x0) for c in self.schedule.coefficients(time))
+        x0_hat, _ = predictions_of(self.target, prediction, x_t, alpha, sigma)
+        true_mean = c0 * x0 + ct * x_t
+        model_mean = c0 * x0_hat + ct * x_t
+        f = (variance + 1.0) / 2.0
+        model_log_var = f * log_beta + (1.0 - f) * log_var
+        kl = _mean_rows(normal_kl(true_mean, log_var, model_mean, model_log_var)) / math.log(2.0)
+        nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var)
+        nll = _mean_rows(nll) / math.log(2.0)
+        return jnp.where(time == 0, nll, kl)
+
+    def loss(self, variables, batch, step: Step):
+        x0 = batch[self.input_key]
+        rows = x0.shape[0]
+        k_time, k_noise, k_drop = jax.random.split(step.key, 3)
+        time = self.schedule.sample_time(k_time, (rows,))
+        noise = jax.random.normal(k_noise, x0.shape, jnp.float32)
+        loss, metrics = self.per_example_loss(
+            variables["params"], batch, time=time, noise=noise, drop_key=k_drop
+        )
+        weights = self._row_weights(batch, rows)
+        return Weighted.mean(loss, weights), {
+            k: Weighted.mean(v, weights) for k, v in metrics.items()
+        }
+
+    def evaluate(self, variables, batch, step: Step):
+        """The loss at each of ``eval_times`` (``loss_t0.1``, ...) and their mean
+        (``loss``), conditions never dropped, the noise from ``eval_seed`` only: two runs
+        (or two checkpoints) see the same noise on the same batch."""
+        x0 = batch[self.input_key]
+        rows = x0.shape[0]
+        weights = self._row_weights(batch, rows)
+        grid = self.schedule.time_grid(self.eval_times)
+        root = jax.random.key(self.eval_seed)
+        out, total = {}, None
+        for i, fraction in enumerate(self.eval_times):
+            noise = jax.random.normal(jax.random.fold_in(root, i), x0.shape, jnp.float32)
+            time = jnp.broadcast_to(grid[i], (rows,))
+            loss, _ = self.per_example_loss(
+                variables["params"], batch, time=time, noise=noise, drop_key=None
+            )
+            out[f"loss_t{fraction:g}"] = Weighted.mean(loss, weights)
+            total = loss if total is None else total + loss
+        out["loss"] = Weighted.mean(total / len(self.eval_times), weights)
+        return out
+
+    # ----------------------------------------------------------------- sampling
+    def sample(
+        self,
+        variables,
+        key: jax.Array,
+        *,
+        num: int | None = None,
+        label=None,
+        context=None,
+        context_mask=None,
+        sampler=None,
+        num_steps: int | None = None,
+        guidance: float | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> jax.Array:
+        """``[num, *shape]`` float32 samples in the data's scale (pixels in ``[-1, 1]``).
+
+        variables: ``{'params': ...}`` (``state.variables(averaged=True)`` for the EMA).
+        num: how many; None = one per label / context row.
+        label: ``int32 [num]`` (``num_classes`` = unconditional); context
+          ``[num, tokens, features]``; needed when the model is conditioned.
+        sampler: a name (``'ddpm'``, ``'ddim'``, ``'euler'``, ``'heun'``, ``'edm_heun'``),
+          a config (:class:`~dew.sampling.DDIM`, ...) or None = the schedule's default.
+        num_steps: replaces the sampler's steps.
+        guidance: classifier-free guidance scale; None = ``self.guidance``.
+        shape: one example's shape; None = :meth:`example_shape`.
+
+        Checked in Python, then one compiled program per configuration (cached).
+        """
+        guidance = self.guidance if guidance is None else float(guidance)
+        self.check_guidance(guidance)
+        sampler = make_sampler(sampler, schedule=self.schedule, num_steps=num_steps)
+        if self.num_classes and label is None:
+            raise ValueError(
+                f"the model is class-conditional (num_classes={self.num_classes}); pass "
+                f"label=int32 [num] (the null class {self.num_classes} samples unconditionally)"
+            )
+        if self.context_features and context is None:
+            raise ValueError(
+                f"the model reads text embeddings; pass context=[num, tokens, "
+                f"{self.context_features}]"
+            )
+        rows = [len(a) for a in (label, context) if a is not None]
+        num = num if num is not None else (rows[0] if rows else None)
+        if num is None or any(r != num for r in rows):
+            raise ValueError(f"num={num} must be given and match the label / context rows {rows}")
+        if label is not None and not isinstance(label, jax.core.Tracer):
+            values = np.asarray(label)
+            if values.min(initial=0) < 0 or values.max(initial=0) > self.num_classes:
+                raise ValueError(
+                    f"labels must be in [0, {self.num_classes}] ({self.num_classes} = the null "
+                    f"class), got min {values.min()} max {values.max()}"
+                )
+        shape = tuple(shape) if shape is not None else self.example_shape()
+        fn = self._sampler_fn(sampler, guidance, (num, *shape))
+        return fn(variables["params"], key, label, context, context_mask)
+
+    @functools.lru_cache(maxsize=32)  # noqa: B019 - one compiled sampler per configuration
+    def _sampler_fn(self, sampler, guidance, shape):
+        def run(params, key, label, context, context_mask):
+            apply_fn = functools.partial(self.model.apply, {"params": params})
+            if context_mask is not None:
+                apply_fn = functools.partial(
+                    apply_fn, context_mask=_guided_mask(context_mask, guidance)
+                )
+            denoise = model_denoiser(
+                apply_fn,
+                schedule=self.schedule,
+                target=self.target,
+                learn_sigma=self.learn_sigma,
+                label=None if label is None else jnp.asarray(label, jnp.int32),
+                null_label=self.num_classes,
+                context=context,
+                null_context=None if context is None else self._null_context(jnp.asarray(context)),
+                guidance=guidance,
+                clip_denoised=self.clip_denoised,
+            )
+            return sample_diffusion(
+                denoise, schedule=self.schedule, sampler=sampler, key=key, shape=shape
+            )
+
+        return jax.jit(run)
+
+    # ------------------------------------------------------------------ checks
+    def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
+        key = self.input_key
+        rank = 5 if self.is_video else 4
+        layout = "[batch, F, H, W, C]" if self.is_video else "[batch, H, W, C]"
+        if key not in batch:
+            raise KeyError(
+                f"DiffusionObjective needs batch[{key!r}] {layout}; the batch has keys "
+                f"{sorted(batch)}"
+            )
+        x = np.asarray(batch[key])
+        if not (np.issubdtype(x.dtype, np.floating) or x.dtype == np.uint8):
+            raise TypeError(
+                f"batch[{key!r}] holds {x.dtype}; give uint8 pixels (scaled to [-1, 1] inside) "
+                f"or floats (latents)"
+            )
+        want = self.sample_shape
+        if want is not None:
+            if x.shape[1:] != want:
+                raise ValueError(
+                    f"batch[{key!r}] has shape {x.shape}; this objective samples rows of "
+                    f"{want} (sample_shape): give [batch, {', '.join(map(str, want))}]"
+                )
+        elif hasattr(self.model, "in_channels"):
+            if x.ndim != rank:
+                raise ValueError(
+                    f"batch[{key!r}] has shape {x.shape} (rank {x.ndim}); the model takes "
+                    f"{layout} (rank {rank})"
+                    + ("; images go to DiT, videos to VideoDiT" if x.ndim in (4, 5) else "")
+                )
+            patch = int(getattr(self.model, "patch_size", 1))
+            height, width, channels = x.shape[-3:]
+            if channels != self.model.in_channels or height % patch or width % patch:
+                raise ValueError(
+                    f"batch[{key!r}] has shape {x.shape}: the model takes in_channels="
+                    f"{self.model.in_channels} (channels last) and a height and width that are "
+                    f"multiples of patch_size {patch}; crop or resize (the model is built for "
+                    f"{self.example_shape()})"
+                )
+        rows = x.shape[0]
+        if self.num_classes:
+            if "label" not in batch:
+                raise KeyError(
+                    f"the model is class-conditional (num_classes={self.num_classes}); the batch "
+                    f"needs 'label' int32 [batch], has keys {sorted(batch)}"
+                )
+            label = np.asarray(batch["label"])
+            if label.shape != (rows,) or not np.issubdtype(label.dtype, np.integer):
+                raise ValueError(
+                    f"batch['label'] must be integer [batch={rows}], got {label.dtype} "
+                    f"{label.shape}"
+                )
+            if label.size and (label.min() < 0 or label.max() >= self.num_classes):
+                raise ValueError(
+                    f"batch['label'] holds {label.min()}..{label.max()}, the model has "
+                    f"num_classes={self.num_classes} (labels 0..{self.num_classes - 1}; "
+                    f"{self.num_classes} is the null class): remap the labels or build the model "
+                    f"with more classes"
+                )
+        if self.context_features:
+            if "context" not in batch:
+                raise KeyError(
+                    f"the model reads text embeddings (context_features="
+                    f"{self.context_features}); the batch needs 'context' [batch, tokens, "
+                    f"{self.context_features}], has keys {sorted(batch)}"
+                )
+            context = np.asarray(batch["context"])
+            if (
+                context.ndim != 3
+                or context.shape[0] != rows
+                or context.shape[2] != self.context_features
+            ):
+                raise ValueError(
+                    f"batch['context'] has shape {context.shape}; give [batch={rows}, tokens, "
+                    f"{self.context_features}] text embeddings"
+                )
+            if self.null_context is not None and np.shape(self.null_context) != context.shape[1:]:
+                raise ValueError(
+                    f"null_context has shape {np.shape(self.null_context)}, the batch's context "
+                    f"rows {context.shape[1:]}: give the null prompt's embeddings at that shape"
+                )
+        if "weight" in batch and np.shape(batch["weight"]) != (rows,):
+            raise ValueError(
+                f"batch['weight'] must be one weight per example [batch={rows}], got shape "
+                f"{np.shape(batch['weight'])}"
+            )
+
+
+def _guided_mask(context_mask, guidance: float):
+    """The mask of the doubled batch under guidance: the null rows attend to everything."""
+    mask = jnp.asarray(context_mask, bool)
+    if guidance == 1.0:
+        return mask
+    return jnp.concatenate([mask, jnp.ones_like(mask)])

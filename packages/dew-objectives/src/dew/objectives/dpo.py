@@ -1,0 +1,357 @@
+"""Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290) and its variants.
+
+For a prompt ``x`` with a preferred completion ``y_w`` and a rejected one
+``y_l``, with sequence log-probs summed over the completion's tokens only
+(``pi_w = log pi_theta(y_w | x)``, ``ref_w = log pi_ref(y_w | x)``, the same for
+``l``) and
+
+    h = (pi_w - ref_w) - (pi_l - ref_l)
+
+the loss per pair is
+
+    sigmoid (DPO, eq. 7):     -log sigmoid(beta h)
+    cdpo (Mitchell 2023, "A note on DPO with noisy preferences"; TRL's
+      label_smoothing):       -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+    ipo (Azar et al. 2023, arXiv 2310.12036, eq. 17):   (h - 1 / (2 beta))^2
+
+``sigmoid`` takes ``label_smoothing`` too (then it is cDPO). With ``rpo_alpha``
+(Pang et al. 2024, "Iterative Reasoning Preference Optimization", arXiv
+2404.19733) the loss adds ``rpo_alpha`` times the policy's mean per-token NLL
+of the chosen completions, a second term weighted by chosen tokens.
+
+The implicit rewards ``r_w = beta (pi_w - ref_w)``, ``r_l = beta (pi_l - ref_l)``
+give the metrics: their means, the margin ``r_w - r_l`` and the accuracy
+``1[r_w > r_l]`` (strict: 0 at initialisation, where policy = reference). The
+loss is a :class:`Weighted` mean over pairs.
+
+Batches are what :class:`dew.data.PreferencePairs` produces (all ``[pairs,
+length]``, prompt then completion then right padding): ``chosen``,
+``rejected`` (ids), ``chosen_mask``, ``rejected_mask`` (True on the completion's
+ids) and ``prompt_mask``. Optional ``ref_chosen_logps``, ``ref_rejected_logps``
+``[pairs]`` (precomputed reference log-probs) replace the reference's forward
+pass. Prompt and padding positions are never counted: only positions where a
+completion mask is True are summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Objective, Role, Step, check_same_shapes
+from dew.objectives.logprobs import masked_sum, sequence_logprobs
+from dew.objectives.weighted import Summed, Weighted
+
+LOSSES = ("sigmoid", "cdpo", "ipo")
+KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask")
+REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+@dataclasses.dataclass(eq=False)
+class DPOObjective(Objective):
+    """Preference optimization of a causal policy against a frozen reference.
+
+    model: the policy, a causal module ``model.apply(variables, ids) -> [batch, length,
+      vocab]`` (``dew.nn.backbones.CausalTransformer``).
+    reference: the reference's parameters; None = a copy of the initial policy
+      (``init_params`` when given, as DPO after SFT expects). Kept as the frozen
+      role ``"reference"`` (``TrainState.frozen['reference']``), never optimized;
+      its shapes are checked against ``reference_model`` before compiling.
+    reference_model: the reference's module; None = ``model``. Must have the
+      policy's vocabulary.
+    reference_free: no reference at all (``ref_w = ref_l = 0``); no frozen role.
+    beta: the inverse temperature of the implicit reward (TRL and the paper's
+      default 0.1).
+    loss_type: ``"sigmoid"`` (DPO), ``"cdpo"`` (``label_smoothing`` > 0 required) or
+      ``"ipo"`` (TRL's name; ``loss`` is the objective's method).
+    label_smoothing: the assumed probability ``eps`` in [0, 0.5) that a label is
+      flipped (cDPO); 0 = plain DPO. Not with ``"ipo"``.
+    rpo_alpha: weight of the NLL of the chosen completions (RPO); 0 = off.
+    init_params: start the policy from these parameters (a ``Pretrained`` load,
+      an SFT run) instead of a random initialisation.
+    tokenizer: for previews and the exported pipeline; None = ``ByteTokenizer()``.
+    keys: the batch keys ``(chosen, chosen_mask, rejected, rejected_mask)``.
+    """
+
+    model: Any
+    reference: Any = None
+    reference_model: Any = None
+    reference_free: bool = False
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
+    init_params: Any = None
+    tokenizer: Any = None
+    keys: tuple[str, str, str, str] = KEYS
+
+    def __post_init__(self):
+        if self.loss_type not in LOSSES:
+            raise ValueError(
+                f"DPOObjective(loss_type={self.loss_type!r}): use one of {list(LOSSES)}"
+            )
+        if not self.beta > 0:
+            raise ValueError(f"DPOObjective needs beta > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(
+                f"DPOObjective label_smoothing must be in [0, 0.5) (the probability a label is "
+                f"flipped), got {self.label_smoothing}"
+            )
+        if self.loss_type == "cdpo" and self.label_smoothing == 0:
+            raise ValueError(
+                "DPOObjective(loss_type='cdpo') needs label_smoothing > 0 (e.g. 0.1); with 0 "
+                "it is loss_type='sigmoid'"
+            )
+        if self.loss_type == "ipo" and self.label_smoothing:
+            raise ValueError(
+                f"DPOObjective(loss_type='ipo') takes no label_smoothing (got "
+                f"{self.label_smoothing}); use loss_type='cdpo' for noisy labels"
+            )
+        if self.rpo_alpha < 0:
+            raise ValueError(f"DPOObjective rpo_alpha must be >= 0, got {self.rpo_alpha}")
+        if self.reference_free and (self.reference is not None or self.reference_model):
+            raise ValueError(
+                "DPOObjective(reference_free=True) uses no reference; drop reference= and "
+                "reference_model="
+            )
+        if self.reference_model is not None and self.reference is None:
+            raise ValueError(
+                "DPOObjective(reference_model=...) needs the reference's weights too "
+                "(reference=params); a reference is a trained model, not a random init"
+            )
+        if self.reference_model is None:
+            self.reference_model = self.model
+        vocab = getattr(self.model, "vocab_size", None)
+        ref_vocab = getattr(self.reference_model, "vocab_size", None)
+        if vocab != ref_vocab:
+            raise ValueError(
+                f"DPOObjective: the reference's vocabulary ({ref_vocab} ids) differs from the "
+                f"policy's ({vocab}); log-probs of the same ids are only comparable under one "
+                f"tokenizer, so use a reference with the policy's vocabulary"
+            )
+        if self.tokenizer is None:
+            from dew.data import ByteTokenizer
+
+            self.tokenizer = ByteTokenizer()
+
+    # ------------------------------------------------------------- roles, init
+    def roles(self) -> tuple[Role, ...]:
+        policy = Role(name="model", module=self.model)
+        if self.reference_free:
+            return (policy,)
+        return (policy, Role(name="reference", module=self.reference_model, trained=False))
+
+    def _length(self, spec) -> int:
+        chosen = self.keys[0]
+        if spec is not None and chosen in spec:
+            return int(tuple(spec[chosen].shape)[0])
+        return int(getattr(self.model, "max_seq_len", 8))
+
+    def init(self, key, spec=None):
+        ids = jnp.zeros((1, self._length(spec)), jnp.int32)
+        params = self.model.init(key, ids)["params"]
+        if self.init_params is not None:
+            params = _boxed_like(params, self.init_params, what="DPOObjective init_params")
+        variables = {"params": params}
+        if self.reference_free:
+            return variables
+        if self.reference is None:
+            variables["reference"] = {"params": params}  # the initial policy
+            return variables
+        ref = self.reference_model.init(key, ids)["params"]
+        ref = _boxed_like(ref, self.reference, what="DPOObjective reference")
+        variables["reference"] = {"params": ref}
+        return variables
+
+    # ------------------------------------------------------------------ loss
+    def logps(self, variables, batch):
+        """Sequence log-probs ``(policy [pairs, 2], reference [pairs, 2] or None,
+        chosen token NLL sum, chosen token count)``; column 0 chosen, 1 rejected."""
+        chosen, chosen_mask, rejected, rejected_mask = (batch[k] for k in self.keys)
+        pairs, length = chosen.shape
+        # Interleave [c0, r0, c1, r1, ...]: each device's rows stay on it under a
+        # batch-sharded mesh, and one forward pass scores both completions.
+        ids = jnp.stack([chosen, rejected], axis=1).reshape(2 * pairs, length)
+        mask = jnp.stack([chosen_mask, rejected_mask], axis=1).reshape(2 * pairs, length)
+        tokens = sequence_logprobs(self.model, variables["params"], ids)  # [2 pairs, length]
+        policy = masked_sum(tokens, mask).reshape(pairs, 2)
+        chosen_tokens = tokens.reshape(pairs, 2, length)[:, 0]
+        nll_sum = -masked_sum(chosen_tokens, chosen_mask)  # [pairs]
+        count = jnp.sum(chosen_mask.astype(jnp.float32), axis=-1)
+        if self.reference_free:
+            reference = jnp.zeros_like(policy)
+        elif all(k in batch for k in REF_KEYS):
+            reference = jnp.stack([batch[k].astype(jnp.float32) for k in REF_KEYS], axis=1)
+        else:
+            ref_tokens = sequence_logprobs(
+                self.reference_model, variables["reference"]["params"], ids
+            )
+            reference = masked_sum(ref_tokens, mask).reshape(pairs, 2)
+        return policy, jax.lax.stop_gradient(reference), nll_sum, count
+
+    def pair_losses(self, h: jax.Array) -> jax.Array:
+        """The loss of each pair from ``h [pairs]`` (module docstring)."""
+        if self.loss_type == "ipo":
+            return (h - 1.0 / (2.0 * self.beta)) ** 2
+        eps = self.label_smoothing
+        return -(1.0 - eps) * jax.nn.log_sigmoid(self.beta * h) - eps * jax.nn.log_sigmoid(
+            -self.beta * h
+        )
+
+    def _terms(self, variables, batch):
+        policy, reference, nll_sum, count = self.logps(variables, batch)
+        h = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])  # [pairs]
+        rows = (
+            batch["example_mask"].astype(jnp.float32)
+            if "example_mask" in batch
+            else jnp.ones(h.shape, jnp.float32)
+        )
+        rewards = jax.lax.stop_gradient(self.beta * (policy - reference))  # [pairs, 2]
+        margin = rewards[:, 0] - rewards[:, 1]
+        loss = Weighted.mean(self.pair_losses(h), rows)
+        metrics = {
+            "dpo_loss": loss,
+            "reward_chosen": Weighted.mean(rewards[:, 0], rows),
+            "reward_rejected": Weighted.mean(rewards[:, 1], rows),
+            "margin": Weighted.mean(margin, rows),
+            "accuracy": Weighted.mean((margin > 0).astype(jnp.float32), rows),
+            "logp_chosen": Weighted.mean(jax.lax.stop_gradient(policy[:, 0]), rows),
+            "logp_rejected": Weighted.mean(jax.lax.stop_gradient(policy[:, 1]), rows),
+            "pairs": Summed(jnp.sum(rows)),
+        }
+        nll = Weighted(total=jnp.sum(nll_sum * rows), weight=jnp.sum(count * rows))
+        metrics["nll_chosen"] = Weighted(total=jax.lax.stop_gradient(nll.total), weight=nll.weight)
+        return loss, nll, metrics
+
+    def loss(self, variables, batch, step: Step):
+        loss, nll, metrics = self._terms(variables, batch)
+        if self.rpo_alpha:
+            return (loss, nll.scale(self.rpo_alpha)), metrics
+        return loss, metrics
+
+    def evaluate(self, variables, batch, step: Step):
+        loss, _, metrics = self._terms(variables, batch)
+        return {"loss": loss, **{k: v for k, v in metrics.items() if k != "dpo_loss"}}
+
+    def preview(self, variables, key):
+        from dew.sampling import Sampling, generate
+
+        prompt = self.tokenizer.encode("The") or [0]
+        max_len = getattr(self.model, "max_seq_len", len(prompt) + 16)
+        out = generate(
+            self.model,
+            variables["params"],
+            [prompt],
+            max(1, min(16, max_len - len(prompt))),
+            key,
+            sampling=Sampling(temperature=0),
+        )
+        return self.tokenizer.decode(out.tokens[0])
+
+    def export(self, variables):
+        from dew.sampling import TextGeneration
+
+        return TextGeneration(self.model, variables["params"], self.tokenizer)
+
+    # ------------------------------------------------------------ bad input
+    def check_batch(self, batch):
+        chosen_key, chosen_mask_key, rejected_key, rejected_mask_key = self.keys
+        missing = [k for k in self.keys if k not in batch]
+        if missing:
+            raise KeyError(
+                f"DPOObjective needs batch keys {list(self.keys)} (dew.data.PreferencePairs "
+                f"makes them); missing {missing}, the batch has {sorted(batch)}"
+            )
+        chosen, rejected = np.asarray(batch[chosen_key]), np.asarray(batch[rejected_key])
+        c_mask = np.asarray(batch[chosen_mask_key]).astype(bool)
+        r_mask = np.asarray(batch[rejected_mask_key]).astype(bool)
+        shapes = {k: np.shape(batch[k]) for k in self.keys}
+        if chosen.ndim != 2 or len(set(shapes.values())) != 1:
+            raise ValueError(
+                f"DPOObjective needs {list(self.keys)} of one shape [pairs, length]; got {shapes}"
+            )
+        for name, ids in ((chosen_key, chosen), (rejected_key, rejected)):
+            self._check_ids(name, ids)
+        rows = np.ones(len(chosen), bool)
+        if "example_mask" in batch:
+            rows = np.asarray(batch["example_mask"]).astype(bool)
+        for name, mask in ((chosen_key, c_mask), (rejected_key, r_mask)):
+            if mask[:, 0].any():
+                row = int(np.flatnonzero(mask[:, 0])[0])
+                raise ValueError(
+                    f"DPOObjective: pair {row}'s {name} completion starts at position 0, so its "
+                    f"first token has no context to be scored in; give every pair a prompt (at "
+                    f"least a start-of-text id)"
+                )
+            empty = rows & ~mask.any(axis=1)
+            if empty.any():
+                row = int(np.flatnonzero(empty)[0])
+                raise ValueError(
+                    f"DPOObjective: pair {row} of this batch has an empty {name} completion "
+                    f"after the prompt ({int(empty.sum())} such pairs); drop such pairs in the "
+                    f"data (or raise PreferencePairs' prompt_len + completion_len)"
+                )
+        same = (c_mask == r_mask).all(axis=1) & (
+            np.where(c_mask, chosen, -1) == np.where(r_mask, rejected, -1)
+        ).all(axis=1)
+        same &= rows
+        if same.any():
+            row = int(np.flatnonzero(same)[0])
+            raise ValueError(
+                f"DPOObjective: pair {row} of this batch has identical chosen and rejected "
+                f"completions ({int(same.sum())} such pairs; ids "
+                f"{chosen[row][c_mask[row]].tolist()[:16]}); a pair without a preference has "
+                f"no gradient and no accuracy: drop ties in the data"
+            )
+        present = [k for k in REF_KEYS if k in batch]
+        if len(present) == 1:
+            raise ValueError(
+                f"DPOObjective: the batch has {present[0]!r} but not its partner; precomputed "
+                f"reference log-probs need both {list(REF_KEYS)}"
+            )
+        for k in present:
+            if np.shape(batch[k]) != (len(chosen),):
+                raise ValueError(
+                    f"batch[{k!r}] has shape {np.shape(batch[k])}; it needs one reference "
+                    f"log-prob per pair ([{len(chosen)}])"
+                )
+
+    def _check_ids(self, name: str, ids: np.ndarray) -> None:
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"batch[{name!r}] must hold integer ids, got {ids.dtype}")
+        max_len = getattr(self.model, "max_seq_len", None)
+        if max_len is not None and ids.shape[1] > max_len:
+            raise ValueError(
+                f"batch[{name!r}] rows hold {ids.shape[1]} ids, more than the model's "
+                f"max_seq_len {max_len}; shorten prompt_len + completion_len or build the model "
+                f"with max_seq_len >= {ids.shape[1]}"
+            )
+        vocab = getattr(self.model, "vocab_size", None)
+        if vocab is not None and ids.size and (ids.max() >= vocab or ids.min() < 0):
+            bad = int(ids.max()) if ids.max() >= vocab else int(ids.min())
+            raise ValueError(
+                f"batch[{name!r}] holds token id {bad} outside the model's vocabulary "
+                f"(vocab_size {vocab}); check the tokenizer matches the model"
+            )
+
+
+def _boxed_like(boxed, values, *, what: str):
+    """``values`` (a parameter tree) inside the logical-axis boxes of a fresh ``boxed``
+    init, after checking every path and shape."""
+    values = values["params"] if "params" in values else values
+    check_same_shapes(nn.unbox(boxed), values, what=what)
+    return jax.tree.map(
+        lambda box, value: (
+            box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
+            if isinstance(box, nn.meta.AxisMetadata)
+            else jnp.asarray(value, box.dtype)
+        ),
+        boxed,
+        values,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )

@@ -1,0 +1,248 @@
+"""DPOObjective: each loss against a numpy computation, padding invariance,
+precomputed reference log-probs, the reader's batches, bad input."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn import CausalTransformer
+from dew.nn.testing import TINY_LM
+from dew.objectives import Step
+from dew.objectives.dpo import DPOObjective
+
+MODEL = CausalTransformer(**TINY_LM)  # vocab 32, max_seq_len 32
+STEP = Step(index=jnp.int32(0), key=jax.random.key(0))
+PAIRS, LENGTH = 4, 12
+
+
+def make_batch(seed=0, length=LENGTH, pad_id=0):
+    """Prompts of 2..4 ids, completions of 1..6 ids, right padding."""
+    rng = np.random.default_rng(seed)
+    batch = {k: np.full((PAIRS, length), pad_id, np.int32) for k in ("chosen", "rejected")}
+    for k in ("chosen_mask", "rejected_mask", "prompt_mask"):
+        batch[k] = np.zeros((PAIRS, length), bool)
+    for r in range(PAIRS):
+        p = int(rng.integers(2, 5))
+        prompt = rng.integers(1, 32, p)
+        for name in ("chosen", "rejected"):
+            n = int(rng.integers(1, 7))
+            batch[name][r, :p] = prompt
+            batch[name][r, p : p + n] = rng.integers(1, 32, n)
+            batch[f"{name}_mask"][r, p : p + n] = True
+        batch["prompt_mask"][r, :p] = True
+    return batch
+
+
+@pytest.fixture(scope="module")
+def weights():
+    init = jax.jit(MODEL.init)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    policy = nn.unbox(init(jax.random.key(1), ids))["params"]
+    reference = nn.unbox(init(jax.random.key(2), ids))["params"]
+    return policy, reference
+
+
+def numpy_logps(params, ids, mask):
+    """Sum over completion positions t of log softmax(logits[t - 1])[ids[t]], float64."""
+    logits = np.asarray(jax.jit(MODEL.apply)({"params": params}, jnp.asarray(ids)), np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    scored = np.zeros(ids.shape)  # logits at t - 1 predict ids[t]; position 0 is never scored
+    scored[:, 1:] = np.take_along_axis(logits[:, :-1], ids[:, 1:, None], -1)[..., 0] - logz[:, :-1]
+    return (scored * mask).sum(-1)
+
+
+def numpy_dpo(weights, batch, *, beta, loss_type, eps=0.0):
+    policy, reference = weights
+    pw = numpy_logps(policy, batch["chosen"], batch["chosen_mask"])
+    pl = numpy_logps(policy, batch["rejected"], batch["rejected_mask"])
+    rw = numpy_logps(reference, batch["chosen"], batch["chosen_mask"])
+    rl = numpy_logps(reference, batch["rejected"], batch["rejected_mask"])
+    h = (pw - rw) - (pl - rl)
+    log_sigmoid = lambda x: -np.logaddexp(0.0, -x)  # noqa: E731
+    if loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = -(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h)
+    return losses, beta * (pw - rw), beta * (pl - rl), (pw, pl, rw, rl)
+
+
+def objective(weights, **kw):
+    return DPOObjective(MODEL, reference=weights[1], **kw)
+
+
+def variables_of(weights):
+    return {"params": weights[0], "reference": {"params": weights[1]}}
+
+
+CASES = [
+    dict(loss_type="sigmoid", beta=0.1),
+    dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.2),
+    dict(loss_type="cdpo", beta=0.1, label_smoothing=0.1),
+    dict(loss_type="ipo", beta=0.3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['loss_type']}-{c['beta']}")
+def test_loss_and_metrics_match_numpy(weights, case):
+    obj = objective(weights, **case)
+    batch = make_batch()
+    loss, metrics = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
+    losses, r_w, r_l, _ = numpy_dpo(
+        weights,
+        batch,
+        beta=case["beta"],
+        loss_type=case["loss_type"],
+        eps=case.get("label_smoothing", 0.0),
+    )
+    assert float(loss.weight) == PAIRS
+    assert float(loss.value) == pytest.approx(losses.mean(), rel=1e-5, abs=1e-6)
+    assert float(metrics["reward_chosen"].value) == pytest.approx(r_w.mean(), abs=1e-5)
+    assert float(metrics["reward_rejected"].value) == pytest.approx(r_l.mean(), abs=1e-5)
+    assert float(metrics["margin"].value) == pytest.approx((r_w - r_l).mean(), abs=1e-5)
+    assert float(metrics["accuracy"].value) == pytest.approx(np.mean(r_w > r_l))
+    assert float(metrics["pairs"].total) == PAIRS
+
+
+def test_rpo_adds_the_chosen_nll_per_token(weights):
+    obj = objective(weights, rpo_alpha=0.5)
+    batch = make_batch(1)
+    (dpo, nll), metrics = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
+    losses, _, _, (pw, _, _, _) = numpy_dpo(weights, batch, beta=0.1, loss_type="sigmoid")
+    tokens = batch["chosen_mask"].sum()
+    assert float(dpo.value) == pytest.approx(losses.mean(), rel=1e-5)
+    assert float(nll.weight) == tokens
+    assert float(nll.value) == pytest.approx(0.5 * -pw.sum() / tokens, rel=1e-5)
+    assert float(metrics["nll_chosen"].value) == pytest.approx(-pw.sum() / tokens, rel=1e-5)
+
+
+def test_more_padding_and_other_pad_ids_give_the_same_loss(weights):
+    obj = objective(weights)
+    fn = jax.jit(obj.loss)
+    want, _ = fn(variables_of(weights), make_batch(2), STEP)
+    got, _ = fn(variables_of(weights), make_batch(2, length=24, pad_id=7), STEP)
+    assert float(got.value) == pytest.approx(float(want.value), rel=1e-6, abs=1e-7)
+
+
+def test_precomputed_reference_logps_and_reference_free(weights):
+    batch = make_batch(3)
+    _, _, _, (pw, pl, rw, rl) = numpy_dpo(weights, batch, beta=0.1, loss_type="sigmoid")
+    obj = objective(weights)
+    computed, _ = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
+    given = dict(
+        batch, ref_chosen_logps=rw.astype(np.float32), ref_rejected_logps=rl.astype(np.float32)
+    )
+    obj.check_batch(given)
+    # the reference weights are not read: zeros in their place change nothing
+    zeros = {
+        "params": weights[0],
+        "reference": jax.tree.map(jnp.zeros_like, {"params": weights[1]}),
+    }
+    precomputed, _ = jax.jit(obj.loss)(zeros, given, STEP)
+    assert float(precomputed.value) == pytest.approx(float(computed.value), rel=1e-5)
+    free = DPOObjective(MODEL, reference_free=True)
+    assert [r.name for r in free.roles()] == ["model"]
+    loss, _ = jax.jit(free.loss)({"params": weights[0]}, batch, STEP)
+    h = pw - pl
+    assert float(loss.value) == pytest.approx(np.mean(np.logaddexp(0.0, -0.1 * h)), rel=1e-5)
+
+
+def test_init_copies_the_initial_policy_or_takes_given_weights(weights):
+    obj = DPOObjective(MODEL, init_params=weights[0])
+    variables = nn.unbox(jax.jit(obj.init)(jax.random.key(5)))
+    jax.tree.map(np.testing.assert_array_equal, variables["params"], weights[0])
+    jax.tree.map(np.testing.assert_array_equal, variables["reference"]["params"], weights[0])
+    roles = obj.roles()
+    assert [(r.name, r.trained) for r in roles] == [("model", True), ("reference", False)]
+    given = nn.unbox(jax.jit(objective(weights).init)(jax.random.key(5)))
+    jax.tree.map(np.testing.assert_array_equal, given["reference"]["params"], weights[1])
+    # boxes kept: the reference is sharded like the policy
+    boxed = jax.eval_shape(objective(weights).init, jax.random.key(5))["reference"]["params"]
+    assert isinstance(boxed["embed"]["embedding"], nn.meta.AxisMetadata)
+
+
+def test_reader_batches_train_and_name_bad_pairs(tmp_path):
+    from dew.data import ByteTokenizer, PreferencePairs
+
+    rows = [
+        {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+        {"prompt": "hi", "chosen": "hello", "rejected": "go away"},
+        {"prompt": "a", "chosen": "b", "rejected": "b"},  # a tie: refused
+        {"prompt": "x", "chosen": "yz", "rejected": "y"},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = PreferencePairs(str(path), prompt_len=4, completion_len=8, read_threads=0).load(batch=4)
+    batch = next(data.train(_partition()))
+    model = CausalTransformer(**dict(TINY_LM, vocab_size=ByteTokenizer.vocab_size))
+    obj = DPOObjective(model)
+    with pytest.raises(
+        ValueError, match=r"pair \d of this batch has identical chosen and rejected"
+    ):
+        obj.check_batch(batch)
+    keep = ~np.all(batch["chosen"] == batch["rejected"], axis=1)
+    good = {k: v[keep] for k, v in batch.items()}
+    obj.check_batch(good)
+    variables = nn.unbox(jax.jit(obj.init)(jax.random.key(0)))
+    loss, metrics = jax.jit(obj.loss)(variables, good, STEP)
+    # policy == reference at init: h = 0 for every pair, loss log 2, margin 0
+    assert float(loss.value) == pytest.approx(np.log(2.0), rel=1e-6)
+    assert float(metrics["margin"].value) == 0.0 and float(metrics["accuracy"].value) == 0.0
+    # prompt ids are never counted: the chosen log-prob covers completion + end id only
+    counted = sorted(good["chosen_mask"].sum(1).tolist())
+    assert counted == sorted(len(r["chosen"]) + 1 for r in (rows[0], rows[1], rows[3]))
+    assert not np.any(good["chosen_mask"] & good["prompt_mask"])
+
+
+def _partition():
+    from dew.data import Partition
+
+    return Partition(0, 1)
+
+
+def test_bad_input_is_refused_before_compiling(weights):
+    obj = objective(weights)
+    empty = make_batch()
+    empty["rejected_mask"][2] = False
+    with pytest.raises(ValueError, match=r"pair 2 of this batch has an empty rejected completion"):
+        obj.check_batch(empty)
+    tie = make_batch()
+    tie["rejected"][1], tie["rejected_mask"][1] = tie["chosen"][1], tie["chosen_mask"][1]
+    with pytest.raises(ValueError, match=r"pair 1 of this batch has identical chosen and rejected"):
+        obj.check_batch(tie)
+    tie["example_mask"] = np.array([1, 0, 1, 1], bool)  # a padded row may be a tie
+    obj.check_batch(tie)
+    no_prompt = make_batch()
+    no_prompt["chosen_mask"][0, 0] = True
+    with pytest.raises(ValueError, match=r"pair 0's chosen completion starts at position 0"):
+        obj.check_batch(no_prompt)
+    with pytest.raises(KeyError, match=r"missing \['rejected_mask'\]"):
+        obj.check_batch({k: v for k, v in make_batch().items() if k != "rejected_mask"})
+    with pytest.raises(ValueError, match="need both"):
+        obj.check_batch(dict(make_batch(), ref_chosen_logps=np.zeros(PAIRS, np.float32)))
+    wide = make_batch(length=40)
+    with pytest.raises(ValueError, match="more than the model's max_seq_len 32"):
+        obj.check_batch(wide)
+    other_vocab = CausalTransformer(**dict(TINY_LM, vocab_size=64))
+    with pytest.raises(ValueError, match=r"reference's vocabulary \(64 ids\) differs .* \(32\)"):
+        DPOObjective(MODEL, reference_model=other_vocab, reference=weights[1])
+    wider = CausalTransformer(**dict(TINY_LM, emb_features=32))
+    wrong = nn.unbox(jax.jit(wider.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    with pytest.raises(ValueError, match=r"DPOObjective reference.*\['embed'\]\['embedding'\]"):
+        jax.eval_shape(DPOObjective(MODEL, reference=wrong["params"]).init, jax.random.key(0))
+    with pytest.raises(ValueError, match="label_smoothing > 0"):
+        DPOObjective(MODEL, loss_type="cdpo")
+    with pytest.raises(ValueError, match="takes no label_smoothing"):
+        DPOObjective(MODEL, loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"use one of \['sigmoid', 'cdpo', 'ipo'\]"):
+        DPOObjective(MODEL, loss_type="hinge")
+
+
+def test_export_is_a_text_generation_of_the_policy(weights):
+    from dew.sampling import TextGeneration
+
+    task = objective(weights).export(variables_of(weights))
+    assert isinstance(task, TextGeneration) and task.params is weights[0]

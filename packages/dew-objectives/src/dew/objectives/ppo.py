@@ -1,0 +1,470 @@
+"""Proximal policy optimization of a language model (RLHF-style, token level).
+
+Papers: PPO (Schulman et al., 2017, arXiv 1707.06347), GAE (Schulman et al.,
+2016, arXiv 1506.02438), Ziegler et al. (2019, arXiv 1909.08593), InstructGPT
+(Ouyang et al., 2022, arXiv 2203.02155), "The N+ implementation details of
+RLHF with PPO" (Huang et al., 2024). References: huggingface/trl
+``trl/experimental/ppo/ppo_trainer.py``; google/tunix ``tunix/rl/ppo``.
+
+Prepare (compiled, no gradient, the pre-update weights) samples a completion
+``o`` of every prompt ``q`` with :func:`dew.objectives.rollouts.sample_completions`,
+scores it with the reward ``s(q, o)``, and computes per completion token ``t``
+(``m_t`` = 1 on the completion's tokens, its end id included, 0 on the padding
+after it):
+
+    kl_t = log pi_old(o_t) - log ref(o_t)               (k1; or k3)
+    r_t  = -beta kl_t + [t = T_end] s(q, o)             T_end: the last real token
+    delta_t = r_t + gamma V_old(t + 1) - V_old(t)       V_old(t) = 0 where m_t = 0
+    A_t  = delta_t + gamma lambda A_{t+1}               (GAE, a reverse lax.scan)
+    R_t  = A_t + V_old(t)                               (the value targets)
+    A_t <- (A_t - mean(A)) / std(A)                     over every valid token of the batch
+
+Each of the ``epochs x minibatches`` updates (:class:`~dew.objectives.Updates`)
+then minimizes, with ``rho_t = pi(o_t) / pi_old(o_t)`` and token-weighted means:
+
+    L_pg = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps))
+    L_vf = 0.5 mean_t max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -eps_v, eps_v) - R_t)^2)
+    L    = L_pg + c_vf L_vf
+
+Log-probs are those of the distribution the sampler draws from (temperature,
+truncation; :func:`dew.objectives.rollouts.scored_logprobs`), from one full
+forward pass over ``[prompt | completion]`` in prepare and in the loss alike, so
+the first update's ratio is 1 (``debug=True`` asserts ``max |rho - 1| <= 1e-6``).
+The value of position ``t`` is read at the hidden state that predicts ``o_t``
+(the state before the action). Values come from a :class:`dew.nn.value.ValueHead`
+on the policy's trunk (one forward pass gives both; the value loss trains the
+trunk too) or, with ``critic=``, from a separate :class:`dew.nn.value.Critic`,
+a second trained role.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Objective, Role, Step, Updates, check_same_shapes, nn_unbox
+from dew.objectives.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
+from dew.objectives.rewards import Rewards
+from dew.objectives.rollouts import (
+    Rollout,
+    check_first_ratio,
+    debug_enabled,
+    max_ratio_deviation,
+    rollout_logprobs,
+    sample_completions,
+    scored_logprobs,
+)
+from dew.objectives.weighted import Summed, Weighted
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+# ------------------------------------------------------------------ the math
+def end_index(mask: jax.Array) -> jax.Array:
+    """``[rows]`` index of each row's last real token (its end id, or the last token
+    of a completion cut at ``max_new_tokens``); -1 for an empty row."""
+    return jnp.sum(mask.astype(jnp.int32), axis=-1) - 1
+
+
+def token_rewards(
+    scores: jax.Array, kl: jax.Array, mask: jax.Array, *, kl_coef: float
+) -> jax.Array:
+    """``r_t = -kl_coef kl_t + [t = end] score`` on valid tokens, 0 after the end.
+
+    scores: ``[rows]``; kl, mask: ``[rows, new]``. An empty row gets no score.
+    """
+    mask = mask.astype(jnp.float32)
+    at_end = jax.nn.one_hot(end_index(mask), mask.shape[-1], dtype=jnp.float32)  # [rows, new]
+    return (-kl_coef * kl.astype(jnp.float32) + scores.astype(jnp.float32)[:, None] * at_end) * mask
+
+
+def gae(
+    rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
+    """Generalized advantage estimation (Schulman et al., 2016) by a reverse ``lax.scan``.
+
+    rewards, values, mask: ``[rows, new]``; the mask is True on a prefix of each
+    row (the completion), False on the padding after its end, where values and
+    rewards count as 0, so the last real token bootstraps from nothing.
+
+        delta_t = r_t + gamma V_{t+1} - V_t;   A_t = delta_t + gamma lam A_{t+1}
+
+    Returns ``(advantages, returns = advantages + values)``, each ``[rows, new]``,
+    0 on padding.
+    """
+    mask = mask.astype(jnp.float32)
+    values = values.astype(jnp.float32) * mask
+    rewards = rewards.astype(jnp.float32) * mask
+    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))  # [rows, new]
+    deltas = rewards + gamma * next_values - values
+
+    def back(later, x):
+        delta, m = x  # [rows] each, at one position
+        advantage = (delta + gamma * lam * later) * m
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(
+        back, jnp.zeros(mask.shape[:1], jnp.float32), (deltas.T, mask.T), reverse=True
+    )
+    advantages = advantages.T  # [rows, new]
+    return advantages, (advantages + values) * mask
+
+
+def whiten(x: jax.Array, mask: jax.Array, *, eps: float = 1e-8) -> jax.Array:
+    """``(x - mean) / sqrt(var + eps)`` over the valid tokens (unbiased variance, as
+    TRL's ``masked_whiten``); 0 on padding."""
+    mask = mask.astype(jnp.float32)
+    mean = masked_mean(x, mask)
+    count = jnp.sum(mask)
+    var = masked_mean((x - mean) ** 2, mask) * count / jnp.maximum(count - 1.0, 1.0)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * mask
+
+
+def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
+    """``1 - Var(R - V) / Var(R)`` over the valid tokens: 1 = the values predict the
+    returns, 0 = no better than their mean, < 0 worse."""
+    mask = mask.astype(jnp.float32)
+
+    def var(x):
+        return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+
+    return 1.0 - var(returns - values) / jnp.maximum(var(returns), 1e-12)
+
+
+def policy_loss(
+    logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, *, clip_range: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token: ``max(-A rho, -A clip(rho, 1 - eps, 1 + eps))``, whether the clipped
+    term was the larger (clipped), and ``rho``; each ``[rows, new]`` float32."""
+    ratio = jnp.exp(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32), ratio
+
+
+def value_loss(
+    values: jax.Array, old_values: jax.Array, returns: jax.Array, *, clip_range_value: float
+) -> tuple[jax.Array, jax.Array]:
+    """Per token: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps_v) - R)^2)`` and
+    whether the clipped term was the larger; each ``[rows, new]`` float32."""
+    moved = jnp.clip(values - old_values, -clip_range_value, clip_range_value)
+    unclipped = (values - returns) ** 2
+    clipped = (old_values + moved - returns) ** 2
+    return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------- objective
+@dataclasses.dataclass(eq=False)
+class PPOObjective(Objective):
+    """PPO with a KL penalty to a frozen reference policy and GAE (module docstring).
+
+    model: the policy, a causal module (:class:`dew.nn.CausalTransformer`) that
+      decodes with a cache and takes ``return_hidden=True``.
+    reward: the score of a completion: a :class:`~dew.objectives.rewards.TokenReward`
+      (jittable, traced into prepare), or a sequence of them (weighted and summed,
+      each logged as ``reward/<name>``).
+    max_new_tokens: completion length (tokens, an end id included).
+    critic: None = a :class:`~dew.nn.value.ValueHead` on the policy's trunk
+      (``value_head``); a module ``critic(tokens, positions=, attention_mask=) ->
+      [batch, length]`` (:class:`~dew.nn.value.Critic`) = a separate critic model,
+      a second trained role ``value``.
+    value_head: the head used without a critic.
+    sampling: how completions are drawn; the log-probs use its temperature and
+      truncation (TRL's PPO demo: temperature 0.7).
+    kl_coef: beta of the per-token KL penalty (TRL 0.05, InstructGPT 0.02); 0 = none.
+    kl_estimator: ``'k1'`` (``log pi_old - log ref``, TRL's default) or ``'k3'``
+      (Tunix's ``low_var_kl``).
+    gamma, lam: discount and GAE lambda (1.0, 0.95 as TRL and Tunix).
+    clip_range: epsilon of the policy ratio clip; clip_range_value: of the value clip.
+    vf_coef: weight of the value loss (TRL 0.1).
+    whiten_advantages: normalise the advantages over the batch's valid tokens.
+    prepared_updates: optimizer updates per rollout batch (epochs x minibatches;
+      TRL: 4 epochs, 1 minibatch).
+    end_ids: ids that end a completion (included in it); pad_id: fills after it.
+    reference: the reference policy's parameters; None = a copy of the initial policy.
+    init_params: start the policy from these parameters (a ``Pretrained`` load).
+    tokenizer: for export; None = ``ByteTokenizer()``.
+    debug: assert the first update's ratio is 1 in the compiled step
+      (:func:`~dew.objectives.rollouts.check_first_ratio`); None = ``DEW_DEBUG``.
+    """
+
+    model: Any
+    reward: Any
+    max_new_tokens: int
+    critic: Any = None
+    value_head: Any = None
+    sampling: Any = None
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_range: float = 0.2
+    clip_range_value: float = 0.2
+    vf_coef: float = 0.1
+    whiten_advantages: bool = True
+    prepared_updates: Updates = dataclasses.field(
+        default_factory=lambda: Updates(epochs=4, minibatches=1)
+    )
+    end_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    reference: Any = None
+    init_params: Any = None
+    tokenizer: Any = None
+    debug: bool | None = None
+
+    def __post_init__(self):
+        from dew.nn.value import ValueHead
+        from dew.sampling import Sampling
+
+        if self.sampling is None:
+            self.sampling = Sampling()
+        if self.value_head is None:
+            self.value_head = ValueHead()
+        if self.tokenizer is None:
+            from dew.data import ByteTokenizer
+
+            self.tokenizer = ByteTokenizer()
+        self.rewards = Rewards.of(self.reward)
+        if self.rewards.text:
+            raise ValueError(
+                f"PPOObjective scores completions in its compiled prepare phase; the text "
+                f"reward(s) {[r.label for r in self.rewards.text]} run on the host. Use "
+                f"TokenReward(fn=...) (a jittable function of the completion tokens)"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"unknown kl_estimator {self.kl_estimator!r}; use one of {KL_ESTIMATORS}"
+            )
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        for name in ("kl_coef", "clip_range", "clip_range_value", "vf_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"PPOObjective {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(
+                    f"PPOObjective {name} must be in [0, 1], got {getattr(self, name)}"
+                )
+        if not isinstance(self.prepared_updates, Updates):
+            raise TypeError(
+                f"prepared_updates must be dew.objectives.Updates(epochs=, minibatches=), got "
+                f"{type(self.prepared_updates).__name__}"
+            )
+        self.end_ids = tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
+        self.debug = debug_enabled(self.debug)
+
+    # ------------------------------------------------------------- models
+    def roles(self) -> tuple[Role, ...]:
+        value = self.critic if self.critic is not None else self.value_head
+        return (
+            Role(name="policy", module=self.model),
+            Role(name="value", module=value),
+            Role(name="reference", module=self.model, trained=False, weights=self.reference),
+        )
+
+    def _prompt_len(self, spec) -> int:
+        if spec is not None and "prompt" in spec:
+            return int(tuple(spec["prompt"].shape)[0])
+        return 1
+
+    def init(self, key, spec=None):
+        k_policy, k_value = jax.random.split(key)
+        length = self._prompt_len(spec) + self.max_new_tokens
+        self._check_length(length - self.max_new_tokens)
+        tokens = jnp.zeros((1, length), jnp.int32)
+        policy = _with_values(self.model.init(k_policy, tokens)["params"], self.init_params)
+        if self.critic is not None:
+            value = self.critic.init(k_value, tokens)["params"]
+        else:
+            _, hidden = jax.eval_shape(
+                lambda: self.model.apply({"params": nn_unbox(policy)}, tokens, return_hidden=True)
+            )
+            value = self.value_head.init(k_value, jnp.zeros(hidden.shape, hidden.dtype))["params"]
+        reference = _with_values(policy, self.reference, what="PPOObjective reference")
+        return {"params": {"policy": policy, "value": value}, "reference": {"params": reference}}
+
+    def _check_length(self, prompt_len: int) -> None:
+        max_len = getattr(self.model, "max_seq_len", None)
+        if max_len is not None and prompt_len + self.max_new_tokens > max_len:
+            raise ValueError(
+                f"prompts of {prompt_len} tokens plus max_new_tokens {self.max_new_tokens} "
+                f"exceed the policy's max_seq_len {max_len}; use shorter prompts, fewer new "
+                f"tokens or a model with max_seq_len >= {prompt_len + self.max_new_tokens}"
+            )
+
+    # ------------------------------------------------ log-probs and values
+    def evaluate_rollout(self, params, rollout: Rollout) -> tuple[jax.Array, jax.Array]:
+        """``(logps, values)``, each ``[rows, new]`` float32, 0 after a row's end:
+        the policy's log-probs of the completion tokens (as sampled: temperature,
+        truncation) and the value of the state before each token. One forward pass
+        of the policy when the value head is on its trunk. Prepare and the loss
+        both call this, on the same rows."""
+        prompt_len, new = rollout.prompt.shape[1], rollout.completion.shape[1]
+        tokens = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)  # [rows, length]
+        positions, mask = rollout_positions(rollout.prompt_mask, new)
+        scored = slice(prompt_len - 1, prompt_len - 1 + new)  # the states before o_0 .. o_new-1
+        valid = rollout.completion_mask
+        if self.critic is None:
+            logits, hidden = self.model.apply(
+                {"params": nn_unbox(params["policy"])},
+                tokens,
+                positions=positions,
+                attention_mask=mask,
+                return_hidden=True,
+            )  # [rows, length, vocab], [rows, length, embed]
+            logps = scored_logprobs(logits[:, scored], rollout.completion, self.sampling)
+            logps = jnp.where(valid, logps, 0.0)
+            values = self.value_head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
+        else:
+            logps = rollout_logprobs(self.model, params["policy"], rollout, sampling=self.sampling)
+            values = self.critic.apply(
+                {"params": nn_unbox(params["value"])},
+                tokens,
+                positions=positions,
+                attention_mask=mask,
+            )[:, scored]
+        return logps, jnp.where(valid, values, 0.0)  # [rows, new] each
+
+    # ------------------------------------------------------------- prepare
+    def prepare(self, variables, batch, step: Step):
+        params = variables["params"]
+        rollout = sample_completions(
+            self.model,
+            nn_unbox(params["policy"]),
+            batch["prompt"],
+            batch["prompt_mask"],
+            key=step.key,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            end_ids=self.end_ids,
+            pad_id=self.pad_id,
+        )
+        mask = rollout.completion_mask
+        logps, values = self.evaluate_rollout(params, rollout)
+        ref_logps = rollout_logprobs(
+            self.model, variables["reference"]["params"], rollout, sampling=self.sampling
+        )
+        kl_fn = kl_k1 if self.kl_estimator == "k1" else kl_k3
+        kl = jnp.where(mask, kl_fn(logps, ref_logps), 0.0)  # [rows, new]
+        columns = self.rewards.token_values(rollout.completion, mask, dict(batch))
+        scores = self.rewards.total(columns)  # [rows]
+        rewards = token_rewards(scores, kl, mask, kl_coef=self.kl_coef)
+        advantages, returns = gae(rewards, values, mask, gamma=self.gamma, lam=self.lam)
+        if self.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        rows = mask.shape[0]
+        prepared = {
+            **rollout.as_dict(),
+            "old_logps": logps,
+            "old_values": values,
+            "advantages": advantages,
+            "returns": returns,
+            "scores": scores,
+            "kl": jnp.sum(kl, axis=-1),  # [rows] the sequence's KL to the reference
+            # a statistic of the whole rollout batch, carried per row
+            "explained_variance": jnp.full((rows,), explained_variance(values, returns, mask)),
+        }
+        for k, name in enumerate(self.rewards.names):
+            prepared[f"reward/{name}"] = columns[:, k]
+        return jax.lax.stop_gradient(prepared)
+
+    # ---------------------------------------------------------------- loss
+    def loss(self, variables, batch, step: Step):
+        rollout = Rollout.from_batch(batch)
+        mask = rollout.completion_mask
+        logps, values = self.evaluate_rollout(variables["params"], rollout)
+        pg, pg_clipped, ratio = policy_loss(
+            logps, batch["old_logps"], batch["advantages"], clip_range=self.clip_range
+        )
+        vf, vf_clipped = value_loss(
+            values, batch["old_values"], batch["returns"], clip_range_value=self.clip_range_value
+        )
+        if self.debug:
+            check_first_ratio(
+                ratio,
+                mask,
+                step=step.index,
+                updates_per_batch=self.prepared_updates.per_batch,
+                what="PPOObjective",
+            )
+        weights = mask.astype(jnp.float32)
+        policy = Weighted.mean(pg, weights)
+        value = Weighted.mean(vf, weights)
+        log_ratio = logps - batch["old_logps"]
+        metrics = {
+            "policy_loss": policy,
+            "value_loss": value,
+            "score": Weighted.mean(batch["scores"]),
+            "kl": Weighted.mean(batch["kl"]),
+            "policy_clip_fraction": Weighted.mean(pg_clipped, weights),
+            "value_clip_fraction": Weighted.mean(vf_clipped, weights),
+            "approx_kl": Weighted.mean(0.5 * log_ratio**2, weights),
+            "ratio": Weighted.mean(ratio, weights),
+            "ratio_max_deviation": max_ratio_deviation(ratio, mask),
+            "explained_variance": Weighted.mean(batch["explained_variance"]),
+            "completion_length": Weighted.mean(rollout.lengths),
+            "tokens": Summed(jnp.sum(weights)),
+        }
+        for name in self.rewards.names:
+            metrics[f"reward/{name}"] = Weighted.mean(batch[f"reward/{name}"])
+        return (policy, value.scale(self.vf_coef)), metrics
+
+    # ------------------------------------------------------- checks, export
+    def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
+        for key in ("prompt", "prompt_mask"):
+            if key not in batch:
+                raise KeyError(
+                    f"PPOObjective needs batch[{key!r}] (left-padded prompts, as "
+                    f"dew.data.Prompts reads them); the batch has keys {sorted(batch)}"
+                )
+        prompt, mask = np.asarray(batch["prompt"]), np.asarray(batch["prompt_mask"])
+        if prompt.ndim != 2 or mask.shape != prompt.shape:
+            raise ValueError(
+                f"batch['prompt'] {prompt.shape} and batch['prompt_mask'] {mask.shape} must "
+                f"both be [rows, prompt_len]"
+            )
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise TypeError(f"batch['prompt'] must hold integer ids, got {prompt.dtype}")
+        self._check_length(prompt.shape[1])
+        vocab = getattr(self.model, "vocab_size", None)
+        if vocab is not None and prompt.size and (prompt.max() >= vocab or prompt.min() < 0):
+            raise ValueError(
+                f"batch['prompt'] holds ids in [{prompt.min()}, {prompt.max()}], outside the "
+                f"policy's vocabulary (vocab_size {vocab}); check the tokenizer matches the model"
+            )
+        count = self.prepared_updates.minibatches
+        if prompt.shape[0] % count:
+            raise ValueError(
+                f"a rollout batch of {prompt.shape[0]} rows does not split into "
+                f"{count} minibatches; use a batch that is a multiple of {count}"
+            )
+
+    def export(self, variables):
+        """A :class:`dew.sampling.TextGeneration` of the policy."""
+        from dew.sampling import TextGeneration
+
+        return TextGeneration(self.model, variables["params"]["policy"], self.tokenizer)
+
+
+def _with_values(boxes, values, *, what: str = "PPOObjective init_params"):
+    """The logical-axis boxes of ``boxes`` around ``values`` (None = ``boxes`` as they are)."""
+    if values is None:
+        return boxes
+    values = values.get("params", values) if isinstance(values, Mapping) else values
+    check_same_shapes(nn_unbox(boxes), values, what=what)
+    return jax.tree.map(
+        lambda box, value: (
+            box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
+            if isinstance(box, nn.meta.AxisMetadata)
+            else jnp.asarray(value, box.dtype)
+        ),
+        boxes,
+        values,
+        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+    )

@@ -187,16 +187,6 @@ class Rewards:
             return jnp.zeros((rows, 0), jnp.float32)
         return jnp.stack(columns, axis=1)
 
-    def combine(self, token_values: jax.Array, text_values: jax.Array) -> jax.Array:
-        """``[rows, rewards]`` in :attr:`names` order from the two kinds' columns."""
-        t = iter(range(token_values.shape[1]))
-        h = iter(range(text_values.shape[1]))
-        cols = [
-            token_values[:, next(t)] if isinstance(r, TokenReward) else text_values[:, next(h)]
-            for r in self.items
-        ]
-        return jnp.stack(cols, axis=1)
-
     def total(self, values: jax.Array) -> jax.Array:
         """``[rows]`` ``sum_k w_k r_k`` of ``values [rows, rewards]``."""
         return values @ jnp.asarray(self.weights)

@@ -10,7 +10,9 @@
       {"format": "dew", "version": 1,
        "model": {"name": <models registry name>, "config": <models.config_of(model)[1]>},
        "tokenizer": null | {"kind": "bytes"} | {"kind": "hf"},
-       "end_ids": [<ids that end a generation>]}
+       "end_ids": [<ids that end a generation>],
+       "diffusion": <absent, or how a diffusion model samples:
+                     dew.sampling.diffusion_pipelines>}
 
   beside ``model.safetensors``, whose tensor names are the ``/``-joined
   parameter paths (``layers/attention/query_kernel``), stored in the
@@ -127,6 +129,7 @@ def read_dew(path: pathlib.Path) -> dict[str, Any]:
         tokenizer=tokenizer,
         format="dew",
         end_ids=None if end_ids is None else tuple(end_ids),
+        diffusion=config.get("diffusion"),
     )
 
 
@@ -143,18 +146,21 @@ def write(
     end_ids: tuple[int, ...],
     hf_config: dict[str, Any] | None = None,
     max_shard_bytes: int | None = None,
+    diffusion: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a checkpoint of ``format`` to directory ``path`` (created if needed).
 
     hf_config: the ``config.json`` the weights came from, when ``format`` is
       that same family: the fields Dew ignores (token ids, ...) are kept.
+    diffusion: a Dew checkpoint's ``"diffusion"`` section (how a diffusion model
+      samples, :mod:`dew.sampling.diffusion_pipelines`); None = none.
     """
     check_format(format)
     params = nn.meta.unbox(params)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if format == "dew":
-        _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes)
+        _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes, diffusion)
     else:
         _write_hf(path, model, params, tokenizer, format, end_ids, hf_config, max_shard_bytes)
     return path
@@ -177,7 +183,7 @@ def _write_hf(path, model, params, tokenizer, family, end_ids, base, max_shard_b
     _write_tokenizer(path, tokenizer, allow_bytes=False)
 
 
-def _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes):
+def _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes, diffusion=None):
     name, config = models.config_of(model)
     flat = traverse_util.flatten_dict(params, sep="/")
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
@@ -189,6 +195,8 @@ def _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes):
         "tokenizer": _write_tokenizer(path, tokenizer, allow_bytes=True),
         "end_ids": list(end_ids),
     }
+    if diffusion is not None:
+        description["diffusion"] = diffusion
     (path / DEW_CONFIG).write_text(json.dumps(description, indent=2))
 
 

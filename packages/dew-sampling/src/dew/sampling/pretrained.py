@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from dew.sampling import checkpoint_formats as formats
+from dew.sampling import diffusion_pipelines
 from dew.sampling.pipelines import TextGeneration
 
 
@@ -39,6 +40,10 @@ class Pretrained:
       fields Dew ignores (token ids, ...) are written back by :meth:`save`.
     end_ids: token ids that end a generation; None = the tokenizer's ``end_id``
       and the config's ``eos_token_id``.
+    diffusion: a diffusion model's sampling setup (a Dew checkpoint's ``"diffusion"``
+      section, :mod:`dew.sampling.diffusion_pipelines`); None = none, or a denoiser
+      (``DiT``) sampled as DiT was trained.
+    text_encoder: the :class:`dew.sampling.TextEncoder` of a text-conditioned one.
     """
 
     model: Any
@@ -47,6 +52,8 @@ class Pretrained:
     format: str = "dew"
     hf_config: dict[str, Any] | None = None
     end_ids: tuple[int, ...] | None = None
+    diffusion: dict[str, Any] | None = None
+    text_encoder: Any = None
 
     def __post_init__(self):
         formats.check_format(self.format)
@@ -80,7 +87,12 @@ class Pretrained:
                 f"{path} is not a directory; Pretrained.load takes the checkpoint directory"
             )
         if (path / formats.DEW_CONFIG).exists():
-            return cls(**formats.read_dew(path))
+            fields = formats.read_dew(path)
+            if fields.get("diffusion") is not None:
+                fields["text_encoder"] = diffusion_pipelines.read_text_encoder(
+                    fields["diffusion"], path
+                )
+            return cls(**fields)
         if (path / formats.HF_CONFIG).exists():
             return cls(
                 **formats.read_hf(
@@ -111,6 +123,8 @@ class Pretrained:
           bytes plus ``model.safetensors.index.json``; None = one file.
         """
         format = format or self.format
+        if self._is_diffusion:
+            return self.pipeline().save(path, format=format)
         return formats.write(
             path,
             model=self.model,
@@ -122,8 +136,30 @@ class Pretrained:
             max_shard_bytes=max_shard_bytes,
         )
 
-    def pipeline(self, **options) -> TextGeneration:
-        """A :class:`dew.sampling.TextGeneration` over this model (strings in, strings out)."""
+    @property
+    def _is_diffusion(self) -> bool:
+        registry_name = getattr(type(self.model), "registry_name", None)
+        return self.diffusion is not None or registry_name in ("dit", "video_dit")
+
+    def pipeline(self, **options):
+        """The model's inference task: a :class:`dew.sampling.TextGeneration` for a
+        language model (strings in, strings out); for a diffusion model the
+        ``ClassToImage`` / ``ClassToVideo`` / ``TextToImage`` / ``TextToVideo`` its
+        ``diffusion`` section describes (a diffusers DiT: ``ClassToImage`` as DiT was
+        trained, :func:`dew.sampling.diffusion_pipelines.default_description`).
+        ``options`` override pipeline fields (``num_steps=``, ``guidance=``, ...)."""
+        if self._is_diffusion:
+            description = self.diffusion or diffusion_pipelines.default_description(self.model)
+            if self.text_encoder is not None:
+                options.setdefault("text_encoder", self.text_encoder)
+            return diffusion_pipelines.pipeline_from_description(
+                description,
+                model=self.model,
+                params=self.params,
+                checkpoint_format=self.format,
+                hf_config=self.hf_config,
+                **options,
+            )
         if getattr(type(self.model), "registry_name", None) == "vit":
             raise ValueError(
                 "this checkpoint is an image encoder (dew.nn.ViT), not a language model; "

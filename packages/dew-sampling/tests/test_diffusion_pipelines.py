@@ -172,6 +172,14 @@ def test_text_to_video_with_a_causal_text_encoder_round_trips(tmp_path):
     loaded = Pretrained.load(tmp_path / "t2v").pipeline()
     assert isinstance(loaded, TextToVideo) and loaded.text_encoder.max_length == 6
     np.testing.assert_array_equal(loaded(["a red square", "blue"], seed=5), clips)
+    # the null context condition dropout trained on (DiffusionObjective's zeros) is kept
+    zeros = dataclasses.replace(pipe, null_context=np.zeros((6, 16), np.float32))
+    zero_clips = zeros(["a red square", "blue"], seed=5)
+    assert not np.array_equal(zero_clips, clips)  # guidance 3 reads the null branch
+    zeros.save(tmp_path / "zeros")
+    again = Pretrained.load(tmp_path / "zeros").pipeline()
+    np.testing.assert_array_equal(again.null_context, 0)
+    np.testing.assert_array_equal(again(["a red square", "blue"], seed=5), zero_clips)
     with pytest.raises(ValueError, match=r"prompts must be a string or a non-empty list"):
         pipe([])
     with pytest.raises(ValueError, match=r"encoder gives 16 features.*context_features=8"):

@@ -26,7 +26,8 @@ back and ``.pipeline()`` rebuilds the pipeline::
                   "sampler": {"name": "ddim", <its fields but num_steps>} | null,
                   "num_steps": null | int, "guidance": float,
                   "has_null_condition": bool, "clip_denoised": null | float,
-                  "text_encoder": null | {"directory": "text_encoder", "max_length": int}}
+                  "text_encoder": null | {"directory": "text_encoder", "max_length": int,
+                                          "null_context": absent | "null_context"}}
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.sampling import checkpoint_formats
+from dew.sampling.checkpoint_files import TensorReader, write_tensors
 from dew.sampling.diffusion_samplers import (
     SAMPLERS,
     check_target_for,
@@ -57,6 +59,7 @@ from dew.sampling.text_encoders import TextEncoder
 
 SCHEDULES = {"ddpm": DDPMSchedule, "flow": FlowSchedule, "edm": EDMSchedule}
 TEXT_ENCODER_DIRECTORY = "text_encoder"
+NULL_CONTEXT_DIRECTORY = "null_context"
 
 
 def to_pixels(x: jax.Array) -> np.ndarray:
@@ -335,16 +338,29 @@ class TextToImage(_Diffusion):
 
     text_encoder: a :class:`dew.sampling.TextEncoder` whose ``features`` are the
       model's ``context_features``: a frozen checkpoint (``TextEncoder.load``) or the
-      small encoder trained with the model. Guidance's unconditional branch is the
-      encoding of the empty prompt ``""``.
+      small encoder trained with the model.
+    null_context: the unconditional context of guidance, ``[max_length, features]``:
+      what condition dropout trained on (``DiffusionObjective(null_context=)``, zeros
+      by default there); None = the encoding of the empty prompt ``""`` (Stable
+      Diffusion's choice).
     """
 
     text_encoder: TextEncoder
+    null_context: Any = None
 
     task = "text_to_image"
 
     def __post_init__(self):
         super().__post_init__()
+        if self.null_context is not None:
+            null = np.asarray(self.null_context, np.float32)
+            want = (self.text_encoder.max_length, self.text_encoder.features)
+            if null.shape != want:
+                raise ValueError(
+                    f"null_context has shape {null.shape}; the text encoder's contexts are "
+                    f"{want} ([max_length, features])"
+                )
+            object.__setattr__(self, "null_context", null)
         expected = getattr(self.model, "context_features", None)
         if expected is not None and expected != self.text_encoder.features:
             raise ValueError(
@@ -369,7 +385,9 @@ class TextToImage(_Diffusion):
                 f"prompts must be a string or a non-empty list of strings, got {prompts!r}"
             )
         context = self.text_encoder(texts)  # [batch, max_length, features]
-        null_context = self.text_encoder([""])[0]  # [max_length, features]
+        null_context = self.null_context  # [max_length, features]
+        if null_context is None:
+            null_context = self.text_encoder([""])[0]
         return self._run(
             len(texts),
             label=None,
@@ -388,6 +406,9 @@ class TextToImage(_Diffusion):
             "directory": TEXT_ENCODER_DIRECTORY,
             "max_length": self.text_encoder.max_length,
         }
+        if self.null_context is not None:
+            described["null_context"] = NULL_CONTEXT_DIRECTORY
+            write_tensors(path / NULL_CONTEXT_DIRECTORY, {"null_context": self.null_context})
         out = self._write(path, format, described)
         self.text_encoder.save(path / TEXT_ENCODER_DIRECTORY)
         return out
@@ -404,13 +425,20 @@ class TextToVideo(TextToImage):
 TASKS = {cls.task: cls for cls in (ClassToImage, ClassToVideo, TextToImage, TextToVideo)}
 
 
-def read_text_encoder(description: dict[str, Any], directory: pathlib.Path) -> TextEncoder | None:
-    """The text encoder a ``"diffusion"`` section names, read from ``directory``; None
-    when it names none."""
+def read_pipeline_parts(description: dict[str, Any], directory: pathlib.Path) -> dict[str, Any]:
+    """The pipeline fields a ``"diffusion"`` section keeps beside the model (the text
+    encoder, its null context), read from ``directory``; empty when there are none."""
     encoder = description.get("text_encoder")
     if encoder is None:
-        return None
-    return TextEncoder.load(directory / encoder["directory"], max_length=int(encoder["max_length"]))
+        return {}
+    out = {
+        "text_encoder": TextEncoder.load(
+            directory / encoder["directory"], max_length=int(encoder["max_length"])
+        )
+    }
+    if encoder.get("null_context"):
+        out["null_context"] = TensorReader(directory / encoder["null_context"])["null_context"]
+    return out
 
 
 def pipeline_from_description(description: dict[str, Any], *, model, params, **overrides):

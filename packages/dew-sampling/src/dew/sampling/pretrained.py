@@ -43,7 +43,8 @@ class Pretrained:
     diffusion: a diffusion model's sampling setup (a Dew checkpoint's ``"diffusion"``
       section, :mod:`dew.sampling.diffusion_pipelines`); None = none, or a denoiser
       (``DiT``) sampled as DiT was trained.
-    text_encoder: the :class:`dew.sampling.TextEncoder` of a text-conditioned one.
+    pipeline_parts: pipeline fields read beside a diffusion model (a text-conditioned
+      one's ``text_encoder`` and ``null_context``); None = none.
     """
 
     model: Any
@@ -53,7 +54,7 @@ class Pretrained:
     hf_config: dict[str, Any] | None = None
     end_ids: tuple[int, ...] | None = None
     diffusion: dict[str, Any] | None = None
-    text_encoder: Any = None
+    pipeline_parts: dict[str, Any] | None = None
 
     def __post_init__(self):
         formats.check_format(self.format)
@@ -89,7 +90,7 @@ class Pretrained:
         if (path / formats.DEW_CONFIG).exists():
             fields = formats.read_dew(path)
             if fields.get("diffusion") is not None:
-                fields["text_encoder"] = diffusion_pipelines.read_text_encoder(
+                fields["pipeline_parts"] = diffusion_pipelines.read_pipeline_parts(
                     fields["diffusion"], path
                 )
             return cls(**fields)
@@ -150,8 +151,7 @@ class Pretrained:
         ``options`` override pipeline fields (``num_steps=``, ``guidance=``, ...)."""
         if self._is_diffusion:
             description = self.diffusion or diffusion_pipelines.default_description(self.model)
-            if self.text_encoder is not None:
-                options.setdefault("text_encoder", self.text_encoder)
+            options = {**(self.pipeline_parts or {}), **options}
             return diffusion_pipelines.pipeline_from_description(
                 description,
                 model=self.model,

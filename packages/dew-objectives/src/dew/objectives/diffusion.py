@@ -51,6 +51,14 @@ import numpy as np
 
 from dew.objectives.base import EMA, Objective, Step
 from dew.objectives.weighted import Weighted
+from dew.sampling.diffusion_pipelines import (
+    ClassToImage,
+    ClassToVideo,
+    TextToImage,
+    TextToVideo,
+    sample_grid,
+    to_pixels,
+)
 from dew.sampling.diffusion_samplers import (
     check_target_for,
     make_sampler,
@@ -158,6 +166,14 @@ class DiffusionObjective(Objective):
       at fraction ``f`` of the rho-spaced range (1 = ``sigma_max``).
     eval_seed: the seed of evaluation's noise: the same noise for every batch of a
       shape and every run, so loss curves of two runs compare.
+    text_encoder: the :class:`dew.sampling.TextEncoder` that made ``batch['context']``
+      (a frozen checkpoint, ``TextEncoder.load``); :meth:`export` puts it in the
+      text-to-image/video pipeline and :meth:`preview` encodes ``preview_prompts``
+      with it. None = a text-conditioned model exports no pipeline.
+    preview_count: samples in a :meth:`preview` grid (labels ``0, 1, ...`` cycled for a
+      class-conditional model, ``preview_prompts`` cycled for a text one); 0 = no preview.
+    preview_prompts: the prompts a text-conditioned preview draws.
+    preview_steps: sampling steps of a preview; None = the sampler's default.
     """
 
     model: Any
@@ -172,6 +188,10 @@ class DiffusionObjective(Objective):
     guidance: float = 1.0
     eval_times: tuple[float, ...] = EVAL_FRACTIONS
     eval_seed: int = 0
+    text_encoder: Any = None
+    preview_count: int = 8
+    preview_prompts: tuple[str, ...] = ()
+    preview_steps: int | None = None
 
     def __post_init__(self):
         if self.target is None:
@@ -193,6 +213,15 @@ class DiffusionObjective(Objective):
         if not all(0.0 <= f <= 1.0 for f in self.eval_times):
             raise ValueError(f"eval_times are fractions in [0, 1], got {self.eval_times}")
         self.check_guidance(self.guidance)
+        if self.preview_count < 0:
+            raise ValueError(f"preview_count must be >= 0 samples, got {self.preview_count}")
+        self.preview_prompts = tuple(self.preview_prompts)
+        if self.text_encoder is not None and self.text_encoder.features != self.context_features:
+            raise ValueError(
+                f"text_encoder gives {self.text_encoder.features} features a token, the model "
+                f"reads context_features={self.context_features}; build the model with "
+                f"context_features={self.text_encoder.features}"
+            )
 
     # ------------------------------------------------------------- model facts
     @property
@@ -467,6 +496,59 @@ class DiffusionObjective(Objective):
             )
 
         return jax.jit(run)
+
+    # ------------------------------------------------------- preview and export
+    def preview(self, variables, key: jax.Array):
+        """A grid of ``preview_count`` samples (:func:`dew.sampling.sample_grid`): uint8
+        ``[rows * H, columns * W, C]``, or ``[F, rows * H, columns * W, C]`` for video; the
+        trainer writes it as a PNG (a GIF) into the run directory and to TensorBoard. None
+        when there is nothing to show (``preview_count=0``; a text model without
+        ``text_encoder`` and ``preview_prompts``; latents, which need a decoder)."""
+        count = self.preview_count
+        if not count or self.input_key not in ("image", "video"):
+            return None
+        conditions = {}
+        if self.num_classes:
+            conditions["label"] = jnp.asarray(np.arange(count) % self.num_classes, jnp.int32)
+        if self.context_features:
+            if self.text_encoder is None or not self.preview_prompts:
+                return None
+            prompts = [self.preview_prompts[i % len(self.preview_prompts)] for i in range(count)]
+            conditions["context"] = self.text_encoder(prompts)
+        samples = self.sample(
+            variables, key, num=count, num_steps=self.preview_steps, **conditions
+        )  # [count, *example shape] in [-1, 1]
+        return sample_grid(to_pixels(samples))
+
+    def export(self, variables):
+        """The pipeline of these weights, by the model's conditioning: ``TextToVideo`` /
+        ``TextToImage`` (with ``text_encoder``), ``ClassToVideo`` / ``ClassToImage``
+        (labels, or a count for an unconditional model), carrying the schedule, target,
+        guidance and whether the null condition was trained (``cond_dropout > 0``).
+        ``objective.pipeline(state)`` passes the EMA weights."""
+        fields = dict(
+            model=self.model,
+            params=variables["params"],
+            schedule=self.schedule,
+            target=self.target,
+            sample_shape=self.example_shape(),
+            guidance=self.guidance,
+            has_null_condition=self.cond_dropout > 0,
+            clip_denoised=self.clip_denoised,
+        )
+        if self.context_features:
+            if self.text_encoder is None:
+                raise ValueError(
+                    "a text-conditioned model exports a TextToImage / TextToVideo pipeline, "
+                    "which needs the text encoder that made batch['context']: pass "
+                    "DiffusionObjective(text_encoder=TextEncoder.load(...))"
+                )
+            null = self.null_context
+            if null is None:
+                null = np.zeros((self.text_encoder.max_length, self.context_features), np.float32)
+            task = TextToVideo if self.is_video else TextToImage
+            return task(**fields, text_encoder=self.text_encoder, null_context=null)
+        return (ClassToVideo if self.is_video else ClassToImage)(**fields)
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:

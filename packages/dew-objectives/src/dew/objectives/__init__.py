@@ -15,7 +15,16 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
   -> an inference task, with ``pipeline(state)`` a thin call of it.
 """
 
-from dew.objectives.base import EMA, Metrics, Objective, Role, Step, Updates, Variables
+from dew.objectives.base import (
+    EMA,
+    Metrics,
+    Objective,
+    Role,
+    Step,
+    Updates,
+    Variables,
+    with_initial_values,
+)
 from dew.objectives.weighted import Summed, Weighted
 
 __version__ = "0.1.0"
@@ -30,4 +39,5 @@ __all__ = [
     "Updates",
     "Variables",
     "Weighted",
+    "with_initial_values",
 ]

@@ -144,6 +144,39 @@ def _leaves(tree):
     return jax.tree_util.tree_leaves_with_path(tree)
 
 
+def with_initial_values(boxed, values, *, what: str = "init_params"):
+    """A fresh init's parameter tree ``boxed`` with ``values`` at its leaves (the
+    logical-axis boxes kept, each value cast to the fresh leaf's dtype): how an
+    objective starts from ``init_params`` (a ``Pretrained`` load).
+
+    Under LoRA (a model from ``dew.nn.LoRA.apply``) the fresh tree also holds the
+    adapters; ``values`` (the base weights) need not: the adapters missing from
+    it keep their fresh initialisation (``B = 0``, so the model starts as the
+    base). Any other missing, extra or misshapen path is a ValueError naming it.
+    """
+    import flax.linen as nn
+
+    from dew.nn.lora import merge, split
+
+    values = nn.unbox(values["params"] if "params" in values else values)
+    fresh_base, fresh_adapters = split(boxed)
+    given_base, given_adapters = split(values)
+    if given_adapters:  # a checkpoint's adapters too: all of them, checked below
+        fresh_base, given_base = boxed, values
+        fresh_adapters = {}
+    check_same_shapes(nn.unbox(fresh_base), given_base, what=what)
+
+    def fill(box, value):
+        if isinstance(box, nn.meta.AxisMetadata):
+            return box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
+        return jnp.asarray(value, box.dtype)
+
+    filled = jax.tree.map(
+        fill, fresh_base, given_base, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+    )
+    return merge(filled, fresh_adapters) if fresh_adapters else filled
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Updates:
     """How many optimizer updates one prepared batch feeds.

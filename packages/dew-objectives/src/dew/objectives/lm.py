@@ -18,13 +18,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.base import EMA, Objective, Step, with_initial_values
 from dew.objectives.weighted import Summed, Weighted
 
 
@@ -112,19 +111,12 @@ class LMObjective(Objective):
         variables = self.model.init(key, jnp.zeros((1, seq_len), jnp.int32))
         if self.init_params is None:
             return variables
-        # Keep the logical-axis boxes of a fresh init around the given values.
-        return {
-            "params": jax.tree.map(
-                lambda box, value: (
-                    box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
-                    if isinstance(box, nn.meta.AxisMetadata)
-                    else jnp.asarray(value, box.dtype)
-                ),
-                variables["params"],
-                self.init_params,
-                is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
-            )
-        }
+        # Keep the logical-axis boxes of a fresh init around the given values (and,
+        # under LoRA, the fresh adapters the base weights lack).
+        params = with_initial_values(
+            variables["params"], self.init_params, what="LMObjective init_params"
+        )
+        return {"params": params}
 
     def _weights(self, batch, tokens):
         weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)

@@ -374,6 +374,7 @@ class CheckpointSession:
             tree = {**target, **tree}
             tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
+        state = state.replace(lora_views=abstract.lora_views)
         data_state = None
         index, count = jax.process_index(), jax.process_count()
         # Written by Grain's handler, one file per process; a run resumed on
@@ -468,12 +469,12 @@ def to_saved(state: TrainState, *, shardings: TrainState | None = None) -> dict[
     """The tree Orbax writes: the TrainState's fields, a typed PRNG key as its
     key data (``jax.random.key_data``). With ``shardings``, ``state`` is
     abstract and the result a tree of ``jax.ShapeDtypeStruct`` to restore into."""
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    fields = {f.name: getattr(state, f.name) for f in _array_fields(state)}
     if shardings is None:
         if _is_typed_key(fields["key"]):
             fields["key"] = jax.random.key_data(fields["key"])
         return fields
-    sharding_of = {f.name: getattr(shardings, f.name) for f in dataclasses.fields(shardings)}
+    sharding_of = {f.name: getattr(shardings, f.name) for f in _array_fields(shardings)}
     out = {}
     for name, value in fields.items():
         if name == "key" and _is_typed_key(value):
@@ -486,6 +487,12 @@ def to_saved(state: TrainState, *, shardings: TrainState | None = None) -> dict[
                 sharding_of[name],
             )
     return out
+
+
+def _array_fields(state: TrainState):
+    """The fields holding arrays (not static ones such as ``lora_views``, which the
+    run's own abstract state carries)."""
+    return [f for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
 
 
 def from_saved(tree: dict[str, Any], *, key_impl: Any, key_sharding: Any) -> TrainState:

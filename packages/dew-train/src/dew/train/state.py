@@ -6,6 +6,10 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
+
+LORA_BASE = "lora_base"
+"""Where ``TrainState.frozen`` keeps the base weights of LoRA roles."""
 
 
 @flax.struct.dataclass
@@ -23,7 +27,12 @@ class TrainState:
       objective's EMA covers and live values elsewhere; None without an EMA.
     frozen: the objective's other collections, by frozen role name
       (``frozen['reference']['params']``: a reference policy, a teacher, a text
-      encoder), checkpointed and never optimized or averaged.
+      encoder), checkpointed and never optimized or averaged. Under LoRA,
+      ``frozen['lora_base']`` holds the adapted roles' base weights (nested as
+      ``params`` is), and ``params`` only their adapters.
+    lora_views: ``(frozen role, trained role or None)`` pairs: frozen roles that are
+      the base of a LoRA role (its initial policy), built from ``frozen['lora_base']``
+      with zero adapters and stored nowhere (None: the only trained role).
     """
 
     params: Any
@@ -34,8 +43,29 @@ class TrainState:
     updates: jax.Array
     averaged: Any = None
     frozen: Any = flax.struct.field(default_factory=dict)
+    lora_views: tuple[tuple[str, str | None], ...] = flax.struct.field(
+        pytree_node=False, default=()
+    )
 
     def variables(self, *, averaged: bool = False) -> dict[str, Any]:
         """``{'params': ..., **frozen}`` (the averaged params when asked and kept)."""
         params = self.averaged if (averaged and self.averaged is not None) else self.params
-        return {"params": params, **self.frozen}
+        return self.variables_with(params)
+
+    def variables_with(self, params) -> dict[str, Any]:
+        """What the objective reads with ``params`` as the trained parameters: under
+        LoRA the base merged with the adapters (``dew.nn.lora.merge``) and each
+        base view; otherwise ``{'params': params, **frozen}``."""
+        frozen = dict(self.frozen)
+        base = frozen.pop(LORA_BASE, None)
+        if base is None:
+            return {"params": params, **frozen}
+        from dew.nn.lora import merge, split
+
+        out = {"params": merge(base, params), **frozen}
+        for role, trained in self.lora_views:
+            role_base = base if trained is None else base[trained]
+            adapters = split(params if trained is None else params[trained])[1]
+            zeros = jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(adapters))
+            out[role] = {"params": merge(role_base, zeros)}
+        return out

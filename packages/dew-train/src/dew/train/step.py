@@ -64,7 +64,7 @@ def rows_of(batch) -> int:
 
 
 def objective_variables(objective: Objective, state: TrainState, params) -> dict:
-    variables = {"params": params, **state.frozen}
+    variables = state.variables_with(params)
     if objective.uses_averaged:
         variables["averaged"] = jax.lax.stop_gradient(state.averaged)
     return variables

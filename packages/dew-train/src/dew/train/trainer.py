@@ -29,9 +29,11 @@ import optax
 
 from dew.data import Dataset, Partition
 from dew.nn.keywords import check_keywords, unknown_keywords
+from dew.nn.lora import base_module, lora_of
 from dew.objectives import Objective, Role, Step
 from dew.objectives import weighted as wt
 from dew.train._run import Run
+from dew.train.adapters import split_lora
 from dew.train.checkpoints import Checkpoints, resume_position
 from dew.train.goodput import Goodput
 from dew.train.hooks import EarlyStopping, FitResult, Hook, StepInfo
@@ -198,7 +200,8 @@ class Trainer:
                 f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "
                 f"return a dict with 'params' (the trained weights)"
             )
-        params = variables.pop("params")
+        # Under LoRA only the adapters train; the base moves to frozen (dew.train.adapters).
+        params, variables, views = split_lora(self.roles, variables.pop("params"), variables)
         return TrainState(
             params=params,
             opt_state=self.optimizer.init(params),
@@ -208,6 +211,7 @@ class Trainer:
             updates=jnp.zeros((), jnp.int32),
             averaged=params if self.objective.ema is not None else None,
             frozen=variables,
+            lora_views=views,
         )
 
     def state_shardings(self, spec=None):
@@ -684,7 +688,9 @@ class Trainer:
         }
         roles = {}
         for role in self.roles:
-            roles[role.name] = {"trained": role.trained, **_model_record(role.module)}
+            roles[role.name] = {"trained": role.trained, **_model_record(base_module(role.module))}
+            if lora_of(role.module) is not None:
+                roles[role.name]["lora"] = dataclasses.asdict(lora_of(role.module))
         meta["roles"] = roles
         trained = [r for r in self.roles if r.trained]
         first = roles[trained[0].name] if trained else {"model": None}

@@ -1,0 +1,74 @@
+"""LoRA in the train state: only the adapters are trained; the base is frozen, once.
+
+A trained role whose module came from :meth:`dew.nn.LoRA.apply` initialises
+base weights and adapters together (the objective's ``init``, unchanged). The
+trainer then keeps
+
+    TrainState.params              the adapters (``*_lora_a``, ``*_lora_b``) of LoRA roles,
+                                   the whole tree of other trained roles
+    TrainState.frozen['lora_base'] the LoRA roles' base weights: never in the optimizer
+                                   state, the moving average or the gradient
+
+and the objective reads ``merge(base, adapters)`` (:meth:`TrainState.variables_with`),
+so its ``loss``, ``prepare``, ``evaluate`` and ``export`` see the full tree and
+need no LoRA code. A frozen role that the objective's ``init`` returned as the
+trained role's own initial parameters (``{'params': params}``, the same arrays:
+a reference policy that defaults to the initial policy) becomes a *view*: the
+base with zero adapters, built inside the step and stored nowhere, so the
+weights are held once in memory and in checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from dew.nn.lora import lora_of, split
+from dew.objectives import Role
+from dew.train.state import LORA_BASE
+
+
+def lora_roles(roles: tuple[Role, ...]) -> dict[str, Any]:
+    """``{trained role name: LoRA}`` of the trained roles built with adapters."""
+    return {r.name: lora_of(r.module) for r in roles if r.trained and lora_of(r.module)}
+
+
+def split_lora(roles: tuple[Role, ...], params, frozen: dict):
+    """``(params, frozen, views)`` of the initial state: adapters as the trained
+    parameters, the base under ``frozen['lora_base']``, frozen copies of the
+    initial policy turned into views. Unchanged when no role has LoRA."""
+    loras = lora_roles(roles)
+    if not loras:
+        return params, frozen, ()
+    if LORA_BASE in frozen:
+        raise ValueError(
+            f"a frozen role is named {LORA_BASE!r}, the name the trainer keeps LoRA base "
+            f"weights under; rename that role"
+        )
+    single = len([r for r in roles if r.trained]) == 1
+    if single:
+        trees = {None: params}
+        base, params = split(params)
+    else:
+        trees = {name: params[name] for name in loras}
+        base, params = {}, dict(params)
+        for name in loras:
+            base[name], params[name] = split(params[name])
+    frozen = dict(frozen)
+    views = []
+    for name, value in list(frozen.items()):
+        tree = value.get("params") if isinstance(value, dict) else None
+        for trained, initial in trees.items():
+            if tree is not None and _same_arrays(tree, initial):
+                views.append((name, trained))
+                del frozen[name]
+                break
+    frozen[LORA_BASE] = base
+    return params, frozen, tuple(views)
+
+
+def _same_arrays(a, b) -> bool:
+    """The same leaves (the same objects), as ``{'params': params}`` shares them."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))

@@ -1,0 +1,158 @@
+"""LoRA through the trainer: a LoRA policy (``dew.nn.LoRA.apply``) with a frozen
+reference that defaults to the initial policy, as DPO and GRPO declare it.
+
+Checked: the optimizer state and the moving average hold the adapters only
+(leaf and byte counts against adam's two moments); the base weights come out of
+training bit-identical and the reference is the base (its logits equal the
+plain model's on the initial weights) without a second copy in the state; a
+run resumed from a checkpoint equals the uninterrupted one bit for bit."""
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset
+from dew.nn.lora import LoRA, base_module, is_adapter, split
+from dew.nn.testing import tiny_lm
+from dew.objectives import EMA, Objective, Role, Weighted, with_initial_values
+from dew.objectives.lm import token_nll
+from dew.train import Checkpoints, MeshSpec, Trainer
+
+pytestmark = pytest.mark.slow  # three short runs
+
+SEQ, ROWS, STEPS = 8, 4, 4
+LORA = LoRA(rank=2, alpha=4.0, targets=("layers/attention", "layers/mlp/(up|down)"))
+ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+
+
+@dataclasses.dataclass(eq=False)
+class Tuned(Objective):
+    """Next-token NLL of a policy, with the reference's NLL as a metric; the
+    reference is ``{'params': params}`` of the initial policy, as DPO's and
+    GRPO's default is."""
+
+    model: Any
+    init_params: Any = None
+    ema: EMA | None = EMA(decay=0.5)
+
+    def roles(self):
+        return (
+            Role(name="model", module=self.model),
+            Role(name="reference", module=self.model, trained=False),
+        )
+
+    def init(self, key):
+        params = self.model.init(key, jnp.zeros((1, SEQ), jnp.int32))["params"]
+        if self.init_params is not None:
+            params = with_initial_values(params, self.init_params)
+        return {"params": params, "reference": {"params": params}}
+
+    def loss(self, variables, batch, step):
+        tokens = batch["text"]
+        logits = self.model.apply({"params": variables["params"]}, tokens[:, :-1])
+        ref = self.model.apply({"params": variables["reference"]["params"]}, tokens[:, :-1])
+        nll = token_nll(logits, tokens[:, 1:])
+        return Weighted.mean(nll), {"ref_nll": Weighted.mean(token_nll(ref, tokens[:, 1:]))}
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    while True:
+        yield {"text": rng.integers(0, 32, (ROWS, SEQ + 1)).astype(np.int32)}
+
+
+def data():
+    return Dataset(train=lambda p: batches(), val=None, records=0, batch=ROWS)
+
+
+@pytest.fixture(scope="module")
+def pretrained():
+    """A 'pretrained' base: the plain model's random weights."""
+    model = tiny_lm(max_seq_len=SEQ)
+    return model, nn.unbox(model.init(jax.random.key(7), jnp.zeros((1, SEQ), jnp.int32))["params"])
+
+
+def trainer(pretrained, **kw):
+    model, params = pretrained
+    objective = Tuned(LORA.apply(model), init_params=params)
+    return Trainer(objective, optax.adam(0.05), key=jax.random.key(0), mesh=ONE, **kw)
+
+
+@pytest.fixture(scope="module")
+def run(pretrained, tmp_path_factory):
+    t = trainer(pretrained, checkpoints=Checkpoints(str(tmp_path_factory.mktemp("whole"))))
+    initial = jax.device_get(t.init_state())
+    log = []
+    t.add_hook(lambda info: log.append(info.metrics), every=1)
+    final = t.fit(data(), steps=STEPS, log_every=1)
+    return t, initial, jax.device_get(final), log
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if np.ndim(x))
+
+
+def test_only_adapters_are_trained(run, pretrained):
+    _, initial, final, _ = run
+    paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(final.params)]
+    assert paths and all(is_adapter(p) for p in paths)
+    abstract = jax.eval_shape(run[0].objective.init, jax.random.key(0))
+    count = len(jax.tree.leaves(split(nn.unbox(abstract["params"]))[1]))
+    assert len(jax.tree.leaves(final.params)) == count == 12  # (4 attention + 2 mlp) x (A, B)
+    # adam: two moments per adapter plus a scalar count; nothing the size of the base
+    moments = [x for x in jax.tree.leaves(final.opt_state) if np.ndim(x)]
+    assert len(moments) == 2 * count
+    assert _bytes(final.opt_state) == 2 * _bytes(final.params)
+    assert _bytes(final.averaged) == _bytes(final.params)  # the EMA: adapters only
+    base_bytes = _bytes(pretrained[1])
+    assert _bytes(final.params) < base_bytes / 4
+    # B starts at zero and moves; the base is held once, frozen, and never moves
+    b_leaves = [
+        x
+        for p, x in jax.tree_util.tree_leaves_with_path(initial.params)
+        if "lora_b" in jax.tree_util.keystr(p)
+    ]
+    assert all(np.all(b == 0) for b in b_leaves)
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(initial.params), jax.tree.leaves(final.params))
+    )
+    assert set(final.frozen) == {"lora_base"}  # no second copy for the reference
+    jax.tree.map(np.testing.assert_array_equal, final.frozen["lora_base"], pretrained[1])
+
+
+def test_reference_is_the_base(run, pretrained):
+    t, _, final, log = run
+    model, params = pretrained
+    tokens = np.asarray(next(batches())["text"])
+    variables = final.variables()
+    lora_model = t.objective.model
+    plain = jax.jit(model.apply)({"params": params}, tokens[:, :-1])
+    ref = jax.jit(lora_model.apply)(variables["reference"], tokens[:, :-1])
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(plain))
+    # the trained policy differs from the base, and the reference metric stayed the base's
+    policy = jax.jit(lora_model.apply)({"params": variables["params"]}, tokens[:, :-1])
+    assert np.abs(np.asarray(policy) - np.asarray(plain)).max() > 1e-3
+    first = float(token_nll(plain, tokens[:, 1:]).mean())
+    assert log[0]["ref_nll"] == pytest.approx(first, abs=1e-5)
+    assert base_module(lora_model) is model
+
+
+def test_resume_equals_uninterrupted(run, pretrained, tmp_path):
+    _, _, final, _ = run
+    stopped = trainer(pretrained, checkpoints=Checkpoints(str(tmp_path)))
+    stopped.fit(data(), steps=STEPS // 2, log_every=0)
+    # fit again on the directory: restores step STEPS // 2 (the same compiled step)
+    resumed = jax.device_get(stopped.fit(data(), steps=STEPS, log_every=0))
+    assert int(resumed.step) == STEPS
+    jax.tree.map(np.testing.assert_array_equal, resumed.params, final.params)
+    jax.tree.map(np.testing.assert_array_equal, resumed.opt_state, final.opt_state)
+    jax.tree.map(np.testing.assert_array_equal, resumed.frozen, final.frozen)
+    assert math.isfinite(float(jax.tree.leaves(resumed.params)[0].sum()))

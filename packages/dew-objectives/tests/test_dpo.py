@@ -78,60 +78,79 @@ def variables_of(weights):
     return {"params": weights[0], "reference": {"params": weights[1]}}
 
 
-CASES = [
-    dict(loss_type="sigmoid", beta=0.1),
-    dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.2),
-    dict(loss_type="cdpo", beta=0.1, label_smoothing=0.1),
-    dict(loss_type="ipo", beta=0.3),
-]
+@pytest.fixture(scope="module")
+def rpo_loss(weights):
+    """The compiled loss of DPO (sigmoid, beta 0.1) + 0.5 x the chosen NLL, shared."""
+    return jax.jit(objective(weights, rpo_alpha=0.5).loss)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['loss_type']}-{c['beta']}")
-def test_loss_and_metrics_match_numpy(weights, case):
-    obj = objective(weights, **case)
+def test_loss_metrics_and_rpo_term_match_numpy(weights, rpo_loss):
     batch = make_batch()
-    loss, metrics = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
-    losses, r_w, r_l, _ = numpy_dpo(
-        weights,
-        batch,
-        beta=case["beta"],
-        loss_type=case["loss_type"],
-        eps=case.get("label_smoothing", 0.0),
-    )
+    (loss, nll), metrics = rpo_loss(variables_of(weights), batch, STEP)
+    losses, r_w, r_l, (pw, pl, _, _) = numpy_dpo(weights, batch, beta=0.1, loss_type="sigmoid")
     assert float(loss.weight) == PAIRS
     assert float(loss.value) == pytest.approx(losses.mean(), rel=1e-5, abs=1e-6)
     assert float(metrics["reward_chosen"].value) == pytest.approx(r_w.mean(), abs=1e-5)
     assert float(metrics["reward_rejected"].value) == pytest.approx(r_l.mean(), abs=1e-5)
     assert float(metrics["margin"].value) == pytest.approx((r_w - r_l).mean(), abs=1e-5)
     assert float(metrics["accuracy"].value) == pytest.approx(np.mean(r_w > r_l))
+    assert float(metrics["logp_chosen"].value) == pytest.approx(pw.mean(), rel=1e-5)
+    assert float(metrics["logp_rejected"].value) == pytest.approx(pl.mean(), rel=1e-5)
     assert float(metrics["pairs"].total) == PAIRS
-
-
-def test_rpo_adds_the_chosen_nll_per_token(weights):
-    obj = objective(weights, rpo_alpha=0.5)
-    batch = make_batch(1)
-    (dpo, nll), metrics = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
-    losses, _, _, (pw, _, _, _) = numpy_dpo(weights, batch, beta=0.1, loss_type="sigmoid")
+    # RPO: a second term, the mean NLL per chosen token, weighted by those tokens
     tokens = batch["chosen_mask"].sum()
-    assert float(dpo.value) == pytest.approx(losses.mean(), rel=1e-5)
     assert float(nll.weight) == tokens
     assert float(nll.value) == pytest.approx(0.5 * -pw.sum() / tokens, rel=1e-5)
     assert float(metrics["nll_chosen"].value) == pytest.approx(-pw.sum() / tokens, rel=1e-5)
 
 
-def test_more_padding_and_other_pad_ids_give_the_same_loss(weights):
-    obj = objective(weights)
-    fn = jax.jit(obj.loss)
-    want, _ = fn(variables_of(weights), make_batch(2), STEP)
-    got, _ = fn(variables_of(weights), make_batch(2, length=24, pad_id=7), STEP)
+def test_ipo_loss_matches_numpy(weights):
+    obj = objective(weights, loss_type="ipo", beta=0.3)
+    batch = make_batch(1)
+    loss, metrics = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
+    losses, r_w, r_l, _ = numpy_dpo(weights, batch, beta=0.3, loss_type="ipo")
+    assert float(loss.value) == pytest.approx(losses.mean(), rel=1e-5)
+    assert float(metrics["margin"].value) == pytest.approx((r_w - r_l).mean(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(loss_type="sigmoid", beta=0.1),
+        dict(loss_type="sigmoid", beta=0.5, label_smoothing=0.2),
+        dict(loss_type="cdpo", beta=0.1, label_smoothing=0.1),
+        dict(loss_type="ipo", beta=0.3),
+    ],
+    ids=lambda c: f"{c['loss_type']}-{c.get('label_smoothing', 0)}",
+)
+def test_pair_losses_closed_form(case):
+    """Each variant's per-pair loss of h, against its formula written out."""
+    h = np.array([-30.0, -2.0, -0.1, 0.0, 0.3, 4.0, 50.0])
+    beta, eps = case["beta"], case.get("label_smoothing", 0.0)
+    got = np.asarray(DPOObjective(MODEL, **case).pair_losses(jnp.asarray(h, jnp.float32)))
+    if case["loss_type"] == "ipo":
+        want = (h - 1 / (2 * beta)) ** 2
+    else:
+        sig = 1 / (1 + np.exp(-beta * h))
+        want = -(1 - eps) * np.log(sig) - eps * np.log(1 - sig)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if case["loss_type"] != "ipo":  # h = 0 (policy = reference): log 2 whatever eps
+        assert got[3] == pytest.approx(np.log(2.0), rel=1e-6)
+
+
+def test_more_padding_and_other_pad_ids_give_the_same_loss(weights, rpo_loss):
+    (want, want_nll), _ = rpo_loss(variables_of(weights), make_batch(2), STEP)
+    (got, got_nll), _ = rpo_loss(variables_of(weights), make_batch(2, length=24, pad_id=7), STEP)
     assert float(got.value) == pytest.approx(float(want.value), rel=1e-6, abs=1e-7)
+    assert float(got_nll.value) == pytest.approx(float(want_nll.value), rel=1e-6)
+    assert float(got_nll.weight) == float(want_nll.weight)
 
 
-def test_precomputed_reference_logps_and_reference_free(weights):
+def test_precomputed_reference_logps_and_reference_free(weights, rpo_loss):
     batch = make_batch(3)
     _, _, _, (pw, pl, rw, rl) = numpy_dpo(weights, batch, beta=0.1, loss_type="sigmoid")
     obj = objective(weights)
-    computed, _ = jax.jit(obj.loss)(variables_of(weights), batch, STEP)
+    (computed, _), _ = rpo_loss(variables_of(weights), batch, STEP)
     given = dict(
         batch, ref_chosen_logps=rw.astype(np.float32), ref_rejected_logps=rl.astype(np.float32)
     )

@@ -38,12 +38,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, check_same_shapes
+from dew.objectives.base import Objective, Role, Step, with_initial_values
 from dew.objectives.logprobs import masked_sum, sequence_logprobs
 from dew.objectives.weighted import Summed, Weighted
 
@@ -156,7 +155,7 @@ class DPOObjective(Objective):
         ids = jnp.zeros((1, self._length(spec)), jnp.int32)
         params = self.model.init(key, ids)["params"]
         if self.init_params is not None:
-            params = _boxed_like(params, self.init_params, what="DPOObjective init_params")
+            params = with_initial_values(params, self.init_params, what="DPOObjective init_params")
         variables = {"params": params}
         if self.reference_free:
             return variables
@@ -164,7 +163,7 @@ class DPOObjective(Objective):
             variables["reference"] = {"params": params}  # the initial policy
             return variables
         ref = self.reference_model.init(key, ids)["params"]
-        ref = _boxed_like(ref, self.reference, what="DPOObjective reference")
+        ref = with_initial_values(ref, self.reference, what="DPOObjective reference")
         variables["reference"] = {"params": ref}
         return variables
 
@@ -338,20 +337,3 @@ class DPOObjective(Objective):
                 f"batch[{name!r}] holds token id {bad} outside the model's vocabulary "
                 f"(vocab_size {vocab}); check the tokenizer matches the model"
             )
-
-
-def _boxed_like(boxed, values, *, what: str):
-    """``values`` (a parameter tree) inside the logical-axis boxes of a fresh ``boxed``
-    init, after checking every path and shape."""
-    values = values["params"] if "params" in values else values
-    check_same_shapes(nn.unbox(boxed), values, what=what)
-    return jax.tree.map(
-        lambda box, value: (
-            box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
-            if isinstance(box, nn.meta.AxisMetadata)
-            else jnp.asarray(value, box.dtype)
-        ),
-        boxed,
-        values,
-        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
-    )

@@ -105,22 +105,34 @@ class LoRA:
                 f"{type(module).__name__} already has LoRA adapters ({lora_of(module)})"
             )
         inputs = example_inputs or _example_inputs(module)
-        wrapped = _wrap(module, self, inputs)
-        found = adapter_modules(wrapped, *inputs)
+        found = adapter_modules(_wrap(module, self.targets, self, inputs), *inputs)
         missing = [t for t in self.targets if not any(re.fullmatch(t, p) for p in found)]
         if missing:
-            able = adapter_modules(
-                _wrap(module, dataclasses.replace(self, targets=(".*",)), inputs), *inputs
-            )
+            able = adapter_modules(_wrap(module, (".*",), self, inputs), *inputs)
             raise ValueError(
                 f"LoRA target(s) {missing} match no module of {type(module).__name__} with a "
                 f"kernel; its modules with kernels are: {', '.join(able)}. Targets are regular "
                 f"expressions matched against the whole '/'-joined module path"
             )
-        return wrapped
+        # One rule over the matched paths, in both layouts of a layer stack: decoding
+        # unrolls a scanned stack (``layers/attention`` -> ``layer_0/attention``, ...).
+        return _wrap(module, _both_layouts(module, found), self, inputs)
 
 
-def _wrap(module: nn.Module, lora: LoRA, inputs: tuple) -> nn.Module:
+def _both_layouts(module: nn.Module, paths: list[str]) -> tuple[str, ...]:
+    """Exact patterns for ``paths`` and, in a layer stack, their other layout."""
+    patterns = [re.escape(p) for p in paths]
+    stack = getattr(module, "layer_stack", None)
+    if stack is not None:
+        stack = stack()
+        for path in paths:
+            head, _, rest = path.partition("/")
+            if head == stack.name and rest:
+                patterns.append(rf"{re.escape(stack.loop_name)}_\d+/{re.escape(rest)}")
+    return ("|".join(f"(?:{p})" for p in patterns),)
+
+
+def _wrap(module: nn.Module, targets: tuple[str, ...], lora: LoRA, inputs: tuple) -> nn.Module:
     import qwix
 
     rules = [
@@ -132,7 +144,7 @@ def _wrap(module: nn.Module, lora: LoRA, inputs: tuple) -> nn.Module:
             # qwix's einsum path cannot record its debug string on a linen module.
             op_names=("dot_general",),
         )
-        for target in lora.targets
+        for target in targets
     ]
     wrapped = qwix.apply_lora_to_model(module, qwix.LoraProvider(rules))
     # The adapters' shapes and logical axes, traced once here, outside any mesh: qwix

@@ -142,6 +142,7 @@ class DiTBlock(nn.Module):
     dtype: Any
     param_dtype: Any
     token_axes: tuple[str, ...] = IMAGE_AXES
+    use_zero_init: bool = True
 
     @nn.compact
     def __call__(self, x, condition, context=None, context_mask=None, position_embed=None):
@@ -153,11 +154,14 @@ class DiTBlock(nn.Module):
           input of the attention (a temporal block's frame positions).
         """
         batch, length, embed = x.shape
+        zero_or_normal = (
+            nn.initializers.zeros if self.use_zero_init else nn.initializers.normal(self.init_std)
+        )
         modulation = _dense(
             6 * embed,
             axes.EMBED,
             axes.MLP,
-            init=nn.initializers.zeros,
+            init=zero_or_normal,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="modulation",
@@ -187,6 +191,7 @@ class DiTBlock(nn.Module):
                 num_heads=self.num_heads,
                 head_dim=embed // self.num_heads,
                 use_bias=True,
+                zero_init_out=self.use_zero_init,
                 init_std=self.init_std,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
@@ -240,6 +245,11 @@ class DiTOptions(nn.Module, kw_only=True):
         projection and the MLP always have them, as DiT).
       init_std: standard deviation of the normal initialiser of the weights that
         are not zero-initialised.
+      use_zero_init: adaLN-Zero's initialisation: the modulations, the
+        cross-attention output and the final layer start at 0, so every block is
+        the identity and the output 0 (Peebles & Xie, sec. 3.2); False = all
+        weights normal(init_std) (an ablation; tests that need gradients in every
+        block from the first step).
       dtype: computation dtype; outputs are float32.
       param_dtype: parameter dtype.
       use_scan: one scanned block with a leading ``layers`` axis (one compile
@@ -265,6 +275,7 @@ class DiTOptions(nn.Module, kw_only=True):
     mlp_norm_eps: float | None = None
     use_qkv_bias: bool = True
     init_std: float = 0.02
+    use_zero_init: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     use_scan: bool = True
@@ -313,6 +324,7 @@ class DiTOptions(nn.Module, kw_only=True):
             init_std=self.init_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            use_zero_init=self.use_zero_init,
             **overrides,
         )
 
@@ -419,7 +431,10 @@ class DiTOptions(nn.Module, kw_only=True):
     # ------------------------------------------------------------ layers
 
     def dense(self, features, in_axis, out_axis, name, *, zero: bool = False):
-        init = nn.initializers.zeros if zero else nn.initializers.normal(self.init_std)
+        """A dense layer; ``zero``: zero-initialised under ``use_zero_init``."""
+        init = nn.initializers.normal(self.init_std)
+        if zero and self.use_zero_init:
+            init = nn.initializers.zeros
         return _dense(
             features,
             in_axis,

@@ -9,6 +9,14 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
   pre-update weights; turns a data batch into a training batch (rollouts,
   rewards, reference log-probs, advantages), then ``prepared_updates``
   (:class:`Updates`, epochs x minibatches) optimizer updates run over it;
+  optional ``prepare_host(rollout)`` (host Python over numpy, e.g. rewards of
+  decoded text) and a compiled ``prepare_finish`` split the phase in three;
+- on-policy objectives (``grpo``, ``ppo``) generate their rollouts in
+  ``prepare`` with ``dew.sampling`` on the same weights and mesh and score
+  them with the loss's own log-prob function (``rollouts.rollout_logprobs``),
+  so the first update's importance ratio is exactly 1
+  (``check_first_ratio=True`` or ``DEW_DEBUG=1`` asserts it); rewards are
+  ``rewards.TokenReward`` (jittable) or ``rewards.TextReward`` (host);
 - ``loss(variables, batch, step)`` -> (loss, metrics), values with their weights
   (:class:`Weighted`, :class:`Summed`), so accumulation divides once;
 - optional ``evaluate`` / ``summarize`` / ``preview``; ``ema``; ``export(variables)``

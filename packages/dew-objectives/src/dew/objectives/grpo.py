@@ -49,12 +49,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, Updates
+from dew.objectives.base import Objective, Role, Step, Updates, with_initial_values
 from dew.objectives.logprobs import kl_k3
 from dew.objectives.rewards import Rewards, TokenReward, decode_rows, text_columns
 from dew.objectives.rollouts import (
@@ -244,9 +243,7 @@ class GRPOObjective(Objective):
     def roles(self):
         roles = [Role(name="model", module=self.model)]
         if self.beta > 0:
-            roles.append(
-                Role(name="reference", module=self.model, trained=False, weights=self.reference)
-            )
+            roles.append(Role(name="reference", module=self.model, trained=False))
         return tuple(roles)
 
     def _check_prompt_len(self, prompt_len: int, where: str) -> None:
@@ -267,16 +264,19 @@ class GRPOObjective(Objective):
             self._check_prompt_len(prompt_len, "the data's batch['prompt']")
             length += prompt_len
         dummy = jnp.zeros((1, length), jnp.int32)
-        k_policy, k_reference = jax.random.split(key)
-        variables = dict(self.model.init(k_policy, dummy))
+        params = self.model.init(key, dummy)["params"]
         if self.init_params is not None:
-            variables["params"] = _rebox(variables["params"], self.init_params)
+            params = with_initial_values(params, self.init_params, what="GRPOObjective init_params")
+        variables = {"params": params}
         if self.beta > 0:
             if self.reference is None:
-                # a copy of the initial policy, sharded like it
-                variables["reference"] = {"params": variables["params"]}
+                # the initial policy: the same arrays (under LoRA the trainer makes it a
+                # view of the base, stored nowhere)
+                variables["reference"] = {"params": params}
             else:
-                variables["reference"] = self.roles()[1].frozen_variables(k_reference, dummy)
+                ref = self.model.init(key, dummy)["params"]
+                ref = with_initial_values(ref, self.reference, what="GRPOObjective reference")
+                variables["reference"] = {"params": ref}
         return variables
 
     # --------------------------------------------------------------- prepare
@@ -419,21 +419,6 @@ class GRPOObjective(Objective):
             self.model,
             variables["params"],
             self.tokenizer,
-            sampling=self.sampling,
             max_new_tokens=self.max_new_tokens,
             end_ids=self.end_ids or None,
         )
-
-
-def _rebox(boxed, values):
-    """``values`` in the logical-axis boxes of a fresh init."""
-    return jax.tree.map(
-        lambda box, value: (
-            box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
-            if isinstance(box, nn.meta.AxisMetadata)
-            else jnp.asarray(value, box.dtype)
-        ),
-        boxed,
-        values,
-        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
-    )

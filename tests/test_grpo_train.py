@@ -12,6 +12,10 @@ completions, 2 updates per rollout batch, k3 KL to the initial policy.
 """
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -191,3 +195,24 @@ def test_mesh_equals_one_device_rollouts_included(learned, tmp_path, mesh):
         jax.device_get(state.params),
         kept["params"],
     )
+
+
+@pytest.mark.slow
+def test_arithmetic_example_runs_and_reports_accuracy():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    run = subprocess.run(
+        [sys.executable, str(root / "examples/grpo_arithmetic.py"), "--iterations", "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    before = next(x for x in lines if x.startswith("greedy accuracy before:"))
+    after = lines[-1]
+    assert after.startswith("greedy accuracy after:"), lines[-5:]
+    for line in (before, after):
+        assert 0.0 <= float(line.split()[-1]) <= 1.0
+    assert any(x.startswith("step 8:") for x in lines)

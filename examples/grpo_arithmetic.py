@@ -1,0 +1,110 @@
+"""GRPO teaches a tiny transformer single-digit addition, rewarded by a Python
+function that parses its answer.
+
+Prompts are "a+b=" for digits a, b, read by ``dew.data.Prompts`` from a
+JSON-lines file with the answer as metadata; the policy writes up to two digits
+and an end token. Two host rewards score the decoded text against the answer:
+``correct`` (1 when the parsed number is a + b) and ``close`` (1 - |error| / 4,
+a denser signal for a policy that starts from random weights). The greedy
+accuracy over all 100 sums is printed before and after. About two minutes on
+two CPU cores.
+
+    python examples/grpo_arithmetic.py [--iterations 300]
+"""
+
+import argparse
+import json
+import pathlib
+import tempfile
+
+import jax
+import optax
+
+from dew.data import Prompts
+from dew.nn import CausalTransformer
+from dew.objectives import Updates
+from dew.objectives.grpo import GRPOObjective
+from dew.objectives.rewards import TextReward
+from dew.sampling import Sampling
+from dew.train import MeshSpec, Trainer
+
+
+class DigitTokenizer:
+    """Characters ``0-9 + =`` as ids 0-11; ``end_id`` 12, ``pad_id`` 13; 16 ids."""
+
+    chars = "0123456789+="
+    end_id, pad_id, vocab_size = 12, 13, 16
+
+    def encode(self, text):
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+
+def answer_of(completion):
+    """The number a completion starts with, or None."""
+    digits = completion[: len(completion) - len(completion.lstrip("0123456789"))]
+    return int(digits) if digits else None
+
+
+def correct(prompts, completions, answer):
+    return [float(answer_of(c) == int(a)) for c, a in zip(completions, answer)]
+
+
+def close(prompts, completions, answer):
+    return [
+        0.0 if answer_of(c) is None else max(0.0, 1.0 - abs(answer_of(c) - int(a)) / 4)
+        for c, a in zip(completions, answer)
+    ]
+
+
+def accuracy(pipeline, tokenizer):
+    sums = [(a, b) for a in range(10) for b in range(10)]
+    greedy = Sampling(temperature=0)
+    outputs = pipeline([f"{a}+{b}=" for a, b in sums], max_new_tokens=3, sampling=greedy)
+    return sum(answer_of(out[4:]) == a + b for out, (a, b) in zip(outputs, sums)) / len(sums)
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--iterations", type=int, default=300)
+iterations = parser.parse_args().iterations
+
+tokenizer = DigitTokenizer()
+rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+directory = pathlib.Path(tempfile.mkdtemp())
+(directory / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+data = Prompts(
+    str(directory / "sums.jsonl"),
+    prompt_len=4,
+    tokenizer=tokenizer,
+    answer_field="answer",
+    answer_len=2,
+).load(batch=16)
+
+model = CausalTransformer(
+    vocab_size=16, emb_features=64, num_layers=2, num_heads=4, mlp_features=128, max_seq_len=8
+)
+objective = GRPOObjective(
+    model,
+    rewards=[TextReward(fn=correct), TextReward(fn=close, weight=0.3)],
+    group_size=16,
+    max_new_tokens=3,
+    sampling=Sampling(temperature=1.0),
+    end_ids=(tokenizer.end_id,),
+    pad_id=tokenizer.pad_id,
+    beta=0.0,  # from scratch: no reference worth staying near
+    loss_aggregation="token-mean",
+    prepared_updates=Updates(epochs=2),
+    tokenizer=tokenizer,
+)
+trainer = Trainer(
+    objective,
+    optax.adam(5e-3),
+    key=jax.random.key(0),
+    mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
+)
+initial = trainer.init_state(data.spec)
+print(f"greedy accuracy before: {accuracy(objective.export(initial.variables()), tokenizer):.2f}")
+state = trainer.fit(data, steps=2 * iterations, log_every=max(2, 2 * (iterations // 10)))
+print(f"greedy accuracy after: {accuracy(objective.export(state.variables()), tokenizer):.2f}")

@@ -1,0 +1,130 @@
+"""The prepare phase's host stage: compiled ``prepare``, host ``prepare_host`` on
+numpy, compiled ``prepare_finish``. A bandit whose reward is computed on the
+host trains exactly like the same bandit computing it in compiled code; a host
+stage that raises stops ``fit`` before the batch's first update, with the
+checkpoints already written intact; a bad host output is refused."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset
+from dew.objectives import Objective, Updates, Weighted
+from dew.train import Checkpoints, MeshSpec, Trainer
+
+ROWS, FEATURES, ACTIONS = 8, 4, 5
+ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+
+
+class Bandit(Objective):
+    """``pi(a | x) = softmax(x W)``, reward 1 when ``a`` is the row's target."""
+
+    model = None
+    prepared_updates = Updates(epochs=2, minibatches=1, shuffle=False)
+
+    def init(self, key):
+        return {"params": {"w": 0.1 * jax.random.normal(key, (FEATURES, ACTIONS))}}
+
+    def sample(self, variables, batch, step):
+        logits = batch["x"] @ variables["params"]["w"]
+        actions = jax.random.categorical(step.key, logits)
+        logp = jax.nn.log_softmax(logits)[jnp.arange(actions.shape[0]), actions]
+        return {"x": batch["x"], "target": batch["target"], "action": actions, "old_logp": logp}
+
+    def finish(self, out, reward):
+        keep = {k: out[k] for k in ("x", "action", "old_logp")}
+        return {**keep, "adv": reward - reward.mean()}
+
+    def loss(self, variables, batch, step):
+        logits = batch["x"] @ variables["params"]["w"]
+        logp = jax.nn.log_softmax(logits)[jnp.arange(batch["action"].shape[0]), batch["action"]]
+        ratio = jnp.exp(logp - batch["old_logp"])
+        return -jnp.mean(ratio * batch["adv"]), {"ratio": Weighted.mean(ratio)}
+
+
+class Compiled(Bandit):
+    def prepare(self, variables, batch, step):
+        out = self.sample(variables, batch, step)
+        return self.finish(out, (out["action"] == out["target"]).astype(jnp.float32))
+
+
+class Host(Bandit):
+    """The reward on the host, in numpy; ``fail_at``: raise on that call."""
+
+    def __init__(self, fail_at=None, bad_rows=False):
+        self.calls, self.fail_at, self.bad_rows = 0, fail_at, bad_rows
+
+    def prepare(self, variables, batch, step):
+        return self.sample(variables, batch, step)
+
+    def prepare_host(self, rollout):
+        self.calls += 1
+        assert all(isinstance(v, np.ndarray) for v in rollout.values())
+        if self.calls == self.fail_at:
+            raise ValueError(f"reward failed on row 3 (call {self.calls})")
+        reward = (rollout["action"] == rollout["target"]).astype(np.float32)
+        return {"reward": reward[:-1] if self.bad_rows else reward}
+
+    def prepare_finish(self, variables, batch, step):
+        return self.finish(batch, batch["reward"])
+
+
+def data():
+    def batches(partition):
+        rng = np.random.default_rng(0)
+        for _ in itertools.count():
+            yield {
+                "x": rng.normal(size=(ROWS, FEATURES)).astype(np.float32),
+                "target": rng.integers(0, ACTIONS, ROWS).astype(np.int32),
+            }
+
+    return Dataset(train=batches, val=None, records=0, batch=ROWS)
+
+
+def test_a_host_reward_trains_exactly_like_a_compiled_one(tmp_path):
+    want = Trainer(Compiled(), optax.adam(0.1), key=jax.random.key(0), mesh=ONE).fit(
+        data(), steps=6, log_every=0
+    )
+    host = Host()
+    got = Trainer(host, optax.adam(0.1), key=jax.random.key(0), mesh=ONE).fit(
+        data(), steps=6, log_every=0
+    )
+    assert host.calls == 3  # once per prepared batch
+    np.testing.assert_array_equal(got.params["w"], want.params["w"])
+
+
+def test_a_failing_host_stage_applies_nothing_and_keeps_the_checkpoints(tmp_path):
+    directory = tmp_path / "run"
+    trainer = Trainer(
+        Host(fail_at=3),
+        optax.adam(0.1),
+        key=jax.random.key(0),
+        mesh=ONE,
+        checkpoints=Checkpoints(directory, use_async=False),
+    )
+    with pytest.raises(ValueError, match="reward failed on row 3"):
+        trainer.fit(data(), steps=8, log_every=0, checkpoint_every=2)
+    assert Checkpoints(directory).steps() == [2, 4]  # the third batch applied nothing
+    again = Trainer(
+        Host(),
+        optax.adam(0.1),
+        key=jax.random.key(0),
+        mesh=ONE,
+        checkpoints=Checkpoints(directory, use_async=False),
+    )
+    state = again.fit(data(), steps=8, log_every=0, checkpoint_every=2)
+    want = Trainer(Compiled(), optax.adam(0.1), key=jax.random.key(0), mesh=ONE).fit(
+        data(), steps=8, log_every=0
+    )
+    np.testing.assert_array_equal(state.params["w"], want.params["w"])
+    assert int(state.updates) == 8
+
+
+def test_host_output_without_the_rows_is_refused():
+    trainer = Trainer(Host(bad_rows=True), optax.adam(0.1), key=jax.random.key(0), mesh=ONE)
+    with pytest.raises(ValueError, match=r"prepare_host returned 'reward' of shape \(7,\); every"):
+        trainer.fit(data(), steps=2, log_every=0)

@@ -1,0 +1,162 @@
+"""A DPO training step: Dew's Trainer.fit against a hand-written jax/optax step.
+
+Same model, same pairs, same optimizer, same reference (a copy of the initial
+policy), same process and allocator setting (glibc malloc tuned once, as in
+tools/bench_train.py). The hand-written step is what a user would write:
+chosen and rejected rows in one forward pass of the policy and one of the
+reference, log-softmax in float32, completion-masked sums, ``-log sigmoid(beta
+h)``, ``value_and_grad``, an optax update, donated buffers. The two sides
+alternate within one process and each number is the median of ``--repeats``
+runs; the ratio is hand-written step time / Dew step time (1 = no overhead).
+
+    python tools/bench_dpo.py
+    python tools/bench_dpo.py --size small --steps 20 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_train import tune_allocator  # noqa: E402
+
+tune_allocator()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from dew import Dataset, Trainer, models  # noqa: E402
+from dew.objectives.dpo import DPOObjective  # noqa: E402
+
+SIZES = {
+    "small": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, prompt=32, pairs=8),
+    "medium": dict(
+        emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, prompt=64, pairs=8
+    ),
+}
+VOCAB, BETA, LR = 264, 0.1, 1e-4
+
+
+def make(size: str):
+    cfg = dict(SIZES[size])
+    prompt, pairs = cfg.pop("prompt"), cfg.pop("pairs")
+    length = 2 * prompt  # prompt then completion of up to `prompt` tokens
+    model = models.build("causal_transformer", vocab_size=VOCAB, max_seq_len=length, **cfg)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(4):
+        batch = {}
+        for name in ("chosen", "rejected"):
+            ids = rng.integers(0, 256, (pairs, length)).astype(np.int32)
+            ends = prompt + rng.integers(prompt // 2, prompt + 1, pairs)
+            positions = np.arange(length)[None]
+            batch[name] = ids
+            batch[f"{name}_mask"] = (positions >= prompt) & (positions < ends[:, None])
+        batch["rejected"][:, :prompt] = batch["chosen"][:, :prompt]
+        batch["prompt_mask"] = np.broadcast_to(np.arange(length) < prompt, (pairs, length)).copy()
+        batches.append(batch)
+    return model, length, pairs, batches
+
+
+def initial_params(model, length):
+    init = jax.jit(model.init)(jax.random.key(1), jnp.zeros((1, length), jnp.int32))
+    return jax.device_get(nn.unbox(init)["params"])
+
+
+def run_dew(size: str, steps: int):
+    model, length, pairs, batches = make(size)
+    data = Dataset(
+        train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
+    )
+    objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
+    trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer.fit(data, steps=steps, log_every=steps)
+    # "Goodput: first step after X s, Y% of the wall time in steps (S of W s; ...)"
+    line = next(x for x in out.getvalue().splitlines() if x.startswith("Goodput:"))
+    first = float(re.search(r"first step after ([\d.]+) s", line).group(1))
+    wall = float(re.search(r"of ([\d.]+) s;", line).group(1))
+    return first, (wall - first) / (steps - 1)
+
+
+def run_hand(size: str, steps: int):
+    model, length, pairs, batches = make(size)
+    optimizer = optax.adam(LR)
+    start = time.perf_counter()
+    params = jax.tree.map(jnp.asarray, initial_params(model, length))
+    reference = jax.tree.map(jnp.array, params)  # its own copy, as a frozen reference is
+    opt_state = jax.jit(optimizer.init)(params)
+
+    def sequence_logps(p, ids, mask):
+        logits = model.apply({"params": p}, ids).astype(jnp.float32)  # [rows, length, vocab]
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        tokens = jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+        return jnp.sum(tokens * mask[:, 1:], axis=-1)
+
+    def loss_fn(p, ref, batch):
+        ids = jnp.concatenate([batch["chosen"], batch["rejected"]])
+        mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+        policy = sequence_logps(p, ids, mask)
+        ref_logps = jax.lax.stop_gradient(sequence_logps(ref, ids, mask))
+        diff = (policy - ref_logps).reshape(2, pairs)
+        return -jnp.mean(jax.nn.log_sigmoid(BETA * (diff[0] - diff[1])))
+
+    def step(p, o, ref, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, ref, batch)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    params, opt_state, loss = step(params, opt_state, reference, batches[0])
+    loss.block_until_ready()
+    first = time.perf_counter() - start
+    begin = time.perf_counter()
+    for i in range(1, steps):
+        params, opt_state, loss = step(params, opt_state, reference, batches[i % len(batches)])
+    jax.block_until_ready((params, loss))
+    return first, (time.perf_counter() - begin) / (steps - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="medium", choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s), jax {jax.__version__}; size {args.size}, "
+        f"steps {args.steps}, median of {args.repeats}"
+    )
+    _, length, pairs, _ = make(args.size)
+    dew, hand = [], []
+    for r in range(args.repeats):
+        order = [(run_dew, dew), (run_hand, hand)]
+        for fn, out in order if r % 2 == 0 else order[::-1]:
+            out.append(fn(args.size, args.steps))
+    d_step = statistics.median(x[1] for x in dew)
+    h_step = statistics.median(x[1] for x in hand)
+    d_first = statistics.median(x[0] for x in dew)
+    h_first = statistics.median(x[0] for x in hand)
+    print(
+        f"{args.size} ({pairs} pairs x {length} tokens): step dew {d_step * 1e3:.1f} ms hand "
+        f"{h_step * 1e3:.1f} ms ratio {h_step / d_step:.3f}; pairs/s dew {pairs / d_step:,.1f} "
+        f"hand {pairs / h_step:,.1f}; first step dew {d_first:.2f} s hand {h_first:.2f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -79,6 +79,7 @@ class Attention(nn.Module):
         segment_ids=None,
         query_key_mask=None,
         decode: bool = False,
+        visible=None,
     ):
         """``x [batch, length, embed] -> [batch, length, embed]``.
 
@@ -89,6 +90,11 @@ class Attention(nn.Module):
           sees keys of its own segment only. Not with ``decode``.
         query_key_mask: optional boolean ``[batch, length, keys]``, False hides a
           key (``keys`` = the cache length when decoding).
+        visible: optional boolean ``[batch or 1, 1, length, length]``, the whole mask
+          already combined (:func:`dew.nn.masks.attention_mask` of this module's
+          policy): a backbone computes it once for all its layers. When given,
+          ``valid``, ``segment_ids`` and ``query_key_mask`` are not read, and
+          ``positions`` only rotate (RoPE). Not with ``decode``.
         """
         length = x.shape[1]
         coordinates = None
@@ -130,19 +136,20 @@ class Attention(nn.Module):
                 (((2,), (0,)), ((), ())),
             )
         else:
-            index = jnp.arange(length)
-            mask = attention_mask(
-                self.mask,
-                positions,
-                positions,
-                valid,
-                index,
-                index,
-                query_segments=segment_ids,
-                key_segments=segment_ids,
-                query_key_mask=query_key_mask,
-            )  # [batch, 1, query, key]
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+            if visible is None:
+                index = jnp.arange(length)
+                visible = attention_mask(
+                    self.mask,
+                    positions,
+                    positions,
+                    valid,
+                    index,
+                    index,
+                    query_segments=segment_ids,
+                    key_segments=segment_ids,
+                    query_key_mask=query_key_mask,
+                )  # [batch, 1, query, key]
+            out = attend(q, k, v, visible)  # [batch, length, heads, head_dim]
             y = jax.lax.dot_general(
                 out.astype(self.dtype), kernel.astype(self.dtype), (((2, 3), (0, 1)), ((), ()))
             )
@@ -222,3 +229,33 @@ class Attention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [batch, kv, group, query, key]
         out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
         return out.reshape(batch, length, heads, head_dim)
+
+
+def attend(q, k, v, visible):
+    """``softmax(q k^T / sqrt(head_dim), hiding what is not visible) v``; the scores
+    and the softmax in float32.
+
+    q: ``[batch, length, heads, head_dim]``; k, v: ``[batch, keys, kv_heads,
+    head_dim]`` (query head ``i`` reads kv head ``i // (heads // kv_heads)``);
+    visible: boolean, broadcastable to ``[batch, 1, length, keys]``.
+
+    The same values as ``jax.nn.dot_product_attention(implementation="xla")``,
+    written out: that path vmaps over the query groups, which on the CPU
+    transposes the ``[.., query, key]`` scores in and out of every product.
+    """
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    if groups == 1:
+        scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * jnp.float32(head_dim**-0.5)  # [batch, heads, query, key]
+        scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhts,bshd->bthd", probs, v)
+    q = q.reshape(batch, length, kv_heads, groups, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(head_dim**-0.5)  # [batch, kv_heads, groups, query, key]
+    scores = jnp.where(visible[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, length, heads, head_dim)

@@ -215,10 +215,15 @@ class TransformerOptions(nn.Module, kw_only=True):
         table = nn.with_logical_constraint(embed.embedding, (axes.VOCAB, None))
         return embed, jnp.take(table, tokens, axis=0).astype(self.dtype)
 
-    def add_positions(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def add_positions(
+        self, x: jax.Array, positions: jax.Array | None, *, length: int | None = None
+    ) -> jax.Array:
         """``x [batch, length, embed]`` plus the learned ``position_embed`` rows
         at ``positions`` (unchanged for RoPE, which acts in the attention),
-        constrained as the residual stream; call from a compact method."""
+        constrained as the residual stream; call from a compact method.
+        ``positions=None`` means ``0..length-1`` in every row: the first
+        ``length`` rows of the table, sliced (no gather, no scatter-add in the
+        gradient)."""
         if self.position_embedding == "learned":
             table = self.param(
                 "position_embed",
@@ -232,8 +237,54 @@ class TransformerOptions(nn.Module, kw_only=True):
             # an embed-split table leaves its output split along embed (and XLA
             # rematerializes it in full under fsdp).
             table = nn.with_logical_constraint(table, (None, None))
-            x = x + jnp.take(table, positions, axis=0).astype(self.dtype)
+            if positions is None:
+                length = length or x.shape[1]
+                if length > self.max_seq_len:
+                    raise ValueError(
+                        f"{length} tokens in a row, more than max_seq_len {self.max_seq_len} "
+                        f"learned positions; use rows of at most {self.max_seq_len} tokens or "
+                        f"a model with a larger max_seq_len"
+                    )
+                rows = table[:length][None]  # [1, length, embed]
+            else:
+                rows = jnp.take(table, positions, axis=0)  # [batch, length, embed]
+            x = x + rows.astype(self.dtype)
         return nn.with_logical_constraint(x, ACTIVATION_AXES)
+
+    def visible_mask(
+        self,
+        length: int,
+        positions: jax.Array,
+        valid: jax.Array,
+        segment_ids: jax.Array | None,
+        query_key_mask: jax.Array | None,
+        *,
+        is_default: bool,
+    ) -> jax.Array:
+        """Boolean ``[batch, 1, query, key]``: :func:`dew.nn.masks.attention_mask` of
+        ``mask`` with the padding, segments and explicit mask, computed once for
+        every layer (layers would otherwise each build it, inside a scan too).
+        ``is_default`` (positions ``0..length-1``, nothing masked): the policy
+        alone, a ``[1, 1, query, key]`` constant of the compiled program."""
+        index = jnp.arange(length)
+        if is_default:
+            with jax.ensure_compile_time_eval():
+                slots = jnp.arange(length)
+                rows = slots[None]  # [1, length]
+                return masks.attention_mask(
+                    self.mask, rows, rows, jnp.ones((1, length), jnp.bool_), slots, slots
+                )
+        return masks.attention_mask(
+            self.mask,
+            positions,
+            positions,
+            valid,
+            index,
+            index,
+            query_segments=segment_ids,
+            key_segments=segment_ids,
+            query_key_mask=query_key_mask,
+        )
 
     def norm_output(self, x: jax.Array) -> jax.Array:
         """``x`` through the norm after the last layer (``final_norm``); call

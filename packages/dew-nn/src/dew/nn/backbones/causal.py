@@ -39,9 +39,10 @@ class DecoderBlock(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, valid, segment_ids=None, query_key_mask=None):
+    def __call__(self, x, positions, valid, segment_ids=None, query_key_mask=None, visible=None):
         """``x [batch, length, embed] -> [batch, length, embed]``; the rest as
-        :class:`dew.nn.Attention` takes them."""
+        :class:`dew.nn.Attention` takes them (``visible``: the mask its backbone
+        computed once for every layer)."""
         c = self.config
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "attention_norm")(x)
         h = Attention(
@@ -64,6 +65,7 @@ class DecoderBlock(nn.Module):
             segment_ids=segment_ids,
             query_key_mask=query_key_mask,
             decode=self.decode,
+            visible=visible,
         )
         x = x + h
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
@@ -153,11 +155,29 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         batch, length = tokens.shape
         if not decode:
             check_divides(length, axes.LENGTH, "CausalTransformer tokens [batch, length]")
+        given = positions
         positions, valid = positions_and_valid(batch, length, positions, attention_mask)
         embed, x = self.embed_tokens(self.vocab_size, tokens)  # [batch, length, embed]
-        x = self.add_positions(x, positions)
+        x = self.add_positions(x, given, length=length)
+        stack = self.layer_stack()
+        # one mask for every layer (a constant when nothing varies per batch); not
+        # for decoding, which masks against the cache, nor for a pipeline, which
+        # cuts every layer argument into microbatches
+        visible = None
+        if not decode and stack.num_stages == 1:
+            visible = self.visible_mask(
+                length,
+                positions,
+                valid,
+                segment_ids,
+                query_key_mask,
+                is_default=given is None
+                and attention_mask is None
+                and segment_ids is None
+                and query_key_mask is None,
+            )
 
-        x = self.layer_stack()(
+        x = stack(
             self,
             DecoderBlock,
             dict(config=self.block_config(), decode=decode),
@@ -166,6 +186,7 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             valid,
             segment_ids,
             query_key_mask,
+            visible,
             use_pipeline=not decode,
         )
         x = self.norm_output(x)

@@ -1,0 +1,239 @@
+"""Dew's CausalTransformer against a plain flax.linen GPT-2 of the same FLOPs.
+
+One hand-written jitted training step (``value_and_grad`` + ``optax.adamw``,
+params and optimizer state donated) for every network, so only the model
+differs. The networks, all at the same width and depth:
+
+- ``plain``: a GPT-2-style linen model written out here (fused-free q/k/v
+  ``nn.Dense``, a constant causal mask, LayerNorm, GELU, learned positions);
+- ``dew_gpt2``: ``CausalTransformer`` configured as the same network
+  (``norm='layer'``, ``mlp_activation='gelu'``, ``position_embedding='learned'``,
+  ``use_bias=True``), scanned layers (Dew's default ``use_scan``);
+- ``dew_gpt2_loop``: the same with ``use_scan=False``;
+- ``dew_seed``: ``models.build("causal_transformer", ...)`` defaults (RMSNorm,
+  RoPE, SwiGLU: 1.5x the MLP FLOPs), as a seed-style run builds it.
+
+Every variant is compiled first; then the timed runs alternate over the
+variants (the order rotates every repeat) and each variant's number is the
+median of its repeats; ratios are plain step time / variant step time (above
+1: the variant is faster). The allocator is tuned once for every side (glibc
+``mallopt``, docs/performance.md). ``--profile`` prints, per variant, XLA's
+FLOPs of the compiled step and counts of its HLO ops (dots, transposes,
+copies, gathers, scatters, dynamic slices, while loops).
+
+    python tools/bench_model.py                         # medium size, 20 steps x 5
+    python tools/bench_model.py --size seed --profile
+    python tools/bench_model.py --variants plain dew_gpt2_loop --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import re
+import statistics
+import sys
+import time
+
+
+def tune_allocator() -> None:
+    """The same glibc setting for every side (see docs/performance.md)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, -1)
+    libc.mallopt(m_arena_max, 1)
+
+
+tune_allocator()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from dew.nn import models  # noqa: E402
+
+SIZES = {
+    "seed": dict(emb=64, layers=2, heads=4, mlp=256, seq=64, batch=8),
+    "medium": dict(emb=256, layers=4, heads=8, mlp=1024, seq=256, batch=16),
+}
+VOCAB = 264
+
+
+class PlainBlock(nn.Module):
+    emb: int
+    heads: int
+    mlp: int
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, e = x.shape
+        d = e // self.heads
+        h = nn.LayerNorm(epsilon=1e-6)(x)
+        q = nn.Dense(e)(h).reshape(b, t, self.heads, d)
+        k = nn.Dense(e)(h).reshape(b, t, self.heads, d)
+        v = nn.Dense(e)(h).reshape(b, t, self.heads, d)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+        causal = np.tril(np.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, e)
+        x = x + nn.Dense(e)(out)
+        h = nn.LayerNorm(epsilon=1e-6)(x)
+        h = nn.Dense(e)(nn.gelu(nn.Dense(self.mlp)(h), approximate=True))
+        return x + h
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 (Radford et al., 2019) as a user would write it in linen."""
+
+    emb: int
+    layers: int
+    heads: int
+    mlp: int
+    seq: int
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, self.emb)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.emb))
+        for _ in range(self.layers):
+            x = PlainBlock(self.emb, self.heads, self.mlp)(x)
+        x = nn.LayerNorm(epsilon=1e-6)(x)
+        return nn.Dense(VOCAB, use_bias=False)(x)
+
+
+def network(variant: str, size: str) -> nn.Module:
+    s = SIZES[size]
+    if variant == "plain":
+        return PlainGPT(s["emb"], s["layers"], s["heads"], s["mlp"], s["seq"])
+    common = dict(
+        vocab_size=VOCAB,
+        emb_features=s["emb"],
+        num_layers=s["layers"],
+        num_heads=s["heads"],
+        mlp_features=s["mlp"],
+        max_seq_len=s["seq"],
+    )
+    gpt2 = dict(norm="layer", mlp_activation="gelu", position_embedding="learned", use_bias=True)
+    if variant == "dew_gpt2":
+        return models.build("causal_transformer", **common, **gpt2)
+    if variant == "dew_gpt2_scan":
+        return models.build("causal_transformer", **common, **gpt2, use_scan=True)
+    if variant == "dew_gpt2_loop":
+        return models.build("causal_transformer", **common, **gpt2, use_scan=False)
+    if variant == "dew_seed":
+        return models.build("causal_transformer", **common)
+    raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
+
+
+VARIANTS = ("plain", "dew_gpt2", "dew_gpt2_scan", "dew_gpt2_loop", "dew_seed")
+
+
+def build(variant: str, size: str):
+    """``(step, params, opt_state, batches, compile seconds)`` with the step compiled."""
+    s = SIZES[size]
+    model = network(variant, size)
+    optimizer = optax.adamw(3e-3)
+    tokens0 = jnp.zeros((1, s["seq"]), jnp.int32)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens0)["params"])
+    opt_state = optimizer.init(params)
+
+    def loss_fn(params, tokens):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(0)
+    batches = [
+        jnp.asarray(rng.integers(0, 256, (s["batch"], s["seq"] + 1)), jnp.int32) for _ in range(4)
+    ]
+    begin = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batches[0]).compile()
+    seconds = time.perf_counter() - begin
+    return compiled, params, opt_state, batches, seconds
+
+
+OPS = ("dot", "transpose", "copy", "gather", "scatter", "dynamic-slice",
+       "dynamic-update-slice", "while", "fusion", "reduce", "broadcast")  # fmt: skip
+
+
+def profile(compiled) -> dict:
+    """XLA's FLOPs and HLO op counts of a compiled step."""
+    text = compiled.as_text()
+    counts = collections.Counter()
+    for line in text.splitlines():
+        m = re.search(r"=\s*\S+\s+([a-z\-]+)\(", line)
+        if m and m.group(1) in OPS:
+            counts[m.group(1)] += 1
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"flops": float(cost.get("flops", 0.0)), **{op: counts[op] for op in OPS}}
+
+
+def timed(entry, steps: int) -> float:
+    """Seconds per step over ``steps`` steps (state carried, donated)."""
+    compiled, params, opt_state, batches, _ = entry
+    begin = time.perf_counter()
+    for i in range(steps):
+        params, opt_state, loss = compiled(params, opt_state, batches[i % len(batches)])
+    jax.block_until_ready((params, loss))
+    entry[1], entry[2] = params, opt_state
+    return (time.perf_counter() - begin) / steps
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="medium")
+    parser.add_argument("--variants", nargs="+", default=["plain", "dew_gpt2", "dew_gpt2_loop",
+                                                          "dew_seed"])  # fmt: skip
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    if args.size not in SIZES:
+        sys.exit(f"unknown --size {args.size!r}; use one of {sorted(SIZES)}")
+    for v in args.variants:
+        if v not in VARIANTS:
+            sys.exit(f"unknown variant {v!r}; use one of {list(VARIANTS)}")
+    s = SIZES[args.size]
+    print(
+        f"{args.size} {s}; jax {jax.__version__}, {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s); {args.steps} steps, median of {args.repeats}"
+    )
+    entries = {}
+    for v in args.variants:
+        entries[v] = list(build(v, args.size))
+        timed(entries[v], 2)  # warm
+        if args.profile:
+            p = profile(entries[v][0])
+            ops = " ".join(f"{k} {p[k]}" for k in OPS)
+            print(f"  {v:14s} compile {entries[v][4]:.2f} s, {p['flops'] / 1e9:.3f} GFLOP; {ops}")
+    times = {v: [] for v in args.variants}
+    order = list(args.variants)
+    for r in range(args.repeats):
+        rot = order[r % len(order) :] + order[: r % len(order)]
+        for v in rot:
+            times[v].append(timed(entries[v], args.steps))
+    tokens = s["batch"] * s["seq"]
+    base = statistics.median(times[args.variants[0]])
+    for v in args.variants:
+        t = statistics.median(times[v])
+        print(
+            f"  {v:14s} {t * 1e3:8.2f} ms/step {tokens / t:10,.0f} tokens/s  "
+            f"{args.variants[0]}/this {base / t:.3f}  compile {entries[v][4]:.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()

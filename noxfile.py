@@ -129,7 +129,7 @@ def parity(session: nox.Session) -> None:
         "export",
         "--locked",
         "--package",
-        "dew-sampling",
+        "dew-train",  # everything dew-sampling needs, and the trainer (LoRA round trips)
         "--no-hashes",
         "--no-emit-workspace",
         "--no-header",
@@ -140,9 +140,15 @@ def parity(session: nox.Session) -> None:
         external=True,
     )
     session.install("-q", "-r", requirements)
-    session.install("-q", "torch==2.13.0", "transformers>=5", "diffusers", "safetensors")
+    session.install("-q", "torch==2.13.0", "transformers>=5", "diffusers", "peft", "safetensors")
     session.install(
-        "-q", "--no-deps", "./packages/dew-nn", "./packages/dew-data", "./packages/dew-sampling"
+        "-q",
+        "--no-deps",
+        "./packages/dew-nn",
+        "./packages/dew-data",
+        "./packages/dew-sampling",
+        "./packages/dew-objectives",
+        "./packages/dew-train",
     )
     session.run(*PYTEST, "packages/dew-sampling/tests/parity", *session.posargs, env=ENV)
 

@@ -166,6 +166,29 @@ def write(
     return path
 
 
+def write_peft(
+    path, *, model, params, lora, family: str, base_model_name_or_path: str | None
+) -> pathlib.Path:
+    """A PEFT adapter directory of ``lora``'s adapters in ``params`` (base + adapters)
+    for a Hugging Face ``family``: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` (:mod:`dew.nn.hf.peft`)."""
+    from dew.nn.hf import peft
+
+    fmt = hf.get(family)
+    if not hasattr(fmt, "layout"):
+        raise ValueError(f"PEFT export covers the causal-LM families; {family} is not one")
+    params = nn.meta.unbox(params)
+    tensors, modules = peft.adapter_tensors(fmt, model, jax.device_get(params))
+    if not tensors:
+        raise ValueError("the parameters hold no LoRA adapters (no *_lora_a / *_lora_b leaves)")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_tensors(path, tensors, name="adapter_model")
+    config = peft.adapter_config(lora, modules, base_model_name_or_path=base_model_name_or_path)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
 def _write_hf(path, model, params, tokenizer, family, end_ids, base, max_shard_bytes):
     fmt = hf.get(family)
     if getattr(type(model), "registry_name", None) != fmt.registry_name:

@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dew.nn.lora import base_module, fold, lora_of
 from dew.sampling import checkpoint_formats as formats
 from dew.sampling import diffusion_pipelines
 from dew.sampling.pipelines import TextGeneration
@@ -45,6 +46,11 @@ class Pretrained:
       (``DiT``) sampled as DiT was trained.
     pipeline_parts: pipeline fields read beside a diffusion model (a text-conditioned
       one's ``text_encoder`` and ``null_context``); None = none.
+    lora: a :class:`dew.nn.LoRA` when ``params`` also hold its adapters (a LoRA run's
+      ``state.variables()['params']``; a LoRA module given as ``model`` sets it):
+      :meth:`save` folds them into the kernels (``W + alpha/rank * A B``, the
+      source's own format), :meth:`save_adapter` writes them as a PEFT directory.
+      ``dataclasses.replace(pretrained, params=..., lora=lora)`` makes one from a load.
     """
 
     model: Any
@@ -55,10 +61,14 @@ class Pretrained:
     end_ids: tuple[int, ...] | None = None
     diffusion: dict[str, Any] | None = None
     pipeline_parts: dict[str, Any] | None = None
+    lora: Any = None
 
     def __post_init__(self):
         formats.check_format(self.format)
         object.__setattr__(self, "params", nn.meta.unbox(self.params))
+        if lora_of(self.model) is not None:  # keep the plain module; the config says LoRA
+            object.__setattr__(self, "lora", self.lora or lora_of(self.model))
+            object.__setattr__(self, "model", base_module(self.model))
         if self.end_ids is None:
             ids = formats.default_end_ids(self.tokenizer, self.hf_config)
             object.__setattr__(self, "end_ids", ids)
@@ -129,12 +139,48 @@ class Pretrained:
         return formats.write(
             path,
             model=self.model,
-            params=self.params,
+            params=self.merged_params,
             tokenizer=self.tokenizer,
             format=format,
             end_ids=self.end_ids,
             hf_config=self.hf_config if format == self.format else None,
             max_shard_bytes=max_shard_bytes,
+        )
+
+    @property
+    def merged_params(self):
+        """The plain module's parameters: :attr:`params` with any LoRA adapters folded in."""
+        return self.params if self.lora is None else fold(self.params, self.lora)
+
+    def save_adapter(
+        self, path: str | os.PathLike, *, base_model_name_or_path: str | None = None
+    ) -> pathlib.Path:
+        """Write the LoRA adapters as a PEFT adapter directory (``adapter_config.json``
+        and ``adapter_model.safetensors``, PEFT's names and ``[rank, in]`` /
+        ``[out, rank]`` layouts) that ``peft.PeftModel.from_pretrained`` loads onto
+        the transformers model of this checkpoint.
+
+        base_model_name_or_path: recorded in ``adapter_config.json`` (where the base
+          model is); None = none.
+        """
+        if self.lora is None:
+            raise ValueError(
+                "this Pretrained has no LoRA adapters (lora=None); pass lora= with params "
+                "that hold them, e.g. dataclasses.replace(pretrained, params=state.variables()"
+                "['params'], lora=lora)"
+            )
+        if self.format == "dew":
+            raise ValueError(
+                "save_adapter writes PEFT's format, keyed by a Hugging Face family's tensor "
+                f"names; this checkpoint's format is 'dew'. Use one of {formats.hf.names()}"
+            )
+        return formats.write_peft(
+            path,
+            model=self.model,
+            params=self.params,
+            lora=self.lora,
+            family=self.format,
+            base_model_name_or_path=base_model_name_or_path,
         )
 
     @property
@@ -169,7 +215,7 @@ class Pretrained:
             raise ValueError("this checkpoint has no tokenizer; build TextGeneration with one")
         return TextGeneration(
             self.model,
-            self.params,
+            self.merged_params,
             self.tokenizer,
             end_ids=self.end_ids,
             checkpoint_format=self.format,

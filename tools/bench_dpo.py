@@ -8,6 +8,9 @@ reference, log-softmax in float32, completion-masked sums, ``-log sigmoid(beta
 h)``, ``value_and_grad``, an optax update, donated buffers. The two sides
 alternate within one process and each number is the median of ``--repeats``
 runs; the ratio is hand-written step time / Dew step time (1 = no overhead).
+On a loaded machine the step times drift; XLA's cost analysis of the two
+losses + gradients (flops, bytes accessed) is printed too, as a check that does
+not depend on the load.
 
     python tools/bench_dpo.py
     python tools/bench_dpo.py --size small --steps 20 --repeats 3
@@ -92,13 +95,8 @@ def run_dew(size: str, steps: int):
     return first, (wall - first) / (steps - 1)
 
 
-def run_hand(size: str, steps: int):
-    model, length, pairs, batches = make(size)
-    optimizer = optax.adam(LR)
-    start = time.perf_counter()
-    params = jax.tree.map(jnp.asarray, initial_params(model, length))
-    reference = jax.tree.map(jnp.array, params)  # its own copy, as a frozen reference is
-    opt_state = jax.jit(optimizer.init)(params)
+def hand_loss(model, pairs: int):
+    """The DPO loss as a user writes it: ``loss_fn(params, reference, batch)``."""
 
     def sequence_logps(p, ids, mask):
         logits = model.apply({"params": p}, ids).astype(jnp.float32)  # [rows, length, vocab]
@@ -113,6 +111,41 @@ def run_hand(size: str, steps: int):
         ref_logps = jax.lax.stop_gradient(sequence_logps(ref, ids, mask))
         diff = (policy - ref_logps).reshape(2, pairs)
         return -jnp.mean(jax.nn.log_sigmoid(BETA * (diff[0] - diff[1])))
+
+    return loss_fn
+
+
+def cost(size: str) -> dict[str, tuple[float, float]]:
+    """XLA's cost analysis (flops, bytes accessed) of loss + gradient, both sides:
+    what the objective itself adds, independent of the machine's load."""
+    from dew.objectives import Step
+
+    model, length, pairs, batches = make(size)
+    params = jax.tree.map(jnp.asarray, initial_params(model, length))
+    objective = DPOObjective(model, beta=BETA)
+    step = Step(index=jnp.int32(0), key=jax.random.key(0))
+
+    def dew_loss(p, ref, batch):
+        loss, _ = objective.loss({"params": p, "reference": {"params": ref}}, batch, step)
+        return loss.total / loss.weight
+
+    out = {}
+    for name, fn in (("dew", dew_loss), ("hand", hand_loss(model, pairs))):
+        compiled = jax.jit(jax.value_and_grad(fn)).lower(params, params, batches[0]).compile()
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        out[name] = (analysis.get("flops", 0.0), analysis.get("bytes accessed", 0.0))
+    return out
+
+
+def run_hand(size: str, steps: int):
+    model, length, pairs, batches = make(size)
+    optimizer = optax.adam(LR)
+    start = time.perf_counter()
+    params = jax.tree.map(jnp.asarray, initial_params(model, length))
+    reference = jax.tree.map(jnp.array, params)  # its own copy, as a frozen reference is
+    opt_state = jax.jit(optimizer.init)(params)
+    loss_fn = hand_loss(model, pairs)
 
     def step(p, o, ref, batch):
         loss, grads = jax.value_and_grad(loss_fn)(p, ref, batch)
@@ -149,12 +182,21 @@ def main() -> None:
             out.append(fn(args.size, args.steps))
     d_step = statistics.median(x[1] for x in dew)
     h_step = statistics.median(x[1] for x in hand)
+    paired = statistics.median(h[1] / d[1] for d, h in zip(dew, hand))
     d_first = statistics.median(x[0] for x in dew)
     h_first = statistics.median(x[0] for x in hand)
     print(
         f"{args.size} ({pairs} pairs x {length} tokens): step dew {d_step * 1e3:.1f} ms hand "
-        f"{h_step * 1e3:.1f} ms ratio {h_step / d_step:.3f}; pairs/s dew {pairs / d_step:,.1f} "
-        f"hand {pairs / h_step:,.1f}; first step dew {d_first:.2f} s hand {h_first:.2f} s"
+        f"{h_step * 1e3:.1f} ms ratio {h_step / d_step:.3f} (median paired ratio {paired:.3f}); "
+        f"pairs/s dew {pairs / d_step:,.1f} hand {pairs / h_step:,.1f}; first step dew "
+        f"{d_first:.2f} s hand {h_first:.2f} s"
+    )
+    costs = cost(args.size)
+    (d_flops, d_bytes), (h_flops, h_bytes) = costs["dew"], costs["hand"]
+    print(
+        f"loss + gradient, XLA cost analysis: flops dew {d_flops:.4g} hand {h_flops:.4g} "
+        f"(ratio {d_flops / h_flops:.3f}); bytes accessed dew {d_bytes:.4g} hand {h_bytes:.4g} "
+        f"(ratio {d_bytes / h_bytes:.3f})"
     )
 
 

@@ -37,7 +37,21 @@ def jepa_case():
     return objective, batch
 
 
-CASES = {"lm": lm_case, "jepa": jepa_case}
+def dpo_case():
+    from dew.objectives.dpo import DPOObjective
+
+    model = CausalTransformer(
+        vocab_size=24, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16
+    )
+    rng = np.random.default_rng(0)
+    ids = {k: rng.integers(1, 24, (4, 8)).astype(np.int32) for k in ("chosen", "rejected")}
+    ids["rejected"][:, :3] = ids["chosen"][:, :3]  # a shared 3-token prompt
+    mask = np.arange(8)[None].repeat(4, 0) >= 3
+    batch = dict(ids, chosen_mask=mask, rejected_mask=mask, prompt_mask=~mask)
+    return DPOObjective(model, rpo_alpha=0.1), batch
+
+
+CASES = {"lm": lm_case, "jepa": jepa_case, "dpo": dpo_case}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -1,4 +1,4 @@
-"""LoRA through the trainer: a LoRA policy (``dew.nn.LoRA.apply``) with a frozen
+"""LoRA through the trainer: a LoRA policy (``dew.nn.lora.LoRA.apply``) with a frozen
 reference that defaults to the initial policy, as DPO and GRPO declare it.
 
 Checked: the optimizer state and the moving average hold the adapters only
@@ -156,3 +156,41 @@ def test_resume_equals_uninterrupted(run, pretrained, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, resumed.opt_state, final.opt_state)
     jax.tree.map(np.testing.assert_array_equal, resumed.frozen, final.frozen)
     assert math.isfinite(float(jax.tree.leaves(resumed.params)[0].sum()))
+
+
+def test_grpo_rollouts_under_lora_have_ratio_one_and_zero_kl(pretrained):
+    """GRPO samples with the cached decoder (the unrolled layer layout) and scores
+    with the scanned forward: both adapt the same kernels, so the first update's
+    ratio is 1 (asserted inside the step by check_first_ratio) and, with fresh
+    adapters, the k3 KL to the base-view reference is 0."""
+    from dew.objectives import Updates
+    from dew.objectives.grpo import GRPOObjective
+    from dew.objectives.rewards import TokenReward
+    from dew.sampling import Sampling
+
+    model, params = pretrained
+
+    def low_ids(completion, mask, batch):  # about half the tokens score: groups vary
+        return jnp.sum((completion < 16) & mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
+
+    grpo = GRPOObjective(
+        LORA.apply(model),
+        rewards=[TokenReward(fn=low_ids)],
+        group_size=4,
+        max_new_tokens=3,
+        sampling=Sampling(temperature=1.0),
+        beta=0.1,
+        prepared_updates=Updates(epochs=2, minibatches=1),
+        check_first_ratio=True,
+        init_params=params,
+    )
+    prompts = {"prompt": np.array([[1], [5]], np.int32), "prompt_mask": np.ones((2, 1), bool)}
+    data = Dataset(train=lambda p: iter(lambda: prompts, None), val=None, records=0, batch=2)
+    t = Trainer(grpo, optax.adam(0.05), key=jax.random.key(0), mesh=ONE)
+    log = []
+    t.add_hook(lambda info: log.append(info.metrics), every=1)
+    state = jax.device_get(t.fit(data, steps=4, log_every=1))
+    assert set(state.frozen) == {"lora_base"}  # the reference is the base view
+    assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert log[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert log[0]["loss"] != 0 and log[2]["kl"] > 0  # the updates left the base

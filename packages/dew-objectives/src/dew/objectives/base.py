@@ -149,7 +149,7 @@ def with_initial_values(boxed, values, *, what: str = "init_params"):
     logical-axis boxes kept, each value cast to the fresh leaf's dtype): how an
     objective starts from ``init_params`` (a ``Pretrained`` load).
 
-    Under LoRA (a model from ``dew.nn.LoRA.apply``) the fresh tree also holds the
+    Under LoRA (a model from ``dew.nn.lora.LoRA.apply``) the fresh tree also holds the
     adapters; ``values`` (the base weights) need not: the adapters missing from
     it keep their fresh initialisation (``B = 0``, so the model starts as the
     base). Any other missing, extra or misshapen path is a ValueError naming it.

@@ -46,7 +46,7 @@ class Pretrained:
       (``DiT``) sampled as DiT was trained.
     pipeline_parts: pipeline fields read beside a diffusion model (a text-conditioned
       one's ``text_encoder`` and ``null_context``); None = none.
-    lora: a :class:`dew.nn.LoRA` when ``params`` also hold its adapters (a LoRA run's
+    lora: a :class:`dew.nn.lora.LoRA` when ``params`` also hold its adapters (a LoRA run's
       ``state.variables()['params']``; a LoRA module given as ``model`` sets it):
       :meth:`save` folds them into the kernels (``W + alpha/rank * A B``, the
       source's own format), :meth:`save_adapter` writes them as a PEFT directory.

@@ -1,6 +1,6 @@
 """LoRA in the train state: only the adapters are trained; the base is frozen, once.
 
-A trained role whose module came from :meth:`dew.nn.LoRA.apply` initialises
+A trained role whose module came from :meth:`dew.nn.lora.LoRA.apply` initialises
 base weights and adapters together (the objective's ``init``, unchanged). The
 trainer then keeps
 

@@ -1,6 +1,7 @@
 """dew.sampling: generation with a KV cache, beam search, inference pipelines and
 pretrained checkpoints (Hugging Face and Dew formats)."""
 
+from dew.nn.allocator import configure_allocator
 from dew.sampling.beam import beam_decode, beam_search
 from dew.sampling.decoding import Generation, init_cache
 from dew.sampling.diffusion_pipelines import (
@@ -30,6 +31,10 @@ from dew.sampling.pretrained import Pretrained
 from dew.sampling.prompts import pad_prompts
 from dew.sampling.sampling import Sampling, filter_logits, sample_logits
 from dew.sampling.text_encoders import TextEncoder
+
+# glibc malloc tuned for XLA's large buffers before any is allocated
+# (dew.nn.allocator; DEW_ALLOCATOR=system opts out)
+configure_allocator()
 
 __version__ = "0.1.0"
 

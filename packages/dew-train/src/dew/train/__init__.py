@@ -1,5 +1,6 @@
 """dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
 
+from dew.nn.allocator import configure_allocator
 from dew.train._run import NonFiniteError
 from dew.train.checkpoints import (
     CheckpointMismatchError,
@@ -15,6 +16,10 @@ from dew.train.plan import Plan, plan
 from dew.train.state import TrainState
 from dew.train.step import build_train_step
 from dew.train.trainer import Trainer
+
+# glibc malloc tuned for XLA's large buffers before any is allocated
+# (dew.nn.allocator; DEW_ALLOCATOR=system opts out)
+configure_allocator()
 
 __version__ = "0.1.0"
 

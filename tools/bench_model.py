@@ -9,6 +9,8 @@ differs. The networks, all at the same width and depth:
 - ``dew_gpt2``: ``CausalTransformer`` configured as the same network
   (``norm='layer'``, ``mlp_activation='gelu'``, ``position_embedding='learned'``,
   ``use_bias=True``), scanned layers (Dew's default ``use_scan``);
+- ``dew_gpt2_unroll``: the same scanned parameters, the loop unrolled
+  (``LayerStack.unroll = num_layers``);
 - ``dew_gpt2_loop``: the same with ``use_scan=False``;
 - ``dew_seed``: ``models.build("causal_transformer", ...)`` defaults (RMSNorm,
   RoPE, SwiGLU: 1.5x the MLP FLOPs), as a seed-style run builds it.
@@ -30,26 +32,26 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
+import dataclasses
 import re
 import statistics
 import sys
 import time
 
 
-def tune_allocator() -> None:
-    """The same glibc setting for every side (see docs/performance.md)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, -1)
-    libc.mallopt(m_arena_max, 1)
+def tune_allocator() -> str:
+    """The same allocator setting for every side: Dew's default (glibc ``mallopt``,
+    dew.nn.allocator), or the C library's own with ``--allocator system``."""
+    import os
+
+    if "--allocator" in sys.argv:
+        os.environ["DEW_ALLOCATOR"] = sys.argv[sys.argv.index("--allocator") + 1]
+    from dew.nn.allocator import configure_allocator
+
+    return configure_allocator()
 
 
-tune_allocator()
+ALLOCATOR = tune_allocator()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -124,8 +126,8 @@ def network(variant: str, size: str) -> nn.Module:
     gpt2 = dict(norm="layer", mlp_activation="gelu", position_embedding="learned", use_bias=True)
     if variant == "dew_gpt2":
         return models.build("causal_transformer", **common, **gpt2)
-    if variant == "dew_gpt2_scan":
-        return models.build("causal_transformer", **common, **gpt2, use_scan=True)
+    if variant == "dew_gpt2_unroll":
+        return models.build("causal_transformer", **common, **gpt2, use_scan=True), s["layers"]
     if variant == "dew_gpt2_loop":
         return models.build("causal_transformer", **common, **gpt2, use_scan=False)
     if variant == "dew_seed":
@@ -133,13 +135,25 @@ def network(variant: str, size: str) -> nn.Module:
     raise ValueError(f"unknown variant {variant!r}; use one of {VARIANTS}")
 
 
-VARIANTS = ("plain", "dew_gpt2", "dew_gpt2_scan", "dew_gpt2_loop", "dew_seed")
+VARIANTS = ("plain", "dew_gpt2", "dew_gpt2_unroll", "dew_gpt2_loop", "dew_seed")
 
 
 def build(variant: str, size: str):
     """``(step, params, opt_state, batches, compile seconds)`` with the step compiled."""
-    s = SIZES[size]
     model = network(variant, size)
+    if isinstance(model, tuple):  # a scanned stack compiled with every layer unrolled
+        model, unroll = model
+        stack = type(model).layer_stack
+        type(model).layer_stack = lambda self: dataclasses.replace(stack(self), unroll=unroll)
+        try:
+            return build_model(model, size)
+        finally:
+            type(model).layer_stack = stack
+    return build_model(model, size)
+
+
+def build_model(model, size: str):
+    s = SIZES[size]
     optimizer = optax.adamw(3e-3)
     tokens0 = jnp.zeros((1, s["seq"]), jnp.int32)
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens0)["params"])
@@ -200,6 +214,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--allocator", default="tuned", choices=["tuned", "system"])
     args = parser.parse_args(argv)
     if args.size not in SIZES:
         sys.exit(f"unknown --size {args.size!r}; use one of {sorted(SIZES)}")
@@ -209,7 +224,8 @@ def main(argv=None) -> None:
     s = SIZES[args.size]
     print(
         f"{args.size} {s}; jax {jax.__version__}, {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s); {args.steps} steps, median of {args.repeats}"
+        f"{jax.devices()[0].platform} device(s); {args.steps} steps, median of {args.repeats}; "
+        f"allocator {ALLOCATOR}"
     )
     entries = {}
     for v in args.variants:

@@ -60,6 +60,9 @@ class LayerStack:
     loop_name: where looped block ``i``'s parameters live: ``{loop_name}_{i}``
       (``layer_0/...``); a scanned stack's ``[layers, ...]`` parameters sliced
       at ``i`` are block ``i``'s.
+    unroll: with ``use_scan``, layers per iteration of the compiled loop
+      (``nn.scan``'s ``unroll``): ``num_layers`` compiles a straight program over
+      the same ``[layers, ...]`` parameters; 1 = one layer per iteration.
     """
 
     num_layers: int
@@ -70,10 +73,16 @@ class LayerStack:
     num_microbatches: int | None = None
     name: str = "layers"
     loop_name: str = "layer"
+    unroll: int = 1
 
     def __post_init__(self):
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if not 1 <= self.unroll <= self.num_layers:
+            raise ValueError(
+                f"unroll {self.unroll} must be between 1 and num_layers {self.num_layers} "
+                f"(layers per iteration of the scanned loop)"
+            )
         if self.remat_policy is not None and not hasattr(
             jax.checkpoint_policies, self.remat_policy
         ):
@@ -138,6 +147,7 @@ class LayerStack:
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast,) * len(args),
                 length=self.num_layers,
+                unroll=self.unroll,
                 metadata_params={nn.PARTITION_NAME: axes.LAYERS},
             )
             x, _ = scanned(block(**block_kwargs, name=self.name), x, *args)

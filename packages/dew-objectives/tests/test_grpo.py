@@ -119,6 +119,7 @@ def losses():
 MODES = ("sequence-mean", "token-mean", "dr_grpo")
 
 
+@pytest.mark.slow
 def test_rollout_is_the_decoder_repeated_per_group_and_old_logps_score_it(params, prepared):
     _, first, batch = prepared
     rows = np.repeat(PROMPT, G, 0), np.repeat(PROMPT_MASK, G, 0)
@@ -170,6 +171,7 @@ def numpy_loss(logp, old, ref, adv, mask, *, eps_low, eps_high, beta, mode, clam
     return loss, (clipped * mask).sum() / mask.sum(), (k3 * mask).sum() / mask.sum()
 
 
+@pytest.mark.slow
 def test_loss_matches_numpy_for_each_aggregation(params, prepared, losses):
     variables, _, batch = prepared
     mask = np.asarray(batch["completion_mask"])

@@ -63,7 +63,7 @@ def test_finetune_starts_from_the_checkpoint_and_saves_back(pretrained, tmp_path
     loss_before = float(objective.loss({"params": pretrained.params}, batch, None)[0].value)
     state = trainer.fit(data, steps=12, log_every=1)
     logged = [
-        float(line.split("loss ")[1])
+        float(line.split("loss ")[1].split(",")[0])
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("step ") and "loss" in line
     ]

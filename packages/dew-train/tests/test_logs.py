@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import struct
 
 import jax
@@ -75,10 +76,13 @@ def test_metrics_go_to_jsonl_tensorboard_and_stdout(tmp_path, capsys):
         w = w - 0.1 * 2 / 4 * (w - rows.mean(0))
     want = [None, np.mean(losses[:2]), None, np.mean(losses[2:])]
     np.testing.assert_allclose([r["loss"] for r in train], [want[1], want[3]], rtol=1e-6)
-    assert [line for line in out if line.startswith("step ")] == [
+    step_lines = [line for line in out if line.startswith("step ")]
+    assert [line.split(",")[0] for line in step_lines] == [
         f"step 2: loss {want[1]:.4f}",
         f"step 4: loss {want[3]:.4f}",
     ]
+    # then the rates: examples/s (Quadratic counts no tokens) and MFU
+    assert all(re.search(r", [\d,.]+ examples/s, MFU [\d.]+%$", line) for line in step_lines)
     assert [r["se_sum"] for r in train] == pytest.approx([32 * want[1], 32 * want[3]], rel=1e-6)
 
     (good,) = [r for r in records if r["kind"] == "goodput"]

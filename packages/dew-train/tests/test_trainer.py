@@ -62,7 +62,7 @@ def test_eight_devices_match_a_single_device_loop(capsys):
         "'sequence': 1, 'stage': 1} (1 process(es))"
     ) in out
     logged = [
-        float(line.split("loss ")[1])
+        float(line.split("loss ")[1].split(",")[0])
         for line in out.splitlines()
         if line.startswith("step ") and "loss" in line
     ]

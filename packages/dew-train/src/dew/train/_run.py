@@ -40,6 +40,9 @@ class Run:
         self.early = EarlyStoppingState(trainer.early_stopping) if trainer.early_stopping else None
         self.last_eval: dict[str, float] = {}
         self.last_eval_step: int | None = None
+        # the step's FLOPs and the devices' peak (dew.train.throughput), set once
+        # the step is compiled
+        self.throughput = None
 
     # the trainer's own hooks, in order
     def after_step(self, step: int, state, metrics, *, at_boundary: bool) -> bool:
@@ -86,8 +89,23 @@ class Run:
                 return {}
             values = self.interval.reduce(self.data.batch, self.tokens_key)
             self.interval = Interval()
-            self.log.log(step, values, line=f"step {step}: loss {format_value(values['loss'])}")
+            rates = self._rates(values)
+            line = f"step {step}: loss {format_value(values['loss'])}, {rates}"
+            self.log.log(step, values, line=line)
             return values
+
+    def _rates(self, values: dict) -> str:
+        """``12,345 tokens/s, MFU 31.2%`` (examples/s when the objective counts no
+        tokens); adds ``mfu`` and ``step_flops`` to ``values``."""
+        if "tokens_per_second" in values:
+            rate = f"{values['tokens_per_second']:,.0f} tokens/s"
+        else:
+            rate = f"{values['examples_per_second']:,.1f} examples/s"
+        if self.throughput is None:
+            return rate
+        mfu = self.throughput.mfu(values["step_seconds"])
+        values["mfu"], values["step_flops"] = mfu, self.throughput.step_flops
+        return f"{rate}, MFU {100 * mfu:.2f}%" if mfu == mfu else f"{rate}, MFU n/a"
 
     def _account(self, step: int, values) -> None:
         t = self.trainer
@@ -204,7 +222,7 @@ class Interval:
     """Training metrics added up over the steps between two log lines."""
 
     def __init__(self):
-        self.start = time.perf_counter()
+        self.start = self.began = time.perf_counter()
         self.steps = 0
         self.accepted = 0
         self.weighted: dict | None = None
@@ -212,6 +230,13 @@ class Interval:
         self.last: dict[str, float] = {}
         # seconds of the prepare phases (rollouts) that fed this interval
         self.prepare_seconds = 0.0
+        # steps run before ``start`` (the first step, with its compilation)
+        self.untimed = 0
+
+    def restart(self, untimed: int) -> None:
+        """Time the interval from now: the ``untimed`` steps already run (the first,
+        which compiled the step) do not count in its rates."""
+        self.start, self.untimed = time.perf_counter(), untimed
 
     def add(self, values) -> None:
         self.steps += 1
@@ -236,10 +261,15 @@ class Interval:
             out["loss"] = float("nan")
         out.update(self.last)
         out["rejected_fraction"] = 1.0 - self.accepted / max(self.steps, 1)
-        out["step_seconds"] = seconds / max(self.steps, 1)
-        out["examples_per_second"] = examples_per_step * self.steps / seconds
+        timed = self.steps - self.untimed
+        if timed <= 0:  # only the untimed steps: time them from the interval's creation
+            timed, seconds = self.steps, max(time.perf_counter() - self.began, 1e-9)
+        out["step_seconds"] = seconds / max(timed, 1)
+        out["examples_per_second"] = examples_per_step * timed / seconds
         if tokens_key is not None and self.weighted and tokens_key in self.weighted:
-            out["tokens_per_second"] = float(self.weighted[tokens_key].total) / seconds
+            # the timed steps' share of the tokens
+            tokens = float(self.weighted[tokens_key].total) * timed / max(self.steps, 1)
+            out["tokens_per_second"] = tokens / seconds
         if self.prepare_seconds > 0 and self.weighted and ROLLOUT_TOKENS in self.weighted:
             # an objective counts each prepared batch's rollout tokens once (its
             # first epoch): exact when log_every is a multiple of the updates per batch

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data import Partition
 from dew.train.mesh import Rules, batch_sharding, data_parallel_size, mesh_sizes
+from dew.train.throughput import program_flops
 
 
 def check_batch_rows(mesh: Mesh, rules: Rules, rows: int, accumulate: int, *, what="global batch"):
@@ -115,16 +116,32 @@ def compile_fn(
 ):
     """``jax.jit(fn)`` with explicit shardings, lowered for ``args`` (arrays or
     ``ShapeDtypeStruct``) and compiled: nothing runs."""
-    return (
-        jax.jit(
-            fn,
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            donate_argnums=donate_argnums,
-        )
-        .lower(*args)
-        .compile()
-    )
+    return compile_with_flops(
+        fn,
+        args,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        donate_argnums=donate_argnums,
+    )[0]
+
+
+def compile_with_flops(
+    fn: Callable,
+    args: tuple,
+    *,
+    in_shardings: tuple,
+    out_shardings: Any,
+    donate_argnums: tuple[int, ...] = (),
+):
+    """``(compiled, flops)``: :func:`compile_fn`'s program and its matrix-product
+    FLOPs (:func:`dew.train.throughput.program_flops`), from one trace."""
+    traced = jax.jit(
+        fn,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        donate_argnums=donate_argnums,
+    ).trace(*args)
+    return traced.lower().compile(), program_flops(traced.jaxpr)
 
 
 def shard_bytes(abstract, shardings) -> int:

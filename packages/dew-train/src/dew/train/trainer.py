@@ -51,6 +51,7 @@ from dew.train.placement import (
     abstract_batch,
     check_batch_rows,
     compile_fn,
+    compile_with_flops,
     from_host,
     layout,
     replicated,
@@ -69,6 +70,7 @@ from dew.train.step import (
     minibatch_fn,
     with_minibatch,
 )
+from dew.train.throughput import Throughput
 from dew.train.trackers import Tracker
 
 
@@ -478,7 +480,7 @@ class Trainer:
             tokens_key="tokens",
         )
         per_batch = self._per_batch()
-        prepared = None
+        prepared = previous = None
         step = start
         self.result = None
         with self._context(), StopSignals() as stop:
@@ -487,19 +489,29 @@ class Trainer:
                 if step % per_batch == 0:
                     with goodput.measure("data"):
                         local = next(train_iter)
-                        self.objective.check_batch(local)
+                        if step == start:
+                            # the values once (dew.data readers check their own rows);
+                            # the shapes every batch
+                            self.objective.check_batch(local)
                         self._check_spec(spec, local, data)
-                        batch = to_global(local, partition, data.batch, mesh, self.rules)
+                        if step == start or not _unchanged(local, previous):
+                            batch = to_global(local, partition, data.batch, mesh, self.rules)
+                        previous = local
                     began = goodput.seconds["prepare"]  # compilation not counted
                     prepared = self._prepared(state, batch, shardings, goodput)
                     run.interval.prepare_seconds += goodput.seconds["prepare"] - began
                 update = self._compiled_update(state, prepared, shardings, goodput)
+                if run.throughput is None:
+                    run.throughput = self.throughput(prepared)
+                    log.print(run.throughput.line())
                 with goodput.measure("steps"):
                     state, metrics = update(state, prepared)
                     step += 1
                     if goodput.first_step_at is None:
                         jax.block_until_ready(metrics)
                         goodput.first_step_done()
+                        # the log's rates leave out the step that compiled
+                        run.interval.restart(untimed=step - start)
                 log.advance(step)
                 if run.after_step(step, state, metrics, at_boundary=step % per_batch == 0):
                     break
@@ -621,14 +633,21 @@ class Trainer:
                 )
                 if self.objective.has_prepare:
                     step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)
-                cache[key] = compile_fn(
+                cache[key], flops = compile_with_flops(
                     step_fn,
                     (state, batch),
                     in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
                     out_shardings=(shardings, replicated(self.device_mesh)),
                     donate_argnums=(0,),
                 )
+                self.__dict__.setdefault("_step_flops", {})[key] = flops
         return cache[key]
+
+    def throughput(self, batch) -> Throughput:
+        """The compiled step's FLOPs for ``batch``'s layout and the mesh's peak
+        (:mod:`dew.train.throughput`): what the log's MFU divides."""
+        flops = self.__dict__.get("_step_flops", {})[layout(batch)]
+        return Throughput(flops, self.device_mesh.devices.flat)
 
     # -------------------------------------------------------- data and state
     def _data_spec(self, data):
@@ -765,6 +784,22 @@ def check_roles(objective: Objective) -> tuple[Role, ...]:
             f"{[r.name for r in roles]}); mark at least one Role(trained=True)"
         )
     return roles
+
+
+def _unchanged(local, previous) -> bool:
+    """``local`` holds the very arrays of ``previous`` and none of them can have
+    changed in between (read-only numpy, or jax arrays): its global batch is
+    the one already on the devices."""
+    if previous is None or local.keys() != previous.keys():
+        return False
+    for name, value in local.items():
+        if value is not previous[name]:
+            return False
+        if isinstance(value, np.ndarray) and value.flags.writeable:
+            return False
+        if not isinstance(value, np.ndarray | jax.Array):
+            return False
+    return True
 
 
 def _rows(batch) -> int:

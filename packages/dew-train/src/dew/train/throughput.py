@@ -1,0 +1,190 @@
+"""Throughput and model FLOPs utilisation (MFU) of the compiled training step.
+
+MFU (Chowdhery et al., 2022, PaLM, appendix B) is the model's FLOPs per
+second divided by the devices' peak:
+
+    MFU = step_flops / step_seconds / (devices * peak_per_device)
+
+``step_flops`` is counted on the step's program (:func:`program_flops`):
+every matrix product (``dot_general``: ``2 * batch * M * N * K``; the forward
+pass, its gradient and the optimizer's, as XLA compiles them), with each
+``scan`` body counted once per iteration. XLA's own cost analysis of a
+compiled step (``compiled.cost_analysis()["flops"]``) counts a ``while``
+loop's body only once, so it under-counts a scanned layer stack by the
+number of layers; on an unrolled program the two agree up to the
+elementwise operations XLA adds (see the tests).
+
+The peak (:func:`device_peak`) comes from a table of dense bf16 peaks for
+known accelerators; on a CPU, from a matrix-multiply probe measured once per
+machine (:func:`cpu_peak`) and cached on disk (``~/.cache/dew/cpu_peak.json``,
+or ``$DEW_CACHE_DIR``), named as such in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense peak FLOP/s per chip (bf16 / tensor cores, no sparsity), from the
+# vendors' data sheets; matched against jax's device_kind, longest name first.
+PEAKS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is 756e12
+    "A100": 312e12,
+    "A10G": 70e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "T4": 65e12,
+    "B200": 2250e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+    "TPU v3": 123e12,
+}
+
+PROBE_SIZE = 512
+CACHE_NAME = "cpu_peak.json"
+
+
+def program_flops(jaxpr) -> float:
+    """Matrix-product FLOPs of a (closed) jaxpr: ``2 * prod(output) * prod(contracted)``
+    for every ``dot_general``, scan bodies times their length, other nested
+    programs (jit, remat, custom derivatives, the larger ``cond`` branch) once."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracted)
+            continue
+        if name == "scan":
+            total += eqn.params["length"] * program_flops(eqn.params["jaxpr"])
+            continue
+        if name == "cond":
+            total += max(program_flops(b) for b in eqn.params["branches"])
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    total += program_flops(sub)
+    return total
+
+
+def device_peak(devices) -> tuple[float, str]:
+    """``(peak FLOP/s of ``devices`` together, where the number comes from)``.
+
+    Accelerators: the table's peak per chip times the chips. CPU devices
+    (emulated ones share the machine's cores): the probe's per-core peak times
+    the cores this process may run on, whatever the device count.
+    """
+    devices = list(devices)
+    if not devices:
+        return float("nan"), "no devices"
+    device = devices[0]
+    if device.platform == "cpu":
+        per_core, source = cpu_peak()
+        cores = available_cores()
+        return per_core * cores, f"{source}: {cores} core(s) x {per_core / 1e9:.1f} GFLOP/s"
+    kind = getattr(device, "device_kind", "") or ""
+    for name in sorted(PEAKS, key=len, reverse=True):
+        if name.lower() in kind.lower():
+            peak = PEAKS[name] * len(devices)
+            return peak, f"{len(devices)} x {name} at {PEAKS[name] / 1e12:g} TFLOP/s (bf16 dense)"
+    return float("nan"), f"no peak known for device kind {kind!r}"
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cache_dir() -> str:
+    return os.environ.get("DEW_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dew")
+
+
+def cpu_peak() -> tuple[float, str]:
+    """``(per-core float32 FLOP/s, source)``: a jitted ``512 x 512`` float32 matmul
+    probe, the best of several timings divided by the cores it ran on; measured
+    once per machine (CPU model, core count, jax version) and cached."""
+    token = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{jax.__version__}"
+    path = os.path.join(cache_dir(), CACHE_NAME)
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        if cached.get("machine") == token:
+            return float(cached["per_core_flops"]), "CPU peak measured by matmul probe (cached)"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    per_core = probe_cpu()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump({"machine": token, "per_core_flops": per_core}, f)
+        os.replace(temporary, path)
+    except OSError:
+        pass
+    return per_core, "CPU peak measured by matmul probe"
+
+
+def probe_cpu(size: int = PROBE_SIZE, repeats: int = 5) -> float:
+    """Per-core FLOP/s of a float32 ``size x size`` matmul chain on the CPU."""
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(np.random.default_rng(0).standard_normal((size, size), np.float32), cpu)
+    chain = 8
+
+    @jax.jit
+    def mm(x):
+        for _ in range(chain):
+            x = jnp.tanh(x @ a)  # tanh keeps values finite; negligible next to the product
+        return x
+
+    mm(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        mm(a).block_until_ready()
+        best = min(best, time.perf_counter() - begin)
+    flops = 2.0 * size**3 * chain
+    return flops / best / available_cores()
+
+
+class Throughput:
+    """The step's FLOPs and the devices' peak, for the log line's rates and MFU.
+
+    step_flops: FLOPs of one training step (:func:`program_flops`).
+    devices: the devices the step runs on.
+    """
+
+    def __init__(self, step_flops: float, devices):
+        self.step_flops = float(step_flops)
+        self.peak, self.source = device_peak(devices)
+
+    def line(self) -> str:
+        """What the log says once, before the first step."""
+        return (
+            f"Throughput: {self.step_flops / 1e9:,.3f} GFLOP per step (matrix products of the "
+            f"compiled step); MFU against {self.peak / 1e9:,.1f} GFLOP/s ({self.source})"
+        )
+
+    def mfu(self, step_seconds: float) -> float:
+        """Model FLOPs utilisation of a step that took ``step_seconds``."""
+        if not step_seconds > 0 or not self.peak > 0:
+            return float("nan")
+        return self.step_flops / step_seconds / self.peak

@@ -19,11 +19,11 @@ import optax
 import pytest
 
 from dew.data import Dataset
-from dew.nn.lora import LoRA, base_module, is_adapter, split
+from dew.nn.lora import LoRA, base_module, is_adapter, lora_of, split
 from dew.nn.testing import tiny_lm
 from dew.objectives import EMA, Objective, Role, Weighted, with_initial_values
 from dew.objectives.lm import token_nll
-from dew.train import Checkpoints, MeshSpec, Trainer
+from dew.train import Checkpoints, MeshSpec, Trainer, load_model
 
 pytestmark = pytest.mark.slow  # three short runs
 
@@ -87,7 +87,9 @@ def trainer(pretrained, **kw):
 
 @pytest.fixture(scope="module")
 def run(pretrained, tmp_path_factory):
-    t = trainer(pretrained, checkpoints=Checkpoints(str(tmp_path_factory.mktemp("whole"))))
+    directory = tmp_path_factory.mktemp("whole")
+    t = trainer(pretrained, checkpoints=Checkpoints(str(directory)))
+    t.directory = directory
     initial = jax.device_get(t.init_state())
     log = []
     t.add_hook(lambda info: log.append(info.metrics), every=1)
@@ -143,6 +145,16 @@ def test_reference_is_the_base(run, pretrained):
     first = float(token_nll(plain, tokens[:, 1:]).mean())
     assert log[0]["ref_nll"] == pytest.approx(first, abs=1e-5)
     assert base_module(lora_model) is model
+
+
+def test_load_model_rebuilds_the_lora_policy(run):
+    t, _, final, _ = run
+    model, params = load_model(str(t.directory))
+    assert lora_of(model) == LORA
+    tokens = np.asarray(next(batches())["text"])[:, :-1]
+    want = jax.jit(t.objective.model.apply)({"params": final.variables()["params"]}, tokens)
+    got = jax.jit(model.apply)({"params": params}, tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_resume_equals_uninterrupted(run, pretrained, tmp_path):

@@ -638,8 +638,6 @@ def _role_record(path: str, meta: dict, role: str | None, averaged: bool):
 
 
 def _load_model(path: str, *, averaged: bool, role: str | None = None) -> tuple[Any, Any]:
-    import orbax.checkpoint as ocp
-
     from dew.nn import models
 
     meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
@@ -655,6 +653,26 @@ def _load_model(path: str, *, averaged: bool, role: str | None = None) -> tuple[
         )
     model = models.build(record["name"], **record["config"])
     state_dir = os.path.join(path, "state")
+    lora = (meta.get("roles") or {}).get(role or _first_trained(meta), {}).get("lora")
+    params = _restore_at(path, state_dir, where, averaged)
+    if lora is None:
+        return model, params
+    # a LoRA role: the adapters merged with the base the state keeps once
+    from dew.nn.lora import LoRA, merge
+
+    base = _restore_at(path, state_dir, ("frozen", "lora_base", *where[1:]), False)
+    return LoRA(**lora).apply(model), merge(base, params)
+
+
+def _first_trained(meta: dict) -> str | None:
+    roles = meta.get("roles") or {}
+    return next((name for name, r in roles.items() if r.get("trained", True)), None)
+
+
+def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
+    """The subtree of the saved state at ``where``, restored on one device."""
+    import orbax.checkpoint as ocp
+
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with _quiet_orbax():
         tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
@@ -686,7 +704,7 @@ def _load_model(path: str, *, averaged: bool, role: str | None = None) -> tuple[
         )
     for key in where:
         restored = restored[key]
-    return model, restored
+    return restored
 
 
 # ------------------------------------------------------------------- helpers

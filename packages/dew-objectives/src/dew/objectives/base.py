@@ -83,6 +83,12 @@ class Role:
       copy of the initial policy). Shapes are checked against the module
       before anything is compiled.
 
+    LoRA: a trained role whose module comes from ``dew.nn.lora.LoRA.apply`` trains
+    its adapters only; its base weights are frozen (``dew.train.adapters``). A
+    frozen role that ``init`` returns as ``{'params': params}``, the trained role's
+    own initial tree (the same arrays), is then the base view: the base with zero
+    adapters, stored nowhere. Nothing else in an objective changes.
+
     A checkpoint records each role's registry name and config
     (``dew.nn.models.config_of``), so ``load_model(directory, role=...)``
     rebuilds any of them.

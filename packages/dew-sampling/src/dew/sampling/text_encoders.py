@@ -142,22 +142,44 @@ class TextEncoder:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, max_length: int = 32, **load_options) -> TextEncoder:
-        """A frozen encoder from any checkpoint :meth:`dew.sampling.Pretrained.load` reads
-        (``load_options`` go to it: ``dtype``, ``param_dtype``, ...)."""
-        from dew.sampling.pretrained import Pretrained  # Pretrained builds pipelines of these
-
-        pretrained = Pretrained.load(path, **load_options)
-        if pretrained.tokenizer is None:
+    def load(
+        cls,
+        path: str | os.PathLike,
+        *,
+        max_length: int = 32,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+        ignore_fields: tuple[str, ...] = (),
+    ) -> TextEncoder:
+        """A frozen encoder from a checkpoint directory :meth:`dew.sampling.Pretrained.load`
+        reads: Dew's (``dew_config.json``) or a Hugging Face causal LM (``config.json``;
+        ``dtype``, ``param_dtype`` and ``ignore_fields`` as ``Pretrained.load``'s)."""
+        path = pathlib.Path(path)
+        if (path / checkpoint_formats.DEW_CONFIG).exists():
+            fields = checkpoint_formats.read_dew(path)
+        elif (path / checkpoint_formats.HF_CONFIG).exists():
+            fields = checkpoint_formats.read_hf(
+                path,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                use_scan=True,
+                ignore_fields=ignore_fields,
+            )
+        else:
+            raise FileNotFoundError(
+                f"{path} has neither {checkpoint_formats.DEW_CONFIG} nor "
+                f"{checkpoint_formats.HF_CONFIG}; TextEncoder.load takes a checkpoint directory"
+            )
+        if fields.get("tokenizer") is None:
             raise ValueError(
                 f"{path} has no tokenizer; a text encoder needs one (tokenizer.json beside "
-                f"the weights)"
+                f"the weights, or a Dew checkpoint saved with its tokenizer)"
             )
         return cls(
-            module=pretrained.model,
-            params=pretrained.params,
-            tokenizer=pretrained.tokenizer,
+            module=fields["model"],
+            params=fields["params"],
+            tokenizer=fields["tokenizer"],
             max_length=max_length,
-            checkpoint_format=pretrained.format,
-            hf_config=pretrained.hf_config,
+            checkpoint_format=fields["format"],
+            hf_config=fields.get("hf_config"),
         )

@@ -7,7 +7,8 @@ one image) or ``uint8 [frames, height, width, channels]`` (a video), with 1
 (grey) or 3 (RGB) channels. Files are ``previews/step_{step:08d}.png`` (or
 ``.gif``) under the run directory. A grey GIF is exact; an RGB GIF holds at most
 256 colours a frame (pillow's adaptive palette), so more colourful frames are
-quantized. TensorBoard gets the image, or a video's frames side by side.
+quantized. TensorBoard gets the image, or a video's frames side by side. Writing needs
+pillow, the ``[images]`` extra (``pip install "dew-train[images]"``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _pil_image():
         from PIL import Image
     except ImportError as error:
         raise ImportError(
-            "writing an image preview needs pillow, which is not installed: pip install pillow"
+            "writing an image preview needs pillow, which is not installed: pip install "
+            '"dew-train[images]"'
         ) from error
     return Image
 

@@ -27,7 +27,7 @@ from dew.sampling import Sampling
 from dew.sampling.generate import decode
 from dew.train import Trainer
 
-VOCAB, START, FEATURE, COMPLETION, LENGTH = 16, 0, 3, 6, 8
+VOCAB, START, FEATURE, COMPLETION, LENGTH, SAMPLE_ROWS = 16, 0, 3, 6, 8, 1024
 MODEL = CausalTransformer(
     vocab_size=VOCAB,
     emb_features=16,
@@ -102,8 +102,10 @@ def run(
     k_model, k_pairs, k_val, k_train, k_ref, k_policy = jax.random.split(jax.random.key(seed), 6)
     init = jax.jit(MODEL.init)(k_model, jnp.zeros((1, LENGTH), jnp.int32))
     reference = nn.unbox(init)["params"]
-    train_pairs = preference_pairs(*np.split(samples(reference, k_pairs, 2 * 2048), 2))
-    val_pairs = preference_pairs(*np.split(samples(reference, k_val, 2 * 512), 2))
+    # Every draw is SAMPLE_ROWS rows: one compiled decoder serves all of them.
+    draws = [samples(reference, k, SAMPLE_ROWS) for k in jax.random.split(k_pairs, 4)]
+    train_pairs = preference_pairs(np.concatenate(draws[:2]), np.concatenate(draws[2:]))
+    val_pairs = preference_pairs(*np.split(samples(reference, k_val, SAMPLE_ROWS), 2))
     data = dataset(train_pairs, val_pairs, batch)
     # The policy starts at the reference (as DPO after SFT does): init_params; the
     # frozen reference role is a copy of that initial policy.
@@ -121,8 +123,8 @@ def run(
         "loss": after["loss"],
         "reward_chosen": after["reward_chosen"],
         "reward_rejected": after["reward_rejected"],
-        "feature_reference": feature_rate(samples(reference, k_ref, 1024)),
-        "feature_policy": feature_rate(samples(state.params, k_policy, 1024)),
+        "feature_reference": feature_rate(samples(reference, k_ref, SAMPLE_ROWS)),
+        "feature_policy": feature_rate(samples(state.params, k_policy, SAMPLE_ROWS)),
     }
 
 

@@ -105,10 +105,13 @@ class LoRA:
                 f"{type(module).__name__} already has LoRA adapters ({lora_of(module)})"
             )
         inputs = example_inputs or _example_inputs(module)
-        found = adapter_modules(_wrap(module, self.targets, self, inputs), *inputs)
+        specs = type(_wrap(module, self.targets, self, inputs)).dew_specs
+        found = sorted({"/".join(p[:-1]) for p in specs})
         missing = [t for t in self.targets if not any(re.fullmatch(t, p) for p in found)]
         if missing:
-            able = adapter_modules(_wrap(module, (".*",), self, inputs), *inputs)
+            able = sorted(
+                {"/".join(p[:-1]) for p in type(_wrap(module, (".*",), self, inputs)).dew_specs}
+            )
             raise ValueError(
                 f"LoRA target(s) {missing} match no module of {type(module).__name__} with a "
                 f"kernel; its modules with kernels are: {', '.join(able)}. Targets are regular "
@@ -116,7 +119,7 @@ class LoRA:
             )
         # One rule over the matched paths, in both layouts of a layer stack: decoding
         # unrolls a scanned stack (``layers/attention`` -> ``layer_0/attention``, ...).
-        return _wrap(module, _both_layouts(module, found), self, inputs)
+        return _wrap(module, _both_layouts(module, found), self, inputs, specs=specs)
 
 
 def _both_layouts(module: nn.Module, paths: list[str]) -> tuple[str, ...]:
@@ -132,7 +135,9 @@ def _both_layouts(module: nn.Module, paths: list[str]) -> tuple[str, ...]:
     return ("|".join(f"(?:{p})" for p in patterns),)
 
 
-def _wrap(module: nn.Module, targets: tuple[str, ...], lora: LoRA, inputs: tuple) -> nn.Module:
+def _wrap(
+    module: nn.Module, targets: tuple[str, ...], lora: LoRA, inputs: tuple, specs=None
+) -> nn.Module:
     import qwix
 
     rules = [
@@ -150,14 +155,17 @@ def _wrap(module: nn.Module, targets: tuple[str, ...], lora: LoRA, inputs: tuple
     # The adapters' shapes and logical axes, traced once here, outside any mesh: qwix
     # re-boxes a new adapter by unboxing it under its kernel's axis names, which a
     # mesh turns into a sharding constraint of the wrong rank.
-    boxes = _flatten(jax.eval_shape(wrapped.init, jax.random.key(0), *inputs)["params"])
-    specs = {p: box for p, box in boxes.items() if is_adapter(p)}
+    # (``specs`` given: the same adapters, already traced.)
+    if specs is None:
+        boxes = _flatten(jax.eval_shape(wrapped.init, jax.random.key(0), *inputs)["params"])
+        specs = {p: box for p, box in boxes.items() if is_adapter(p)}
     # qwix made this class for this call: tag it with the config and the base module,
     # and initialise through the base module plus adapters made from ``specs`` (qwix
     # then finds them and creates nothing).
     cls = type(wrapped)
     cls.dew_lora = lora
     cls.dew_base = module
+    cls.dew_specs = specs
     cls.init = functools.partialmethod(_init_with_adapters, specs=specs)
     return wrapped
 

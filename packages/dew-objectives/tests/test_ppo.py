@@ -15,8 +15,10 @@ from dew.objectives import Step, Updates
 from dew.objectives import weighted as wt
 from dew.objectives.ppo import (
     PPOObjective,
+    check_first_logprobs,
     explained_variance,
     gae,
+    in_chunks,
     policy_loss,
     token_rewards,
     value_loss,
@@ -122,6 +124,21 @@ def test_clipped_losses_are_the_numpy_formulas():
     want = 0.5 * np.maximum((values - np.float64(returns)) ** 2, (moved - returns) ** 2)
     np.testing.assert_allclose(vf, want, rtol=1e-5, atol=1e-6)
     assert 0 < float(np.mean(vf_clipped)) < 1
+
+
+def test_in_chunks_is_the_whole_batch_in_row_order():
+    tree = {"x": np.arange(8.0), "y": np.arange(24.0).reshape(8, 3)}
+    seen = []
+
+    def fn(t):
+        seen.append(t["x"].shape)
+        return {"a": t["x"] * 2 + t["y"].sum(-1), "b": t["y"][:, :2]}
+
+    got = jax.jit(lambda t: in_chunks(fn, t, 2))(tree)
+    want = fn(tree)
+    assert seen[0] == (2,)  # the function ran on 2-row chunks
+    np.testing.assert_array_equal(got["a"], want["a"])
+    np.testing.assert_array_equal(got["b"], want["b"])
 
 
 # ------------------------------------------------------- the objective itself
@@ -258,9 +275,46 @@ def test_debug_mode_raises_when_the_first_ratio_is_not_one(prepared):
         jax.block_until_ready(loss)
 
 
+def count_sevens(completion, mask, batch):
+    return jnp.sum((completion == 7) & mask, -1).astype(jnp.float32)
+
+
+def test_a_text_reward_runs_on_the_host_between_two_compiled_parts():
+    """The count of 7s as decoded text (host) gives the batch the token reward gives."""
+    token = objective(reward=TokenReward(fn=count_sevens, name="sevens"))
+    text = objective(
+        reward=TextReward(
+            fn=lambda prompts, completions: [c.count("\x07") for c in completions], name="sevens"
+        )
+    )
+    assert text.has_prepare_host and not token.has_prepare_host
+    variables = nn.unbox(jax.jit(token.init)(jax.random.key(0)))
+    step = Step(index=jnp.int32(0), key=jax.random.key(7))
+    batch = {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
+    want = jax.device_get(jax.jit(token.prepare)(variables, batch, step))
+    rollout = jax.device_get(jax.jit(text.prepare)(variables, batch, step))
+    host = text.prepare_host(rollout)
+    got = jax.device_get(jax.jit(text.prepare_finish)(variables, {**rollout, **host}, step))
+    assert sorted(got) == sorted(want) and want["scores"].max() >= 1
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_the_debug_check_allows_float32_rounding_only():
+    """One unit in the last place of log p = -12 (~1e-6) passes; a temperature
+    mismatch (log p / 0.7) fails."""
+    old = jnp.asarray([[-12.0, -0.5, -3.0]])
+    mask = jnp.asarray([[True, True, False]])
+    check = jax.jit(check_first_logprobs, static_argnames="updates_per_batch")
+    jax.block_until_ready(
+        check(old + jnp.asarray([[1.9e-6, 0.0, 5.0]]), old, mask, step=0, updates_per_batch=4)
+    )
+    jax.block_until_ready(check(old / 0.7, old, mask, step=1, updates_per_batch=4))  # not first
+    with pytest.raises(Exception, match="log-probs off the rollout's"):
+        jax.block_until_ready(check(old / 0.7, old, mask, step=4, updates_per_batch=4))
+
+
 def test_bad_input_is_refused_before_compiling():
-    with pytest.raises(ValueError, match="text reward"):
-        objective(reward=TextReward(fn=lambda prompts, completions: [0.0] * len(prompts)))
     with pytest.raises(ValueError, match="kl_estimator"):
         objective(kl_estimator="k2")
     with pytest.raises(ValueError, match="lam must be in"):

@@ -28,8 +28,9 @@ then minimizes, with ``rho_t = pi(o_t) / pi_old(o_t)`` and token-weighted means:
 
 Log-probs are those of the distribution the sampler draws from (temperature,
 truncation; :func:`dew.objectives.rollouts.scored_logprobs`), from one full
-forward pass over ``[prompt | completion]`` in prepare and in the loss alike, so
-the first update's ratio is 1 (``debug=True`` asserts ``max |rho - 1| <= 1e-6``).
+forward pass over ``[prompt | completion]`` in prepare and in the loss alike,
+prepare's in chunks of one update's rows (:func:`in_chunks`), so the first
+update's ratio is exactly 1 (``debug=True`` asserts it: :func:`check_first_logprobs`).
 The value of position ``t`` is read at the hidden state that predicts ``o_t``
 (the state before the action). Values come from a :class:`dew.nn.value.ValueHead`
 on the policy's trunk (one forward pass gives both; the value loss trains the
@@ -41,19 +42,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, Updates, check_same_shapes, nn_unbox
+from dew.objectives.base import Objective, Role, Step, Updates, nn_unbox, with_initial_values
 from dew.objectives.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
-from dew.objectives.rewards import Rewards
+from dew.objectives.rewards import Rewards, TokenReward, decode_rows, text_columns
 from dew.objectives.rollouts import (
+    RATIO_TOLERANCE,
+    RatioError,
     Rollout,
-    check_first_ratio,
     debug_enabled,
     max_ratio_deviation,
     rollout_logprobs,
@@ -63,6 +65,8 @@ from dew.objectives.rollouts import (
 from dew.objectives.weighted import Summed, Weighted
 
 KL_ESTIMATORS = ("k1", "k3")
+_PROMPT_KEYS = ("prompt", "prompt_mask")
+_DATA = "data/"  # prefix of the reader's other keys inside the rollout (text rewards)
 
 
 # ------------------------------------------------------------------ the math
@@ -159,6 +163,71 @@ def value_loss(
     return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
 
 
+def in_chunks(fn, tree, chunk_rows: int):
+    """``fn(tree)`` computed over chunks of ``chunk_rows`` rows by ``lax.map``, the
+    results put back in row order. Chunk ``c`` of ``n = rows / chunk_rows`` holds
+    rows ``c, c + n, c + 2n, ...``, so a data-parallel split of the rows stays on
+    its devices.
+
+    Prepare scores its rollouts this way with the rows of one update: the loss's
+    forward pass then has the shapes of the rollout's, and XLA computes the same
+    float32 log-probs (the first update's ratio is exactly 1; the same pass over
+    all rows at once can differ by ~1e-6), with the memory of one update
+    (TRL's ``local_rollout_forward_batch_size``)."""
+    rows = jax.tree.leaves(tree)[0].shape[0]
+    if chunk_rows >= rows:
+        return fn(tree)
+    if rows % chunk_rows:
+        raise ValueError(f"{rows} rows do not split into chunks of {chunk_rows}")
+    n = rows // chunk_rows
+
+    def split(x):
+        return x.reshape(chunk_rows, n, *x.shape[1:]).swapaxes(0, 1)
+
+    def merge(x):
+        return x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
+
+    return jax.tree.map(merge, jax.lax.map(fn, jax.tree.map(split, tree)))
+
+
+def check_first_logprobs(
+    logps: jax.Array,
+    old_logps: jax.Array,
+    mask: jax.Array,
+    *,
+    step: jax.Array,
+    updates_per_batch: int,
+    tolerance: float = RATIO_TOLERANCE,
+) -> None:
+    """Debug assertion, traced into the loss: on the first update of a prepared batch
+    the loss's log-probs equal the rollout's, ``|log pi - log pi_old| <= tolerance *
+    max(1, |log pi_old|)`` on every valid token, or :class:`RatioError` (raised on the
+    host through ``jax.debug.callback``).
+
+    Relative, not ``|rho - 1| <= tolerance``: prepare and the loss are two compiled
+    programs whose float32 logits may round differently, by about one unit in the
+    last place of the log-prob (1e-6 at ``log p = -10``); a reconstruction bug
+    (another temperature, padding or positions) is off by a fraction of the
+    log-prob itself."""
+    gap = jnp.abs(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
+    scale = jnp.maximum(1.0, jnp.abs(old_logps.astype(jnp.float32)))
+    relative = jnp.max(jnp.where(mask, gap / scale, 0.0))
+    absolute = max_ratio_deviation(jnp.exp(logps - old_logps), mask)
+    first = (step % updates_per_batch) == 0
+
+    def check(relative, absolute, first, step):
+        if bool(first) and float(relative) > tolerance:
+            raise RatioError(
+                f"PPOObjective: the first update of the prepared batch at step {int(step)} "
+                f"has log-probs off the rollout's by {float(relative):.3g} of max(1, |log p|) "
+                f"> {tolerance:g} (max |rho - 1| = {float(absolute):.3g}); the loss's "
+                f"log-probs differ from the rollout's (temperature, truncation, padding, "
+                f"positions or dropout differ between prepare and loss)"
+            )
+
+    jax.debug.callback(check, relative, absolute, first, step)
+
+
 # ----------------------------------------------------------------- objective
 @dataclasses.dataclass(eq=False)
 class PPOObjective(Objective):
@@ -167,8 +236,10 @@ class PPOObjective(Objective):
     model: the policy, a causal module (:class:`dew.nn.CausalTransformer`) that
       decodes with a cache and takes ``return_hidden=True``.
     reward: the score of a completion: a :class:`~dew.objectives.rewards.TokenReward`
-      (jittable, traced into prepare), or a sequence of them (weighted and summed,
-      each logged as ``reward/<name>``).
+      (jittable, traced into prepare), a :class:`~dew.objectives.rewards.TextReward`
+      (host Python over decoded text, with the reader's other columns; a plain
+      callable is one), or a sequence of them, weighted and summed, each logged as
+      ``reward/<name>``. Text rewards run between two compiled parts of prepare.
     max_new_tokens: completion length (tokens, an end id included).
     critic: None = a :class:`~dew.nn.value.ValueHead` on the policy's trunk
       (``value_head``); a module ``critic(tokens, positions=, attention_mask=) ->
@@ -190,8 +261,12 @@ class PPOObjective(Objective):
     reference: the reference policy's parameters; None = a copy of the initial policy.
     init_params: start the policy from these parameters (a ``Pretrained`` load).
     tokenizer: for export; None = ``ByteTokenizer()``.
-    debug: assert the first update's ratio is 1 in the compiled step
-      (:func:`~dew.objectives.rollouts.check_first_ratio`); None = ``DEW_DEBUG``.
+    debug: assert in the compiled step that the first update's log-probs are the
+      rollout's (:func:`check_first_logprobs`); None = ``DEW_DEBUG``.
+    scoring_rows: rows per forward pass when prepare scores its rollouts
+      (:func:`in_chunks`); None = the rows of one update (``rows / minibatches``),
+      so the first update's log-probs equal the rollout's bit for bit. With
+      ``Trainer(accumulate=k)`` give the microbatch's rows.
     """
 
     model: Any
@@ -217,6 +292,7 @@ class PPOObjective(Objective):
     init_params: Any = None
     tokenizer: Any = None
     debug: bool | None = None
+    scoring_rows: int | None = None
 
     def __post_init__(self):
         from dew.nn.value import ValueHead
@@ -231,12 +307,6 @@ class PPOObjective(Objective):
 
             self.tokenizer = ByteTokenizer()
         self.rewards = Rewards.of(self.reward)
-        if self.rewards.text:
-            raise ValueError(
-                f"PPOObjective scores completions in its compiled prepare phase; the text "
-                f"reward(s) {[r.label for r in self.rewards.text]} run on the host. Use "
-                f"TokenReward(fn=...) (a jittable function of the completion tokens)"
-            )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"unknown kl_estimator {self.kl_estimator!r}; use one of {KL_ESTIMATORS}"
@@ -256,6 +326,10 @@ class PPOObjective(Objective):
                 f"prepared_updates must be dew.objectives.Updates(epochs=, minibatches=), got "
                 f"{type(self.prepared_updates).__name__}"
             )
+        if self.scoring_rows is not None and (
+            isinstance(self.scoring_rows, bool) or self.scoring_rows < 1
+        ):
+            raise ValueError(f"scoring_rows must be >= 1 rows or None, got {self.scoring_rows!r}")
         self.end_ids = tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
         self.debug = debug_enabled(self.debug)
 
@@ -278,7 +352,9 @@ class PPOObjective(Objective):
         length = self._prompt_len(spec) + self.max_new_tokens
         self._check_length(length - self.max_new_tokens)
         tokens = jnp.zeros((1, length), jnp.int32)
-        policy = _with_values(self.model.init(k_policy, tokens)["params"], self.init_params)
+        policy = self.model.init(k_policy, tokens)["params"]
+        if self.init_params is not None:
+            policy = with_initial_values(policy, self.init_params, what="PPOObjective init_params")
         if self.critic is not None:
             value = self.critic.init(k_value, tokens)["params"]
         else:
@@ -286,7 +362,9 @@ class PPOObjective(Objective):
                 lambda: self.model.apply({"params": nn_unbox(policy)}, tokens, return_hidden=True)
             )
             value = self.value_head.init(k_value, jnp.zeros(hidden.shape, hidden.dtype))["params"]
-        reference = _with_values(policy, self.reference, what="PPOObjective reference")
+        reference = policy  # the initial policy, sharded like it
+        if self.reference is not None:
+            reference = with_initial_values(policy, self.reference, what="PPOObjective reference")
         return {"params": {"policy": policy, "value": value}, "reference": {"params": reference}}
 
     def _check_length(self, prompt_len: int) -> None:
@@ -333,6 +411,9 @@ class PPOObjective(Objective):
 
     # ------------------------------------------------------------- prepare
     def prepare(self, variables, batch, step: Step):
+        """The rollout (compiled): completions, old log-probs and values, reference
+        log-probs, token rewards; with text rewards the reader's other keys ride
+        along to :meth:`prepare_host`, else the advantages follow at once."""
         params = variables["params"]
         rollout = sample_completions(
             self.model,
@@ -346,30 +427,68 @@ class PPOObjective(Objective):
             pad_id=self.pad_id,
         )
         mask = rollout.completion_mask
-        logps, values = self.evaluate_rollout(params, rollout)
-        ref_logps = rollout_logprobs(
-            self.model, variables["reference"]["params"], rollout, sampling=self.sampling
+        chunk = self.scoring_rows or mask.shape[0] // self.prepared_updates.minibatches
+        logps, values = in_chunks(partial(self.evaluate_rollout, params), rollout, chunk)
+        reference = variables["reference"]["params"]
+        ref_logps = in_chunks(
+            lambda r: rollout_logprobs(self.model, reference, r, sampling=self.sampling),
+            rollout,
+            chunk,
         )
+        out = dict(rollout.as_dict(), old_logps=logps, old_values=values, ref_logps=ref_logps)
+        out["token_rewards"] = self.rewards.token_values(rollout.completion, mask, dict(batch))
+        if not self.has_prepare_host:
+            out["rewards"] = out.pop("token_rewards")  # every reward is a token reward
+            return self.prepare_finish(variables, out, step)
+        out.update({_DATA + k: v for k, v in batch.items() if k not in _PROMPT_KEYS})
+        return jax.lax.stop_gradient(out)
+
+    @property
+    def has_prepare_host(self) -> bool:
+        """Only text rewards need the host stage."""
+        return bool(self.rewards.text)
+
+    def prepare_host(self, rollout):
+        """Host stage: checks the token rewards, calls the text rewards once over the
+        decoded batch; returns every reward, ``rewards [rows, rewards]`` in order."""
+        rewards = self.rewards
+        token = np.asarray(rollout["token_rewards"], np.float32)
+        rewards.check_token_values(token, 1)
+        prompts = decode_rows(self.tokenizer, rollout["prompt"], rollout["prompt_mask"])
+        completions = decode_rows(
+            self.tokenizer, rollout["completion"], rollout["completion_mask"], self.end_ids
+        )
+        data = {k[len(_DATA) :]: v for k, v in rollout.items() if k.startswith(_DATA)}
+        text = rewards.text_values(prompts, completions, text_columns(self.tokenizer, data), 1)
+        t, h = iter(token.T), iter(text.T)
+        columns = [next(t) if isinstance(r, TokenReward) else next(h) for r in rewards.items]
+        return {"rewards": np.stack(columns, axis=1).astype(np.float32)}
+
+    def prepare_finish(self, variables, batch, step: Step):
+        """Advantages (compiled): KL-penalised token rewards, GAE, whitening; the
+        training batch."""
+        mask = batch["completion_mask"]
+        values = batch["old_values"]
         kl_fn = kl_k1 if self.kl_estimator == "k1" else kl_k3
-        kl = jnp.where(mask, kl_fn(logps, ref_logps), 0.0)  # [rows, new]
-        columns = self.rewards.token_values(rollout.completion, mask, dict(batch))
+        kl = jnp.where(mask, kl_fn(batch["old_logps"], batch["ref_logps"]), 0.0)  # [rows, new]
+        columns = batch["rewards"]  # [rows, rewards]
         scores = self.rewards.total(columns)  # [rows]
         rewards = token_rewards(scores, kl, mask, kl_coef=self.kl_coef)
         advantages, returns = gae(rewards, values, mask, gamma=self.gamma, lam=self.lam)
         if self.whiten_advantages:
             advantages = whiten(advantages, mask)
         rows = mask.shape[0]
-        prepared = {
-            **rollout.as_dict(),
-            "old_logps": logps,
-            "old_values": values,
-            "advantages": advantages,
-            "returns": returns,
-            "scores": scores,
-            "kl": jnp.sum(kl, axis=-1),  # [rows] the sequence's KL to the reference
+        keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps")
+        prepared = {k: batch[k] for k in keep}
+        prepared.update(
+            old_values=values,
+            advantages=advantages,
+            returns=returns,
+            scores=scores,
+            kl=jnp.sum(kl, axis=-1),  # [rows] the sequence's KL to the reference
             # a statistic of the whole rollout batch, carried per row
-            "explained_variance": jnp.full((rows,), explained_variance(values, returns, mask)),
-        }
+            explained_variance=jnp.full((rows,), explained_variance(values, returns, mask)),
+        )
         for k, name in enumerate(self.rewards.names):
             prepared[f"reward/{name}"] = columns[:, k]
         return jax.lax.stop_gradient(prepared)
@@ -386,12 +505,12 @@ class PPOObjective(Objective):
             values, batch["old_values"], batch["returns"], clip_range_value=self.clip_range_value
         )
         if self.debug:
-            check_first_ratio(
-                ratio,
+            check_first_logprobs(
+                logps,
+                batch["old_logps"],
                 mask,
                 step=step.index,
                 updates_per_batch=self.prepared_updates.per_batch,
-                what="PPOObjective",
             )
         weights = mask.astype(jnp.float32)
         policy = Weighted.mean(pg, weights)
@@ -444,27 +563,21 @@ class PPOObjective(Objective):
                 f"a rollout batch of {prompt.shape[0]} rows does not split into "
                 f"{count} minibatches; use a batch that is a multiple of {count}"
             )
+        if self.scoring_rows and prompt.shape[0] % self.scoring_rows:
+            raise ValueError(
+                f"a rollout batch of {prompt.shape[0]} rows does not split into chunks of "
+                f"scoring_rows={self.scoring_rows}; use a divisor of the batch"
+            )
 
     def export(self, variables):
         """A :class:`dew.sampling.TextGeneration` of the policy."""
         from dew.sampling import TextGeneration
 
-        return TextGeneration(self.model, variables["params"]["policy"], self.tokenizer)
-
-
-def _with_values(boxes, values, *, what: str = "PPOObjective init_params"):
-    """The logical-axis boxes of ``boxes`` around ``values`` (None = ``boxes`` as they are)."""
-    if values is None:
-        return boxes
-    values = values.get("params", values) if isinstance(values, Mapping) else values
-    check_same_shapes(nn_unbox(boxes), values, what=what)
-    return jax.tree.map(
-        lambda box, value: (
-            box.replace_boxed(jnp.asarray(value, box.unbox().dtype))
-            if isinstance(box, nn.meta.AxisMetadata)
-            else jnp.asarray(value, box.dtype)
-        ),
-        boxes,
-        values,
-        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
-    )
+        return TextGeneration(
+            self.model,
+            variables["params"]["policy"],
+            self.tokenizer,
+            sampling=self.sampling,
+            max_new_tokens=self.max_new_tokens,
+            end_ids=self.end_ids or None,
+        )

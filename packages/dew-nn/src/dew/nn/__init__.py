@@ -5,6 +5,7 @@ from dew.nn.attention import Attention
 from dew.nn.backbones import CausalTransformer, DiT, VideoDiT
 from dew.nn.backbones.transformer import Transformer
 from dew.nn.backbones.vit import ViT, ViTPredictor
+from dew.nn.lora import LoRA
 from dew.nn.masks import MaskPolicy
 from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
@@ -23,6 +24,7 @@ __all__ = [
     "Critic",
     "LayerNorm",
     "LayerStack",
+    "LoRA",
     "MaskPolicy",
     "MoE",
     "RMSNorm",

@@ -1,15 +1,18 @@
 """GRPO teaches a tiny transformer single-digit addition, rewarded by a Python
 function that parses its answer.
 
-Prompts are "a+b=" for digits a, b, read by ``dew.data.Prompts`` from a
-JSON-lines file with the answer as metadata; the policy writes up to two digits
-and an end token. Two host rewards score the decoded text against the answer:
-``correct`` (1 when the parsed number is a + b) and ``close`` (1 - |error| / 4,
-a denser signal for a policy that starts from random weights). The greedy
-accuracy over all 100 sums is printed before and after. About two minutes on
-two CPU cores.
+Prompts are "a+b=" for the 55 pairs of digits with a one-digit sum, read by
+``dew.data.Prompts`` from a JSON-lines file with the answer as metadata; the
+policy writes up to two tokens (a digit and the end token, or two digits:
+"05" parses as 5). Two host rewards score the decoded text against the
+answer: ``correct`` (1 when the parsed number is a + b) and ``close``
+(1 - |error| / 9, a denser signal for a policy that starts from random
+weights). The greedy accuracy over the 55 sums is printed before and after:
+about 0.03 with random weights, about 0.8 after 100 rollout batches of 16
+prompts x 16 completions (measured: 0.84). About a minute on two idle CPU
+cores.
 
-    python examples/grpo_arithmetic.py [--iterations 300]
+    python examples/grpo_arithmetic.py [--iterations 100]
 """
 
 import argparse
@@ -54,24 +57,25 @@ def correct(prompts, completions, answer):
 
 def close(prompts, completions, answer):
     return [
-        0.0 if answer_of(c) is None else max(0.0, 1.0 - abs(answer_of(c) - int(a)) / 4)
+        0.0 if answer_of(c) is None else max(0.0, 1.0 - abs(answer_of(c) - int(a)) / 9)
         for c, a in zip(completions, answer)
     ]
 
 
-def accuracy(pipeline, tokenizer):
-    sums = [(a, b) for a in range(10) for b in range(10)]
+def accuracy(pipeline, sums):
     greedy = Sampling(temperature=0)
-    outputs = pipeline([f"{a}+{b}=" for a, b in sums], max_new_tokens=3, sampling=greedy)
+    outputs = pipeline([f"{a}+{b}=" for a, b in sums], max_new_tokens=2, sampling=greedy)
     return sum(answer_of(out[4:]) == a + b for out, (a, b) in zip(outputs, sums)) / len(sums)
 
 
+SUMS = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
+
 parser = argparse.ArgumentParser()
-parser.add_argument("--iterations", type=int, default=300)
+parser.add_argument("--iterations", type=int, default=100)
 iterations = parser.parse_args().iterations
 
 tokenizer = DigitTokenizer()
-rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in SUMS]
 directory = pathlib.Path(tempfile.mkdtemp())
 (directory / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 data = Prompts(
@@ -79,7 +83,7 @@ data = Prompts(
     prompt_len=4,
     tokenizer=tokenizer,
     answer_field="answer",
-    answer_len=2,
+    answer_len=1,
 ).load(batch=16)
 
 model = CausalTransformer(
@@ -87,9 +91,9 @@ model = CausalTransformer(
 )
 objective = GRPOObjective(
     model,
-    rewards=[TextReward(fn=correct), TextReward(fn=close, weight=0.3)],
+    rewards=[TextReward(fn=correct), TextReward(fn=close, weight=0.2)],
     group_size=16,
-    max_new_tokens=3,
+    max_new_tokens=2,
     sampling=Sampling(temperature=1.0),
     end_ids=(tokenizer.end_id,),
     pad_id=tokenizer.pad_id,
@@ -100,11 +104,24 @@ objective = GRPOObjective(
 )
 trainer = Trainer(
     objective,
-    optax.adam(5e-3),
+    optax.adam(1e-3),
     key=jax.random.key(0),
     mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
 )
+
+
+def report(info):
+    if "reward" in info.metrics:
+        m = info.metrics
+        info.print(
+            f"  reward {m['reward']:.3f}, correct {m['reward/correct']:.3f}, "
+            f"zero-variance groups {m['zero_variance_fraction']:.2f}, "
+            f"rollouts {m['rollout_tokens_per_second']:.0f} tokens/s"
+        )
+
+
+trainer.add_hook(report)
 initial = trainer.init_state(data.spec)
-print(f"greedy accuracy before: {accuracy(objective.export(initial.variables()), tokenizer):.2f}")
+print(f"greedy accuracy before: {accuracy(objective.export(initial.variables()), SUMS):.2f}")
 state = trainer.fit(data, steps=2 * iterations, log_every=max(2, 2 * (iterations // 10)))
-print(f"greedy accuracy after: {accuracy(objective.export(state.variables()), tokenizer):.2f}")
+print(f"greedy accuracy after: {accuracy(objective.export(state.variables()), SUMS):.2f}")

@@ -114,7 +114,7 @@ def test_decoder_equals_plain_model_on_numpy_folded_kernels(decoder):
 
 def test_vit_equals_plain_model_on_folded_kernels():
     lora = LoRA(rank=2, alpha=2.0, targets=r".*(attention|mlp/up)")
-    plain = tiny_vit()
+    plain = tiny_vit(num_layers=1)
     model = lora.apply(plain)
     images = np.random.default_rng(0).normal(size=(2, 12, 12, 3)).astype(np.float32)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(0), images)["params"])

@@ -18,10 +18,13 @@ differs. The networks, all at the same width and depth:
 Every variant is compiled first; then the timed runs alternate over the
 variants (the order rotates every repeat) and each variant's number is the
 median of its repeats; ratios are plain step time / variant step time (above
-1: the variant is faster). The allocator is tuned once for every side (glibc
-``mallopt``, docs/performance.md). ``--profile`` prints, per variant, XLA's
-FLOPs of the compiled step and counts of its HLO ops (dots, transposes,
-copies, gathers, scatters, dynamic slices, while loops).
+1: the variant is faster), for wall time and for the process's CPU time per
+step (steadier when other work shares the cores), each the median of the
+per-repeat ratios. The allocator is tuned once for every side (glibc
+``mallopt``, docs/performance.md; ``--allocator system`` leaves it).
+``--profile`` prints, per variant, XLA's FLOPs of the compiled step and
+counts of its HLO ops (dots, transposes, copies, gathers, scatters, dynamic
+slices, while loops).
 
     python tools/bench_model.py                         # medium size, 20 steps x 5
     python tools/bench_model.py --size seed --profile
@@ -195,15 +198,17 @@ def profile(compiled) -> dict:
     return {"flops": float(cost.get("flops", 0.0)), **{op: counts[op] for op in OPS}}
 
 
-def timed(entry, steps: int) -> float:
-    """Seconds per step over ``steps`` steps (state carried, donated)."""
+def timed(entry, steps: int) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds per step over ``steps`` steps (state carried, donated);
+    cpu is this process's CPU time (every thread, user + system), the steadier
+    figure on a machine shared with other work."""
     compiled, params, opt_state, batches, _ = entry
-    begin = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for i in range(steps):
         params, opt_state, loss = compiled(params, opt_state, batches[i % len(batches)])
     jax.block_until_ready((params, loss))
     entry[1], entry[2] = params, opt_state
-    return (time.perf_counter() - begin) / steps
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
 
 def main(argv=None) -> None:
@@ -242,12 +247,17 @@ def main(argv=None) -> None:
         for v in rot:
             times[v].append(timed(entries[v], args.steps))
     tokens = s["batch"] * s["seq"]
-    base = statistics.median(times[args.variants[0]])
+    first = args.variants[0]
     for v in args.variants:
-        t = statistics.median(times[v])
+        wall = statistics.median(t[0] for t in times[v])
+        cpu = statistics.median(t[1] for t in times[v])
+        # paired per repeat: the variants of one repeat ran back to back
+        wall_ratio = statistics.median(a[0] / b[0] for a, b in zip(times[first], times[v]))
+        cpu_ratio = statistics.median(a[1] / b[1] for a, b in zip(times[first], times[v]))
         print(
-            f"  {v:14s} {t * 1e3:8.2f} ms/step {tokens / t:10,.0f} tokens/s  "
-            f"{args.variants[0]}/this {base / t:.3f}  compile {entries[v][4]:.2f} s"
+            f"  {v:16s} wall {wall * 1e3:8.1f} ms/step ({tokens / wall:8,.0f} tokens/s), "
+            f"cpu {cpu * 1e3:8.1f} ms/step; {first}/this wall {wall_ratio:.3f} cpu "
+            f"{cpu_ratio:.3f}; compile {entries[v][4]:.1f} s"
         )
 
 

@@ -14,6 +14,9 @@ not depend on the load.
 
     python tools/bench_dpo.py
     python tools/bench_dpo.py --size small --steps 20 --repeats 3
+
+A third measurement calls the two compiled steps in turn, one step each
+(``interleaved``), which cancels most of a shared machine's drifting load.
 """
 
 from __future__ import annotations
@@ -163,6 +166,59 @@ def run_hand(size: str, steps: int):
     return first, (time.perf_counter() - begin) / (steps - 1)
 
 
+def interleaved(size: str, steps: int) -> tuple[float, float]:
+    """Median step times ``(dew, hand)`` with the two compiled steps called in
+    turn, one step each, so a shared machine's load drifts over both alike.
+
+    Dew's side is the very program ``Trainer.fit`` compiled and ran (taken from
+    the trainer after a 2-step fit, with the state it returned), called on the
+    batch as ``fit`` places it."""
+    from dew.data import Partition
+    from dew.train.placement import to_global
+
+    model, length, pairs, batches = make(size)
+    data = Dataset(
+        train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
+    )
+    objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
+    trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = trainer.fit(data, steps=2, log_every=0)
+    (dew_step,) = trainer.__dict__["_compiled"].values()
+    with trainer._context():
+        placed = [
+            to_global(b, Partition(0, 1), pairs, trainer.device_mesh, trainer.rules)
+            for b in batches
+        ]
+
+    optimizer = optax.adam(LR)
+    params = jax.tree.map(jnp.asarray, initial_params(model, length))
+    reference = jax.tree.map(jnp.array, params)
+    opt_state = jax.jit(optimizer.init)(params)
+    loss_fn = hand_loss(model, pairs)
+
+    def step(p, o, ref, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, ref, batch)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    hand_step = jax.jit(step, donate_argnums=(0, 1))
+    hand_batches = [jax.tree.map(jnp.asarray, b) for b in batches]
+    params, opt_state, loss = hand_step(params, opt_state, reference, hand_batches[0])
+    jax.block_until_ready(loss)
+    dew_times, hand_times = [], []
+    for i in range(steps):
+        begin = time.perf_counter()
+        state, metrics = dew_step(state, placed[i % 4])
+        jax.block_until_ready((state, metrics))
+        dew_times.append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        params, opt_state, loss = hand_step(params, opt_state, reference, hand_batches[i % 4])
+        jax.block_until_ready((params, loss))
+        hand_times.append(time.perf_counter() - begin)
+    return statistics.median(dew_times), statistics.median(hand_times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="medium", choices=list(SIZES))
@@ -190,6 +246,11 @@ def main() -> None:
         f"{h_step * 1e3:.1f} ms ratio {h_step / d_step:.3f} (median paired ratio {paired:.3f}); "
         f"pairs/s dew {pairs / d_step:,.1f} hand {pairs / h_step:,.1f}; first step dew "
         f"{d_first:.2f} s hand {h_first:.2f} s"
+    )
+    d_inter, h_inter = interleaved(args.size, 4 * args.steps)
+    print(
+        f"interleaved ({4 * args.steps} steps each, one at a time, medians): step dew "
+        f"{d_inter * 1e3:.1f} ms hand {h_inter * 1e3:.1f} ms ratio {h_inter / d_inter:.3f}"
     )
     costs = cost(args.size)
     (d_flops, d_bytes), (h_flops, h_bytes) = costs["dew"], costs["hand"]

@@ -1,0 +1,303 @@
+"""A GRPO iteration through Dew's Trainer against hand-written jax/flax/optax code.
+
+Two numbers, each Dew / hand-written as a speed ratio (1.0 = as fast):
+
+- rollout: Dew's compiled prepare phase (``dew.sampling.decode`` with its KV
+  cache, the old and the reference log-probs, a token reward; the goodput
+  line's ``prepare`` seconds per iteration) against a hand-written cached
+  decode loop (prefill, then a ``lax.fori_loop`` of one-token ``decode=True``
+  steps) plus the same two scoring passes and reward, in one ``jax.jit``;
+- update: one optimizer update of the GRPO loss on a minibatch (Dew: the
+  trainer's step, timed between blocking points inside each rollout batch's
+  updates) against a hand-written ``jax.value_and_grad`` + optax step of the
+  same loss (clipped ratio, k3 KL, sequence mean) on the same rows.
+
+Same model (``use_scan=False`` on both sides, so neither pays for slicing a
+scanned cache), same prompts, optimizer and allocator setting (glibc
+``mallopt``, as tools/bench_train.py); the two sides alternate and each
+number is the median over ``--repeats`` runs.
+
+    python tools/bench_grpo.py
+    python tools/bench_grpo.py --iterations 6 --repeats 3 --size medium
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import io
+import json
+import platform
+import statistics
+import tempfile
+import time
+
+
+def tune_allocator() -> None:
+    """glibc malloc: keep XLA's large buffers instead of mmap/munmap each step
+    (PACKAGING.md). Applied once, so both sides run under the same setting."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, -1)  # never trim
+    libc.mallopt(m_arena_max, 1)
+
+
+tune_allocator()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from dew import Dataset, Trainer  # noqa: E402
+from dew.nn import CausalTransformer  # noqa: E402
+from dew.objectives import Updates  # noqa: E402
+from dew.objectives.grpo import GRPOObjective  # noqa: E402
+from dew.objectives.rewards import TokenReward  # noqa: E402
+from dew.sampling import Sampling  # noqa: E402
+
+VOCAB, TARGET = 264, 7
+SIZES = {
+    "small": dict(
+        model=dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256),
+        prompts=8,
+        group=8,
+        prompt_len=16,
+        new=32,
+    ),
+    "medium": dict(
+        model=dict(emb_features=256, num_layers=4, num_heads=8, mlp_features=1024),
+        prompts=8,
+        group=8,
+        prompt_len=32,
+        new=64,
+    ),
+}
+MINIBATCHES, BETA, EPS, TEMPERATURE, LR = 4, 0.04, 0.2, 1.0, 1e-4
+
+
+def target_fraction(completion, mask, batch):
+    """The fraction of a completion's tokens equal to TARGET (a token reward)."""
+    return jnp.sum((completion == TARGET) & mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1)
+
+
+def make(size):
+    cfg = SIZES[size]
+    model = CausalTransformer(
+        vocab_size=VOCAB,
+        max_seq_len=cfg["prompt_len"] + cfg["new"],
+        use_scan=False,
+        **cfg["model"],
+    )
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 256, (4, cfg["prompts"], cfg["prompt_len"])).astype(np.int32)
+    masks = np.ones_like(prompts, bool)
+    masks[:, :, : cfg["prompt_len"] // 4] = rng.random((4, cfg["prompts"], 1)) < 0.5  # padding
+    return model, cfg, prompts, masks
+
+
+def optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(LR))
+
+
+# --------------------------------------------------------------------- Dew
+def run_dew(size, iterations):
+    model, cfg, prompts, masks = make(size)
+    objective = GRPOObjective(
+        model,
+        rewards=[TokenReward(fn=target_fraction)],
+        group_size=cfg["group"],
+        max_new_tokens=cfg["new"],
+        sampling=Sampling(temperature=TEMPERATURE),
+        beta=BETA,
+        epsilon=EPS,
+        prepared_updates=Updates(epochs=1, minibatches=MINIBATCHES),
+    )
+
+    def train(partition):
+        i = 0
+        while True:
+            yield {"prompt": prompts[i % 4], "prompt_mask": masks[i % 4]}
+            i += 1
+
+    data = Dataset(train, None, records=0, batch=cfg["prompts"])
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            objective, optimizer(), key=jax.random.key(0), run_dir=run_dir, progress=False
+        )
+        marks: dict[int, float] = {}
+
+        def clock(info):  # block at the first and the last update of each rollout batch
+            if info.step % MINIBATCHES in (0, 1):
+                jax.block_until_ready(info.state.params)
+                marks[info.step] = time.perf_counter()
+
+        trainer.add_hook(clock, every=1)
+        steps = iterations * MINIBATCHES
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit(data, steps=steps, log_every=steps)
+        records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    goodput = next(r for r in records if r["kind"] == "goodput")
+    rollout = goodput["prepare"] / iterations  # compilation is its own bucket
+    update = statistics.median(
+        (marks[c * MINIBATCHES] - marks[c * MINIBATCHES - MINIBATCHES + 1]) / (MINIBATCHES - 1)
+        for c in range(2, iterations + 1)  # the first batch's updates include compilation
+    )
+    return rollout, update
+
+
+# ------------------------------------------------------------ hand-written
+def run_hand(size, iterations):
+    model, cfg, prompts, masks = make(size)
+    group, new, prompt_len = cfg["group"], cfg["new"], cfg["prompt_len"]
+    rows = cfg["prompts"] * group
+    tx = optimizer()
+
+    @jax.jit
+    def init(key):
+        params = nn.unbox(model.init(key, jnp.zeros((1, prompt_len + new), jnp.int32)))["params"]
+        return params, jax.tree.map(jnp.copy, params), tx.init(params)
+
+    def forward_logps(params, tokens, positions, mask, completion):
+        logits = model.apply(
+            {"params": params}, tokens, positions=positions, attention_mask=mask
+        )  # [rows, length, vocab]
+        logits = logits[:, prompt_len - 1 : prompt_len - 1 + new] / TEMPERATURE
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), completion[..., None], -1)[..., 0]
+
+    @jax.jit
+    def rollout(params, reference, prompt, prompt_mask, key):
+        prompt = jnp.repeat(prompt, group, axis=0)  # [rows, prompt_len]
+        prompt_mask = jnp.repeat(prompt_mask, group, axis=0)
+        positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0)
+        length = prompt_len + new
+        cache = jax.eval_shape(
+            lambda: model.apply(
+                {"params": params},
+                jnp.zeros((rows, length), jnp.int32),
+                decode=True,
+                mutable=["cache"],
+            )[1]["cache"]
+        )
+        cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache)
+        logits, out = model.apply(
+            {"params": params, "cache": cache},
+            prompt,
+            positions=positions,
+            attention_mask=prompt_mask,
+            decode=True,
+            mutable=["cache"],
+        )
+        last = positions[:, -1]
+
+        def draw(logits, i):
+            return jax.random.categorical(jax.random.fold_in(key, i), logits / TEMPERATURE)
+
+        first = draw(logits[:, -1], 0).astype(jnp.int32)
+        tokens = jnp.zeros((rows, new), jnp.int32).at[:, 0].set(first)
+
+        def body(i, carry):
+            cache, token, tokens = carry
+            logits, out = model.apply(
+                {"params": params, "cache": cache},
+                token[:, None],
+                positions=(last + i)[:, None],
+                decode=True,
+                mutable=["cache"],
+            )
+            token = draw(logits[:, -1], i).astype(jnp.int32)
+            return out["cache"], token, tokens.at[:, i].set(token)
+
+        _, _, completion = jax.lax.fori_loop(1, new, body, (out["cache"], first, tokens))
+        full = jnp.concatenate([prompt, completion], axis=1)
+        full_positions = jnp.concatenate([positions, last[:, None] + jnp.arange(1, new + 1)], 1)
+        full_mask = jnp.concatenate([prompt_mask, jnp.ones((rows, new), bool)], axis=1)
+        old = forward_logps(params, full, full_positions, full_mask, completion)
+        ref = forward_logps(reference, full, full_positions, full_mask, completion)
+        reward = jnp.mean(completion == TARGET, axis=1)  # [rows]
+        r = reward.reshape(-1, group)
+        adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)
+        return dict(
+            tokens=full,
+            positions=full_positions,
+            mask=full_mask,
+            completion=completion,
+            old=old,
+            ref=ref,
+            advantages=adv.reshape(-1),
+        )
+
+    def loss_fn(params, b):
+        logp = forward_logps(params, b["tokens"], b["positions"], b["mask"], b["completion"])
+        ratio = jnp.exp(logp - b["old"])
+        a = b["advantages"][:, None]
+        per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - EPS, 1 + EPS) * a)
+        d = jnp.clip(b["ref"] - logp, -20.0, 20.0)
+        per_token = per_token + BETA * (jnp.exp(d) - 1 - d)
+        return jnp.mean(jnp.mean(per_token, axis=1))  # sequence mean, then rows
+
+    def step(params, opt_state, batch, slot):
+        size = rows // MINIBATCHES
+        b = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot * size, size), batch)
+        loss, grads = jax.value_and_grad(loss_fn)(params, b)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    params, reference, opt_state = init(jax.random.key(0))
+    rollouts, updates = [], []
+    for it in range(iterations):
+        begin = time.perf_counter()
+        batch = rollout(params, reference, prompts[it % 4], masks[it % 4], jax.random.key(it))
+        jax.block_until_ready(batch)
+        rollouts.append(time.perf_counter() - begin)
+        params, opt_state, loss = step(params, opt_state, batch, 0)
+        jax.block_until_ready(params)
+        begin = time.perf_counter()
+        for slot in range(1, MINIBATCHES):
+            params, opt_state, loss = step(params, opt_state, batch, slot)
+        jax.block_until_ready(params)
+        updates.append((time.perf_counter() - begin) / (MINIBATCHES - 1))
+    # the first iteration compiles both programs
+    return statistics.median(rollouts[1:]), statistics.median(updates[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=list(SIZES))
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    cfg = SIZES[args.size]
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s), jax {jax.__version__}; size {args.size} "
+        f"({cfg['prompts']} prompts x {cfg['group']} completions of {cfg['new']} tokens after "
+        f"{cfg['prompt_len']}-token prompts, {MINIBATCHES} updates per rollout batch); "
+        f"{args.iterations} iterations, median of {args.repeats}"
+    )
+    dew, hand = [], []
+    for r in range(args.repeats):
+        order = [(run_dew, dew), (run_hand, hand)]
+        for fn, out in order if r % 2 == 0 else order[::-1]:
+            out.append(fn(args.size, args.iterations))
+    d_roll = statistics.median(x[0] for x in dew)
+    h_roll = statistics.median(x[0] for x in hand)
+    d_upd = statistics.median(x[1] for x in dew)
+    h_upd = statistics.median(x[1] for x in hand)
+    tokens = cfg["prompts"] * cfg["group"] * cfg["new"]
+    print(
+        f"rollout: dew {d_roll * 1e3:.1f} ms ({tokens / d_roll:,.0f} tokens/s) hand "
+        f"{h_roll * 1e3:.1f} ms ratio {h_roll / d_roll:.3f}"
+    )
+    print(f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}")
+
+
+if __name__ == "__main__":
+    main()

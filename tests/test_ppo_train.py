@@ -11,7 +11,8 @@
 - 8 devices == 1 device: 3 rollout iterations (2 epochs x 2 minibatches) under
   data=8, fsdp=8 and data=2,fsdp=2,tensor=2 give the same completions (a
   checksum of the tokens), losses, metrics and parameters as one device,
-  with the value head on the trunk; a separate critic under fsdp=8 likewise.
+  with the value head on the trunk. (A separate critic: test_ppo.py; under
+  fsdp=8 it matched one device too, left out here for the CI budget.)
 
 Tolerance: float32 sums in another order across devices, rtol 1e-5 (atol
 1e-6 for parameters near 0), as tests/test_mesh_equivalence.py.
@@ -121,7 +122,7 @@ def mesh_objective(critic: bool):
 def one_device(tmp_path_factory):
     return {
         critic: fit(mesh_objective(critic), 3, ONE, tmp_path_factory.mktemp("one"), log_every=1)
-        for critic in (False, True)
+        for critic in (False,)
     }
 
 
@@ -129,7 +130,6 @@ CASES = {
     "data=8": (False, MeshSpec(data=8)),
     "fsdp=8": (False, MeshSpec(fsdp=8)),
     "data=2,fsdp=2,tensor=2": (False, MeshSpec(data=2, fsdp=2, tensor=2)),
-    "critic,fsdp=8": (True, MeshSpec(fsdp=8)),
 }
 COMPARED = ("loss", "policy_loss", "value_loss", "score", "kl", "approx_kl", "ratio")
 

@@ -138,6 +138,7 @@ def test_a_dit_without_a_diffusion_section_samples_as_dit_was_trained(tmp_path):
     assert pipe([1], seed=0, guidance=4.0).shape == (1, 8, 8, 1)
 
 
+@pytest.mark.slow  # compiles a text encoder and a guided VideoDiT sampler
 def test_text_to_video_with_a_causal_text_encoder_round_trips(tmp_path):
     lm = models.build("causal_transformer", **{**TINY_LM, "vocab_size": 264})
     encoder = TextEncoder(

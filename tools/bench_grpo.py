@@ -19,6 +19,7 @@ number is the median over ``--repeats`` runs.
 
     python tools/bench_grpo.py
     python tools/bench_grpo.py --iterations 6 --repeats 3 --size medium
+    python tools/bench_grpo.py --inline-rewards   # what GRPO's host stage costs
 """
 
 from __future__ import annotations
@@ -107,9 +108,24 @@ def optimizer():
 
 
 # --------------------------------------------------------------------- Dew
-def run_dew(size, iterations):
+class InlineRewards(GRPOObjective):
+    """GRPO with its advantages computed in the first compiled part: no host stage
+    (valid when every reward is a token reward). ``--inline-rewards`` measures
+    what the host stage costs."""
+
+    @property
+    def has_prepare_host(self) -> bool:
+        return False
+
+    def prepare(self, variables, batch, step):
+        out = super().prepare(variables, batch, step)
+        out["rewards"] = out.pop("token_rewards")
+        return self.prepare_finish(variables, out, step)
+
+
+def run_dew(size, iterations, inline=False):
     model, cfg, prompts, masks = make(size)
-    objective = GRPOObjective(
+    objective = (InlineRewards if inline else GRPOObjective)(
         model,
         rewards=[TokenReward(fn=target_fraction)],
         group_size=cfg["group"],
@@ -273,6 +289,11 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=list(SIZES))
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--inline-rewards",
+        action="store_true",
+        help="Dew side without GRPO's host stage (token rewards only)",
+    )
     args = parser.parse_args()
     cfg = SIZES[args.size]
     print(
@@ -281,12 +302,13 @@ def main() -> None:
         f"({cfg['prompts']} prompts x {cfg['group']} completions of {cfg['new']} tokens after "
         f"{cfg['prompt_len']}-token prompts, {MINIBATCHES} updates per rollout batch); "
         f"{args.iterations} iterations, median of {args.repeats}"
+        f"{'; Dew without the host stage' if args.inline_rewards else ''}"
     )
     dew, hand = [], []
     for r in range(args.repeats):
-        order = [(run_dew, dew), (run_hand, hand)]
-        for fn, out in order if r % 2 == 0 else order[::-1]:
-            out.append(fn(args.size, args.iterations))
+        order = [(run_dew, dew, dict(inline=args.inline_rewards)), (run_hand, hand, {})]
+        for fn, out, kw in order if r % 2 == 0 else order[::-1]:
+            out.append(fn(args.size, args.iterations, **kw))
     d_roll = statistics.median(x[0] for x in dew)
     h_roll = statistics.median(x[0] for x in hand)
     d_upd = statistics.median(x[1] for x in dew)

@@ -190,7 +190,8 @@ def profile(compiled) -> dict:
     text = compiled.as_text()
     counts = collections.Counter()
     for line in text.splitlines():
-        m = re.search(r"=\s*\S+\s+([a-z\-]+)\(", line)
+        # the op is the first ``name(`` after ``=`` (a tuple type has no such word)
+        m = re.search(r"= .*?\b([a-z][a-z\-]*)\(", line)
         if m and m.group(1) in OPS:
             counts[m.group(1)] += 1
     cost = compiled.cost_analysis()

@@ -25,6 +25,16 @@ context by ``null_context`` (default all zeros, ``[tokens, features]``; pass the
 embedding of the empty prompt to match Stable Diffusion's choice) with its mask all
 ones. Label and context of a row drop together.
 
+**Text encoder**, the user's choice (``docs/diffusion.md``): a frozen
+:class:`dew.sampling.TextEncoder` (``TextEncoder.load``, any checkpoint Dew's loaders
+read) whose contexts come precomputed in ``batch['context']``; or, with
+``train_text_encoder=True``, a small encoder trained with the denoiser as a second
+trained role ``text_encoder`` (``variables['params'] = {'model': ..., 'text_encoder':
+...}``): batches carry token ids ``batch['text'] int32 [batch, max_length]`` (optional
+``context_mask``), the loss encodes them, ``c = E_phi(ids)``
+(:func:`dew.sampling.text_encoders.encode_tokens`), so the gradient of the diffusion
+loss reaches ``phi``; dropout replaces ``E_phi(ids)`` by ``null_context``.
+
 **Learned variance** (``model.learn_sigma``, DDPM schedules only): the model outputs
 ``2C`` channels, the prediction then iDDPM's ``v`` in ``[-1, 1]``, ``log Sigma = f log
 beta_t + (1 - f) log beta~_t``, ``f = (v + 1) / 2``; the loss adds the variational
@@ -49,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.base import EMA, Objective, Role, Step, with_initial_values
 from dew.objectives.weighted import Weighted
 from dew.sampling.diffusion_pipelines import (
     ClassToImage,
@@ -67,6 +77,7 @@ from dew.sampling.diffusion_samplers import (
 )
 from dew.sampling.diffusion_targets import predictions_of, target_of
 from dew.sampling.noise_schedules import DDPMSchedule, Schedule, _rows
+from dew.sampling.text_encoders import encode_tokens
 
 DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
 EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -170,6 +181,12 @@ class DiffusionObjective(Objective):
       (a frozen checkpoint, ``TextEncoder.load``); :meth:`export` puts it in the
       text-to-image/video pipeline and :meth:`preview` encodes ``preview_prompts``
       with it. None = a text-conditioned model exports no pipeline.
+    train_text_encoder: False = ``text_encoder`` is frozen (its ``params`` required);
+      True = it is trained with the denoiser (role ``text_encoder``), starting from its
+      ``params`` (None = a fresh init of its ``module``); batches then carry token ids
+      in ``batch[text_key]`` instead of ``context``, and sampling, previews and the
+      exported pipeline encode prompts with the trained (averaged) weights.
+    text_key: the batch key of the token ids of a trained text encoder.
     preview_count: samples in a :meth:`preview` grid (labels ``0, 1, ...`` cycled for a
       class-conditional model, ``preview_prompts`` cycled for a text one); 0 = no preview.
     preview_prompts: the prompts a text-conditioned preview draws.
@@ -189,6 +206,8 @@ class DiffusionObjective(Objective):
     eval_times: tuple[float, ...] = EVAL_FRACTIONS
     eval_seed: int = 0
     text_encoder: Any = None
+    train_text_encoder: bool = False
+    text_key: str = "text"
     preview_count: int = 8
     preview_prompts: tuple[str, ...] = ()
     preview_steps: int | None = None
@@ -222,6 +241,44 @@ class DiffusionObjective(Objective):
                 f"reads context_features={self.context_features}; build the model with "
                 f"context_features={self.text_encoder.features}"
             )
+        if self.train_text_encoder and (self.text_encoder is None or not self.context_features):
+            raise ValueError(
+                f"train_text_encoder=True trains a text encoder for a text-conditioned model: "
+                f"pass text_encoder=TextEncoder(module=..., params=None, tokenizer=...) and a "
+                f"model with context_features (got text_encoder={self.text_encoder!r:.60}, "
+                f"context_features={self.context_features})"
+            )
+        if (
+            not self.train_text_encoder
+            and self.text_encoder is not None
+            and self.text_encoder.params is None
+        ):
+            raise ValueError(
+                "a frozen text_encoder needs its params (TextEncoder.load(...)); to train one "
+                "with the denoiser pass DiffusionObjective(train_text_encoder=True)"
+            )
+
+    # ------------------------------------------------------------------- roles
+    def roles(self) -> tuple[Role, ...]:
+        """``model`` (the denoiser); with ``train_text_encoder`` also the trained
+        ``text_encoder``."""
+        if not self.train_text_encoder:
+            return (Role(name="model", module=self.model),)
+        return (
+            Role(name="model", module=self.model),
+            Role(name="text_encoder", module=self.text_encoder.module),
+        )
+
+    def denoiser_params(self, params):
+        """The denoiser's tree of ``variables['params']``."""
+        return params["model"] if self.train_text_encoder else params
+
+    def text_encoder_of(self, variables):
+        """The :class:`~dew.sampling.TextEncoder` of these variables: the frozen one, or
+        the trained module with ``variables['params']['text_encoder']``."""
+        if not self.train_text_encoder or self.text_encoder is None:
+            return self.text_encoder
+        return dataclasses.replace(self.text_encoder, params=variables["params"]["text_encoder"])
 
     # ------------------------------------------------------------- model facts
     @property
@@ -276,7 +333,16 @@ class DiffusionObjective(Objective):
         if spec is not None and "context" in spec:
             tokens = int(spec["context"].shape[0])
         x = jnp.zeros((1, *shape), jnp.float32)
-        return self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+        if not self.train_text_encoder:
+            return self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+        k_model, k_text = jax.random.split(key)
+        tokens = self.text_encoder.max_length
+        ids = jnp.zeros((1, tokens), jnp.int32)
+        text = self.text_encoder.module.init(k_text, ids)["params"]
+        if self.text_encoder.params is not None:
+            text = with_initial_values(text, self.text_encoder.params, what="text_encoder.params")
+        model = self.model.init(k_model, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+        return {"params": {"model": model["params"], "text_encoder": text}}
 
     def _dummy(self, rows: int, tokens: int) -> dict[str, jax.Array]:
         out = {}
@@ -335,11 +401,18 @@ class DiffusionObjective(Objective):
         """``(loss [batch], metrics [batch] per name)`` at times ``time [batch]`` and noise
         ``noise`` (shape of the data)."""
         x0 = self._data(batch)
+        if self.train_text_encoder:  # c = E_phi(ids) [batch, tokens, features], in the graph
+            ids = jnp.asarray(batch[self.text_key], jnp.int32)
+            context = encode_tokens(self.text_encoder.module, params["text_encoder"], ids)
+            batch = {**batch, "context": context}
         alpha, sigma = (_rows(c, x0) for c in self.schedule.coefficients(time))
         x_t = alpha * x0 + sigma * noise
         x_in, model_t = self.schedule.model_input(x_t, time)
         raw = self.model.apply(
-            {"params": params}, x_in, model_t, **self.conditions(batch, drop_key)
+            {"params": self.denoiser_params(params)},
+            x_in,
+            model_t,
+            **self.conditions(batch, drop_key),
         )
         raw = raw.astype(jnp.float32)
         variance = None
@@ -424,6 +497,7 @@ class DiffusionObjective(Objective):
         label=None,
         context=None,
         context_mask=None,
+        prompts=None,
         sampler=None,
         num_steps: int | None = None,
         guidance: float | None = None,
@@ -435,6 +509,8 @@ class DiffusionObjective(Objective):
         num: how many; None = one per label / context row.
         label: ``int32 [num]`` (``num_classes`` = unconditional); context
           ``[num, tokens, features]``; needed when the model is conditioned.
+        prompts: strings instead of ``context``, encoded by :meth:`text_encoder_of`
+          these variables (the trained encoder's weights when it is trained).
         sampler: a name (``'ddpm'``, ``'ddim'``, ``'euler'``, ``'heun'``, ``'edm_heun'``),
           a config (:class:`~dew.sampling.DDIM`, ...) or None = the schedule's default.
         num_steps: replaces the sampler's steps.
@@ -446,6 +522,13 @@ class DiffusionObjective(Objective):
         guidance = self.guidance if guidance is None else float(guidance)
         self.check_guidance(guidance)
         sampler = make_sampler(sampler, schedule=self.schedule, num_steps=num_steps)
+        if prompts is not None:
+            if self.text_encoder is None or context is not None:
+                raise ValueError(
+                    "prompts= are encoded by the objective's text_encoder and replace context=: "
+                    "pass one of them, and DiffusionObjective(text_encoder=...) for prompts"
+                )
+            context = self.text_encoder_of(variables)(list(prompts))
         if self.num_classes and label is None:
             raise ValueError(
                 f"the model is class-conditional (num_classes={self.num_classes}); pass "
@@ -469,7 +552,8 @@ class DiffusionObjective(Objective):
                 )
         shape = tuple(shape) if shape is not None else self.example_shape()
         fn = self._sampler_fn(sampler, guidance, (num, *shape))
-        return fn(variables["params"], key, label, context, context_mask)
+        params = self.denoiser_params(variables["params"])
+        return fn(params, key, label, context, context_mask)
 
     @functools.lru_cache(maxsize=32)  # noqa: B019 - one compiled sampler per configuration
     def _sampler_fn(self, sampler, guidance, shape):
@@ -514,7 +598,7 @@ class DiffusionObjective(Objective):
             if self.text_encoder is None or not self.preview_prompts:
                 return None
             prompts = [self.preview_prompts[i % len(self.preview_prompts)] for i in range(count)]
-            conditions["context"] = self.text_encoder(prompts)
+            conditions["prompts"] = prompts
         samples = self.sample(
             variables, key, num=count, num_steps=self.preview_steps, **conditions
         )  # [count, *example shape] in [-1, 1]
@@ -528,7 +612,7 @@ class DiffusionObjective(Objective):
         ``objective.pipeline(state)`` passes the EMA weights."""
         fields = dict(
             model=self.model,
-            params=variables["params"],
+            params=self.denoiser_params(variables["params"]),
             schedule=self.schedule,
             target=self.target,
             sample_shape=self.example_shape(),
@@ -547,7 +631,8 @@ class DiffusionObjective(Objective):
             if null is None:
                 null = np.zeros((self.text_encoder.max_length, self.context_features), np.float32)
             task = TextToVideo if self.is_video else TextToImage
-            return task(**fields, text_encoder=self.text_encoder, null_context=null)
+            encoder = self.text_encoder_of(variables)
+            return task(**fields, text_encoder=encoder, null_context=null)
         return (ClassToVideo if self.is_video else ClassToImage)(**fields)
 
     # ------------------------------------------------------------------ checks
@@ -609,7 +694,9 @@ class DiffusionObjective(Objective):
                     f"{self.num_classes} is the null class): remap the labels or build the model "
                     f"with more classes"
                 )
-        if self.context_features:
+        if self.train_text_encoder:
+            self._check_text(batch, rows)
+        elif self.context_features:
             if "context" not in batch:
                 raise KeyError(
                     f"the model reads text embeddings (context_features="
@@ -635,6 +722,35 @@ class DiffusionObjective(Objective):
             raise ValueError(
                 f"batch['weight'] must be one weight per example [batch={rows}], got shape "
                 f"{np.shape(batch['weight'])}"
+            )
+
+    def _check_text(self, batch, rows: int) -> None:
+        """The token ids of a trained text encoder: integer ``[rows, max_length]`` in the
+        encoder's vocabulary."""
+        length = self.text_encoder.max_length
+        if self.text_key not in batch:
+            raise KeyError(
+                f"the text encoder is trained with the model; the batch needs "
+                f"{self.text_key!r} int32 [batch, {length}] token ids "
+                f"(text_encoder.tokenize(captions)), has keys {sorted(batch)}"
+            )
+        ids = np.asarray(batch[self.text_key])
+        if ids.shape != (rows, length) or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"batch[{self.text_key!r}] must be integer [batch={rows}, max_length={length}] "
+                f"token ids, got {ids.dtype} {ids.shape}: tokenize with text_encoder.tokenize"
+            )
+        vocab = getattr(self.text_encoder.module, "vocab_size", None)
+        if vocab and ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(
+                f"batch[{self.text_key!r}] holds ids {ids.min()}..{ids.max()}, the text "
+                f"encoder's vocabulary is 0..{vocab - 1}: use its tokenizer"
+            )
+        want = (length, self.context_features)
+        if self.null_context is not None and np.shape(self.null_context) != want:
+            raise ValueError(
+                f"null_context has shape {np.shape(self.null_context)}; the trained text "
+                f"encoder's contexts are {want} (max_length, features)"
             )
 
 

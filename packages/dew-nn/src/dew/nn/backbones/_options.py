@@ -27,6 +27,11 @@ from dew.nn.stack import LayerStack
 
 ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)
 
+# Scanned stacks this deep or shallower compile with the loop unrolled: at the
+# seed size (2 layers) the scanned step took 1.16x the CPU time of the same
+# scan unrolled (tools/bench_model.py, docs/performance.md).
+UNROLL_UP_TO = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
@@ -166,9 +171,13 @@ class TransformerOptions(nn.Module, kw_only=True):
         self.layer_stack()
 
     def layer_stack(self) -> LayerStack:
-        """The layer stack (validated when built)."""
+        """The layer stack (validated when built). A scanned stack of at most
+        :data:`UNROLL_UP_TO` layers compiles unrolled (same parameters): its loop's
+        per-layer weight slicing and gradient stacking cost more than they save
+        (docs/performance.md)."""
         return LayerStack(
             num_layers=self.num_layers,
+            unroll=self.num_layers if self.num_layers <= UNROLL_UP_TO else 1,
             use_scan=self.use_scan,
             use_remat=self.use_remat,
             remat_policy=self.remat_policy,

@@ -33,9 +33,9 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_train import tune_allocator  # noqa: E402
+from dew.nn.allocator import configure_allocator  # noqa: E402
 
-tune_allocator()
+configure_allocator()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

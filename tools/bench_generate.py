@@ -24,27 +24,17 @@ which is what Dew's ``generate`` decodes with.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import importlib.util
 import statistics
 import tempfile
 import time
 
+# Both sides run under Dew's allocator setting (dew.nn.allocator; DEW_ALLOCATOR=system opts out),
+# applied before anything allocates.
+from dew.nn.allocator import configure_allocator  # noqa: E402
 
-def tune_allocator() -> None:
-    """glibc malloc keeps XLA's large buffers (PACKAGING.md); set once, for every side."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, -1)
-    libc.mallopt(m_arena_max, 1)
-
-
-tune_allocator()
+configure_allocator()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import io
 import json
 import platform
@@ -34,21 +33,11 @@ import statistics
 import tempfile
 import time
 
+# Both sides run under Dew's allocator setting (dew.nn.allocator; DEW_ALLOCATOR=system opts out),
+# applied before anything allocates.
+from dew.nn.allocator import configure_allocator  # noqa: E402
 
-def tune_allocator() -> None:
-    """glibc malloc: keep XLA's large buffers instead of mmap/munmap each step
-    (PACKAGING.md). Applied once, so both sides run under the same setting."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, -1)  # never trim
-    libc.mallopt(m_arena_max, 1)
-
-
-tune_allocator()
+configure_allocator()
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

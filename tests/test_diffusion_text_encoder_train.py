@@ -6,19 +6,20 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import pytest
 
 from dew.data import ByteTokenizer, Dataset
 from dew.nn import models
 from dew.nn.testing import TINY_LM
 from dew.objectives.diffusion import DiffusionObjective
 from dew.sampling import FlowSchedule, TextEncoder
-from dew.sampling.diffusion_pipelines import to_pixels
 from dew.train import MeshSpec, Trainer
 
 CAPTIONS = ["up", "down", "left", "right"]
 STEPS = 3
 
 
+@pytest.mark.slow  # one Trainer compile of DiT + encoder: ~10 s idle, more under load
 def test_fit_moves_the_text_encoder_and_the_pipeline_uses_it(tmp_path):
     lm = models.build("causal_transformer", **{**TINY_LM, "vocab_size": 264, "num_layers": 1})
     start = jax.jit(lm.init)(jax.random.key(5), np.zeros((1, 4), np.int32))["params"]
@@ -71,6 +72,3 @@ def test_fit_moves_the_text_encoder_and_the_pipeline_uses_it(tmp_path):
     np.testing.assert_array_equal(
         pipe.text_encoder.params["embed"]["embedding"], params["text_encoder"]["embed"]["embedding"]
     )
-    images = pipe(CAPTIONS, num_steps=2, seed=0)
-    samples = objective.sample(state.variables(), jax.random.key(0), prompts=CAPTIONS, num_steps=2)
-    np.testing.assert_array_equal(images, to_pixels(samples))

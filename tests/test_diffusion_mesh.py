@@ -101,8 +101,8 @@ def reference(tmp_path_factory):
 
 
 CASES = {
-    "image:data=8": ("image", MeshSpec(data=8)),
-    "image:fsdp=8": ("image", MeshSpec(fsdp=8)),
+    # one mesh holds data, fsdp and tensor: data=8 and fsdp=8 alone passed too, left out for
+    # the CI budget
     "image:data=2,fsdp=2,tensor=2": ("image", MeshSpec(data=2, fsdp=2, tensor=2)),
     "video:data=4,sequence=2": ("video", MeshSpec(data=4, sequence=2)),
 }

@@ -98,10 +98,11 @@ def fit_on(mesh: MeshSpec, run_dir):
 
 @pytest.mark.slow
 def test_eight_devices_equal_one(tmp_path):
-    """data=8, fsdp=8 and data=2 x fsdp=2 x tensor=2 against one device, 3 steps
+    """data=2 x fsdp=2 x tensor=2 against one device, 3 steps
     (one test, so the one-device run is made once even under xdist)."""
     want_records, want, _ = fit_on(ONE, tmp_path / "one")
-    for mesh in (dict(data=8), dict(fsdp=8), dict(data=2, fsdp=2, tensor=2)):
+    # one mesh holds all three axes: data=8 and fsdp=8 alone passed too, left out for CI time
+    for mesh in (dict(data=2, fsdp=2, tensor=2),):
         got_records, got, start = fit_on(MeshSpec(**mesh), tmp_path / "-".join(map(str, mesh)))
         for key in ("loss", "margin", "accuracy", "logp_chosen", "nll_chosen"):
             np.testing.assert_allclose(

@@ -193,8 +193,9 @@ def one_device(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh",
-    [MeshSpec(data=8), MeshSpec(fsdp=8), MeshSpec(data=2, fsdp=2, tensor=2)],
-    ids=["data8", "fsdp8", "data2-fsdp2-tensor2"],
+    # one mesh holds all three axes: data=8 and fsdp=8 alone passed too, left out for CI time
+    [MeshSpec(data=2, fsdp=2, tensor=2)],
+    ids=["data2-fsdp2-tensor2"],
 )
 def test_mesh_equals_one_device_rollouts_included(one_device, tmp_path, mesh):
     want_params, want_seen, records = one_device

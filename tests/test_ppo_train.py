@@ -127,8 +127,7 @@ def one_device(tmp_path_factory):
 
 
 CASES = {
-    "data=8": (False, MeshSpec(data=8)),
-    "fsdp=8": (False, MeshSpec(fsdp=8)),
+    # one mesh holds all three axes: data=8 and fsdp=8 alone passed too, left out for CI time
     "data=2,fsdp=2,tensor=2": (False, MeshSpec(data=2, fsdp=2, tensor=2)),
 }
 COMPARED = ("loss", "policy_loss", "value_loss", "score", "kl", "approx_kl", "ratio")

@@ -60,4 +60,6 @@ def test_tensor_sequence_stage_together_match_one_device(tmp_path):
     got_losses, got = run(piped, MeshSpec(tensor=2, sequence=2, stage=2), tmp_path / "eight")
     # float32 sums in another order across devices: rtol 1e-5
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    # atol 5e-6 for parameters near zero: attention's products, now written out, split over
+    # tensor x sequence x stage sum in another order (one of 2048 elements was 1.4e-6 off)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6), got, want)

@@ -107,7 +107,8 @@ class PlainGPT(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, self.emb)(tokens)
-        x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.emb))
+        pos = self.param("pos", nn.initializers.normal(0.02), (self.seq, self.emb))
+        x = x + pos[: tokens.shape[1]]
         for _ in range(self.layers):
             x = PlainBlock(self.emb, self.heads, self.mlp)(x)
         x = nn.LayerNorm(epsilon=1e-6)(x)

@@ -1,122 +1,200 @@
-"""The peer suite: the seed-size and medium GPT-2-style LM trained by Dew and by
-what a user would pick instead, each side in its own process, alternating,
-ratios against Dew printed as a table (goal, issue 15: Dew >= 1.1x eager torch
-and >= 1.2x the best JAX peer).
+"""The peer suite: the seed-size and medium LM trained and greedy-sampled by Dew
+and by what a user would pick instead, each side in its own process (and its
+own venv), alternating, ratios against Dew printed as a table (goal, issue 15:
+Dew >= 1.1x eager torch and >= 1.2x the best JAX peer in training tokens/s,
+first step <= 1.2x the hand-written loop's, generation >= 1.5x transformers).
 
-Sides and how each is installed (a side whose interpreter is missing is
-reported as not installed, never dropped):
+Sides, their runners and interpreters (install lines in each runner's header):
 
-- ``dew``, ``hand``: tools/bench_peers/jax_sides.py in the workspace venv
-  (``.venv``; ``hand`` = a plain flax.linen GPT-2 in a hand-written jitted loop);
-- ``torch``: tools/bench_peers/torch_gpt2.py, eager PyTorch, 2 threads, in a venv
-  with the local CPU wheel: ``python -m venv /tmp/torchenv &&
-  /tmp/torchenv/bin/pip install torch==2.13.0``;
-- ``maxtext``, ``tunix``, ``levanter``: each needs its own venv (``--venv
-  maxtext=/tmp/maxtext/bin/python``) and a runner script of its own, which this
-  suite does not have yet: reported as "not run (no runner)" or "not installed".
+- ``dew``, ``dew_llama``, ``hand``: jax_sides.py in the workspace venv (``.venv``);
+- ``torch``: torch_gpt2.py, eager PyTorch + transformers ``generate`` (``/tmp/torchenv``);
+- ``tunix``: tunix_side.py (``/work/peers/tunix``);
+- ``levanter``: levanter_side.py (``/work/peers/levanter``);
+- ``maxtext``: maxtext_side.py (``/work/peers/maxtext``).
+
+A side whose interpreter or runner is missing, or whose run fails, is reported
+in the table as such (never dropped). The GPT-2-style sides (hand, torch,
+Levanter's Gpt2) are compared with ``dew``; the Llama-style peers (Tunix,
+MaxText) with ``dew_llama``, Dew built the same way.
 
     python tools/bench_peers/run.py --sizes seed medium --repeats 3
-    python tools/bench_peers/run.py --venv torch=/tmp/torchenv/bin/python --sizes seed
+    python tools/bench_peers/run.py --sizes seed --venv tunix=/opt/tunix/bin/python
+    python tools/bench_peers/run.py --write docs/performance.md
 
-Definitions, the same for every side: tokens/s after the first step (wall
-time of steps 2..N), time to the first step from process start (imports,
-initialisation, compilation, one step).
+Definitions (tools/bench_peers/protocol.py), the same for every side:
+tokens/s after the first step (steps 2..N), time to the first step from
+process start, greedy generation new tokens/s of a warm call, peak RSS. Each
+figure is the median over repeats; the load average is printed with the table
+(the machine may be shared: read ratios with it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[1]
 SIZES = ("seed", "medium")
-SCRIPTS = {"dew": "jax_sides.py", "hand": "jax_sides.py", "torch": "torch_gpt2.py"}
-PEERS_WITHOUT_RUNNER = ("maxtext", "tunix", "levanter")
-DEFAULT_VENVS = {
-    "dew": str(ROOT / ".venv/bin/python"),
-    "hand": str(ROOT / ".venv/bin/python"),
-    "torch": "/tmp/torchenv/bin/python",
+# side: (runner, default interpreter, the Dew side it is compared with)
+SIDES = {
+    "dew": ("jax_sides.py", str(ROOT / ".venv/bin/python"), "dew"),
+    "dew_llama": ("jax_sides.py", str(ROOT / ".venv/bin/python"), "dew_llama"),
+    "hand": ("jax_sides.py", str(ROOT / ".venv/bin/python"), "dew"),
+    "torch": ("torch_gpt2.py", "/tmp/torchenv/bin/python", "dew"),
+    "tunix": ("tunix_side.py", "/work/peers/tunix/bin/python", "dew_llama"),
+    "levanter": ("levanter_side.py", "/work/peers/levanter/bin/python", "dew"),
+    "maxtext": ("maxtext_side.py", "/work/peers/maxtext/bin/python", "dew_llama"),
 }
-LINE = re.compile(r": ([\d,]+) tokens/s after the first step, first step ([\d.]+) s")
+BEGIN, END = "<!-- bench_peers:begin -->", "<!-- bench_peers:end -->"
 
 
-def parse_venvs(pairs: list[str]) -> dict[str, str]:
-    venvs = dict(DEFAULT_VENVS)
-    known = [*SCRIPTS, *PEERS_WITHOUT_RUNNER]
-    for pair in pairs:
-        name, _, path = pair.partition("=")
-        if name not in known or not path:
-            raise SystemExit(f"--venv {pair!r}: use NAME=PYTHON with NAME one of {known}")
-        if not os.path.exists(path):
-            raise SystemExit(f"--venv {pair!r}: no interpreter at {path!r}; install the peer first")
-        venvs[name] = path
-    return venvs
-
-
-def run_side(side: str, python: str, size: str, steps: int) -> tuple[float, float] | str:
-    if not os.path.exists(python):
-        return f"not installed (no {python})"
-    args = [python, str(HERE / SCRIPTS[side]), "--size", size, "--steps", str(steps)]
-    if side in ("dew", "hand"):
-        args += ["--side", side]
-    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    env.pop("XLA_FLAGS", None)  # one CPU device for every JAX side
-    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
-    m = LINE.search(done.stdout)
-    if done.returncode or not m:
-        return f"failed (rc {done.returncode}): {done.stderr.strip()[-200:]}"
-    return float(m.group(1).replace(",", "")), float(m.group(2))
-
-
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: an unknown size or side, or a ``--venv`` path
+    that does not exist, stops with a message naming it and the accepted values."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES))
-    parser.add_argument("--sides", nargs="+", default=["dew", "hand", "torch"])
+    parser.add_argument("--sides", nargs="+", default=list(SIDES))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--venv", nargs="*", default=[], metavar="NAME=PYTHON")
+    parser.add_argument("--venv", nargs="*", default=[], metavar="SIDE=PYTHON")
+    parser.add_argument("--write", metavar="MARKDOWN", help="replace the table in this file")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per side run")
     args = parser.parse_args(argv)
     for size in args.sizes:
         if size not in SIZES:
-            raise SystemExit(f"unknown size {size!r}; use one of {list(SIZES)}")
+            parser.error(f"unknown size {size!r}; use one of {list(SIZES)}")
     for side in args.sides:
-        if side not in (*SCRIPTS, *PEERS_WITHOUT_RUNNER):
-            raise SystemExit(f"unknown side {side!r}; use {[*SCRIPTS, *PEERS_WITHOUT_RUNNER]}")
-    venvs = parse_venvs(args.venv)
-    print("| size | side | tokens/s | Dew / side | first step s | side / Dew first step |")
-    print("|---|---|---|---|---|---|")
+        if side not in SIDES:
+            parser.error(f"unknown side {side!r}; use one of {list(SIDES)}")
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: at least 2 (tokens/s is over steps 2..N)")
+    args.pythons = {side: python for side, (_, python, _) in SIDES.items()}
+    for pair in args.venv:
+        side, _, path = pair.partition("=")
+        if side not in SIDES or not path:
+            parser.error(f"--venv {pair!r}: use SIDE=PYTHON with SIDE one of {list(SIDES)}")
+        if not os.path.exists(path):
+            parser.error(
+                f"--venv {pair!r}: no interpreter at {path!r}; install the peer there "
+                f"(see the header of tools/bench_peers/{SIDES[side][0]}) or pass its python"
+            )
+        args.pythons[side] = path
+    return args
+
+
+def run_side(side: str, python: str, size: str, steps: int, timeout: float) -> dict | str:
+    """The side's ``RESULT`` dict, or a string saying why there is none."""
+    runner = HERE / SIDES[side][0]
+    if not os.path.exists(python):
+        return f"not installed (no {python}; see {runner.name})"
+    if not runner.exists():
+        return f"no runner ({runner.name})"
+    args = [python, str(runner), "--size", size, "--steps", str(steps)]
+    if runner.name == "jax_sides.py":
+        args += ["--side", side]
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env.pop("XLA_FLAGS", None)  # one CPU device for every JAX side
+    env.pop("VIRTUAL_ENV", None)
+    try:
+        done = subprocess.run(
+            args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = " ".join(done.stderr.strip().splitlines()[-1:])[-160:]
+    return f"failed (rc {done.returncode}): {tail}"
+
+
+def median(results: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def table(size: str, results: dict[str, list]) -> list[str]:
+    lines = []
+    for side, runs in results.items():
+        ok = [r for r in runs if isinstance(r, dict)]
+        if not ok:
+            why = str(runs[0]).replace("|", "/") if runs else "not run"
+            lines.append(f"| {size} | {side} | {why} | | | | | | |")
+            continue
+        ref = [r for r in results.get(SIDES[side][2], []) if isinstance(r, dict)]
+        rate, first, gen = (median(ok, k) for k in ("tokens_per_s", "first_step_s",
+                                                      "gen_tokens_per_s"))  # fmt: skip
+        rss = median(ok, "peak_rss_mib")
+        if ref and side != SIDES[side][2]:
+            ratios = (
+                f"{median(ref, 'tokens_per_s') / rate:.2f}x",
+                f"{first / median(ref, 'first_step_s'):.2f}x",
+                f"{median(ref, 'gen_tokens_per_s') / gen:.2f}x",
+            )
+        else:
+            ratios = ("(ref)", "(ref)", "(ref)")
+        note = ok[0].get("note") or ""
+        lines.append(
+            f"| {size} | {side} | {rate:,.0f} | {ratios[0]} | {first:.1f} | {ratios[1]} | "
+            f"{gen:,.0f} | {ratios[2]} | {rss:,.0f} | {note}".rstrip()
+            + " |"
+        )
+    return lines
+
+
+def write(path: str, text: str) -> None:
+    doc = pathlib.Path(path)
+    body = doc.read_text()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in body and END in body:
+        body = body[: body.index(BEGIN)] + block + body[body.index(END) + len(END) :]
+    else:
+        body = body.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(body)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load = [os.getloadavg()]
+    lines = [
+        "| size | side | tokens/s | Dew / side | first step s | side / Dew | generate tok/s | "
+        "Dew / side | peak RSS MiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for size in args.sizes:
         results: dict[str, list] = {side: [] for side in args.sides}
-        runnable = [s for s in args.sides if s in SCRIPTS]
+        missing: set[str] = set()  # not installed / no runner: nothing to repeat
         for r in range(args.repeats):
-            order = runnable[r % len(runnable) :] + runnable[: r % len(runnable)]
+            order = args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]
             for side in order:
-                results[side].append(run_side(side, venvs[side], size, args.steps))
-        ok = {s: [x for x in v if isinstance(x, tuple)] for s, v in results.items()}
-        dew = ok.get("dew") or []
-        d_rate = statistics.median(x[0] for x in dew) if dew else float("nan")
-        d_first = statistics.median(x[1] for x in dew) if dew else float("nan")
-        for side in args.sides:
-            if side in PEERS_WITHOUT_RUNNER:
-                where = venvs.get(side)
-                why = "not run (no runner in this suite)" if where else "not installed"
-                print(f"| {size} | {side} | {why} | | | |")
-                continue
-            if not ok[side]:
-                print(f"| {size} | {side} | {results[side][0]} | | | |")
-                continue
-            rate = statistics.median(x[0] for x in ok[side])
-            first = statistics.median(x[1] for x in ok[side])
-            print(
-                f"| {size} | {side} | {rate:,.0f} | {d_rate / rate:.2f}x | {first:.1f} | "
-                f"{first / d_first:.2f}x |"
-            )
+                if side in missing:
+                    continue
+                begin = time.perf_counter()
+                out = run_side(side, args.pythons[side], size, args.steps, args.timeout)
+                results[side].append(out)
+                shown = f"{out['tokens_per_s']:,.0f} tokens/s" if isinstance(out, dict) else out
+                print(f"  {size} {side} #{r + 1}: {shown} ({time.perf_counter() - begin:.0f} s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                load.append(os.getloadavg())
+                if isinstance(out, str) and out.startswith(("not installed", "no runner")):
+                    missing.add(side)
+        lines += table(size, results)
+    one = [x[0] for x in load]
+    lines.append(
+        f"\n{args.steps} steps per run, median of {args.repeats} alternating runs per side; "
+        f"1-minute load average {min(one):.1f}-{max(one):.1f} during the run on "
+        f"{os.cpu_count()} cores."
+    )
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write(args.write, text)
 
 
 if __name__ == "__main__":

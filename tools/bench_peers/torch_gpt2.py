@@ -1,12 +1,14 @@
 """Eager PyTorch side of the peer suite: the GPT-2-style network of
 tools/bench_model.py (LayerNorm, GELU, learned positions, q/k/v/out and MLP
 with biases, untied head), adamw, random token rows, ``--threads`` intra-op
-threads. Run in the torch venv (``/tmp/torchenv``: torch 2.13 CPU):
+threads; greedy generation with transformers' ``GPT2LMHeadModel.generate``
+(KV cache) of the same width and depth. Install (a venv of its own):
+``python -m venv /tmp/torchenv && /tmp/torchenv/bin/pip install torch==2.13.0
+transformers numpy``.
 
     /tmp/torchenv/bin/python tools/bench_peers/torch_gpt2.py --size medium --steps 10
 
-Prints one line: ``torch <size>: <tokens/s> tokens/s after the first step,
-first step <s> s from process start``.
+Prints one line ``RESULT {json}`` (tools/bench_peers/protocol.py).
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ START = time.perf_counter()
 
 import argparse  # noqa: E402
 import math  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-SIZES = {
-    "seed": dict(emb=64, layers=2, heads=4, mlp=256, seq=64, batch=8),
-    "medium": dict(emb=256, layers=4, heads=8, mlp=1024, seq=256, batch=16),
-}
-VOCAB = 264
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import protocol  # noqa: E402
+
+SIZES, VOCAB = protocol.SIZES, protocol.VOCAB
 
 
 class Block(nn.Module):
@@ -68,14 +71,13 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    if args.size not in SIZES:
-        raise SystemExit(f"unknown --size {args.size!r}; use one of {sorted(SIZES)}")
+    protocol.check_size(args.size)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     s = SIZES[args.size]
     model = GPT(s["emb"], s["layers"], s["heads"], s["mlp"], s["seq"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    rows = torch.randint(0, 256, (4, s["batch"], s["seq"] + 1))
+    rows = torch.as_tensor(protocol.rows(args.size)).long()
 
     def step(tokens):
         logits = model(tokens[:, :-1])
@@ -87,15 +89,31 @@ def main(argv=None) -> None:
 
     loss = step(rows[0])
     first = time.perf_counter() - START
-    begin = time.perf_counter()
+    clock = protocol.Clock()
     for i in range(1, args.steps):
         loss = step(rows[i % 4])
-    seconds = (time.perf_counter() - begin) / max(args.steps - 1, 1)
+    wall, cpu = clock.per(args.steps - 1)
     assert math.isfinite(float(loss.detach()))
-    print(
-        f"torch {args.size}: {s['batch'] * s['seq'] / seconds:,.0f} tokens/s after the first "
-        f"step, first step {first:.2f} s from process start"
-    )
+    protocol.emit("torch", protocol.result(args.size, first, wall, cpu, generation(s)))
+
+
+def generation(s) -> float:
+    """transformers' cached greedy ``generate`` on a GPT-2 of the same shape."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=s["seq"], n_embd=s["emb"],
+                        n_layer=s["layers"], n_head=s["heads"], n_inner=s["mlp"],
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    hf = GPT2LMHeadModel(config).eval()
+    ids = torch.as_tensor(protocol.prompts("")).long()
+
+    def call():
+        with torch.inference_mode():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=protocol.NEW_TOKENS,
+                               min_new_tokens=protocol.NEW_TOKENS, pad_token_id=0)  # fmt: skip
+
+    return protocol.warm_generation(call)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""tools/bench_peers/run.py: bad command lines stop before any side runs, with a
+message naming the value and the accepted ones; a missing peer interpreter is
+reported as not installed (argument parsing and the table only: nothing is
+trained here, well under a second)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+RUN = pathlib.Path(__file__).parents[1] / "tools" / "bench_peers" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def run():
+    spec = importlib.util.spec_from_file_location("bench_peers_run", RUN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def error(run, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        run.parse_args(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_size_names_it_and_the_accepted_ones(run, capsys):
+    message = error(run, ["--sizes", "seed", "huge"], capsys)
+    assert "unknown size 'huge'" in message and "['seed', 'medium']" in message
+
+
+def test_unknown_side_names_it_and_the_accepted_ones(run, capsys):
+    message = error(run, ["--sides", "dew", "jaxformer"], capsys)
+    assert "unknown side 'jaxformer'" in message and "'tunix'" in message
+    assert "'levanter'" in message and "'maxtext'" in message
+
+
+def test_venv_path_that_does_not_exist(run, capsys, tmp_path):
+    missing = tmp_path / "nope" / "bin" / "python"
+    message = error(run, ["--venv", f"tunix={missing}"], capsys)
+    assert f"no interpreter at '{missing}'" in message and "tunix_side.py" in message
+    message = error(run, ["--venv", f"flaxformer={missing}"], capsys)
+    assert "SIDE=PYTHON" in message and "'maxtext'" in message
+
+
+def test_venv_that_exists_is_used(run, tmp_path):
+    python = tmp_path / "python"
+    python.write_text("")
+    args = run.parse_args(["--sizes", "seed", "--venv", f"maxtext={python}"])
+    assert args.sizes == ["seed"] and args.pythons["maxtext"] == str(python)
+    assert args.pythons["tunix"] == "/work/peers/tunix/bin/python"  # the default, untouched
+
+
+def test_missing_interpreter_is_reported_not_dropped(run, tmp_path):
+    out = run.run_side("levanter", str(tmp_path / "python"), "seed", 2, 10)
+    assert out.startswith("not installed") and "levanter_side.py" in out
+    rows = run.table("seed", {"dew": [], "levanter": [out]})
+    assert any("| levanter | not installed" in row for row in rows)

@@ -9,8 +9,8 @@ sides do not recompute). Levanter 1.1 (the newest on PyPI) has no KV-cache
 generation: greedy generation is a ``fori_loop`` rerunning the model over a
 fixed buffer, as a user of it writes.
 
-Install (outside the repository; Levanter 1.1 (Oct 2023) imports jax internals removed since 0.4.19
-change, so older jax and numpy are pinned):
+Install (outside the repository; Levanter 1.1 (Oct 2023) imports jax internals that
+later jax removed, so jax 0.4.19 and numpy 1 are pinned):
 
     uv venv -p /root/.pyenv/versions/3.11.7/bin/python3 /work/peers/levanter
     VIRTUAL_ENV=/work/peers/levanter uv pip install levanter==1.1 haliax==1.3 \\

@@ -48,7 +48,7 @@ def reference(config):
     model = CausalTransformer(**config)
     objective = LMObjective(model, seq_len=SEQ, loss_mask_key="mask")
     k_init, _ = jax.random.split(jax.random.key(0))
-    params = nn.unbox(objective.init(k_init))["params"]
+    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]
     b = batch()
 
     def parts(p):
@@ -64,7 +64,9 @@ def reference(config):
         )
         return nll_mean + 0.01 * aux_mean, (nll_mean, aux_mean, nll)
 
-    (loss, (nll, aux, tokens)), grads = jax.value_and_grad(parts, has_aux=True)(params)
+    # one jitted program (persistently cached), not op-by-op dispatch
+    step = jax.jit(jax.value_and_grad(parts, has_aux=True))
+    (loss, (nll, aux, tokens)), grads = step(params)
     new = jax.tree.map(lambda p, g: p - LR * g, params, grads)
     return float(loss), float(nll), float(aux), new, np.asarray(tokens, np.float64)
 

@@ -154,11 +154,6 @@ def _grads_with_own_weights(fn, state, batch):
     return aux, grads
 
 
-def all_finite(loss, grads) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
-    return jnp.isfinite(loss) & jnp.all(jnp.stack(leaves)) if leaves else jnp.isfinite(loss)
-
-
 def ema_update_fn(ema: EMA | None) -> Callable:
     """``(averaged, params, updates) -> averaged``; identity when there is no EMA."""
     if ema is None:
@@ -218,18 +213,30 @@ def build_train_step(
     def train_step(state: TrainState, batch):
         terms, metrics, grads = grads_fn(state, batch)
         loss = wt.loss_value(terms)
-        finite = all_finite(loss, grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        averaged = ema_fn(state.averaged, params, state.updates)
+        grad_norm = optax.tree.norm(grads)
+        # one reduction serves the log and the check: the global norm is finite iff
+        # every gradient is (and its square sum does not overflow float32)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-        def keep(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        def apply(operands):
+            params, opt_state, averaged = operands
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            averaged = ema_fn(averaged, new_params, state.updates)
+            return (new_params, opt_state, averaged), optax.tree.norm(updates)
 
+        def reject(operands):
+            return operands, jnp.zeros((), jnp.float32)
+
+        # a branch, not a select per leaf: an accepted update writes the donated
+        # buffers in place, with no copy of the old state kept for a rejection
+        (params, opt_state, averaged), update_norm = jax.lax.cond(
+            finite, apply, reject, (state.params, state.opt_state, state.averaged)
+        )
         new_state = state.replace(
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
-            averaged=keep(averaged, state.averaged),
+            params=params,
+            opt_state=opt_state,
+            averaged=averaged,
             step=state.step + 1,
             microstep=state.microstep + finite.astype(jnp.int32) * accumulate_steps,
             updates=state.updates + finite.astype(jnp.int32),
@@ -239,8 +246,8 @@ def build_train_step(
             "loss": loss,
             "accepted": finite.astype(jnp.float32),
             "loss_weight": jnp.min(jnp.stack([t.weight for t in terms])),
-            "grad_norm": optax.tree.norm(grads),
-            "update_norm": optax.tree.norm(updates),
+            "grad_norm": grad_norm,
+            "update_norm": update_norm,
         }
         # inject_hyperparams stores the rate it used for this update in the new state
         lr = learning_rate_of(opt_state, learning_rate, state.updates)

@@ -140,9 +140,12 @@ def table(size: str, results: dict[str, list]) -> list[str]:
         else:
             ratios = ("(ref)", "(ref)", "(ref)")
         note = ok[0].get("note") or ""
+        shown_gen = f"{gen:,.0f}" if gen == gen else "not measured"
+        if gen != gen:  # NaN: the side has no generation to time
+            ratios = (*ratios[:2], "")
         lines.append(
             f"| {size} | {side} | {rate:,.0f} | {ratios[0]} | {first:.1f} | {ratios[1]} | "
-            f"{gen:,.0f} | {ratios[2]} | {rss:,.0f} | {note}".rstrip()
+            f"{shown_gen} | {ratios[2]} | {rss:,.0f} | {note}".rstrip()
             + " |"
         )
     return lines

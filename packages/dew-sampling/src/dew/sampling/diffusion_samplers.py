@@ -267,39 +267,41 @@ def flow_times(num_steps: int, shift: float) -> np.ndarray:
     return shift * t / (1.0 + (shift - 1.0) * t)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FlowEuler:
-    """Euler on the flow ODE. num_steps: model calls (SD3 28-50); shift: time shift (1 = none)."""
+def _ode_step(slope, x: jax.Array, start, end, *, heun: bool) -> jax.Array:
+    """One explicit step of ``dx/dt = slope(x, t)`` from ``start`` to ``end``: Euler
+    ``x + (end - start) u``, or Heun (Euler predictor, trapezoid corrector)
+    ``x + (end - start) (u + u') / 2`` with ``u' = slope(x + (end - start) u, end)``."""
+    dt = end - start
+    u = slope(x, start)
+    if not heun:
+        return x + dt * u
+    u_next = slope(x + dt * u, end)
+    return x + dt * 0.5 * (u + u_next)
 
-    num_steps: int = 50
+
+def _integrate(slope, x, starts, ends, num_steps: int, *, heun: bool, perturb=None):
+    """``num_steps`` :func:`_ode_step` s, step ``i`` from ``starts[i]`` to ``ends[i]``, as one
+    ``lax.fori_loop``; ``perturb(i, x)`` (EDM's churn) moves ``x`` before step ``i``."""
+
+    def step(i, x):
+        if perturb is not None:
+            x = perturb(i, x)
+        return _ode_step(slope, x, starts[i], ends[i], heun=heun)
+
+    return jax.lax.fori_loop(0, num_steps, step, x)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _FlowODE:
+    """The flow ODE ``dx/dt = u = eps - x0`` from ``t = 1`` to ``0`` on :func:`flow_times`;
+    Euler, or Heun (``heun``) with a last Euler step (the corrector would evaluate at
+    ``t = 0``)."""
+
+    num_steps: int
     shift: float = 1.0
 
     family = "flow"
-
-    def __post_init__(self):
-        _check_steps(self.num_steps)
-        if self.shift <= 0:
-            raise ValueError(f"shift must be > 0, got {self.shift}")
-
-    def run(self, denoise_fn: DenoiseFn, schedule: FlowSchedule, key, shape) -> jax.Array:
-        ts = jnp.asarray(flow_times(self.num_steps, self.shift), jnp.float32)
-        x = jax.random.normal(key, shape, jnp.float32)
-
-        def step(i, x):
-            d = denoise_fn(x, ts[i])
-            return x + (ts[i + 1] - ts[i]) * (d.eps - d.x0)
-
-        return jax.lax.fori_loop(0, self.num_steps, step, x)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FlowHeun:
-    """Heun on the flow ODE: ``2 num_steps - 1`` model calls; shift as :class:`FlowEuler`."""
-
-    num_steps: int = 28
-    shift: float = 1.0
-
-    family = "flow"
+    heun = False
 
     def __post_init__(self):
         _check_steps(self.num_steps)
@@ -314,15 +316,25 @@ class FlowHeun:
             d = denoise_fn(x, t)
             return d.eps - d.x0
 
-        def step(i, x):
-            dt = ts[i + 1] - ts[i]
-            u = velocity(x, ts[i])
-            u_next = velocity(x + dt * u, ts[i + 1])
-            return x + dt * 0.5 * (u + u_next)
+        if not self.heun:
+            return _integrate(velocity, x, ts[:-1], ts[1:], self.num_steps, heun=False)
+        x = _integrate(velocity, x, ts[:-1], ts[1:], self.num_steps - 1, heun=True)
+        return _ode_step(velocity, x, ts[-2], ts[-1], heun=False)
 
-        x = jax.lax.fori_loop(0, self.num_steps - 1, step, x)
-        last = self.num_steps - 1
-        return x + (ts[last + 1] - ts[last]) * velocity(x, ts[last])
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowEuler(_FlowODE):
+    """Euler on the flow ODE. num_steps: model calls (SD3 28-50); shift: time shift (1 = none)."""
+
+    num_steps: int = 50
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowHeun(_FlowODE):
+    """Heun on the flow ODE: ``2 num_steps - 1`` model calls; shift as :class:`FlowEuler`."""
+
+    num_steps: int = 28
+    heun = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -382,20 +394,15 @@ class EDMHeun:
         x = jax.random.normal(k_init, shape, jnp.float32) * sig[0]
 
         def churn(i, x):
-            if not self.s_churn:
-                return x
             z = jax.random.normal(jax.random.fold_in(k_steps, i), shape, jnp.float32)
             return x + lift[i] * z
 
-        def step(i, x):
-            x_hat = churn(i, x)
-            d = denoise_fn(x_hat, hat[i]).eps  # (x - D) / sigma
-            x_next = x_hat + (sig[i + 1] - hat[i]) * d
-            d_next = denoise_fn(x_next, sig[i + 1]).eps
-            return x_hat + (sig[i + 1] - hat[i]) * 0.5 * (d + d_next)
+        def slope(x, sigma):
+            return denoise_fn(x, sigma).eps  # (x - D) / sigma
 
-        x = jax.lax.fori_loop(0, n - 1, step, x)
-        x_hat = churn(n - 1, x)
+        perturb = churn if self.s_churn else None
+        x = _integrate(slope, x, hat, sig[1:], n - 1, heun=True, perturb=perturb)
+        x_hat = x if perturb is None else churn(n - 1, x)
         return denoise_fn(x_hat, hat[n - 1]).x0  # the Euler step to sigma = 0
 
 

@@ -51,6 +51,7 @@ from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
 
 IMAGE_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)  # [batch, patches, embed]
+VIDEO_AXES = (axes.BATCH, axes.FRAMES, axes.LENGTH, axes.EMBED)  # [batch, frames, patches, embed]
 
 
 def timestep_embedding(t: jax.Array, features: int, freq_shift: float = 1.0) -> jax.Array:
@@ -488,6 +489,37 @@ class DiTOptions(nn.Module, kw_only=True):
         features = self.patch_size**2 * self.out_channels
         return self.dense(features, axes.EMBED, None, "head", zero=True)(h)
 
+    def predict_frames(
+        self, video, t, label, context, context_mask, *, block, frame_axis: bool
+    ) -> jax.Array:
+        """The body :class:`DiT` and :class:`~dew.nn.backbones.video_dit.VideoDiT` share:
+        ``video [batch, frames, H, W, C] -> [batch, frames, H, W, out_channels]`` (float32).
+
+        Conditions, patch embedding of every frame, ``num_layers`` ``block`` s over the
+        tokens, the final layer and unpatchify. The blocks see ``[batch, frames, patches,
+        embed]`` (``frame_axis``) or, for one frame, ``[batch, patches, embed]``.
+        """
+        what = type(self).__name__
+        batch, frames = video.shape[:2]
+        t = jnp.asarray(t)
+        self.check_conditions(batch, t, label, context, context_mask)
+        condition = self.condition(t, label, batch)
+        h, grid = self.embed_patches(video.reshape(batch * frames, *video.shape[2:]))
+        patches = h.shape[1]  # h: [batch * frames, patches, embed]
+        if frame_axis:
+            check_divides(patches, axes.LENGTH, f"{what} patches of a frame [.., patches, embed]")
+            h = h.reshape(batch, frames, patches, -1)
+        else:
+            check_divides(patches, axes.LENGTH, f"{what} patches [batch, patches, embed]")
+        h = nn.with_logical_constraint(h, VIDEO_AXES if frame_axis else IMAGE_AXES)
+        h = self.layer_stack()(
+            self, block, self.block_kwargs(), h, condition, context, context_mask
+        )
+        out = self.final_layer(h.reshape(batch, frames * patches, -1), condition)
+        # out: [batch, frames * patches, p * p * out]
+        out = unpatchify(out.reshape(batch * frames, patches, -1), grid, self.patch_size)
+        return out.astype(jnp.float32).reshape(batch, frames, *out.shape[1:])
+
     def example_keywords(self) -> dict[str, jax.ShapeDtypeStruct]:
         """Abstract keyword arguments of ``init`` (label, context) for one example."""
         out = {}
@@ -543,15 +575,7 @@ class DiT(DiTOptions, kw_only=True):
                 f"{tuple(x.shape)}; use VideoDiT for video [batch, frames, H, W, C]"
             )
         self.check_image(x, "DiT input x")
-        batch = x.shape[0]
-        t = jnp.asarray(t)
-        self.check_conditions(batch, t, label, context, context_mask)
-        condition = self.condition(t, label, batch)
-        h, grid = self.embed_patches(x)  # [batch, patches, embed]
-        check_divides(h.shape[1], axes.LENGTH, "DiT patches [batch, patches, embed]")
-        h = nn.with_logical_constraint(h, IMAGE_AXES)
-        h = self.layer_stack()(
-            self, DiTBlock, self.block_kwargs(), h, condition, context, context_mask
+        out = self.predict_frames(
+            x[:, None], t, label, context, context_mask, block=DiTBlock, frame_axis=False
         )
-        out = self.final_layer(h, condition)  # [batch, patches, p * p * out]
-        return unpatchify(out, grid, self.patch_size).astype(jnp.float32)
+        return out[:, 0]

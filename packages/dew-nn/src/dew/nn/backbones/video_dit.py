@@ -34,11 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import axes, models
-from dew.nn.backbones.dit import DiTBlock, DiTOptions, unpatchify
+from dew.nn.backbones.dit import VIDEO_AXES, DiTBlock, DiTOptions
 from dew.nn.backbones.vit import sincos_1d
-from dew.nn.shards import check_divides
 
-VIDEO_AXES = (axes.BATCH, axes.FRAMES, axes.LENGTH, axes.EMBED)  # [batch, frames, patches, embed]
 TEMPORAL_AXES = (axes.BATCH, axes.FRAMES, axes.EMBED)  # [batch * patches, frames, embed]
 
 _BLOCK_FIELDS = tuple(
@@ -121,22 +119,7 @@ class VideoDiT(DiTOptions, kw_only=True):
         is_image = x.ndim == 4
         video = x[:, None] if is_image else x
         self.check_image(video, "VideoDiT input x")
-        batch, frames = video.shape[:2]
-        t = jnp.asarray(t)
-        self.check_conditions(batch, t, label, context, context_mask)
-        condition = self.condition(t, label, batch)
-        h, grid = self.embed_patches(video.reshape(batch * frames, *video.shape[2:]))
-        patches = h.shape[1]
-        check_divides(patches, axes.LENGTH, "VideoDiT patches of a frame [.., patches, embed]")
-        h = nn.with_logical_constraint(h.reshape(batch, frames, patches, -1), VIDEO_AXES)
-        h = self.layer_stack()(
-            self, SpaceTimeBlock, self.block_kwargs(), h, condition, context, context_mask
-        )
-        out = self.final_layer(
-            h.reshape(batch, frames * patches, -1), condition
-        )  # [batch, frames * patches, p * p * out]
-        out = unpatchify(out.reshape(batch * frames, patches, -1), grid, self.patch_size).astype(
-            jnp.float32
-        )
-        out = out.reshape(batch, frames, *out.shape[1:])  # [batch, frames, H, W, out]
+        out = self.predict_frames(
+            video, t, label, context, context_mask, block=SpaceTimeBlock, frame_axis=True
+        )  # [batch, frames, H, W, out]
         return out[:, 0] if is_image else out

@@ -4,8 +4,8 @@ A family that maps onto :class:`dew.nn.CausalTransformer` says how its
 ``config.json`` reads (:meth:`~CausalLMFormat.read_options`) and is written
 (:meth:`~CausalLMFormat.write_config`), which options it can hold
 (:meth:`~CausalLMFormat.requirements`) and how its tensors are laid out
-(:meth:`~CausalLMFormat.layout`); this base class turns that into the four
-conversions of :class:`~dew.nn.hf.HFFormat`.
+(:meth:`~CausalLMFormat.layout`); this base class and :class:`~dew.nn.hf.layered.LayeredFormat`
+turn that into the four conversions of :class:`~dew.nn.hf.HFFormat`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import flax.linen as nn
-import jax
-import numpy as np
-from flax import traverse_util
-
 from dew.nn.hf.fields import ConfigFields
-from dew.nn.hf.format import as_module, check_params
-from dew.nn.hf.layout import Layout, read_layout, write_layout
+from dew.nn.hf.layered import LayeredFormat
 
 
-class CausalLMFormat:
+class CausalLMFormat(LayeredFormat):
     """Base of the families that load into ``CausalTransformer``.
 
     Subclasses set ``family`` and ``architecture`` and implement
@@ -43,24 +37,9 @@ class CausalLMFormat:
         """``CausalTransformer`` options from the config's fields."""
         raise NotImplementedError
 
-    def requirements(self, model) -> list[tuple[str, str, bool]]:
-        """``(option, what the family needs, whether the model has it)`` per constrained option."""
-        raise NotImplementedError
-
     def write_config(self, model, config: dict[str, Any]) -> None:
         """Set the family's fields of ``config`` from ``model``."""
         raise NotImplementedError
-
-    def layout(self, model) -> Layout:
-        """The checkpoint tensors of ``model``."""
-        raise NotImplementedError
-
-    @staticmethod
-    def layer_prefix(model):
-        """Where the model keeps layer ``i``'s parameters, as its layer stack lays them
-        out: ``layers`` (scanned, one ``[layers, ...]`` array) or ``layer_{i}``."""
-        stack = model.layer_stack()
-        return (lambda i: stack.name) if stack.use_scan else stack.layer_name
 
     # --------------------------------------------------------------- HFFormat
 
@@ -72,64 +51,12 @@ class CausalLMFormat:
         fields.check_unknown(ignore_fields)
         return self.registry_name, options
 
-    def check_expressible(self, config) -> None:
-        """Raise unless a checkpoint of this family can hold the model exactly."""
-        model = as_module(config, self.registry_name)
-        wrong = [(o, n) for o, n, ok in self.requirements(model) if not ok]
-        if wrong:
-            needs = "; ".join(f"{o}={n} (the model has {getattr(model, o)!r})" for o, n in wrong)
-            raise ValueError(
-                f"a {self.family} checkpoint cannot hold this model: {self.family} needs "
-                f"{needs}. Save it with format='dew' instead"
-            )
-
     def config_from_dew(
         self, config, *, base: Mapping[str, Any] | None = None, dtype_name: str = "float32"
     ) -> dict[str, Any]:
-        model = as_module(config, self.registry_name)
-        self.check_expressible(model)
-        out = dict(base or {})
-        for key in ("rope_theta", "rope_scaling", "rope_parameters", "torch_dtype"):
-            out.pop(key, None)  # rewritten below, in the form this version writes
-        out.update(
-            architectures=[self.architecture],
-            model_type=self.family,
-            dtype=dtype_name,
-            vocab_size=model.vocab_size,
-            tie_word_embeddings=model.tie_embeddings,
-        )
+        # the rope fields are rewritten in the form this version writes
+        drop = ("rope_theta", "rope_scaling", "rope_parameters")
+        model, out = self.transformers_config(config, base, dtype_name, drop=drop)
+        out.update(vocab_size=model.vocab_size, tie_word_embeddings=model.tie_embeddings)
         self.write_config(model, out)
         return out
-
-    def params_from_hf(
-        self, tensors: Mapping[str, Any], config, *, where: str = ""
-    ) -> dict[str, Any]:
-        model = as_module(config, self.registry_name)
-        flat = read_layout(
-            self.layout(model),
-            tensors,
-            num_layers=model.num_layers,
-            stacked=model.use_scan,
-            dtype=model.param_dtype,
-            family=self.family,
-            where=where,
-            layer_prefix=self.layer_prefix(model),
-        )
-        check_params(model, flat, self.family)
-        return traverse_util.unflatten_dict(flat, sep="/")
-
-    def params_to_hf(self, params, config) -> dict[str, np.ndarray]:
-        model = as_module(config, self.registry_name)
-        self.check_expressible(model)
-        flat = {
-            k: np.asarray(jax.device_get(v))
-            for k, v in traverse_util.flatten_dict(nn.meta.unbox(params), sep="/").items()
-        }
-        check_params(model, flat, self.family)
-        return write_layout(
-            self.layout(model),
-            flat,
-            num_layers=model.num_layers,
-            stacked=model.use_scan,
-            layer_prefix=self.layer_prefix(model),
-        )

@@ -30,13 +30,11 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import flax.linen as nn
-import jax
 import numpy as np
-from flax import traverse_util
 
 from dew.nn.hf.fields import ConfigFields
-from dew.nn.hf.format import as_module, check_params
+from dew.nn.hf.format import as_module
+from dew.nn.hf.layered import LayeredFormat
 from dew.nn.hf.layout import (
     Layout,
     Tensor,
@@ -44,9 +42,8 @@ from dew.nn.hf.layout import (
     heads_in,
     heads_out,
     linear,
-    read_layout,
+    patch_embedding,
     same,
-    write_layout,
 )
 
 DIFFUSERS_VERSION = "0.42.1"  # written when the config did not come from diffusers
@@ -56,18 +53,6 @@ _WRITTEN = {v: k for k, v in ACTIVATIONS.items()}  # Dew's mlp_activation -> act
 _BOOKKEEPING = ("_class_name", "_diffusers_version", "_name_or_path", "_use_default_values")
 _TIME_FEATURES = 256  # Timesteps(num_channels=256) in CombinedTimestepLabelEmbeddings
 _EMBEDDING = "norm1.emb."  # the per-block copy of the conditioning embedding
-
-
-def _patch_embedding(patch: int, channels: int, embed: int) -> Tensor:
-    """``Conv2d`` weight ``[embed, channels, p, p]`` <-> dense kernel ``[p * p * channels,
-    embed]`` over patches flattened as ``(row, column, channel)``."""
-    return Tensor(
-        "pos_embed.proj.weight",
-        ("patch_embed/kernel",),
-        (embed, channels, patch, patch),
-        lambda w: (w.transpose(2, 3, 1, 0).reshape(patch * patch * channels, embed),),
-        lambda k: k.reshape(patch, patch, channels, embed).transpose(3, 2, 0, 1),
-    )
 
 
 def _embedding_tensors(model) -> tuple[Tensor, ...]:
@@ -82,7 +67,7 @@ def _embedding_tensors(model) -> tuple[Tensor, ...]:
     )
 
 
-class DiTFormat:
+class DiTFormat(LayeredFormat):
     """diffusers ``DiTTransformer2DModel`` directories <-> :class:`dew.nn.DiT`."""
 
     family = "dit"
@@ -90,9 +75,11 @@ class DiTFormat:
     registry_name = "dit"
     library = "diffusers"
     weights_name = "diffusion_pytorch_model"  # the safetensors file's stem
+    model_noun = "DiT"
 
-    def __repr__(self) -> str:
-        return "DiTFormat()"
+    @property
+    def holder(self) -> str:
+        return f"a diffusers {self.architecture}"
 
     # --------------------------------------------------------------- config
 
@@ -154,12 +141,10 @@ class DiTFormat:
         fields.check_unknown((*_BOOKKEEPING, *ignore_fields))
         return self.registry_name, options
 
-    def check_expressible(self, config) -> None:
-        """Raise unless a ``DiTTransformer2DModel`` can hold the DiT exactly."""
-        model = as_module(config, self.registry_name)
+    def requirements(self, model) -> list[tuple[str, Any, bool]]:
         e = model.emb_features
         height, width = model.sample_shape
-        needs = [
+        return [
             ("num_classes", ">= 1 (diffusers' DiT always reads a class label)", model.num_classes),
             ("context_features", "0 (no cross-attention)", not model.context_features),
             ("sample_size", "square", height == width),
@@ -169,13 +154,6 @@ class DiTFormat:
             ("mlp_activation", "'gelu' or 'gelu_exact'", model.mlp_activation in _WRITTEN),
             ("norm_eps", 1e-6, model.norm_eps == 1e-6),
         ]
-        wrong = [(o, n) for o, n, ok in needs if not ok]
-        if wrong:
-            said = "; ".join(f"{o}={n} (the model has {getattr(model, o)!r})" for o, n in wrong)
-            raise ValueError(
-                f"a diffusers {self.architecture} cannot hold this DiT: it needs {said}. "
-                f"Save it with format='dew' instead"
-            )
 
     def config_from_dew(
         self, config, *, base: Mapping[str, Any] | None = None, dtype_name: str = "float32"
@@ -221,7 +199,7 @@ class DiTFormat:
             prefix="",
             layer="transformer_blocks.{i}.",
             globals=(
-                _patch_embedding(p, model.in_channels, e),
+                patch_embedding("pos_embed.proj.weight", (p, p), model.in_channels, e),
                 same("pos_embed.proj.bias", "patch_embed/bias", (e,)),
                 linear("proj_out_1.weight", "final_modulation/kernel", 2 * e, e),
                 same("proj_out_1.bias", "final_modulation/bias", (2 * e,)),
@@ -244,16 +222,10 @@ class DiTFormat:
             buffers=re.compile(r"^transformer_blocks\.\d+\.norm1\.emb\.|^pos_embed\.pos_embed$"),
         )
 
-    @staticmethod
-    def layer_prefix(model):
-        stack = model.layer_stack()
-        return (lambda i: stack.name) if stack.use_scan else stack.layer_name
-
-    def _read_embedding(self, tensors, model, where: str) -> dict[str, np.ndarray]:
-        """Block 0's conditioning embedding, after checking every block holds the same."""
+    def after_read(self, flat: dict, tensors: Mapping[str, Any], model, where: str) -> None:
+        """Add block 0's conditioning embedding, after checking every block holds the same."""
         where = f"{where}: " if where else ""
         names = set(tensors.keys())
-        flat = {}
         for tensor in _embedding_tensors(model):
             first = None
             for i in range(model.num_layers):
@@ -279,46 +251,13 @@ class DiTFormat:
                         f"transformer_blocks.{{i}}.{_EMBEDDING}*, this one does not"
                     )
             flat[tensor.paths[0]] = np.asarray(tensor.to_dew(first)[0], model.param_dtype)
-        return flat
 
-    def params_from_hf(
-        self, tensors: Mapping[str, Any], config, *, where: str = ""
-    ) -> dict[str, Any]:
-        model = as_module(config, self.registry_name)
-        flat = read_layout(
-            self.layout(model),
-            tensors,
-            num_layers=model.num_layers,
-            stacked=model.use_scan,
-            dtype=model.param_dtype,
-            family=self.family,
-            where=where,
-            layer_prefix=self.layer_prefix(model),
-        )
-        flat.update(self._read_embedding(tensors, model, where))
-        check_params(model, flat, self.family)
-        return traverse_util.unflatten_dict(flat, sep="/")
-
-    def params_to_hf(self, params, config) -> dict[str, np.ndarray]:
-        model = as_module(config, self.registry_name)
-        self.check_expressible(model)
-        flat = {
-            k: np.asarray(jax.device_get(v))
-            for k, v in traverse_util.flatten_dict(nn.meta.unbox(params), sep="/").items()
-        }
-        check_params(model, flat, self.family)
-        out = write_layout(
-            self.layout(model),
-            flat,
-            num_layers=model.num_layers,
-            stacked=model.use_scan,
-            layer_prefix=self.layer_prefix(model),
-        )
+    def after_write(self, out: dict, flat: Mapping[str, Any], model) -> None:
+        """Write the one conditioning embedding into every block."""
         for tensor in _embedding_tensors(model):
             value = np.ascontiguousarray(tensor.to_hf(flat[tensor.paths[0]]))
             for i in range(model.num_layers):
                 out[f"transformer_blocks.{i}.{_EMBEDDING}{tensor.name}"] = value
-        return out
 
 
 DIT = DiTFormat()

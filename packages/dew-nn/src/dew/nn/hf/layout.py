@@ -116,6 +116,21 @@ def fused_qkv(name: str, heads: int, head_dim: int, embed: int, *, bias: bool) -
     )
 
 
+def patch_embedding(name: str, kernel: tuple[int, ...], channels: int, embed: int) -> Tensor:
+    """``Conv2d`` / ``Conv3d`` weight ``[embed, channels, *kernel]`` (kernel = stride) <->
+    dense kernel ``[prod(kernel) * channels, embed]`` over patches flattened as
+    ``(*kernel axes, channel)``: ``(row, column, channel)`` or ``(frame, row, column, channel)``."""
+    n = len(kernel)
+    flat = int(np.prod(kernel)) * channels
+    return Tensor(
+        name,
+        ("patch_embed/kernel",),
+        (embed, channels, *kernel),
+        lambda w: (w.transpose(*range(2, n + 2), 1, 0).reshape(flat, embed),),
+        lambda k: k.reshape(*kernel, channels, embed).transpose(n + 1, n, *range(n)),
+    )
+
+
 def lm_head(vocab: int, embed: int, *, tied: bool) -> Tensor | None:
     """``lm_head.weight [vocab, embed]`` (a Linear) <-> ``lm_head/kernel``; None when tied."""
     return None if tied else linear("lm_head.weight", "lm_head/kernel", vocab, embed)

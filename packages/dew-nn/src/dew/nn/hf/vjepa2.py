@@ -28,28 +28,10 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import flax.linen as nn
-import jax
-import numpy as np
-from flax import traverse_util
-
 from dew.nn.hf.fields import ConfigFields
-from dew.nn.hf.format import as_module, check_params
-from dew.nn.hf.ijepa import ACTIVATIONS
-from dew.nn.hf.layout import (
-    Layout,
-    Tensor,
-    heads_bias,
-    heads_in,
-    heads_out,
-    linear,
-    read_layout,
-    same,
-    write_layout,
-)
+from dew.nn.hf.layout import Layout, patch_embedding, same
+from dew.nn.hf.vit_encoder import ViTEncoderFormat, encoder_layer
 
-# Dew's mlp_activation -> the hidden_act written
-WRITTEN_ACTIVATIONS = {"gelu_exact": "gelu", "gelu": "gelu_pytorch_tanh", "relu": "relu"}
 # config.json fields of the parts Dew does not load (the predictor, the
 # classifier's pooler) and training-only settings
 UNUSED_FIELDS = (
@@ -67,30 +49,27 @@ UNUSED_FIELDS = (
     "image_size",
     "wide_SiLU",
 )
+# the module names of one encoder layer
+_NAMES = dict(
+    attention_norm="norm1",
+    query="attention.query",
+    key="attention.key",
+    value="attention.value",
+    out="attention.proj",
+    mlp_norm="norm2",
+    up="mlp.fc1",
+    down="mlp.fc2",
+)
 
 
-def _patch_embedding(tubelet: int, patch: int, channels: int, embed: int) -> Tensor:
-    """``Conv3d`` weight ``[embed, channels, t, p, p]`` <-> dense kernel ``[t * p * p *
-    channels, embed]`` over tubelets flattened as ``(frame, row, column, channel)``."""
-    return Tensor(
-        "embeddings.patch_embeddings.proj.weight",
-        ("patch_embed/kernel",),
-        (embed, channels, tubelet, patch, patch),
-        lambda w: (w.transpose(2, 3, 4, 1, 0).reshape(tubelet * patch * patch * channels, embed),),
-        lambda k: k.reshape(tubelet, patch, patch, channels, embed).transpose(4, 3, 0, 1, 2),
-    )
-
-
-class VJepa2Format:
+class VJepa2Format(ViTEncoderFormat):
     """``VJEPA2Model`` checkpoints (``model_type`` ``'vjepa2'``), their encoder <->
     :class:`dew.nn.ViT` with ``position_embedding='rope'``."""
 
     family = "vjepa2"
     architecture = "VJEPA2Model"
-    registry_name = "vit"
-
-    def __repr__(self) -> str:
-        return "VJepa2Format()"
+    default_norm_eps = 1e-6
+    check_on_read = True
 
     # --------------------------------------------------------------- config
 
@@ -119,16 +98,12 @@ class VJepa2Format:
                 f"ViT) take one int, the side of a square patch"
             )
         ratio = fields.get("mlp_ratio", 4.0)
-        activation = fields.expect("hidden_act", tuple(ACTIVATIONS), "gelu")
-        fields.expect("qkv_bias", (True,), True)
+        options = self.encoder_options(fields)
         # the original code's SwiGLU switch, which transformers' VJEPA2MLP does not have
         fields.expect("use_SiLU", (False,), False)
         for name in UNUSED_FIELDS:
             fields.get(name, None)
-        options = dict(
-            emb_features=emb,
-            num_layers=fields.get("num_hidden_layers"),
-            num_heads=heads,
+        options.update(
             mlp_features=int(emb * ratio),  # as transformers' VJEPA2MLP
             image_size=fields.get("crop_size", 256),
             patch_size=patch,
@@ -136,145 +111,55 @@ class VJepa2Format:
             num_frames=fields.get("frames_per_clip", 64),
             tubelet_size=fields.get("tubelet_size", 2),
             position_embedding="rope",
-            mlp_activation=ACTIVATIONS[activation],
-            norm="layer",
-            norm_eps=float(fields.get("layer_norm_eps", 1e-6)),
-            use_bias=True,
         )
         fields.check_unknown(ignore_fields)
         return self.registry_name, options
 
-    def check_expressible(self, config) -> None:
-        """Raise unless a ``VJEPA2Model`` checkpoint can hold the ViT exactly."""
-        model = as_module(config, self.registry_name)
+    def requirements(self, model) -> list[tuple[str, Any, bool]]:
+        """A video ViT with 3-D rotary positions, the encoders' norm, biases and
+        activation, and an MLP width that ``mlp_ratio`` gives back."""
         e, m = model.emb_features, model.mlp_features
-        needs = [
+        return [
             ("num_frames", "a number of frames (video)", model.num_frames is not None),
             ("position_embedding", "'rope'", model.position_embedding == "rope"),
-            ("norm", "'layer'", model.norm == "layer"),
-            ("use_bias", "True", model.use_bias),
-            (
-                "mlp_activation",
-                "'gelu_exact', 'gelu' or 'relu'",
-                model.mlp_activation in WRITTEN_ACTIVATIONS,
-            ),
+            *super().requirements(model),
             (
                 "mlp_features",
                 f"int({e} * mlp_ratio) for mlp_ratio = mlp_features / {e}",
                 int(e * (m / e)) == m,
             ),
         ]
-        wrong = [(o, n) for o, n, ok in needs if not ok]
-        if wrong:
-            said = "; ".join(f"{o}={n} (the model has {getattr(model, o)!r})" for o, n in wrong)
-            raise ValueError(
-                f"a {self.family} checkpoint ({self.architecture}) cannot hold this ViT: it "
-                f"needs {said}. Save it with format='dew' instead"
-            )
 
-    def config_from_dew(
-        self, config, *, base: Mapping[str, Any] | None = None, dtype_name: str = "float32"
-    ) -> dict[str, Any]:
-        model = as_module(config, self.registry_name)
-        self.check_expressible(model)
-        out = dict(base or {})
-        out.pop("torch_dtype", None)
-        out.update(
-            architectures=[self.architecture],
-            model_type=self.family,
-            dtype=dtype_name,
-            hidden_size=model.emb_features,
-            num_hidden_layers=model.num_layers,
-            num_attention_heads=model.num_heads,
+    def write_config(self, model, config: dict[str, Any]) -> None:
+        config.update(
             mlp_ratio=model.mlp_features / model.emb_features,
-            hidden_act=WRITTEN_ACTIVATIONS[model.mlp_activation],
-            layer_norm_eps=model.norm_eps,
             crop_size=model.image_size,
-            patch_size=model.patch_size,
             in_chans=model.num_channels,
             frames_per_clip=model.num_frames,
             tubelet_size=model.tubelet_size,
-            qkv_bias=True,
         )
-        return out
 
     # --------------------------------------------------------------- tensors
 
     def layout(self, model) -> Layout:
-        e, h, m = model.emb_features, model.num_heads, model.mlp_features
-        d = e // h
+        e, p = model.emb_features, model.patch_size
         return Layout(
             prefix="encoder.",
             layer="layer.{i}.",
             globals=(
-                _patch_embedding(model.tubelet_size, model.patch_size, model.num_channels, e),
+                patch_embedding(
+                    "embeddings.patch_embeddings.proj.weight",
+                    (model.tubelet_size, p, p),
+                    model.num_channels,
+                    e,
+                ),
                 same("embeddings.patch_embeddings.proj.bias", "patch_embed/bias", (e,)),
                 same("layernorm.weight", "final_norm/scale", (e,)),
                 same("layernorm.bias", "final_norm/bias", (e,)),
             ),
-            per_layer=(
-                same("norm1.weight", "attention_norm/scale", (e,)),
-                same("norm1.bias", "attention_norm/bias", (e,)),
-                *(
-                    t
-                    for kind in ("query", "key", "value")
-                    for t in (
-                        heads_in(f"attention.{kind}.weight", f"attention/{kind}_kernel", h, d, e),
-                        heads_bias(f"attention.{kind}.bias", f"attention/{kind}_bias", h, d),
-                    )
-                ),
-                heads_out(
-                    "attention.proj.weight", "attention/out_kernel", h, d, e, transposed=True
-                ),
-                same("attention.proj.bias", "attention/out_bias", (e,)),
-                same("norm2.weight", "mlp_norm/scale", (e,)),
-                same("norm2.bias", "mlp_norm/bias", (e,)),
-                linear("mlp.fc1.weight", "mlp/up/kernel", m, e),
-                same("mlp.fc1.bias", "mlp/up/bias", (m,)),
-                linear("mlp.fc2.weight", "mlp/down/kernel", e, m),
-                same("mlp.fc2.bias", "mlp/down/bias", (e,)),
-            ),
+            per_layer=encoder_layer(_NAMES, model),
             lm_head=None,
             buffers=re.compile(r"^predictor\."),  # the predictor is not loaded
-        )
-
-    @staticmethod
-    def layer_prefix(model):
-        stack = model.layer_stack()
-        return (lambda i: stack.name) if stack.use_scan else stack.layer_name
-
-    def params_from_hf(
-        self, tensors: Mapping[str, Any], config, *, where: str = ""
-    ) -> dict[str, Any]:
-        model = as_module(config, self.registry_name)
-        self.check_expressible(model)
-        flat = read_layout(
-            self.layout(model),
-            tensors,
-            num_layers=model.num_layers,
-            stacked=model.use_scan,
-            dtype=model.param_dtype,
-            family=self.family,
-            where=where,
-            layer_prefix=self.layer_prefix(model),
-        )
-        check_params(model, flat, self.family)
-        return traverse_util.unflatten_dict(flat, sep="/")
-
-    def params_to_hf(self, params, config) -> dict[str, np.ndarray]:
-        model = as_module(config, self.registry_name)
-        self.check_expressible(model)
-        flat = {
-            k: np.asarray(jax.device_get(v))
-            for k, v in traverse_util.flatten_dict(nn.meta.unbox(params), sep="/").items()
-        }
-        check_params(model, flat, self.family)
-        return write_layout(
-            self.layout(model),
-            flat,
-            num_layers=model.num_layers,
-            stacked=model.use_scan,
-            layer_prefix=self.layer_prefix(model),
         )
 
 

@@ -72,7 +72,7 @@ class EndsInSeven:
         return [float(c.endswith("\x07")) for c in completions]
 
 
-def objective(host_reward, *, debug=False):
+def objective(host_reward, *, debug=False, updates=Updates(epochs=2, minibatches=1)):
     return GRPOObjective(
         MODEL,
         rewards=[TokenReward(fn=sevens), TextReward(fn=host_reward, weight=0.5)],
@@ -80,7 +80,7 @@ def objective(host_reward, *, debug=False):
         max_new_tokens=NEW,
         sampling=Sampling(temperature=1.0),
         beta=0.04,
-        prepared_updates=Updates(epochs=2, minibatches=1),
+        prepared_updates=updates,
         check_first_ratio=debug,
     )
 
@@ -174,6 +174,28 @@ def test_killed_between_rollout_and_update_resumes_bit_identically(learned, tmp_
     )
     assert host.seen == killer.seen[2:]  # the killed batch's rollout, repeated exactly
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), kept["params"])
+
+
+@pytest.mark.slow
+def test_first_ratio_is_one_with_two_minibatches(tmp_path):
+    """Prepare scores the rollout in chunks of one update's rows (8 prompts x 8 =
+    64 rows, 2 minibatches of 32), so the first update's forward pass has the
+    scoring's shapes: the debug assertion (max |rho - 1| <= 1e-6, raising
+    RatioError) passes on both rollout batches, the logged mean ratio of each
+    first update is 1 within 1e-6, and the second update (other rows, moved
+    weights) is off-policy."""
+    trainer = Trainer(
+        objective(EndsInSeven(), debug=True, updates=Updates(epochs=1, minibatches=2)),
+        optax.adam(3e-3),
+        key=jax.random.key(0),
+        mesh=ONE,
+        run_dir=str(tmp_path),
+    )
+    trainer.fit(DATA, steps=4, log_every=1)
+    ratio = {r["step"]: r["ratio"] for r in train_records(tmp_path) if r["kind"] == "train"}
+    assert sorted(ratio) == [1, 2, 3, 4]
+    assert abs(ratio[1] - 1) <= 1e-6 and abs(ratio[3] - 1) <= 1e-6, ratio
+    assert abs(ratio[2] - 1) > 1e-6 and abs(ratio[4] - 1) > 1e-6, ratio
 
 
 # Adam turns float noise in a near-zero gradient into a step of the full learning

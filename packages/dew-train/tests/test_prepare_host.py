@@ -5,6 +5,7 @@ stage that raises stops ``fit`` before the batch's first update, with the
 checkpoints already written intact; a bad host output is refused."""
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -128,3 +129,33 @@ def test_host_output_without_the_rows_is_refused():
     trainer = Trainer(Host(bad_rows=True), optax.adam(0.1), key=jax.random.key(0), mesh=ONE)
     with pytest.raises(ValueError, match=r"prepare_host returned 'reward' of shape \(7,\); every"):
         trainer.fit(data(), steps=2, log_every=0)
+
+
+class SlowUpdates(Compiled):
+    """Each update also runs matrix products worth ~0.1 s (added with weight 0), so
+    it is still running when ``fit`` has dispatched it and moves on."""
+
+    def loss(self, variables, batch, step):
+        loss, metrics = super().loss(variables, batch, step)
+        w = variables["params"]["w"]
+        x = jnp.full((SLOW, SLOW), 1e-3) + 0.0 * jnp.sum(w)
+        for _ in range(3):
+            x = jnp.tanh(x @ x)
+        return loss + 0.0 * jnp.mean(x), metrics
+
+
+SLOW = 700  # rows of the square matrices
+
+
+def test_prepare_time_leaves_out_the_previous_updates(tmp_path):
+    # 3 batches x 2 updates; dispatch is asynchronous, so without a block the
+    # timer of batch b's prepare would also hold batch b-1's two updates
+    trainer = Trainer(
+        SlowUpdates(), optax.adam(0.1), key=jax.random.key(0), mesh=ONE, run_dir=str(tmp_path)
+    )
+    trainer.fit(data(), steps=6, log_every=0)
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    goodput = next(r for r in records if r["kind"] == "goodput")
+    update = goodput["steps"] / 6
+    # three 8-row prepare programs, far less than one update
+    assert goodput["prepare"] < 0.5 * update, goodput

@@ -60,6 +60,7 @@ from dew.objectives.rollouts import (
     Rollout,
     check_first_ratio,
     debug_enabled,
+    in_chunks,
     repeat_rows,
     rollout_logprobs,
     sample_completions,
@@ -163,6 +164,11 @@ class GRPOObjective(Objective):
       the exported pipeline; None = ``ByteTokenizer()``.
     check_first_ratio: assert ``max |rho - 1| <= 1e-6`` on every first update
       (:func:`dew.objectives.rollouts.check_first_ratio`); None = ``DEW_DEBUG=1``.
+    scoring_rows: rows per forward pass when prepare scores its rollouts
+      (:func:`dew.objectives.rollouts.in_chunks`); None = the rows of one update
+      (``rows / minibatches``), so the loss's first forward pass has the rollout
+      scoring's shapes and the first update's ratio is 1 bit for bit. With
+      ``Trainer(accumulate=k)`` give the microbatch's rows.
     """
 
     model: Any
@@ -184,6 +190,7 @@ class GRPOObjective(Objective):
     init_params: Any = None
     tokenizer: Any = None
     check_first_ratio: bool | None = None
+    scoring_rows: int | None = None
 
     def __post_init__(self):
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
@@ -218,6 +225,10 @@ class GRPOObjective(Objective):
             raise ValueError(
                 f"loss_aggregation must be one of {LOSS_AGGREGATION}, got {self.loss_aggregation!r}"
             )
+        if self.scoring_rows is not None and (
+            isinstance(self.scoring_rows, bool) or self.scoring_rows < 1
+        ):
+            raise ValueError(f"scoring_rows must be >= 1 rows or None, got {self.scoring_rows!r}")
         if not isinstance(self.prepared_updates, Updates):
             raise TypeError(
                 f"prepared_updates must be dew.objectives.Updates(epochs=, minibatches=), got "
@@ -297,12 +308,17 @@ class GRPOObjective(Objective):
             pad_id=self.pad_id,
         )
         out = dict(rollout.as_dict())
-        out["old_logps"] = rollout_logprobs(self.model, params, rollout, sampling=self.sampling)
-        if self.beta > 0:
-            reference = variables["reference"]["params"]
-            out["ref_logps"] = rollout_logprobs(
-                self.model, reference, rollout, sampling=self.sampling
+        # in chunks of one update's rows: the loss then scores the same shapes
+        chunk = self.scoring_rows or rollout.prompt.shape[0] // self.prepared_updates.minibatches
+
+        def scores(p):
+            return in_chunks(
+                lambda r: rollout_logprobs(self.model, p, r, sampling=self.sampling), rollout, chunk
             )
+
+        out["old_logps"] = scores(params)
+        if self.beta > 0:
+            out["ref_logps"] = scores(variables["reference"]["params"])
         data = {
             k: repeat_rows(v, self.group_size) for k, v in batch.items() if k not in _PROMPT_KEYS
         }
@@ -405,6 +421,13 @@ class GRPOObjective(Objective):
                 f"shape, got {prompt.shape} and {np.shape(batch['prompt_mask'])}"
             )
         self._check_prompt_len(prompt.shape[1], "batch['prompt']")
+        rows = prompt.shape[0] * self.group_size
+        if self.scoring_rows and rows % self.scoring_rows:
+            raise ValueError(
+                f"a rollout batch of {rows} rows ({prompt.shape[0]} prompts x group_size "
+                f"{self.group_size}) does not split into chunks of scoring_rows="
+                f"{self.scoring_rows}; use a divisor of {rows}"
+            )
         vocab = getattr(self.model, "vocab_size", None)
         if vocab is not None and prompt.size and (prompt.max() >= vocab or prompt.min() < 0):
             raise ValueError(

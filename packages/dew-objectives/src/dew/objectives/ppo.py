@@ -57,6 +57,7 @@ from dew.objectives.rollouts import (
     RatioError,
     Rollout,
     debug_enabled,
+    in_chunks,
     max_ratio_deviation,
     rollout_logprobs,
     sample_completions,
@@ -161,33 +162,6 @@ def value_loss(
     unclipped = (values - returns) ** 2
     clipped = (old_values + moved - returns) ** 2
     return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
-
-
-def in_chunks(fn, tree, chunk_rows: int):
-    """``fn(tree)`` computed over chunks of ``chunk_rows`` rows by ``lax.map``, the
-    results put back in row order. Chunk ``c`` of ``n = rows / chunk_rows`` holds
-    rows ``c, c + n, c + 2n, ...``, so a data-parallel split of the rows stays on
-    its devices.
-
-    Prepare scores its rollouts this way with the rows of one update: the loss's
-    forward pass then has the shapes of the rollout's, and XLA computes the same
-    float32 log-probs (the first update's ratio is exactly 1; the same pass over
-    all rows at once can differ by ~1e-6), with the memory of one update
-    (TRL's ``local_rollout_forward_batch_size``)."""
-    rows = jax.tree.leaves(tree)[0].shape[0]
-    if chunk_rows >= rows:
-        return fn(tree)
-    if rows % chunk_rows:
-        raise ValueError(f"{rows} rows do not split into chunks of {chunk_rows}")
-    n = rows // chunk_rows
-
-    def split(x):
-        return x.reshape(chunk_rows, n, *x.shape[1:]).swapaxes(0, 1)
-
-    def merge(x):
-        return x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
-
-    return jax.tree.map(merge, jax.lax.map(fn, jax.tree.map(split, tree)))
 
 
 def check_first_logprobs(

@@ -497,6 +497,10 @@ class Trainer:
                         if step == start or not _unchanged(local, previous):
                             batch = to_global(local, partition, data.batch, mesh, self.rules)
                         previous = local
+                    if self.objective.has_prepare and step > start:
+                        # the previous batch's updates finish in "steps", not "prepare"
+                        with goodput.measure("steps"):
+                            jax.block_until_ready(state)
                     began = goodput.seconds["prepare"]  # compilation not counted
                     prepared = self._prepared(state, batch, shardings, goodput)
                     run.interval.prepare_seconds += goodput.seconds["prepare"] - began

@@ -29,11 +29,25 @@ def test_config_round_trips_through_json_to_an_identical_module():
     )
     name, config = models.config_of(model)
     rebuilt = models.build(name, **json.loads(json.dumps(config)))
-    assert rebuilt == model
+    assert rebuilt == model and hash(rebuilt) == hash(model)
     tokens = jnp.arange(8, dtype=jnp.int32)[None]
     a = model.init(jax.random.key(3), tokens)
     b = rebuilt.init(jax.random.key(3), tokens)
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16, np.dtype("bfloat16"), np.float32])
+def test_a_model_rebuilt_from_its_saved_config_equals_and_hashes_as_the_original(dtype):
+    """Saved JSON decodes dtypes as np.dtype('float32'): build spells every dtype as the
+    jax.numpy type, so the rebuilt module is ==, hash-equal (a compiled-program cache hit)."""
+    options = {} if dtype is None else {"dtype": dtype}
+    model = models.build("causal_transformer", **CONFIG, **options)
+    name, config = models.config_of(model)
+    rebuilt = models.build(name, **json.loads(json.dumps(config)))
+    assert rebuilt == model and hash(rebuilt) == hash(model)
+    want = jnp.float32 if dtype in (None, np.float32) else jnp.bfloat16
+    assert rebuilt.dtype is model.dtype is want
+    assert rebuilt.param_dtype is jnp.float32
 
 
 def test_unknown_name_lists_registered_models():

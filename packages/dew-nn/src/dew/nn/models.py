@@ -17,6 +17,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 _REGISTRY: dict[str, type[nn.Module]] = {}
 
@@ -67,7 +68,17 @@ def build(name: str, **config: Any) -> nn.Module:
             f"{name!r} ({cls.__qualname__}) has no option(s) {unknown}; "
             f"its options are: {', '.join(sorted(fields))}"
         )
-    return cls(**_decode(cls, config))
+    return cls(**{k: _canonical_dtype(v) for k, v in _decode(cls, config).items()})
+
+
+def _canonical_dtype(value: Any) -> Any:
+    """A dtype as its ``jax.numpy`` scalar type (``jnp.float32``), however it is spelt
+    (``np.dtype('float32')`` from a saved config, ``np.float32``, ``jnp.float32``): equal
+    and of equal hash, so a model rebuilt from its saved config hits the compiled-program
+    caches of the original. Anything else is returned as it is."""
+    if isinstance(value, np.dtype) or (isinstance(value, type) and hasattr(value, "dtype")):
+        return getattr(jnp, jnp.dtype(value).name, value)
+    return value
 
 
 def config_of(module: nn.Module) -> tuple[str, dict[str, Any]]:

@@ -206,3 +206,45 @@ def test_grpo_rollouts_under_lora_have_ratio_one_and_zero_kl(pretrained):
     assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-6)
     assert log[0]["kl"] == pytest.approx(0.0, abs=1e-7)
     assert log[0]["loss"] != 0 and log[2]["kl"] > 0  # the updates left the base
+
+
+def test_ppo_under_lora_trains_only_adapters_with_ratio_one(pretrained):
+    """PPO with a LoRA policy and its value head on the trunk: the policy's base
+    stays frozen (once, in ``frozen['lora_base']``, bit-identical after training;
+    the reference is its view), the optimizer holds the adapters and the value
+    head only, and the first update's ratio is 1 (asserted in the step too)."""
+    from dew.objectives import Updates
+    from dew.objectives.ppo import PPOObjective
+    from dew.objectives.rewards import TokenReward
+
+    model, params = pretrained
+
+    def low_ids(completion, mask, batch):
+        return jnp.sum((completion < 16) & mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
+
+    ppo = PPOObjective(
+        LORA.apply(model),
+        reward=TokenReward(fn=low_ids),
+        max_new_tokens=3,
+        prepared_updates=Updates(epochs=2, minibatches=1),
+        debug=True,
+        init_params=params,
+    )
+    prompts = {
+        "prompt": np.array([[1], [5], [9], [3]], np.int32),
+        "prompt_mask": np.ones((4, 1), bool),
+    }
+    data = Dataset(train=lambda p: iter(lambda: prompts, None), val=None, records=0, batch=4)
+    t = Trainer(ppo, optax.adam(0.05), key=jax.random.key(0), mesh=ONE)
+    log = []
+    t.add_hook(lambda info: log.append(info.metrics), every=1)
+    state = jax.device_get(t.fit(data, steps=4, log_every=1))
+    assert set(state.frozen) == {"lora_base"}  # the reference is the base view
+    jax.tree.map(np.testing.assert_array_equal, state.frozen["lora_base"]["policy"], params)
+    policy = state.params["policy"]
+    paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(policy)]
+    assert paths and all(is_adapter(p) for p in paths)  # only adapters in the trained policy
+    adam_moments = 2 * _bytes(state.params)
+    assert _bytes(state.opt_state) == adam_moments  # adapters + value head, nothing else
+    assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert log[1]["ratio"] != pytest.approx(1.0, abs=1e-6)  # the adapters moved

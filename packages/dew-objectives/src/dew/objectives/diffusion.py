@@ -33,7 +33,8 @@ trained role ``text_encoder`` (``variables['params'] = {'model': ..., 'text_enco
 ...}``): batches carry token ids ``batch['text'] int32 [batch, max_length]`` (optional
 ``context_mask``), the loss encodes them, ``c = E_phi(ids)``
 (:func:`dew.sampling.text_encoders.encode_tokens`), so the gradient of the diffusion
-loss reaches ``phi``; dropout replaces ``E_phi(ids)`` by ``null_context``.
+loss reaches ``phi``; dropout replaces ``E_phi(ids)`` by ``null_context``. The route
+lives in :mod:`dew.objectives.text_conditioning`.
 
 **Learned variance** (``model.learn_sigma``, DDPM schedules only): the model outputs
 ``2C`` channels, the prediction then iDDPM's ``v`` in ``[-1, 1]``, ``log Sigma = f log
@@ -59,13 +60,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import EMA, Objective, Role, Step, with_initial_values
+from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.text_conditioning import TextConditioning
 from dew.objectives.weighted import Weighted
 from dew.sampling.diffusion_pipelines import (
     ClassToImage,
     ClassToVideo,
-    TextToImage,
-    TextToVideo,
     sample_grid,
     to_pixels,
 )
@@ -77,7 +77,6 @@ from dew.sampling.diffusion_samplers import (
 )
 from dew.sampling.diffusion_targets import predictions_of, target_of
 from dew.sampling.noise_schedules import DDPMSchedule, Schedule, _rows
-from dew.sampling.text_encoders import encode_tokens
 
 DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
 EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -149,7 +148,7 @@ def _mean_rows(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(eq=False)
-class DiffusionObjective(Objective):
+class DiffusionObjective(TextConditioning, Objective):
     """Diffusion training of a denoiser ``model.apply(vars, x, t, label=, context=)``.
 
     model: the denoiser (:class:`dew.nn.backbones.DiT`, ``VideoDiT``, or any module
@@ -235,50 +234,7 @@ class DiffusionObjective(Objective):
         if self.preview_count < 0:
             raise ValueError(f"preview_count must be >= 0 samples, got {self.preview_count}")
         self.preview_prompts = tuple(self.preview_prompts)
-        if self.text_encoder is not None and self.text_encoder.features != self.context_features:
-            raise ValueError(
-                f"text_encoder gives {self.text_encoder.features} features a token, the model "
-                f"reads context_features={self.context_features}; build the model with "
-                f"context_features={self.text_encoder.features}"
-            )
-        if self.train_text_encoder and (self.text_encoder is None or not self.context_features):
-            raise ValueError(
-                f"train_text_encoder=True trains a text encoder for a text-conditioned model: "
-                f"pass text_encoder=TextEncoder(module=..., params=None, tokenizer=...) and a "
-                f"model with context_features (got text_encoder={self.text_encoder!r:.60}, "
-                f"context_features={self.context_features})"
-            )
-        if (
-            not self.train_text_encoder
-            and self.text_encoder is not None
-            and self.text_encoder.params is None
-        ):
-            raise ValueError(
-                "a frozen text_encoder needs its params (TextEncoder.load(...)); to train one "
-                "with the denoiser pass DiffusionObjective(train_text_encoder=True)"
-            )
-
-    # ------------------------------------------------------------------- roles
-    def roles(self) -> tuple[Role, ...]:
-        """``model`` (the denoiser); with ``train_text_encoder`` also the trained
-        ``text_encoder``."""
-        if not self.train_text_encoder:
-            return (Role(name="model", module=self.model),)
-        return (
-            Role(name="model", module=self.model),
-            Role(name="text_encoder", module=self.text_encoder.module),
-        )
-
-    def denoiser_params(self, params):
-        """The denoiser's tree of ``variables['params']``."""
-        return params["model"] if self.train_text_encoder else params
-
-    def text_encoder_of(self, variables):
-        """The :class:`~dew.sampling.TextEncoder` of these variables: the frozen one, or
-        the trained module with ``variables['params']['text_encoder']``."""
-        if not self.train_text_encoder or self.text_encoder is None:
-            return self.text_encoder
-        return dataclasses.replace(self.text_encoder, params=variables["params"]["text_encoder"])
+        self.check_text_options()
 
     # ------------------------------------------------------------- model facts
     @property
@@ -335,14 +291,7 @@ class DiffusionObjective(Objective):
         x = jnp.zeros((1, *shape), jnp.float32)
         if not self.train_text_encoder:
             return self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
-        k_model, k_text = jax.random.split(key)
-        tokens = self.text_encoder.max_length
-        ids = jnp.zeros((1, tokens), jnp.int32)
-        text = self.text_encoder.module.init(k_text, ids)["params"]
-        if self.text_encoder.params is not None:
-            text = with_initial_values(text, self.text_encoder.params, what="text_encoder.params")
-        model = self.model.init(k_model, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
-        return {"params": {"model": model["params"], "text_encoder": text}}
+        return self.init_with_text_encoder(key, x)
 
     def _dummy(self, rows: int, tokens: int) -> dict[str, jax.Array]:
         out = {}
@@ -401,10 +350,8 @@ class DiffusionObjective(Objective):
         """``(loss [batch], metrics [batch] per name)`` at times ``time [batch]`` and noise
         ``noise`` (shape of the data)."""
         x0 = self._data(batch)
-        if self.train_text_encoder:  # c = E_phi(ids) [batch, tokens, features], in the graph
-            ids = jnp.asarray(batch[self.text_key], jnp.int32)
-            context = encode_tokens(self.text_encoder.module, params["text_encoder"], ids)
-            batch = {**batch, "context": context}
+        if self.train_text_encoder:  # c = E_phi(ids), in the graph
+            batch = self.with_encoded_text(params, batch)
         alpha, sigma = (_rows(c, x0) for c in self.schedule.coefficients(time))
         x_t = alpha * x0 + sigma * noise
         x_in, model_t = self.schedule.model_input(x_t, time)
@@ -523,12 +470,7 @@ class DiffusionObjective(Objective):
         self.check_guidance(guidance)
         sampler = make_sampler(sampler, schedule=self.schedule, num_steps=num_steps)
         if prompts is not None:
-            if self.text_encoder is None or context is not None:
-                raise ValueError(
-                    "prompts= are encoded by the objective's text_encoder and replace context=: "
-                    "pass one of them, and DiffusionObjective(text_encoder=...) for prompts"
-                )
-            context = self.text_encoder_of(variables)(list(prompts))
+            context = self.prompts_context(variables, prompts, context)
         if self.num_classes and label is None:
             raise ValueError(
                 f"the model is class-conditional (num_classes={self.num_classes}); pass "
@@ -621,18 +563,7 @@ class DiffusionObjective(Objective):
             clip_denoised=self.clip_denoised,
         )
         if self.context_features:
-            if self.text_encoder is None:
-                raise ValueError(
-                    "a text-conditioned model exports a TextToImage / TextToVideo pipeline, "
-                    "which needs the text encoder that made batch['context']: pass "
-                    "DiffusionObjective(text_encoder=TextEncoder.load(...))"
-                )
-            null = self.null_context
-            if null is None:
-                null = np.zeros((self.text_encoder.max_length, self.context_features), np.float32)
-            task = TextToVideo if self.is_video else TextToImage
-            encoder = self.text_encoder_of(variables)
-            return task(**fields, text_encoder=encoder, null_context=null)
+            return self.text_pipeline(variables, fields)
         return (ClassToVideo if self.is_video else ClassToImage)(**fields)
 
     # ------------------------------------------------------------------ checks
@@ -694,63 +625,12 @@ class DiffusionObjective(Objective):
                     f"{self.num_classes} is the null class): remap the labels or build the model "
                     f"with more classes"
                 )
-        if self.train_text_encoder:
-            self._check_text(batch, rows)
-        elif self.context_features:
-            if "context" not in batch:
-                raise KeyError(
-                    f"the model reads text embeddings (context_features="
-                    f"{self.context_features}); the batch needs 'context' [batch, tokens, "
-                    f"{self.context_features}], has keys {sorted(batch)}"
-                )
-            context = np.asarray(batch["context"])
-            if (
-                context.ndim != 3
-                or context.shape[0] != rows
-                or context.shape[2] != self.context_features
-            ):
-                raise ValueError(
-                    f"batch['context'] has shape {context.shape}; give [batch={rows}, tokens, "
-                    f"{self.context_features}] text embeddings"
-                )
-            if self.null_context is not None and np.shape(self.null_context) != context.shape[1:]:
-                raise ValueError(
-                    f"null_context has shape {np.shape(self.null_context)}, the batch's context "
-                    f"rows {context.shape[1:]}: give the null prompt's embeddings at that shape"
-                )
+        if self.context_features:
+            self.check_text_batch(batch, rows)
         if "weight" in batch and np.shape(batch["weight"]) != (rows,):
             raise ValueError(
                 f"batch['weight'] must be one weight per example [batch={rows}], got shape "
                 f"{np.shape(batch['weight'])}"
-            )
-
-    def _check_text(self, batch, rows: int) -> None:
-        """The token ids of a trained text encoder: integer ``[rows, max_length]`` in the
-        encoder's vocabulary."""
-        length = self.text_encoder.max_length
-        if self.text_key not in batch:
-            raise KeyError(
-                f"the text encoder is trained with the model; the batch needs "
-                f"{self.text_key!r} int32 [batch, {length}] token ids "
-                f"(text_encoder.tokenize(captions)), has keys {sorted(batch)}"
-            )
-        ids = np.asarray(batch[self.text_key])
-        if ids.shape != (rows, length) or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"batch[{self.text_key!r}] must be integer [batch={rows}, max_length={length}] "
-                f"token ids, got {ids.dtype} {ids.shape}: tokenize with text_encoder.tokenize"
-            )
-        vocab = getattr(self.text_encoder.module, "vocab_size", None)
-        if vocab and ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise ValueError(
-                f"batch[{self.text_key!r}] holds ids {ids.min()}..{ids.max()}, the text "
-                f"encoder's vocabulary is 0..{vocab - 1}: use its tokenizer"
-            )
-        want = (length, self.context_features)
-        if self.null_context is not None and np.shape(self.null_context) != want:
-            raise ValueError(
-                f"null_context has shape {np.shape(self.null_context)}; the trained text "
-                f"encoder's contexts are {want} (max_length, features)"
             )
 
 

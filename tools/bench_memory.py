@@ -6,7 +6,12 @@ hand-written jax/flax/optax loop of tools/bench_train.py, one side per process.
 
 Prints ``<side> <size>: peak RSS <MiB> MiB`` (``ru_maxrss`` of the process,
 which includes jax's own import and compilation). Run the sides alternately
-and compare medians; both run under Dew's allocator setting.
+and compare medians; both run under Dew's allocator setting
+(``DEW_ALLOCATOR=system`` for glibc's own). Under the tuned setting the heap
+keeps its high-water mark and, at the medium size, grows in ~1 GiB jumps over
+the first 3-4 steps on both sides (docs/performance.md, Memory): measure
+with 10 steps or more, or the ratio only says which side reached its jump
+first.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", required=True, choices=["dew", "hand"])
     parser.add_argument("--size", default="medium", choices=list(bench_train.SIZES))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10)  # >= 10: past the heap growth
     args = parser.parse_args(argv)
     run = bench_train.run_dew if args.side == "dew" else bench_train.run_hand
     first, step = run(args.size, args.steps)

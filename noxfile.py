@@ -3,12 +3,22 @@
 Each package session installs only that package and its declared, lock-pinned
 dependencies (`uv sync --locked --package <pkg>`) and runs its tests on 8
 emulated CPU devices with pytest-xdist.
+
+Pythons: the package sessions run on 3.11 and on the newest supported Python found
+(3.13, else 3.12), whose lock fork has the newest JAX. A bare `nox` runs every package
+alone on 3.11 and, on the newest Python, a cheap subset (`newest`: NEWEST_TESTS);
+`nox -s tests` runs the full matrix, `nox -s tests -p 3.13` the newest Python alone. A
+Python that is not installed is skipped and named in the summary, not an error.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
+import shutil
+import subprocess
+import sys
 
 import nox
 
@@ -16,9 +26,62 @@ ROOT = pathlib.Path(__file__).parent
 nox.options.default_venv_backend = "uv"
 nox.options.download_python = "never"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["tests", "integration", "docs", "lint", "wheels", "parity"]
+# CI machines may have one Python: skip a missing one (named in the summary), even on CI.
+nox.options.error_on_missing_interpreters = False
 
-PYTHON = "3.11"
+PYTHON = "3.11"  # the oldest supported Python: every session runs on it
+NEWER = ("3.13", "3.12")  # requires-python and the classifiers: 3.11 to 3.13
+
+
+def _select_pyenv_versions() -> None:
+    """pyenv's shims answer only for the selected versions (`python3.13: command not
+    found` while 3.13 is installed): select every installed supported one for this run."""
+    if "PYENV_VERSION" in os.environ or not shutil.which("pyenv"):
+        return
+    try:
+        ask = dict(capture_output=True, text=True, timeout=20, check=True)
+        current = subprocess.run(["pyenv", "version-name"], **ask).stdout.strip().split(":")
+        installed = subprocess.run(["pyenv", "versions", "--bare", "--skip-aliases"], **ask)
+    except (OSError, subprocess.SubprocessError):
+        return
+    supported = (PYTHON, *NEWER)
+    extra = [
+        v
+        for v in installed.stdout.split()
+        if re.fullmatch(r"3\.\d+\.\d+", v) and v.rsplit(".", 1)[0] in supported
+    ]
+    extra = [v for v in extra if v not in current]
+    if extra:
+        os.environ["PYENV_VERSION"] = ":".join([*current, *extra])
+
+
+def _runs(version: str) -> bool:
+    exe = shutil.which(f"python{version}")
+    try:
+        return exe is not None and subprocess.run([exe, "-c", ""], timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+_select_pyenv_versions()
+NEWEST = next((v for v in NEWER if _runs(v)), None)
+if NEWEST is None:
+    NEWEST = NEWER[0]
+    print(
+        f"noxfile: no Python {' or '.join(NEWER)} found; the {NEWEST} sessions are skipped "
+        f"(install one of them on PATH to run the newest JAX too)",
+        file=sys.stderr,
+    )
+nox.options.sessions = [
+    f"tests-{PYTHON}",
+    "newest",
+    "integration",
+    "docs",
+    "lint",
+    "wheels",
+    "parity",
+]
+
 PACKAGES = {
     "dew_nn": ("dew-nn", ["--all-extras"]),
     "dew_data": ("dew-data", ["--all-extras"]),
@@ -57,7 +120,7 @@ def sync(session: nox.Session, *args: str) -> None:
     )
 
 
-@nox.session(python=PYTHON, tags=["packages"])
+@nox.session(python=[PYTHON, NEWEST], tags=["packages"])
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """One package alone: its declared dependencies only, its own tests."""
@@ -74,6 +137,30 @@ def tests(session: nox.Session, package: str) -> None:
             "else 0)",
         )
     session.run(*PYTEST, f"packages/{folder}/tests", *session.posargs, env=ENV)
+
+
+# The newest Python's share of a bare `nox` (CI: <= 3 min on 2 cores): one venv, the tests not
+# marked slow of the modules that touch what moves between JAX versions (the model registry,
+# qwix LoRA, decoding, the trainer, Orbax + Grain checkpoints) and the two light packages.
+NEWEST_TESTS = [
+    "packages/dew-data/tests",
+    "packages/dew-nn/tests/test_models.py",
+    "packages/dew-nn/tests/test_lora.py",
+    "packages/dew-sampling/tests/test_generate.py",
+    "packages/dew-train/tests/test_trainer.py",
+    "packages/dew-train/tests/test_checkpoints.py",
+    "packages/dew/tests",
+]
+
+
+@nox.session(python=NEWEST, tags=["packages"])
+def newest(session: nox.Session) -> None:
+    """Newest Python and JAX, a cheap check: NEWEST_TESTS not marked slow, in one venv.
+
+    `nox -s tests -p 3.13` runs each package alone, in full, on the newest Python.
+    """
+    sync(session, "--all-packages", "--all-extras")
+    session.run(*PYTEST, "-m", "not slow", *NEWEST_TESTS, *session.posargs, env=ENV)
 
 
 @nox.session(python=PYTHON)

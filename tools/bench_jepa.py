@@ -8,6 +8,9 @@ jax/flax/optax loop, and Dew's feature extraction against transformers.
     ``optax.adamw`` and an EMA target encoder updated by hand, in one
     ``jax.jit`` with donated state. Steady-state steps/s (the first step,
     which compiles, excluded), ratio Dew / hand-written.
+(a') step (``--parts step``, not in the default): the two compiled steps alone,
+    called back to back on batches already on the device (wall and CPU time),
+    which separates the step's own extra work from the trainer's host loop.
 (b) features: Dew's ``FeatureExtractor`` (one jitted ``ViT`` apply) against
     transformers' ``IJepaModel`` (eager torch, ``--torch-threads`` threads,
     ``torch.no_grad``) on the same weights: a random ``IJepaModel`` saved with
@@ -165,8 +168,9 @@ def smooth_l1(d):
     return jnp.where(a < 1.0, 0.5 * d * d, a - 0.5)
 
 
-def run_hand_training(size: str, steps: int) -> tuple[float, float]:
-    """The same step written as a plain jitted function with donated state."""
+def build_hand_training(size: str, steps: int):
+    """``(step, carry, images, root)``: the same step written as a plain jitted
+    function with donated state, ``step(*carry, pixels, root) -> (*carry, loss)``."""
     from dew.objectives.jepa_masks import MultiBlock
 
     encoder, predictor, images = make_training(size, steps)
@@ -174,7 +178,6 @@ def run_hand_training(size: str, steps: int) -> tuple[float, float]:
     layout = MultiBlock().layout(1, *grid)
     targets, target_keep = layout.spec.num_targets, layout.target_keep
     optimizer = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-    start = time.perf_counter()
 
     @jax.jit
     def init(key):
@@ -224,9 +227,14 @@ def run_hand_training(size: str, steps: int) -> tuple[float, float]:
         return params, target, opt_state, update + 1, loss
 
     step = jax.jit(step, donate_argnums=(0, 1, 2))
-    root = jax.random.key(1)
     params, target, opt_state = init(jax.random.key(0))
-    update = jnp.zeros((), jnp.int32)
+    return step, (params, target, opt_state, jnp.zeros((), jnp.int32)), images, jax.random.key(1)
+
+
+def run_hand_training(size: str, steps: int) -> tuple[float, float]:
+    """(seconds to the first step, seconds per later step) of the hand-written loop."""
+    start = time.perf_counter()
+    step, (params, target, opt_state, update), images, root = build_hand_training(size, steps)
     params, target, opt_state, update, loss = step(
         params, target, opt_state, update, jnp.asarray(images[0]), root
     )
@@ -239,6 +247,82 @@ def run_hand_training(size: str, steps: int) -> tuple[float, float]:
         )
     jax.block_until_ready((params, target, loss))
     return first, (time.perf_counter() - begin) / (steps - 1)
+
+
+def bench_compiled_steps(sizes, steps, repeats) -> list[str]:
+    """The two compiled steps alone, without Dew's host loop: Dew's step (taken
+    from ``Trainer.fit``'s cache after a 2-step fit) called directly on batches
+    already on the device, against the hand step; wall and process CPU time.
+    What the end-to-end ratio loses beyond this ratio is the trainer's host loop."""
+    from dew.data import Dataset, Partition
+    from dew.objectives.jepa import JepaObjective
+    from dew.train import Trainer
+    from dew.train.placement import to_global
+
+    rows = []
+    for size in sizes:
+        encoder, predictor, images = make_training(size, steps)
+        data = Dataset(
+            train=lambda p, images=images: ({"image": x} for x in itertools.cycle(images)),
+            val=None,
+            records=0,
+            batch=images.shape[1],
+        )
+        objective = JepaObjective(encoder, predictor, planned_updates=steps, momentum=MOMENTUM)
+        trainer = Trainer(
+            objective,
+            optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
+            key=jax.random.key(0),
+            progress=False,
+        )
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = trainer.fit(data, steps=2, log_every=0)
+        (dew_step,) = trainer._compiled.values()
+        batches = [
+            to_global({"image": x}, Partition(0, 1), len(x), trainer.device_mesh, trainer.rules)
+            for x in images
+        ]
+        hand_step, carry, _, root = build_hand_training(size, steps)
+        pixels = [jnp.asarray(x) for x in images]
+        dew_box, hand_box = [state], [carry]
+
+        def dew_run(n, box=dew_box, step=dew_step, batches=batches):
+            for i in range(n):
+                box[0], metrics = step(box[0], batches[i % len(batches)])
+            jax.block_until_ready((box[0], metrics))
+
+        def hand_run(n, box=hand_box, step=hand_step, pixels=pixels, root=root):
+            for i in range(n):
+                *box[0], loss = step(*box[0], pixels[i % len(pixels)], root)
+            jax.block_until_ready((box[0], loss))
+
+        def timed(fn):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn(steps)
+            return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+        dew_run(2), hand_run(2)  # warm
+        dew, hand = [], []
+        for r in range(repeats):
+            order = [(dew_run, dew), (hand_run, hand)]
+            for fn, out in order if r % 2 == 0 else order[::-1]:
+                out.append(timed(fn))
+        wall = statistics.median(h[0] / d[0] for d, h in zip(dew, hand, strict=True))
+        cpu = statistics.median(h[1] / d[1] for d, h in zip(dew, hand, strict=True))
+        print(
+            f"compiled step {size}: ms/step dew {[round(x[0] * 1e3, 2) for x in dew]} hand "
+            f"{[round(x[0] * 1e3, 2) for x in hand]}; CPU ms/step dew "
+            f"{[round(x[1] * 1e3, 2) for x in dew]} hand {[round(x[1] * 1e3, 2) for x in hand]}; "
+            f"median paired ratio wall {wall:.3f} CPU {cpu:.3f}",
+            flush=True,
+        )
+        rows.append(
+            f"| compiled step {size} (no host loop) | "
+            f"{1 / statistics.median(x[0] for x in dew):.2f} steps/s | "
+            f"{1 / statistics.median(x[0] for x in hand):.2f} steps/s | {wall:.3f} (CPU {cpu:.3f}) "
+            f"| >= 0.97 | {'met' if wall >= 0.97 else 'not met'} |"
+        )
+    return rows
 
 
 def bench_training(sizes, steps, repeats) -> list[str]:
@@ -365,7 +449,7 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=2)
     args = parser.parse_args()
     for flag, given, known in (
-        ("--parts", args.parts, ("train", "features")),
+        ("--parts", args.parts, ("train", "step", "features")),
         ("--train-sizes", args.train_sizes, TRAIN_SIZES),
         ("--feature-sizes", args.feature_sizes, FEATURE_SIZES),
     ):
@@ -389,6 +473,13 @@ def main() -> None:
             table.append(f"| train | - | {absent} | - | >= 0.97 | not measured |")
         else:
             table += bench_training(args.train_sizes, args.steps, args.repeats)
+    if "step" in args.parts:
+        absent = not_installed(("dew.train", "dew.objectives", "dew.data"))
+        if absent:
+            print(f"step: skipped, {absent}; run with the workspace's .venv/bin/python")
+            table.append(f"| compiled step | - | {absent} | - | >= 0.97 | not measured |")
+        else:
+            table += bench_compiled_steps(args.train_sizes, args.steps, args.repeats)
     if "features" in args.parts:
         absent = not_installed(("torch", "transformers"))
         if absent:

@@ -7,7 +7,7 @@
   classifier-free guidance: per-pixel mean and std of samples near the data's, and a
   classifier trained on the real digits labels guided samples as the asked class.
 - A diffusion run killed with SIGKILL mid-run resumes bit-identical
-  (tests/diffusion_child.py): the noise, time and dropout draws repeat.
+  (tests/train_child.py --objective diffusion): the noise, time and dropout draws repeat.
 """
 
 import os
@@ -137,13 +137,13 @@ def test_ring_of_gaussians(case):
 
 
 # ------------------------------------------------------------------- resume
-CHILD = pathlib.Path(__file__).resolve().parent / "diffusion_child.py"
+CHILD = pathlib.Path(__file__).resolve().parent / "train_child.py"
 STEPS, KILL_AT, EVERY = 10, 7, 3
 
 
 def child(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(CHILD), *map(str, args)],
+        [sys.executable, str(CHILD), "--objective", "diffusion", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -22,12 +22,9 @@ number is the median of ``--repeats`` runs; the same allocator setting for all):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import io
 import itertools
 import platform
-import re
 import statistics
 import tempfile
 import time
@@ -42,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _timing import fit_seconds, loop_seconds  # noqa: E402 (tools/, after the allocator)
 
 from dew import Dataset, Trainer  # noqa: E402
 from dew.nn import DiT  # noqa: E402
@@ -110,13 +108,7 @@ def run_dew_train(steps):
         DiT(**TRAIN), schedule=DDPMSchedule(), input_key="latent", ema=ema()
     )
     trainer = Trainer(objective, optax.adamw(1e-4), key=jax.random.key(0), progress=False)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        trainer.fit(data, steps=steps, log_every=steps)
-    line = next(x for x in out.getvalue().splitlines() if x.startswith("Goodput:"))
-    first = float(re.search(r"first step after ([\d.]+) s", line).group(1))
-    wall = float(re.search(r"of ([\d.]+) s;", line).group(1))
-    return first, (wall - first) / (steps - 1)
+    return fit_seconds(trainer, data, steps)
 
 
 def run_hand_train(steps):
@@ -160,16 +152,13 @@ def run_hand_train(steps):
         return params, opt_state, averaged, loss
 
     step = jax.jit(step, donate_argnums=(0, 1, 2))
-    params, opt_state, averaged = init(jax.random.key(0))
-    params, opt_state, averaged, loss = step(params, opt_state, averaged, rows[0], 0)
-    loss.block_until_ready()
-    first = time.perf_counter() - start
-    begin = time.perf_counter()
-    for i in range(1, steps):
+
+    def advance(state, i):
+        params, opt_state, averaged, _ = state
         batch = {k: jnp.asarray(v) for k, v in rows[i % len(rows)].items()}
-        params, opt_state, averaged, loss = step(params, opt_state, averaged, batch, i)
-    jax.block_until_ready((params, loss))
-    return first, (time.perf_counter() - begin) / (steps - 1)
+        return step(params, opt_state, averaged, batch, i)
+
+    return loop_seconds(start, advance, (*init(jax.random.key(0)), None), steps)
 
 
 # ------------------------------------------------------------------ 2. and 3. sampling

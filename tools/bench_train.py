@@ -12,11 +12,8 @@ step (init + compile + one step), as ratios Dew / hand-written.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import platform
-import re
 import statistics
 import time
 
@@ -30,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _timing import fit_seconds, loop_seconds  # noqa: E402 (tools/, after the allocator)
 
 from dew import Dataset, Trainer, models  # noqa: E402
 from dew.objectives.lm import LMObjective  # noqa: E402
@@ -65,14 +63,7 @@ def run_dew(size, steps):
         key=jax.random.key(0),
         progress=False,
     )
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        trainer.fit(data, steps=steps, log_every=steps)
-    # "Goodput: first step after X s, Y% of the wall time in steps (S of W s; ...)"
-    line = next(x for x in out.getvalue().splitlines() if x.startswith("Goodput:"))
-    first = float(re.search(r"first step after ([\d.]+) s", line).group(1))
-    wall = float(re.search(r"of ([\d.]+) s;", line).group(1))
-    return first, (wall - first) / (steps - 1)
+    return fit_seconds(trainer, data, steps)
 
 
 def run_hand(size, steps):
@@ -99,15 +90,12 @@ def run_hand(size, steps):
         return optax.apply_updates(params, updates), opt_state, loss
 
     step = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
-    params, opt_state = init(jax.random.key(0))
-    params, opt_state, loss = step(params, opt_state, jnp.asarray(rows[0]))
-    loss.block_until_ready()
-    first = time.perf_counter() - start
-    begin = time.perf_counter()
-    for i in range(1, steps):
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(rows[i % len(rows)]))
-    jax.block_until_ready((params, loss))
-    return first, (time.perf_counter() - begin) / (steps - 1)
+
+    def advance(state, i):
+        params, opt_state, _ = state
+        return step(params, opt_state, jnp.asarray(rows[i % len(rows)]))
+
+    return loop_seconds(start, advance, (*init(jax.random.key(0)), None), steps)
 
 
 def main() -> None:

@@ -98,9 +98,16 @@ def main(argv=None) -> None:
             order = (0, 1) if pair % 2 == 0 else (1, 0)
             for side in order:
                 sides[side].append(run(args.pythons[side], size, args.steps))
+                print(f"{size} pair {pair} side {'AB'[side]}: {sides[side][-1]}", flush=True)
         a, b = sides
         wall = statistics.median(y["tokens_per_s"] / x["tokens_per_s"] for x, y in zip(a, b))
-        cpu = statistics.median(x["cpu_s_per_step"] / y["cpu_s_per_step"] for x, y in zip(a, b))
+        # the CPU difference of two fits can come out <= 0 under heavy load: such pairs say nothing
+        cpus = [
+            x["cpu_s_per_step"] / y["cpu_s_per_step"]
+            for x, y in zip(a, b)
+            if x["cpu_s_per_step"] > 0 and y["cpu_s_per_step"] > 0
+        ]
+        cpu = statistics.median(cpus) if cpus else float("nan")
         for runs in sides:
             print(
                 f"{size}: python {runs[0]['python']} jax {runs[0]['jax']}: tokens/s "

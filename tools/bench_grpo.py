@@ -20,6 +20,11 @@ number is the median over ``--repeats`` runs.
     python tools/bench_grpo.py
     python tools/bench_grpo.py --iterations 6 --repeats 3 --size medium
     python tools/bench_grpo.py --inline-rewards   # what GRPO's host stage costs
+
+A last measurement (``interleaved``) calls the four programs in turn, one call
+each (Dew's prepare phase as ``fit`` runs it, the hand rollout, Dew's compiled
+update, the hand step), which cancels most of a shared machine's drifting load;
+``--repeats 0`` runs only that one.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import platform
 import statistics
@@ -158,7 +164,8 @@ def run_dew(size, iterations, inline=False):
 
 
 # ------------------------------------------------------------ hand-written
-def run_hand(size, iterations):
+def hand_programs(size):
+    """The hand-written ``(init, rollout, step)`` programs, jitted."""
     model, cfg, prompts, masks = make(size)
     group, new, prompt_len = cfg["group"], cfg["new"], cfg["prompt_len"]
     rows = cfg["prompts"] * group
@@ -254,7 +261,12 @@ def run_hand(size, iterations):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    step = jax.jit(step, donate_argnums=(0, 1))
+    return init, rollout, jax.jit(step, donate_argnums=(0, 1))
+
+
+def run_hand(size, iterations):
+    _, _, prompts, masks = make(size)
+    init, rollout, step = hand_programs(size)
     params, reference, opt_state = init(jax.random.key(0))
     rollouts, updates = [], []
     for it in range(iterations):
@@ -273,11 +285,87 @@ def run_hand(size, iterations):
     return statistics.median(rollouts[1:]), statistics.median(updates[1:])
 
 
+def interleaved(size, calls, inline=False):
+    """Median seconds ``(dew rollout, hand rollout, dew update, hand update)`` and the
+    median paired ratios, with one call of each side in turn (rollout Dew, rollout
+    hand, update Dew, update hand, ...), so a shared machine's drifting load falls
+    on both alike. Dew's sides are what ``Trainer.fit`` runs: its prepare phase
+    (``Trainer._prepared``: the compiled prepare, the host stage, the compiled
+    finish) and its compiled update, taken from a trainer after a one-batch fit."""
+    from dew.data import Partition
+    from dew.train.goodput import Goodput
+    from dew.train.placement import to_global
+
+    model, cfg, prompts, masks = make(size)
+    objective = (InlineRewards if inline else GRPOObjective)(
+        model,
+        rewards=[TokenReward(fn=target_fraction)],
+        group_size=cfg["group"],
+        max_new_tokens=cfg["new"],
+        sampling=Sampling(temperature=TEMPERATURE),
+        beta=BETA,
+        epsilon=EPS,
+        prepared_updates=Updates(epochs=1, minibatches=MINIBATCHES),
+    )
+
+    def train(partition):
+        for i in itertools.count():
+            yield {"prompt": prompts[i % 4], "prompt_mask": masks[i % 4]}
+
+    data = Dataset(train, None, records=0, batch=cfg["prompts"])
+    trainer = Trainer(objective, optimizer(), key=jax.random.key(0), progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = trainer.fit(data, steps=MINIBATCHES, log_every=0)
+    _, shardings = trainer.state_shardings(None)
+    gp = Goodput()
+    init, rollout, hand_step = hand_programs(size)
+    params, reference, opt_state = init(jax.random.key(0))
+    hand_batches = [(jnp.asarray(prompts[i]), jnp.asarray(masks[i])) for i in range(4)]
+    times = {k: [] for k in ("dew_roll", "hand_roll", "dew_upd", "hand_upd")}
+
+    def timed(name, fn, *args):
+        begin = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times[name].append(time.perf_counter() - begin)
+        return out
+
+    with trainer._context():
+        placed = [
+            to_global(
+                {"prompt": prompts[i], "prompt_mask": masks[i]},
+                Partition(0, 1),
+                cfg["prompts"],
+                trainer.device_mesh,
+                trainer.rules,
+            )
+            for i in range(4)
+        ]
+        (dew_step,) = trainer.__dict__["_compiled"].values()
+        for i in range(calls + 1):
+            prepared = timed("dew_roll", trainer._prepared, state, placed[i % 4], shardings, gp)
+            key = jax.random.key(i)
+            batch = timed("hand_roll", rollout, params, reference, *hand_batches[i % 4], key)
+            state, _ = timed("dew_upd", dew_step, state, prepared)
+            params, opt_state, _ = timed(
+                "hand_upd", hand_step, params, opt_state, batch, i % MINIBATCHES
+            )
+    times = {k: v[1:] for k, v in times.items()}  # the first call of each: warm-up
+    med = {k: statistics.median(v) for k, v in times.items()}
+    paired = [
+        statistics.median(h / d for d, h in zip(times[f"dew_{k}"], times[f"hand_{k}"]))
+        for k in ("roll", "upd")
+    ]
+    return med, paired
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=list(SIZES))
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--calls", type=int, default=12, help="calls of each side in the interleaved measurement"
+    )
     parser.add_argument(
         "--inline-rewards",
         action="store_true",
@@ -298,16 +386,28 @@ def main() -> None:
         order = [(run_dew, dew, dict(inline=args.inline_rewards)), (run_hand, hand, {})]
         for fn, out, kw in order if r % 2 == 0 else order[::-1]:
             out.append(fn(args.size, args.iterations, **kw))
-    d_roll = statistics.median(x[0] for x in dew)
-    h_roll = statistics.median(x[0] for x in hand)
-    d_upd = statistics.median(x[1] for x in dew)
-    h_upd = statistics.median(x[1] for x in hand)
-    tokens = cfg["prompts"] * cfg["group"] * cfg["new"]
+    if dew:
+        d_roll = statistics.median(x[0] for x in dew)
+        h_roll = statistics.median(x[0] for x in hand)
+        d_upd = statistics.median(x[1] for x in dew)
+        h_upd = statistics.median(x[1] for x in hand)
+        tokens = cfg["prompts"] * cfg["group"] * cfg["new"]
+        print(
+            f"rollout: dew {d_roll * 1e3:.1f} ms ({tokens / d_roll:,.0f} tokens/s) hand "
+            f"{h_roll * 1e3:.1f} ms ratio {h_roll / d_roll:.3f}"
+        )
+        print(
+            f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}"
+        )
+    calls = args.calls
+    med, (p_roll, p_upd) = interleaved(args.size, calls, inline=args.inline_rewards)
     print(
-        f"rollout: dew {d_roll * 1e3:.1f} ms ({tokens / d_roll:,.0f} tokens/s) hand "
-        f"{h_roll * 1e3:.1f} ms ratio {h_roll / d_roll:.3f}"
+        f"interleaved ({calls} calls of each, in turn; medians): rollout dew "
+        f"{med['dew_roll'] * 1e3:.1f} ms hand {med['hand_roll'] * 1e3:.1f} ms ratio "
+        f"{med['hand_roll'] / med['dew_roll']:.3f} (paired {p_roll:.3f}); update dew "
+        f"{med['dew_upd'] * 1e3:.2f} ms hand {med['hand_upd'] * 1e3:.2f} ms ratio "
+        f"{med['hand_upd'] / med['dew_upd']:.3f} (paired {p_upd:.3f})"
     )
-    print(f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}")
 
 
 if __name__ == "__main__":

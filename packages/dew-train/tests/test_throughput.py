@@ -145,3 +145,23 @@ def test_state_is_donated_no_second_copy(fitted):
     assert memory.alias_size_in_bytes >= nbytes
     # what is not aliased: the metrics (a few float32 scalars) and the counters
     assert memory.output_size_in_bytes - memory.alias_size_in_bytes < 1024
+
+
+def test_cpu_probe_runs_inside_the_run_mesh_and_keeps_each_jax_versions_entry(
+    tmp_path, monkeypatch
+):
+    """The probe runs on its first use, which is inside the trainer's 8-device mesh
+    context; its cache holds one entry per machine token (two jax versions on one
+    machine do not overwrite each other), and a cached entry is read back as is."""
+    monkeypatch.setenv("DEW_CACHE_DIR", str(tmp_path))
+    other = "x86_64|2|0.0.other"
+    (tmp_path / tp.CACHE_NAME).write_text(json.dumps({"machine": other, "per_core_flops": 7.0}))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("data",))
+    with jax.set_mesh(mesh):
+        per_core, source = tp.cpu_peak()
+    assert per_core > 1e6 and source == "CPU peak measured by matmul probe"
+    cached = json.loads((tmp_path / tp.CACHE_NAME).read_text())
+    assert cached[other] == 7.0 and len(cached) == 2
+    monkeypatch.setattr(tp, "probe_cpu", lambda: pytest.fail("probed again"))
+    again, source = tp.cpu_peak()
+    assert again == per_core and source.endswith("(cached)")

@@ -124,19 +124,24 @@ def cpu_peak() -> tuple[float, str]:
     once per machine (CPU model, core count, jax version) and cached."""
     token = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{jax.__version__}"
     path = os.path.join(cache_dir(), CACHE_NAME)
+    # one entry per machine token, so two jax versions on one machine keep theirs
     try:
         with open(path) as f:
             cached = json.load(f)
-        if cached.get("machine") == token:
-            return float(cached["per_core_flops"]), "CPU peak measured by matmul probe (cached)"
+        if not isinstance(cached, dict):
+            cached = {}
+        if "machine" in cached:  # the single-entry form of earlier versions
+            cached = {cached["machine"]: cached.get("per_core_flops")}
+        if isinstance(cached.get(token), (int, float)):
+            return float(cached[token]), "CPU peak measured by matmul probe (cached)"
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        cached = {}
     per_core = probe_cpu()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temporary = f"{path}.{os.getpid()}.tmp"
         with open(temporary, "w") as f:
-            json.dump({"machine": token, "per_core_flops": per_core}, f)
+            json.dump({**cached, token: per_core}, f)
         os.replace(temporary, path)
     except OSError:
         pass
@@ -155,12 +160,15 @@ def probe_cpu(size: int = PROBE_SIZE, repeats: int = 5) -> float:
             x = jnp.tanh(x @ a)  # tanh keeps values finite; negligible next to the product
         return x
 
-    mm(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
+    # its own one-device mesh: the caller may be inside the run's mesh (jax.set_mesh),
+    # whose devices this one-device array does not span
+    with jax.set_mesh(jax.sharding.Mesh(np.array([cpu]), ("probe",))):
         mm(a).block_until_ready()
-        best = min(best, time.perf_counter() - begin)
+        best = float("inf")
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            mm(a).block_until_ready()
+            best = min(best, time.perf_counter() - begin)
     flops = 2.0 * size**3 * chain
     return flops / best / available_cores()
 

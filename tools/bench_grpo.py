@@ -118,9 +118,9 @@ class InlineRewards(GRPOObjective):
         return self.prepare_finish(variables, out, step)
 
 
-def run_dew(size, iterations, inline=False):
-    model, cfg, prompts, masks = make(size)
-    objective = (InlineRewards if inline else GRPOObjective)(
+def make_objective(model, cfg, inline=False):
+    """The GRPO objective both Dew measurements run (InlineRewards: no host stage)."""
+    return (InlineRewards if inline else GRPOObjective)(
         model,
         rewards=[TokenReward(fn=target_fraction)],
         group_size=cfg["group"],
@@ -130,6 +130,11 @@ def run_dew(size, iterations, inline=False):
         epsilon=EPS,
         prepared_updates=Updates(epochs=1, minibatches=MINIBATCHES),
     )
+
+
+def run_dew(size, iterations, inline=False):
+    model, cfg, prompts, masks = make(size)
+    objective = make_objective(model, cfg, inline)
 
     def train(partition):
         i = 0
@@ -297,16 +302,7 @@ def interleaved(size, calls, inline=False):
     from dew.train.placement import to_global
 
     model, cfg, prompts, masks = make(size)
-    objective = (InlineRewards if inline else GRPOObjective)(
-        model,
-        rewards=[TokenReward(fn=target_fraction)],
-        group_size=cfg["group"],
-        max_new_tokens=cfg["new"],
-        sampling=Sampling(temperature=TEMPERATURE),
-        beta=BETA,
-        epsilon=EPS,
-        prepared_updates=Updates(epochs=1, minibatches=MINIBATCHES),
-    )
+    objective = make_objective(model, cfg, inline)
 
     def train(partition):
         for i in itertools.count():

@@ -128,8 +128,8 @@ def make_training(size: str, steps: int):
     return encoder, predictor, images.astype(np.uint8)
 
 
-def run_dew_training(size: str, steps: int) -> tuple[float, float]:
-    """(seconds to the first step, seconds per later step) of ``Trainer.fit``."""
+def dew_training(size: str, steps: int):
+    """The modules, images, dataset, objective and trainer of the Dew side."""
     from dew.data import Dataset
     from dew.objectives.jepa import JepaObjective
     from dew.train import Trainer
@@ -148,6 +148,12 @@ def run_dew_training(size: str, steps: int) -> tuple[float, float]:
         key=jax.random.key(0),
         progress=False,
     )
+    return encoder, predictor, images, data, objective, trainer
+
+
+def run_dew_training(size: str, steps: int) -> tuple[float, float]:
+    """(seconds to the first step, seconds per later step) of ``Trainer.fit``."""
+    encoder, predictor, images, data, objective, trainer = dew_training(size, steps)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer.fit(data, steps=steps, log_every=steps)
@@ -254,27 +260,12 @@ def bench_compiled_steps(sizes, steps, repeats) -> list[str]:
     from ``Trainer.fit``'s cache after a 2-step fit) called directly on batches
     already on the device, against the hand step; wall and process CPU time.
     What the end-to-end ratio loses beyond this ratio is the trainer's host loop."""
-    from dew.data import Dataset, Partition
-    from dew.objectives.jepa import JepaObjective
-    from dew.train import Trainer
+    from dew.data import Partition
     from dew.train.placement import to_global
 
     rows = []
     for size in sizes:
-        encoder, predictor, images = make_training(size, steps)
-        data = Dataset(
-            train=lambda p, images=images: ({"image": x} for x in itertools.cycle(images)),
-            val=None,
-            records=0,
-            batch=images.shape[1],
-        )
-        objective = JepaObjective(encoder, predictor, planned_updates=steps, momentum=MOMENTUM)
-        trainer = Trainer(
-            objective,
-            optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
-            key=jax.random.key(0),
-            progress=False,
-        )
+        encoder, predictor, images, data, objective, trainer = dew_training(size, steps)
         with contextlib.redirect_stdout(io.StringIO()):
             state = trainer.fit(data, steps=2, log_every=0)
         (dew_step,) = trainer._compiled.values()

@@ -35,15 +35,20 @@ NEWER = ("3.13", "3.12")  # requires-python and the classifiers: 3.11 to 3.13
 
 def _select_pyenv_versions() -> None:
     """pyenv's shims answer only for the selected versions (`python3.13: command not
-    found` while 3.13 is installed): select every installed supported one for this run."""
-    if "PYENV_VERSION" in os.environ or not shutil.which("pyenv"):
+    found` while 3.13 is installed): add every installed supported one to the selection
+    for this run. nox started through a shim inherits `PYENV_VERSION` (the version the
+    shim resolved, e.g. 3.11.7): that is the current selection, extended the same way."""
+    if not shutil.which("pyenv"):
         return
     try:
         ask = dict(capture_output=True, text=True, timeout=20, check=True)
-        current = subprocess.run(["pyenv", "version-name"], **ask).stdout.strip().split(":")
+        selected = os.environ.get("PYENV_VERSION") or (
+            subprocess.run(["pyenv", "version-name"], **ask).stdout.strip()
+        )
         installed = subprocess.run(["pyenv", "versions", "--bare", "--skip-aliases"], **ask)
     except (OSError, subprocess.SubprocessError):
         return
+    current = [v for v in selected.split(":") if v]
     supported = (PYTHON, *NEWER)
     extra = [
         v

@@ -3,8 +3,9 @@
 Two numbers, each Dew / hand-written as a speed ratio (1.0 = as fast):
 
 - rollout: Dew's compiled prepare phase (``dew.sampling.decode`` with its KV
-  cache, the old and the reference log-probs, a token reward; the goodput
-  line's ``prepare`` seconds per iteration) against a hand-written cached
+  cache, the old and the reference log-probs, a token reward; each rollout
+  batch's ``prepare_seconds`` from the log, median over the batches after the
+  first, as the hand side) against a hand-written cached
   decode loop (prefill, then a ``lax.fori_loop`` of one-token ``decode=True``
   steps) plus the same two scoring passes and reward, in one ``jax.jit``;
 - update: one optimizer update of the GRPO loss on a minibatch (Dew: the
@@ -157,10 +158,13 @@ def run_dew(size, iterations, inline=False):
         trainer.add_hook(clock, every=1)
         steps = iterations * MINIBATCHES
         with contextlib.redirect_stdout(io.StringIO()):
-            trainer.fit(data, steps=steps, log_every=steps)
+            # one log line per rollout batch: its record holds that batch's prepare seconds
+            trainer.fit(data, steps=steps, log_every=MINIBATCHES)
         records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-    goodput = next(r for r in records if r["kind"] == "goodput")
-    rollout = goodput["prepare"] / iterations  # compilation is its own bucket
+    prepares = [r["prepare_seconds"] for r in records if r["kind"] == "train"]
+    # as the hand side: the median over the batches after the first (whose prepare
+    # ran its programs for the first time; compilation is its own goodput bucket)
+    rollout = statistics.median(prepares[1:])
     update = statistics.median(
         (marks[c * MINIBATCHES] - marks[c * MINIBATCHES - MINIBATCHES + 1]) / (MINIBATCHES - 1)
         for c in range(2, iterations + 1)  # the first batch's updates include compilation

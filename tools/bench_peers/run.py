@@ -42,6 +42,8 @@ import time
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[1]
 SIZES = ("seed", "medium")
+# steps per run: enough that steps 2..N take seconds at each size
+DEFAULT_STEPS = {"seed": 60, "medium": 10}
 # side: (runner, default interpreter, the Dew side it is compared with)
 SIDES = {
     "dew": ("jax_sides.py", str(ROOT / ".venv/bin/python"), "dew"),
@@ -61,7 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES))
     parser.add_argument("--sides", nargs="+", default=list(SIDES))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"steps per run (default {DEFAULT_STEPS})"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--venv", nargs="*", default=[], metavar="SIDE=PYTHON")
     parser.add_argument("--write", metavar="MARKDOWN", help="replace the table in this file")
@@ -73,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for side in args.sides:
         if side not in SIDES:
             parser.error(f"unknown side {side!r}; use one of {list(SIDES)}")
-    if args.steps < 2:
+    if args.steps is not None and args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (tokens/s is over steps 2..N)")
     args.pythons = {side: python for side, (_, python, _) in SIDES.items()}
     for pair in args.venv:
@@ -165,6 +169,7 @@ def write(path: str, text: str) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     load = [os.getloadavg()]
+    used: dict[str, int] = {}
     lines = [
         "| size | side | tokens/s | Dew / side | first step s | side / Dew | generate tok/s | "
         "Dew / side | peak RSS MiB | note |",
@@ -173,13 +178,15 @@ def main(argv=None) -> None:
     for size in args.sizes:
         results: dict[str, list] = {side: [] for side in args.sides}
         missing: set[str] = set()  # not installed / no runner: nothing to repeat
+        steps = args.steps or DEFAULT_STEPS[size]
+        used[size] = steps
         for r in range(args.repeats):
             order = args.sides[r % len(args.sides) :] + args.sides[: r % len(args.sides)]
             for side in order:
                 if side in missing:
                     continue
                 begin = time.perf_counter()
-                out = run_side(side, args.pythons[side], size, args.steps, args.timeout)
+                out = run_side(side, args.pythons[side], size, steps, args.timeout)
                 results[side].append(out)
                 shown = f"{out['tokens_per_s']:,.0f} tokens/s" if isinstance(out, dict) else out
                 print(f"  {size} {side} #{r + 1}: {shown} ({time.perf_counter() - begin:.0f} s)",
@@ -190,7 +197,8 @@ def main(argv=None) -> None:
         lines += table(size, results)
     one = [x[0] for x in load]
     lines.append(
-        f"\n{args.steps} steps per run, median of {args.repeats} alternating runs per side; "
+        f"\n{', '.join(f'{n} steps per run at {k}' for k, n in used.items())}; "
+        f"median of {args.repeats} alternating runs per side; "
         f"1-minute load average {min(one):.1f}-{max(one):.1f} during the run on "
         f"{os.cpu_count()} cores."
     )

@@ -153,9 +153,14 @@ def test_prepare_time_leaves_out_the_previous_updates(tmp_path):
     trainer = Trainer(
         SlowUpdates(), optax.adam(0.1), key=jax.random.key(0), mesh=ONE, run_dir=str(tmp_path)
     )
-    trainer.fit(data(), steps=6, log_every=0)
+    trainer.fit(data(), steps=6, log_every=2)
     records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     goodput = next(r for r in records if r["kind"] == "goodput")
     update = goodput["steps"] / 6
     # three 8-row prepare programs, far less than one update
     assert goodput["prepare"] < 0.5 * update, goodput
+    # one log line per batch, each with that batch's prepare time: together the
+    # goodput line's prepare bucket
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert sum(r["prepare_seconds"] for r in train) == pytest.approx(goodput["prepare"], rel=1e-6)

@@ -39,7 +39,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import grain
 import numpy as np
 
 from dew.data.dataset import (
@@ -312,6 +311,10 @@ def from_records(
     if spec is None:
         spec = getattr(train, "spec", None)
     spec = first_spec(train, name=name) if spec is None else as_spec(spec, what=f"{name}: spec")
+    # imported here: grain (and the orbax it loads) costs about a second at
+    # startup, which a run that never builds a reader should not pay
+    import grain
+
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
     train_reader = _Reader(train, spec, skips=skips)
     order = EpochOrder(len(train), seed)

@@ -32,7 +32,8 @@ class Run:
     def __init__(self, *, trainer, **fields):
         self.trainer = trainer
         self.__dict__.update(fields)
-        self.pending: list[tuple[int, Any]] = []
+        # (step, packed metrics, their Packing), fetched together at the next flush
+        self.pending: list[tuple[int, Any, Any]] = []
         self.rejected_run: list[int] = []
         self.interval = Interval()
         self.stop = None
@@ -43,12 +44,14 @@ class Run:
         # the step's FLOPs and the devices' peak (dew.train.throughput), set once
         # the step is compiled
         self.throughput = None
+        # how the compiled step packs its metrics (dew.train.packing)
+        self.packing = None
 
     # the trainer's own hooks, in order
     def after_step(self, step: int, state, metrics, *, at_boundary: bool) -> bool:
         """Run the hooks after ``step``; True = end the run now."""
         t = self.trainer
-        self.pending.append((step, metrics))
+        self.pending.append((step, metrics, self.packing))
         is_log = bool(self.log_every) and step % self.log_every == 0
         requested = at_boundary and self.stop.requested(step)
         logged: dict[str, float] = {}
@@ -79,9 +82,10 @@ class Run:
 
     def _flush(self, step: int, is_log: bool) -> dict[str, float]:
         with self.goodput.measure("steps"):
-            fetched = jax.device_get([m for _, m in self.pending])
+            packed = jax.device_get([m for _, m, _ in self.pending])
+            fetched = [p.unpack(m) for (_, _, p), m in zip(self.pending, packed)]
         with self.goodput.measure("logging"):
-            for (s, _), values in zip(self.pending, fetched):
+            for (s, _, _), values in zip(self.pending, fetched):
                 self._account(s, values)
                 self.interval.add(values)
             self.pending = []
@@ -270,6 +274,9 @@ class Interval:
             # the timed steps' share of the tokens
             tokens = float(self.weighted[tokens_key].total) * timed / max(self.steps, 1)
             out["tokens_per_second"] = tokens / seconds
+        if self.prepare_seconds > 0:
+            # the prepare phases (rollouts) of this interval, apart from its steps
+            out["prepare_seconds"] = self.prepare_seconds
         if self.prepare_seconds > 0 and self.weighted and ROLLOUT_TOKENS in self.weighted:
             # an objective counts each prepared batch's rollout tokens once (its
             # first epoch): exact when log_every is a multiple of the updates per batch

@@ -4,6 +4,7 @@ logical axis names (``dew.nn.axes``) onto mesh axes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -146,7 +147,17 @@ def batch_axes(rules: Rules) -> tuple[str, ...]:
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
-    """Rows split over the batch axes; other dimensions replicated."""
+    """Rows split over the batch axes; other dimensions replicated. One object per
+    (mesh, rules, ndim): every batch of a run is placed with the same sharding, which
+    JAX then recognises without comparing specs again."""
+    try:
+        return _batch_sharding(mesh, tuple(rules), ndim)
+    except TypeError:  # rules that do not hash (lists inside)
+        return _batch_sharding.__wrapped__(mesh, rules, ndim)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_sharding(mesh: Mesh, rules: Rules, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(batch_axes(rules), *([None] * (ndim - 1))))
 
 

@@ -47,6 +47,7 @@ from dew.train.mesh import (
     mesh_sizes,
     unbox_abstract,
 )
+from dew.train.packing import packed_step
 from dew.train.placement import (
     abstract_batch,
     check_batch_rows,
@@ -504,7 +505,7 @@ class Trainer:
                     began = goodput.seconds["prepare"]  # compilation not counted
                     prepared = self._prepared(state, batch, shardings, goodput)
                     run.interval.prepare_seconds += goodput.seconds["prepare"] - began
-                update = self._compiled_update(state, prepared, shardings, goodput)
+                update, run.packing = self._compiled_update(state, prepared, shardings, goodput)
                 if run.throughput is None:
                     run.throughput = self.throughput(prepared)
                     log.print(run.throughput.line())
@@ -623,10 +624,12 @@ class Trainer:
         )
 
     def _compiled_update(self, state, batch, shardings, goodput):
-        """The update step compiled for this batch layout; a later ``fit`` with the
-        same layout reuses it."""
+        """The update step compiled for this batch layout, and the :class:`Packing`
+        of its metrics (:mod:`dew.train.packing`); a later ``fit`` with the same
+        layout reuses them."""
         key = layout(batch)
         cache = self.__dict__.setdefault("_compiled", {})
+        packings = self.__dict__.setdefault("_packings", {})
         if key not in cache:
             with goodput.measure("compile"):
                 step_fn = build_train_step(
@@ -637,6 +640,7 @@ class Trainer:
                 )
                 if self.objective.has_prepare:
                     step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)
+                step_fn, packings[key] = packed_step(step_fn)
                 cache[key], flops = compile_with_flops(
                     step_fn,
                     (state, batch),
@@ -645,7 +649,7 @@ class Trainer:
                     donate_argnums=(0,),
                 )
                 self.__dict__.setdefault("_step_flops", {})[key] = flops
-        return cache[key]
+        return cache[key], packings[key]
 
     def throughput(self, batch) -> Throughput:
         """The compiled step's FLOPs for ``batch``'s layout and the mesh's peak

@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew.nn.keywords import check_keywords
 
@@ -74,6 +75,7 @@ class MaskPolicy:
     def allows(self, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
         """Boolean ``[batch, query, key]``: the policy alone, from ``[batch, query]``
         and ``[batch, key]`` positions."""
+        xp = _namespace(query_positions, key_positions)
         qp = query_positions[:, :, None]  # [batch, query, 1]
         kp = key_positions[:, None, :]  # [batch, 1, key]
         if self.kind == "causal":
@@ -81,10 +83,16 @@ class MaskPolicy:
         elif self.kind == "block_causal":
             allowed = kp // self.block_size <= qp // self.block_size
         else:
-            allowed = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), jnp.bool_)
+            allowed = xp.ones(np.broadcast_shapes(qp.shape, kp.shape), bool)
         if self.window is not None:
-            allowed = allowed & (jnp.abs(qp - kp) < self.window)
+            allowed = allowed & (xp.abs(qp - kp) < self.window)
         return allowed
+
+
+def _namespace(*arrays):
+    """numpy when every array is a numpy array (a mask that is a constant of the
+    program, computed on the host without compiling anything), else jax.numpy."""
+    return np if all(isinstance(a, np.ndarray) for a in arrays if a is not None) else jnp
 
 
 def causal(window: int | None = None) -> MaskPolicy:
@@ -136,6 +144,10 @@ def attention_mask(
     A query that would see no key at all (a padding token before the first real
     one) sees its own slot, so no softmax is empty and no NaN appears.
     """
+    xp = _namespace(
+        query_positions, key_positions, key_valid, query_index, key_index,
+        query_segments, key_segments, query_key_mask,
+    )  # fmt: skip
     mask = key_valid[:, None, :] & policy.allows(query_positions, key_positions)
     own_slot = key_index[None, None, :] == query_index[None, :, None]  # [1, query, key]
     if policy.is_causal:
@@ -156,6 +168,6 @@ def attention_mask(
                 f"query_key_mask has shape {query_key_mask.shape}; it must be [batch, query, "
                 f"key] = {want} (the key length is the cache length when decoding)"
             )
-        mask = mask & query_key_mask.astype(jnp.bool_)
-    mask = mask | (own_slot & ~jnp.any(mask, axis=-1, keepdims=True))
+        mask = mask & query_key_mask.astype(bool)
+    mask = mask | (own_slot & ~xp.any(mask, axis=-1, keepdims=True))
     return mask[:, None, :, :]

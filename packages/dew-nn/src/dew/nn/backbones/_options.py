@@ -19,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew.nn import axes, masks
 from dew.nn.norms import make_norm
@@ -277,12 +278,12 @@ class TransformerOptions(nn.Module, kw_only=True):
         alone, a ``[1, 1, query, key]`` constant of the compiled program."""
         index = jnp.arange(length)
         if is_default:
-            with jax.ensure_compile_time_eval():
-                slots = jnp.arange(length)
-                rows = slots[None]  # [1, length]
-                return masks.attention_mask(
-                    self.mask, rows, rows, jnp.ones((1, length), jnp.bool_), slots, slots
-                )
+            # numpy: a constant of the program, computed without compiling any op
+            slots = np.arange(length)
+            rows = slots[None]  # [1, length]
+            return masks.attention_mask(
+                self.mask, rows, rows, np.ones((1, length), bool), slots, slots
+            )
         return masks.attention_mask(
             self.mask,
             positions,

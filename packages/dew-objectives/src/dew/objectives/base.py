@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.weighted import Weighted
+
 Variables = dict[str, Any]
 Metrics = dict[str, jax.Array]
 
@@ -29,10 +31,43 @@ class Step:
     key: this attempt's PRNG key, ``fold_in(fold_in(root, step), microbatch)``:
       every draw of a run is a pure function of the root key, the step and the
       microbatch, so a resumed run repeats the same draws.
+    is_logged: whether the log reads this step's metrics: in ``Trainer.fit`` a
+      traced bool scalar, True on the steps ``log_every`` divides and on the last
+      step (one compiled program serves both); True (a Python bool) everywhere
+      else (evaluation, previews, an objective called directly). An objective
+      computes an expensive diagnostic (an SVD, feature statistics) only then,
+      with :meth:`diagnostic`; the loss must not depend on it.
     """
 
     index: jax.Array
     key: jax.Array
+    is_logged: jax.Array | bool = True
+
+    def diagnostic(self, fn: Callable[..., jax.Array], *operands, weight=1.0) -> Weighted:
+        """``fn(*operands)`` (a scalar) as a mean of weight ``weight`` on a logged step,
+        and ``Weighted(0, 0)`` on any other, where it is not computed.
+
+        Under ``Trainer.fit`` it is ``jax.lax.cond(is_logged, fn, zeros)`` on the
+        operands without their gradient; with a Python bool it is a plain call (or
+        nothing). A log interval adds its steps' totals and weights and divides
+        once, so the interval's value is exactly the logged step's: ``weight``
+        only matters between microbatches of one step (pass the rows, as a plain
+        scalar metric has, to keep a mean per row).
+        """
+        weight = jnp.asarray(weight, jnp.float32)
+        if isinstance(self.is_logged, bool):
+            if not self.is_logged:
+                return Weighted(total=jnp.zeros((), jnp.float32), weight=0 * weight)
+            return Weighted.of(fn(*operands), weight)
+        operands = jax.lax.stop_gradient(operands)
+        shape = jax.eval_shape(fn, *operands)
+
+        def skip(*_):
+            return jnp.zeros(shape.shape, shape.dtype)
+
+        value = jax.lax.cond(self.is_logged, fn, skip, *operands)
+        on = jnp.asarray(self.is_logged, jnp.float32) * weight
+        return Weighted(total=value.astype(jnp.float32) * on, weight=on)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

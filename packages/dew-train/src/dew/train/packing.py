@@ -55,12 +55,12 @@ class Packing:
 
 
 def packed_step(step_fn: Callable) -> tuple[Callable, Packing]:
-    """``(state, batch) -> (state, packed metrics)`` and the :class:`Packing` that
+    """``(state, batch, *args) -> (state, packed metrics)`` and the :class:`Packing` that
     unpacks them (complete once the returned function has been traced)."""
     packing = Packing()
 
-    def step(state, batch):
-        state, metrics = step_fn(state, batch)
+    def step(state, batch, *args):
+        state, metrics = step_fn(state, batch, *args)
         return state, packing.pack(metrics)
 
     return step, packing

@@ -29,11 +29,14 @@ program, so they divide by the same global weight.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.objectives import EMA, Objective, Step, Updates
 from dew.objectives import weighted as wt
@@ -71,10 +74,15 @@ def objective_variables(objective: Objective, state: TrainState, params) -> dict
 
 
 def weighted_loss_fn(objective: Objective) -> Callable:
-    """``(params, state, batch, microbatch) -> (terms, metrics)``, both weighted."""
+    """``(params, state, batch, microbatch, is_logged) -> (terms, metrics)``, both
+    weighted; ``is_logged`` is :attr:`Step.is_logged`."""
 
-    def fn(params, state: TrainState, batch, microbatch):
-        step = Step(index=state.step, key=microbatch_key(state.key, state.step, microbatch))
+    def fn(params, state: TrainState, batch, microbatch, is_logged=True):
+        step = Step(
+            index=state.step,
+            key=microbatch_key(state.key, state.step, microbatch),
+            is_logged=is_logged,
+        )
         loss, metrics = objective.loss(objective_variables(objective, state, params), batch, step)
         rows = rows_of(batch)
         return wt.loss_terms(loss, rows), wt.as_metrics(metrics, rows)
@@ -82,11 +90,11 @@ def weighted_loss_fn(objective: Objective) -> Callable:
     return fn
 
 
-def _grads(fn, state, batch, microbatch, weights):
+def _grads(fn, state, batch, microbatch, weights, is_logged):
     """Gradient of ``sum_t total_t / weights_t`` for one microbatch."""
 
     def objective_of(params):
-        terms, metrics = fn(params, state, batch, microbatch)
+        terms, metrics = fn(params, state, batch, microbatch, is_logged)
         value = sum(t.total / w for t, w in zip(terms, weights))
         return value, (terms, metrics)
 
@@ -95,12 +103,13 @@ def _grads(fn, state, batch, microbatch, weights):
 
 
 def accumulate(fn: Callable, k: int) -> Callable:
-    """``(state, batch) -> (terms, metrics, grads)`` over ``k`` microbatches, divided
-    once by each term's total weight. ``k == 1`` differentiates the batch directly."""
+    """``(state, batch, is_logged) -> (terms, metrics, grads)`` over ``k`` microbatches,
+    divided once by each term's total weight. ``k == 1`` differentiates the batch
+    directly."""
     if k == 1:
 
-        def whole(state, batch):
-            (terms, metrics), grads = _grads_with_own_weights(fn, state, batch)
+        def whole(state, batch, is_logged=True):
+            (terms, metrics), grads = _grads_with_own_weights(fn, state, batch, is_logged)
             return terms, metrics, grads
 
         return whole
@@ -110,13 +119,14 @@ def accumulate(fn: Callable, k: int) -> Callable:
         # shard keeps an equal share of each microbatch.
         return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
-    def accumulated(state, batch):
+    def accumulated(state, batch, is_logged=True):
         micro = jax.tree.map(split, batch)
         index = jnp.arange(k)
 
         def weights_of(carry, xs):
             j, mb = xs
-            terms, _ = fn(jax.lax.stop_gradient(state.params), state, mb, j)
+            # the weights only: no diagnostics
+            terms, _ = fn(jax.lax.stop_gradient(state.params), state, mb, j, False)
             return [c + t.weight for c, t in zip(carry, terms)], None
 
         first = jax.tree.map(lambda x: x[0], micro)
@@ -130,7 +140,7 @@ def accumulate(fn: Callable, k: int) -> Callable:
 
         def body(carry, xs):
             j, mb = xs
-            (terms, metrics), grads = _grads(fn, state, mb, j, weights)
+            (terms, metrics), grads = _grads(fn, state, mb, j, weights, is_logged)
             out = (terms, metrics, grads)
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, out), None
 
@@ -141,12 +151,12 @@ def accumulate(fn: Callable, k: int) -> Callable:
     return accumulated
 
 
-def _grads_with_own_weights(fn, state, batch):
+def _grads_with_own_weights(fn, state, batch, is_logged):
     """Gradient of ``sum_t total_t / W_t`` with each ``W_t`` this batch's own
     weight, a constant of the differentiation."""
 
     def objective_of(params):
-        terms, metrics = fn(params, state, batch, 0)
+        terms, metrics = fn(params, state, batch, 0, is_logged)
         value = sum(t.total / jax.lax.stop_gradient(t.weight) for t in terms)
         return value, (terms, metrics)
 
@@ -193,6 +203,39 @@ def learning_rate_of(opt_state, schedule: Callable | None, updates: jax.Array):
     return jnp.asarray(found[0][1], jnp.float32)
 
 
+def is_logged_step(step: int, steps: int, log_every: int) -> bool:
+    """Whether the log reads the metrics of the step that ends at ``step`` (counted
+    after it): ``log_every`` divides it, or it is the run's last (``steps``)."""
+    return step == steps or bool(log_every and step % log_every == 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _flags(mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return tuple(jax.device_put(np.bool_(v), replicated) for v in (False, True))
+
+
+def logged_flag(mesh: Mesh, is_logged: bool) -> jax.Array:
+    """The compiled step's ``is_logged`` argument: a bool scalar replicated on
+    ``mesh`` (made once per mesh, so a step costs no transfer)."""
+    return _flags(mesh)[bool(is_logged)]
+
+
+LOGGED_SPEC = jax.ShapeDtypeStruct((), jnp.bool_)
+"""The abstract ``is_logged`` argument the step is compiled for."""
+
+
+def update_norm_if(is_logged, updates) -> jax.Array:
+    """``optax.tree.norm(updates)`` when ``is_logged`` (a traced bool: under
+    ``lax.cond``, so a step the log does not read skips the pass over every
+    parameter), else 0."""
+    if isinstance(is_logged, bool):
+        return optax.tree.norm(updates) if is_logged else jnp.zeros((), jnp.float32)
+    return jax.lax.cond(
+        is_logged, optax.tree.norm, lambda u: jnp.zeros((), jnp.float32), updates
+    ).astype(jnp.float32)
+
+
 def build_train_step(
     objective: Objective,
     optimizer: optax.GradientTransformation,
@@ -200,18 +243,27 @@ def build_train_step(
     accumulate_steps: int = 1,
     learning_rate: Callable | float | None = None,
 ) -> Callable:
-    """``(state, batch) -> (state, metrics)``: one attempt of the training step.
+    """``(state, batch, is_logged=True) -> (state, metrics)``: one attempt of the
+    training step.
 
+    is_logged: a bool scalar, True on the steps whose metrics the log reads
+      (:attr:`dew.objectives.Step.is_logged`): the objective's diagnostics
+      (:meth:`~dew.objectives.Step.diagnostic`) and ``update_norm`` are computed
+      only then, in the same compiled program; nothing else depends on it, so
+      the new state is the same either way.
     metrics: the objective's (``Weighted``/``Summed``, accumulated over the
     microbatches) plus ``loss``, ``accepted`` (1.0 when the update was
-    applied), ``grad_norm``, ``update_norm``, and ``learning_rate`` when it can
-    be read (a ``learning_rate=`` schedule, or ``optax.inject_hyperparams``).
+    applied), ``grad_norm`` (every step: the non-finite check reads it),
+    ``update_norm`` (a ``Weighted`` of weight 1 on a logged step and 0 on any
+    other, so a log interval's mean is the logged step's value; 0 when rejected),
+    and ``learning_rate`` when it can be read (a ``learning_rate=`` schedule, or
+    ``optax.inject_hyperparams``).
     """
     grads_fn = accumulate(weighted_loss_fn(objective), accumulate_steps)
     ema_fn = ema_update_fn(objective.ema)
 
-    def train_step(state: TrainState, batch):
-        terms, metrics, grads = grads_fn(state, batch)
+    def train_step(state: TrainState, batch, is_logged=True):
+        terms, metrics, grads = grads_fn(state, batch, is_logged)
         loss = wt.loss_value(terms)
         grad_norm = optax.tree.norm(grads)
         # one reduction serves the log and the check: the global norm is finite iff
@@ -223,10 +275,12 @@ def build_train_step(
             updates, opt_state = optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             averaged = ema_fn(averaged, new_params, state.updates)
-            return (new_params, opt_state, averaged), optax.tree.norm(updates)
+            return (new_params, opt_state, averaged), update_norm_if(is_logged, updates)
 
         def reject(operands):
             return operands, jnp.zeros((), jnp.float32)
+
+        logged = jnp.asarray(is_logged, jnp.float32)
 
         # a branch, not a select per leaf: an accepted update writes the donated
         # buffers in place, with no copy of the old state kept for a rejection
@@ -247,7 +301,7 @@ def build_train_step(
             "accepted": finite.astype(jnp.float32),
             "loss_weight": jnp.min(jnp.stack([t.weight for t in terms])),
             "grad_norm": grad_norm,
-            "update_norm": update_norm,
+            "update_norm": wt.Weighted(total=update_norm, weight=logged),
         }
         # inject_hyperparams stores the rate it used for this update in the new state
         lr = learning_rate_of(opt_state, learning_rate, state.updates)
@@ -310,5 +364,6 @@ def minibatch_fn(updates: Updates) -> Callable:
 
 
 def with_minibatch(select: Callable, step_fn: Callable) -> Callable:
-    """A step that first selects its minibatch of a prepared batch."""
-    return lambda state, prepared: step_fn(state, select(state, prepared))
+    """A step that first selects its minibatch of a prepared batch (further
+    arguments, such as ``is_logged``, pass through)."""
+    return lambda state, prepared, *args: step_fn(state, select(state, prepared), *args)

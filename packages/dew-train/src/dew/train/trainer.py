@@ -63,10 +63,13 @@ from dew.train.placement import (
 from dew.train.preemption import StopSignals
 from dew.train.state import TrainState
 from dew.train.step import (
+    LOGGED_SPEC,
     Stream,
     build_prepare,
     build_prepare_finish,
     build_train_step,
+    is_logged_step,
+    logged_flag,
     microbatch_key,
     minibatch_fn,
     with_minibatch,
@@ -510,7 +513,9 @@ class Trainer:
                     run.throughput = self.throughput(prepared)
                     log.print(run.throughput.line())
                 with goodput.measure("steps"):
-                    state, metrics = update(state, prepared)
+                    # diagnostics only on the steps the log reads (dew.objectives.Step)
+                    logged = logged_flag(mesh, is_logged_step(step + 1, steps, log_every))
+                    state, metrics = update(state, prepared, logged)
                     step += 1
                     if goodput.first_step_at is None:
                         jax.block_until_ready(metrics)
@@ -643,8 +648,12 @@ class Trainer:
                 step_fn, packings[key] = packed_step(step_fn)
                 cache[key], flops = compile_with_flops(
                     step_fn,
-                    (state, batch),
-                    in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
+                    (state, batch, LOGGED_SPEC),
+                    in_shardings=(
+                        shardings,
+                        jax.tree.map(lambda x: x.sharding, batch),
+                        replicated(self.device_mesh),
+                    ),
                     out_shardings=(shardings, replicated(self.device_mesh)),
                     donate_argnums=(0,),
                 )

@@ -304,6 +304,7 @@ def interleaved(size, calls, inline=False):
     from dew.data import Partition
     from dew.train.goodput import Goodput
     from dew.train.placement import to_global
+    from dew.train.step import logged_flag
 
     model, cfg, prompts, masks = make(size)
     objective = make_objective(model, cfg, inline)
@@ -341,11 +342,12 @@ def interleaved(size, calls, inline=False):
             for i in range(4)
         ]
         (dew_step,) = trainer.__dict__["_compiled"].values()
+        not_logged = logged_flag(trainer.device_mesh, False)  # as fit's steps between log lines
         for i in range(calls + 1):
             prepared = timed("dew_roll", trainer._prepared, state, placed[i % 4], shardings, gp)
             key = jax.random.key(i)
             batch = timed("hand_roll", rollout, params, reference, *hand_batches[i % 4], key)
-            state, _ = timed("dew_upd", dew_step, state, prepared)
+            state, _ = timed("dew_upd", dew_step, state, prepared, not_logged)
             params, opt_state, _ = timed(
                 "hand_upd", hand_step, params, opt_state, batch, i % MINIBATCHES
             )

@@ -10,6 +10,7 @@ nothing about ``f`` (``theta`` is uniform), so a random encoder's pooled feature
 are near chance; predicting hidden patches from the others needs ``f``.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -21,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 
-from dew.data import Dataset
+from dew.data import Dataset, Partition
 from dew.nn import ViT, ViTPredictor
 from dew.objectives.jepa import JepaObjective, probe
 from dew.objectives.jepa_masks import MultiBlock
@@ -92,6 +93,124 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     assert int(resumed.step) == 4
     jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
     jax.tree.map(np.testing.assert_array_equal, resumed.averaged, whole.averaged)
+
+
+# --------------------------------------------- diagnostics on logged steps only
+@functools.partial(jax.jit, static_argnums=0)
+def target_features(encoder, params, pixels):
+    from dew.sampling.features import encode, scale_inputs
+
+    return encode(encoder, params, scale_inputs(pixels))
+
+
+def typed(state):
+    """A host state with its key data wrapped as a key again (a new array each call)."""
+    return state.replace(key=jax.random.wrap_key_data(np.array(state.key)))
+
+
+def numpy_statistics(objective, state, pixels):
+    """``(target_std, effective_rank)`` of the step that starts at ``state`` on
+    ``pixels``: the target encoder's features from the model, everything after
+    them (layer norm, the target gather, std, SVD, entropy) in float64 numpy."""
+    from dew.train.step import microbatch_key
+
+    full = np.asarray(
+        target_features(objective.encoder, state.averaged["encoder"], pixels), np.float64
+    )  # [batch, patches, features]
+    h = full - full.mean(-1, keepdims=True)
+    h = h / np.sqrt((h**2).mean(-1, keepdims=True) + 1e-6)
+    key = microbatch_key(typed(state).key, state.step, 0)
+    masks = objective.draw_masks(key, len(pixels))
+    targets = np.asarray(masks.targets).reshape(len(pixels), -1)  # [batch, blocks * patches]
+    gathered = np.take_along_axis(h, targets[:, :, None], axis=1)
+    target_std = gathered.reshape(-1, h.shape[-1]).std(axis=0).mean()
+    pooled = full.mean(axis=1)
+    s = np.linalg.svd(pooled - pooled.mean(0), compute_uv=False)
+    p = s / (s.sum() + 1e-12) + 1e-12
+    return target_std, np.exp(-np.sum(p * np.log(p)))
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """4 steps logged every 2, with the state before every step kept (a hook)."""
+    run_dir = tmp_path_factory.mktemp("logged")
+    trainer = Trainer(
+        tiny_objective(), optax.adam(1e-2), key=jax.random.key(0), run_dir=str(run_dir), **ONE
+    )
+
+    def host(state):  # numpy copies, the key as its data (a device key is donated)
+        return jax.device_get(state.replace(key=jax.random.key_data(state.key)))
+
+    states = [host(trainer.init_state())]
+    trainer.add_hook(lambda info: states.append(host(info.state)), every=1)
+    trainer.fit(tiny_data(), steps=4, log_every=2)
+    rng = np.random.default_rng(0)  # tiny_data's stream
+    pixels = [rng.integers(0, 256, (8, 8, 8, 1)).astype(np.uint8) for _ in range(4)]
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return trainer, states, pixels, [r for r in records if r["kind"] == "train"]
+
+
+def test_logged_statistics_are_the_logged_steps_own(logged_run):
+    trainer, states, pixels, records = logged_run
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        before = states[record["step"] - 1]  # the state the logged step started from
+        target_std, rank = numpy_statistics(trainer.objective, before, pixels[record["step"] - 1])
+        # the value of that step alone, not a mean over the interval; float32 in the
+        # step against float64 here
+        assert record["target_std"] == pytest.approx(target_std, rel=1e-6)
+        assert record["effective_rank"] == pytest.approx(rank, rel=1e-6)
+        # the update norm of that step: adam's update is the change of the parameters;
+        # rel 1e-4: the float32 difference of two nearby parameter trees
+        after = states[record["step"]]
+        change = jax.tree.map(
+            lambda a, b: np.float64(a) - np.float64(b), after.params, before.params
+        )
+        norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(change)))
+        assert record["update_norm"] == pytest.approx(norm, rel=1e-4)
+    # the statistics move between steps, so an interval mean would differ from them
+    other = numpy_statistics(trainer.objective, states[0], pixels[0])[1]
+    assert abs(other - records[0]["effective_rank"]) > 1e-4
+
+
+def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
+    """One compiled program, the flag a runtime argument: with it off the new state
+    and the loss are bit-identical, and the diagnostics carry weight 0."""
+    from dew.objectives import Step
+    from dew.train.placement import to_global
+    from dew.train.step import logged_flag, microbatch_key
+
+    trainer, states, pixels, _ = logged_run
+    ((key, step),) = trainer._compiled.items()
+    packing = trainer._packings[key]
+    _, shardings = trainer.state_shardings()
+    mesh = trainer.device_mesh
+    batch = to_global({"image": pixels[1]}, Partition(0, 1), 8, mesh, trainer.rules)
+    out = {}
+    with trainer._context():
+        for flag in (False, True):
+            state = jax.device_put(typed(states[1]), shardings)  # donated: a copy each
+            new, packed = step(state, batch, logged_flag(mesh, flag))
+            out[flag] = jax.device_get(new), packing.unpack(jax.device_get(packed))
+    (off, off_metrics), (on, on_metrics) = out[False], out[True]
+    jax.tree.map(np.testing.assert_array_equal, off.params, on.params)
+    jax.tree.map(np.testing.assert_array_equal, off.averaged, on.averaged)
+    jax.tree.map(np.testing.assert_array_equal, off.params, states[2].params)  # fit's step 2
+    assert off_metrics["loss"] == on_metrics["loss"]
+    for name in ("target_std", "prediction_std", "effective_rank", "update_norm"):
+        assert float(off_metrics[name].weight) == 0.0 and float(off_metrics[name].total) == 0.0
+        assert float(on_metrics[name].weight) > 0
+    # evaluation (Step.is_logged left True) still reports them: the numpy values
+    objective = trainer.objective
+    variables = {"params": states[1].params, "averaged": states[1].averaged}
+    key = microbatch_key(typed(states[1]).key, states[1].step, 0)
+    evaluate = jax.jit(lambda v, x, k: objective.evaluate(v, {"image": x}, Step(index=1, key=k)))
+    metrics = evaluate(variables, pixels[1], key)
+    target_std, rank = numpy_statistics(objective, states[1], pixels[1])
+    assert float(metrics["target_std"]) == pytest.approx(target_std, rel=1e-6)
+    assert float(metrics["effective_rank"]) == pytest.approx(rank, rel=1e-6)
+    logged = on_metrics["effective_rank"]
+    assert float(metrics["effective_rank"]) == pytest.approx(logged.total / logged.weight, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -172,12 +172,12 @@ class JepaObjective(Objective):
         """The masks of a batch of ``batch`` examples (a pure function of ``key``)."""
         return self.layout.sample(key, batch)
 
-    def _terms(self, variables, batch, key):
+    def _terms(self, variables, batch, step: Step):
         from dew.sampling.features import encode, scale_inputs
 
         pixels = scale_inputs(batch[self.input_key])
         rows = pixels.shape[0]
-        masks = self.draw_masks(key, rows)
+        masks = self.draw_masks(step.key, rows)
         n, kt = self.masks.num_targets, self.layout.target_keep
         # without 'averaged' (outside the trainer) the encoder is its own target
         target_params = variables.get("averaged", variables["params"])["encoder"]
@@ -200,21 +200,25 @@ class JepaObjective(Objective):
         if "example_mask" in batch:  # padded rows of a last validation batch
             weights = batch["example_mask"].astype(jnp.float32)
         loss = Weighted.mean(per_element, weights[:, None, None, None])
+        # feature statistics (an SVD among them): on logged steps only, each a mean
+        # per row as a plain scalar metric is
         metrics = {
-            "target_std": feature_std(h),
-            "prediction_std": feature_std(z),
-            "effective_rank": effective_rank(full.mean(axis=1)),
+            "target_std": step.diagnostic(feature_std, h, weight=rows),
+            "prediction_std": step.diagnostic(feature_std, z, weight=rows),
+            "effective_rank": step.diagnostic(effective_rank, full.mean(axis=1), weight=rows),
         }
         return loss, metrics
 
     def loss(self, variables, batch, step: Step):
-        return self._terms(variables, batch, step.key)
+        """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
+        the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""
+        return self._terms(variables, batch, step)
 
     def evaluate(self, variables, batch, step: Step):
         """The loss and the feature statistics on a validation batch (masks from the
         evaluation key); the trainer evaluates with the averaged weights, so the
         target encoder reads itself."""
-        loss, metrics = self._terms(variables, batch, step.key)
+        loss, metrics = self._terms(variables, batch, step)
         return {"loss": loss, **metrics}
 
     # ------------------------------------------------------- checks, export

@@ -24,11 +24,18 @@ per-repeat ratios. The allocator is tuned once for every side (glibc
 ``mallopt``, docs/performance.md; ``--allocator system`` leaves it).
 ``--profile`` prints, per variant, XLA's FLOPs of the compiled step and
 counts of its HLO ops (dots, transposes, copies, gathers, scatters, dynamic
-slices, while loops).
+slices, while loops, XNNPACK/oneDNN calls). ``--xla-flags`` adds XLA flags to
+``XLA_FLAGS`` before JAX creates its CPU backend (XLA reads them then, not at
+``import jax``); ``--devices N`` splits the batch
+over N emulated CPU devices (``--xla_force_host_platform_device_count``),
+parameters replicated; ``--json`` prints one ``RESULT {json}`` line per variant
+(tools/bench_xla_cpu.py reads it).
 
     python tools/bench_model.py                         # medium size, 20 steps x 5
     python tools/bench_model.py --size seed --profile
     python tools/bench_model.py --variants plain dew_gpt2_loop --repeats 7
+    python tools/bench_model.py --variants plain --xla-flags=--xla_cpu_use_xnnpack=false
+    python tools/bench_model.py --variants plain --devices 2
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
+import os
 import re
 import statistics
 import sys
@@ -45,8 +54,6 @@ import time
 def tune_allocator() -> str:
     """The same allocator setting for every side: Dew's default (glibc ``mallopt``,
     dew.nn.allocator), or the C library's own with ``--allocator system``."""
-    import os
-
     if "--allocator" in sys.argv:
         os.environ["DEW_ALLOCATOR"] = sys.argv[sys.argv.index("--allocator") + 1]
     from dew.nn.allocator import configure_allocator
@@ -142,26 +149,31 @@ def network(variant: str, size: str) -> nn.Module:
 VARIANTS = ("plain", "dew_gpt2", "dew_gpt2_unroll", "dew_gpt2_loop", "dew_seed")
 
 
-def build(variant: str, size: str):
-    """``(step, params, opt_state, batches, compile seconds)`` with the step compiled."""
+def build(variant: str, size: str, devices: int = 1):
+    """``(step, params, opt_state, batches, compile seconds)`` with the step compiled;
+    ``devices > 1``: the batch split over that many devices, parameters replicated."""
     model = network(variant, size)
     if isinstance(model, tuple):  # a scanned stack compiled with every layer unrolled
         model, unroll = model
         stack = type(model).layer_stack
         type(model).layer_stack = lambda self: dataclasses.replace(stack(self), unroll=unroll)
         try:
-            return build_model(model, size)
+            return build_model(model, size, devices)
         finally:
             type(model).layer_stack = stack
-    return build_model(model, size)
+    return build_model(model, size, devices)
 
 
-def build_model(model, size: str):
+def build_model(model, size: str, devices: int = 1):
     s = SIZES[size]
     optimizer = optax.adamw(3e-3)
     tokens0 = jnp.zeros((1, s["seq"]), jnp.int32)
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens0)["params"])
     opt_state = optimizer.init(params)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    params, opt_state = jax.device_put((params, opt_state), replicated)
 
     def loss_fn(params, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])
@@ -174,16 +186,26 @@ def build_model(model, size: str):
 
     rng = np.random.default_rng(0)
     batches = [
-        jnp.asarray(rng.integers(0, 256, (s["batch"], s["seq"] + 1)), jnp.int32) for _ in range(4)
+        jax.device_put(rng.integers(0, 256, (s["batch"], s["seq"] + 1)).astype(np.int32), split)
+        for _ in range(4)
     ]
     begin = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batches[0]).compile()
+    jitted = jax.jit(
+        step,
+        in_shardings=(replicated, replicated, split),
+        out_shardings=(replicated, replicated, replicated),
+        donate_argnums=(0, 1),
+    )
+    compiled = jitted.lower(params, opt_state, batches[0]).compile()
     seconds = time.perf_counter() - begin
     return compiled, params, opt_state, batches, seconds
 
 
 OPS = ("dot", "transpose", "copy", "gather", "scatter", "dynamic-slice",
-       "dynamic-update-slice", "while", "fusion", "reduce", "broadcast")  # fmt: skip
+       "dynamic-update-slice", "while", "fusion", "reduce", "broadcast",
+       "custom-call", "all-reduce")  # fmt: skip
+# fusions XLA:CPU hands to a library: kind=__xnn_fusion (XNNPACK), __onednn_fusion
+LIBRARY_FUSIONS = ("__xnn_fusion", "__onednn_fusion", "__ynn_fusion")
 
 
 def profile(compiled) -> dict:
@@ -195,9 +217,12 @@ def profile(compiled) -> dict:
         m = re.search(r"= .*?\b([a-z][a-z\-]*)\(", line)
         if m and m.group(1) in OPS:
             counts[m.group(1)] += 1
+    for kind in LIBRARY_FUSIONS:
+        counts[kind] = text.count(f'"{kind}"')
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"flops": float(cost.get("flops", 0.0)), **{op: counts[op] for op in OPS}}
+    kinds = (*OPS, *LIBRARY_FUSIONS)
+    return {"flops": float(cost.get("flops", 0.0)), **{k: counts[k] for k in kinds}}
 
 
 def timed(entry, steps: int) -> tuple[float, float]:
@@ -222,7 +247,11 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--allocator", default="tuned", choices=["tuned", "system"])
+    parser.add_argument("--xla-flags", default="", help="added to XLA_FLAGS (yours win)")
+    parser.add_argument("--devices", type=int, default=1, help="split the batch over N")
+    parser.add_argument("--json", action="store_true", help="one RESULT {json} line a variant")
     args = parser.parse_args(argv)
+    add_xla_flags(args.xla_flags, args.devices)
     if args.size not in SIZES:
         sys.exit(f"unknown --size {args.size!r}; use one of {sorted(SIZES)}")
     for v in args.variants:
@@ -232,15 +261,15 @@ def main(argv=None) -> None:
     print(
         f"{args.size} {s}; jax {jax.__version__}, {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s); {args.steps} steps, median of {args.repeats}; "
-        f"allocator {ALLOCATOR}"
+        f"allocator {ALLOCATOR}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
     )
     entries = {}
     for v in args.variants:
-        entries[v] = list(build(v, args.size))
+        entries[v] = list(build(v, args.size, args.devices))
         timed(entries[v], 2)  # warm
         if args.profile:
             p = profile(entries[v][0])
-            ops = " ".join(f"{k} {p[k]}" for k in OPS)
+            ops = " ".join(f"{k} {p[k]}" for k in (*OPS, *LIBRARY_FUSIONS))
             print(f"  {v:14s} compile {entries[v][4]:.2f} s, {p['flops'] / 1e9:.3f} GFLOP; {ops}")
     times = {v: [] for v in args.variants}
     order = list(args.variants)
@@ -261,6 +290,23 @@ def main(argv=None) -> None:
             f"cpu {cpu * 1e3:8.1f} ms/step; {first}/this wall {wall_ratio:.3f} cpu "
             f"{cpu_ratio:.3f}; compile {entries[v][4]:.1f} s"
         )
+        if args.json:
+            record = dict(variant=v, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall,
+                          walls=[t[0] for t in times[v]], cpus=[t[1] for t in times[v]],
+                          compile_s=entries[v][4], xla_flags=os.environ.get("XLA_FLAGS", ""),
+                          devices=jax.device_count())  # fmt: skip
+            print("RESULT " + json.dumps(record), flush=True)
+
+
+def add_xla_flags(flags: str, devices: int) -> None:
+    """``--xla-flags`` and the device count of ``--devices`` added to ``XLA_FLAGS``
+    after the user's own. Must run before the first ``jax.devices()``: XLA reads
+    ``XLA_FLAGS`` when JAX creates its CPU backend, not at ``import jax``."""
+    extra = flags.split()
+    if devices > 1:
+        extra.append(f"--xla_force_host_platform_device_count={devices}")
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
 
 
 if __name__ == "__main__":

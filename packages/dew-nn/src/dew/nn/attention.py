@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes
+from dew.nn.dense import token_rows
 from dew.nn.masks import MaskPolicy, attention_mask, causal, full
 from dew.nn.rope import RopeScaling, apply_axial_rope, apply_rope, inverse_frequencies
 
@@ -55,10 +56,13 @@ class Attention(nn.Module):
             (axes.EMBED, head_axis, axes.HEAD_DIM),
         )
         # A dot_general (not an einsum), as every Dew kernel contraction: LoRA (qwix) adds
-        # its adapters to dot_generals against a parameter.
+        # its adapters to dot_generals against a parameter. Over the tokens flattened
+        # (dew.nn.dense.token_rows): the kernel's gradient is then one contraction over a
+        # single token axis, which XLA:CPU runs without transposing the activations.
         y = jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), (((2,), (0,)), ((), ()))
-        )  # [batch, length, heads, head_dim]
+            token_rows(x).astype(self.dtype), kernel.astype(self.dtype), (((1,), (0,)), ((), ()))
+        )  # [batch * length, heads, head_dim]
+        y = y.reshape(*x.shape[:-1], heads, self.head_dim)  # [batch, length, heads, head_dim]
         if self.use_qkv_bias:
             bias = self._param(
                 f"{name}_bias",
@@ -151,8 +155,10 @@ class Attention(nn.Module):
                 )  # [batch, 1, query, key]
             out = attend(q, k, v, visible)  # [batch, length, heads, head_dim]
             y = jax.lax.dot_general(
-                out.astype(self.dtype), kernel.astype(self.dtype), (((2, 3), (0, 1)), ((), ()))
-            )
+                token_rows(out, 2).astype(self.dtype),
+                kernel.astype(self.dtype),
+                (((1, 2), (0, 1)), ((), ())),
+            ).reshape(x.shape)  # [batch, length, embed]
         if self.use_out_bias:
             y = y + self._param(
                 "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes
+from dew.nn.dense import token_rows
 
 ACTIVATIONS = ("swiglu", "gelu", "gelu_exact", "relu")
 
@@ -41,14 +42,19 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; use one of {ACTIVATIONS}")
-        up = self._dense("up", self.features, axes.EMBED, axes.MLP, x)  # [batch, length, mlp]
+        # over the tokens flattened (dew.nn.dense): the kernels' gradients then
+        # contract one token axis, which XLA:CPU does without transposing copies
+        rows = token_rows(x)  # [tokens, embed]
+        up = self._dense("up", self.features, axes.EMBED, axes.MLP, rows)  # [tokens, mlp]
         if self.activation == "swiglu":
-            hidden = nn.silu(self._dense("gate", self.features, axes.EMBED, axes.MLP, x)) * up
+            hidden = nn.silu(self._dense("gate", self.features, axes.EMBED, axes.MLP, rows)) * up
         elif self.activation == "gelu":
             hidden = nn.gelu(up, approximate=True)
         elif self.activation == "gelu_exact":
             hidden = nn.gelu(up, approximate=False)
         else:
             hidden = nn.relu(up)
+        hidden = hidden.reshape(*x.shape[:-1], self.features)
         hidden = nn.with_logical_constraint(hidden, (axes.BATCH, axes.LENGTH, axes.MLP))
-        return self._dense("down", x.shape[-1], axes.MLP, axes.EMBED, hidden)
+        out = self._dense("down", x.shape[-1], axes.MLP, axes.EMBED, token_rows(hidden))
+        return out.reshape(x.shape)  # [batch, length, embed]

@@ -25,6 +25,7 @@ from dew.nn.backbones._options import (
     TransformerOptions,
     positions_and_valid,
 )
+from dew.nn.dense import token_rows
 from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
 from dew.nn.norms import make_norm
@@ -190,8 +191,9 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             use_pipeline=not decode,
         )
         x = self.norm_output(x)
+        rows = token_rows(x)  # [batch * length, embed]: one token axis (dew.nn.dense)
         if self.tie_embeddings:
-            logits = embed.attend(x)
+            logits = embed.attend(rows)
         else:
             logits = nn.Dense(
                 self.vocab_size,
@@ -202,6 +204,6 @@ class CausalTransformer(TransformerOptions, kw_only=True):
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 name="lm_head",
-            )(x)
-        logits = logits.astype(jnp.float32)  # [batch, length, vocab]
+            )(rows)
+        logits = logits.reshape(batch, length, -1).astype(jnp.float32)  # [batch, length, vocab]
         return (logits, x) if return_hidden else logits

@@ -166,15 +166,18 @@ def run_hand(size: str, steps: int):
     return first, (time.perf_counter() - begin) / (steps - 1)
 
 
-def interleaved(size: str, steps: int) -> tuple[float, float]:
-    """Median step times ``(dew, hand)`` with the two compiled steps called in
-    turn, one step each, so a shared machine's load drifts over both alike.
+def interleaved(size: str, steps: int) -> dict[str, tuple[float, float]]:
+    """Median ``(wall, process CPU)`` seconds per step of ``dew`` (a step the log
+    does not read), ``dew_logged`` (one it reads: diagnostics and update norm) and
+    ``hand``, the compiled steps called in turn, one step each, so a shared
+    machine's load drifts over all alike.
 
     Dew's side is the very program ``Trainer.fit`` compiled and ran (taken from
     the trainer after a 2-step fit, with the state it returned), called on the
-    batch as ``fit`` places it."""
+    batch as ``fit`` places it, with the ``is_logged`` flag ``fit`` passes."""
     from dew.data import Partition
     from dew.train.placement import to_global
+    from dew.train.step import logged_flag
 
     model, length, pairs, batches = make(size)
     data = Dataset(
@@ -206,17 +209,27 @@ def interleaved(size: str, steps: int) -> tuple[float, float]:
     hand_batches = [jax.tree.map(jnp.asarray, b) for b in batches]
     params, opt_state, loss = hand_step(params, opt_state, reference, hand_batches[0])
     jax.block_until_ready(loss)
-    dew_times, hand_times = [], []
+    flags = {f: logged_flag(trainer.device_mesh, f) for f in (False, True)}
+    times: dict[str, list[tuple[float, float]]] = {"dew": [], "dew_logged": [], "hand": []}
+
+    def timed(name, fn, *args):
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+        return out
+
     for i in range(steps):
-        begin = time.perf_counter()
-        state, metrics = dew_step(state, placed[i % 4])
-        jax.block_until_ready((state, metrics))
-        dew_times.append(time.perf_counter() - begin)
-        begin = time.perf_counter()
-        params, opt_state, loss = hand_step(params, opt_state, reference, hand_batches[i % 4])
-        jax.block_until_ready((params, loss))
-        hand_times.append(time.perf_counter() - begin)
-    return statistics.median(dew_times), statistics.median(hand_times)
+        b = i % 4
+        state, _ = timed("dew", dew_step, state, placed[b], flags[False])
+        hand_args = (params, opt_state, reference, hand_batches[b])
+        params, opt_state, _ = timed("hand", hand_step, *hand_args)
+        if i % 4 == 0:  # a logged step every 4th, as log_every=4 would
+            state, _ = timed("dew_logged", dew_step, state, placed[b], flags[True])
+    return {
+        k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+        for k, v in times.items()
+    }
 
 
 def main() -> None:
@@ -247,11 +260,17 @@ def main() -> None:
         f"pairs/s dew {pairs / d_step:,.1f} hand {pairs / h_step:,.1f}; first step dew "
         f"{d_first:.2f} s hand {h_first:.2f} s"
     )
-    d_inter, h_inter = interleaved(args.size, 4 * args.steps)
+    med = interleaved(args.size, 4 * args.steps)
+    (d_wall, d_cpu), (h_wall, h_cpu), (l_wall, l_cpu) = (
+        med[k] for k in ("dew", "hand", "dew_logged")
+    )
     print(
         f"interleaved ({4 * args.steps} steps each, one at a time, medians): step dew "
-        f"{d_inter * 1e3:.1f} ms hand {h_inter * 1e3:.1f} ms ratio {h_inter / d_inter:.3f}"
+        f"{d_wall * 1e3:.1f} ms hand {h_wall * 1e3:.1f} ms ratio {h_wall / d_wall:.3f}; CPU "
+        f"dew {d_cpu * 1e3:.1f} ms hand {h_cpu * 1e3:.1f} ms ratio {h_cpu / d_cpu:.3f}; a "
+        f"logged dew step {l_wall * 1e3:.1f} ms (CPU {l_cpu * 1e3:.1f} ms)"
     )
+    print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
     costs = cost(args.size)
     (d_flops, d_bytes), (h_flops, h_bytes) = costs["dew"], costs["hand"]
     print(

@@ -259,9 +259,15 @@ def bench_compiled_steps(sizes, steps, repeats) -> list[str]:
     """The two compiled steps alone, without Dew's host loop: Dew's step (taken
     from ``Trainer.fit``'s cache after a 2-step fit) called directly on batches
     already on the device, against the hand step; wall and process CPU time.
-    What the end-to-end ratio loses beyond this ratio is the trainer's host loop."""
+    What the end-to-end ratio loses beyond this ratio is the trainer's host loop.
+
+    Dew's step gets the ``is_logged`` flag ``fit(steps=n, log_every=n)`` passes
+    (True on a run's last step only); a third side, ``every``, passes True on
+    every step: the work the step did before the flag (feature statistics, the
+    SVD and the update norm each step), in the same alternation."""
     from dew.data import Partition
     from dew.train.placement import to_global
+    from dew.train.step import logged_flag
 
     rows = []
     for size in sizes:
@@ -276,11 +282,16 @@ def bench_compiled_steps(sizes, steps, repeats) -> list[str]:
         hand_step, carry, _, root = build_hand_training(size, steps)
         pixels = [jnp.asarray(x) for x in images]
         dew_box, hand_box = [state], [carry]
+        flags = [logged_flag(trainer.device_mesh, f) for f in (False, True)]
 
-        def dew_run(n, box=dew_box, step=dew_step, batches=batches):
+        def dew_run(n, box=dew_box, step=dew_step, batches=batches, flags=flags, every=False):
             for i in range(n):
-                box[0], metrics = step(box[0], batches[i % len(batches)])
+                logged = flags[every or i == n - 1]
+                box[0], metrics = step(box[0], batches[i % len(batches)], logged)
             jax.block_until_ready((box[0], metrics))
+
+        def every_run(n, run=dew_run):
+            run(n, every=True)
 
         def hand_run(n, box=hand_box, step=hand_step, pixels=pixels, root=root):
             for i in range(n):
@@ -292,19 +303,26 @@ def bench_compiled_steps(sizes, steps, repeats) -> list[str]:
             fn(steps)
             return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
-        dew_run(2), hand_run(2)  # warm
-        dew, hand = [], []
+        dew_run(2), every_run(2), hand_run(2)  # warm
+        dew, hand, every = [], [], []
         for r in range(repeats):
-            order = [(dew_run, dew), (hand_run, hand)]
+            order = [(dew_run, dew), (hand_run, hand), (every_run, every)]
             for fn, out in order if r % 2 == 0 else order[::-1]:
                 out.append(timed(fn))
         wall = statistics.median(h[0] / d[0] for d, h in zip(dew, hand, strict=True))
         cpu = statistics.median(h[1] / d[1] for d, h in zip(dew, hand, strict=True))
+        e_wall = statistics.median(h[0] / d[0] for d, h in zip(every, hand, strict=True))
+        e_cpu = statistics.median(h[1] / d[1] for d, h in zip(every, hand, strict=True))
+
+        def ms(xs, i):
+            return [round(x[i] * 1e3, 2) for x in xs]
+
         print(
-            f"compiled step {size}: ms/step dew {[round(x[0] * 1e3, 2) for x in dew]} hand "
-            f"{[round(x[0] * 1e3, 2) for x in hand]}; CPU ms/step dew "
-            f"{[round(x[1] * 1e3, 2) for x in dew]} hand {[round(x[1] * 1e3, 2) for x in hand]}; "
-            f"median paired ratio wall {wall:.3f} CPU {cpu:.3f}",
+            f"compiled step {size}: ms/step dew {ms(dew, 0)} hand {ms(hand, 0)} every "
+            f"{ms(every, 0)}; CPU ms/step dew {ms(dew, 1)} hand {ms(hand, 1)} every "
+            f"{ms(every, 1)}; median paired ratio hand/dew wall {wall:.3f} CPU {cpu:.3f}, "
+            f"hand/every wall {e_wall:.3f} CPU {e_cpu:.3f}; load average "
+            f"{open('/proc/loadavg').read().split()[:3]}",
             flush=True,
         )
         rows.append(

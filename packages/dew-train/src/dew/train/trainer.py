@@ -23,6 +23,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -232,7 +233,15 @@ class Trainer:
 
     def _state_shardings(self):
         with self._context():
-            boxed = jax.eval_shape(lambda k: self._create(k, self._spec), self.key)
+            # one trace of the model's init serves the shapes here and the
+            # compiled initialisation (init_state replays this jaxpr)
+            closed, boxed = jax.make_jaxpr(
+                lambda k: self._create(k, self._spec), return_shape=True
+            )(self.key)
+            self.__dict__.setdefault("_init_jaxprs", {})[_spec_token(self._spec)] = (
+                closed,
+                jax.tree.structure(boxed),
+            )
             specs = nn.get_partition_spec(boxed)
             # Optimizer arrays shaped unlike their parameter (Adafactor's factored
             # moments) get a spec that fits their own shape.
@@ -256,9 +265,13 @@ class Trainer:
             # unbox_abstract, not nn.unbox: nn.unbox re-applies each parameter's spec to
             # optimizer arrays of other shapes (Adafactor's factored moments);
             # out_shardings already places every array
-            fns[token] = jax.jit(
-                lambda k: unbox_abstract(self._create(k, spec)), out_shardings=shardings
-            )
+            closed, treedef = self._init_jaxprs[token]
+
+            def create(key):
+                leaves = jax.extend.core.jaxpr_as_fun(closed)(key)
+                return unbox_abstract(jax.tree.unflatten(treedef, leaves))
+
+            fns[token] = jax.jit(create, out_shardings=shardings)
         with self._context():
             return fns[token](self.key)
 

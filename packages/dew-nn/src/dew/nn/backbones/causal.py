@@ -206,4 +206,7 @@ class CausalTransformer(TransformerOptions, kw_only=True):
                 name="lm_head",
             )(rows)
         logits = logits.reshape(batch, length, -1).astype(jnp.float32)  # [batch, length, vocab]
+        # split as the residual stream was before the flattening (batch, and length
+        # under a sequence mesh axis), which the reshape back does not carry
+        logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
         return (logits, x) if return_hidden else logits

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew import models
+from dew.nn import models
 
 
 class Compiles(logging.Handler):

@@ -13,8 +13,10 @@ import jax
 import numpy as np
 import optax
 
-from dew import Dataset, Trainer, models
+from dew.data import Dataset
+from dew.nn import models
 from dew.objectives.lm import LMObjective
+from dew.train import Trainer
 from dew.train.mesh import unbox_abstract
 
 

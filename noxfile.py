@@ -80,8 +80,7 @@ if NEWEST is None:
 nox.options.sessions = [
     f"tests-{PYTHON}",
     "newest",
-    "integration",
-    "docs",
+    "integration",  # tests/test_docs.py included: the docs file shares the two workers
     "lint",
     "wheels",
     "parity",
@@ -170,21 +169,18 @@ def newest(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def integration(session: nox.Session) -> None:
-    """Cross-package tests: the quickstart, resume after SIGKILL, several processes."""
+    """Cross-package tests: the quickstart, resume after SIGKILL, several processes, and
+    every ```python block in docs/*.md (tests/test_docs.py, which alone is `nox -s docs`).
+
+    One pytest run for both: with `--dist loadfile` the docs file is one unit of work,
+    which in a session of its own left the second worker idle (~2.5 min of CI)."""
     sync(session, "--all-packages", "--all-extras")
-    session.run(
-        *PYTEST,
-        "tests",
-        "--ignore=tests/packaging",
-        "--ignore=tests/test_docs.py",
-        *session.posargs,
-        env=ENV,
-    )
+    session.run(*PYTEST, "tests", "--ignore=tests/packaging", *session.posargs, env=ENV)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, default=False)
 def docs(session: nox.Session) -> None:
-    """Every ```python block in docs/*.md runs."""
+    """Every ```python block in docs/*.md runs (also part of `integration`)."""
     sync(session, "--all-packages", "--all-extras")
     session.run(*PYTEST, "tests/test_docs.py", *session.posargs, env=ENV)
 

@@ -308,17 +308,20 @@ class GRPOObjective(Objective):
             pad_id=self.pad_id,
         )
         out = dict(rollout.as_dict())
-        # in chunks of one update's rows: the loss then scores the same shapes
+        # in chunks of one update's rows: the loss then scores the same shapes. The policy and
+        # the reference score each chunk in one loop iteration (half the loop trips of two maps)
         chunk = self.scoring_rows or rollout.prompt.shape[0] // self.prepared_updates.minibatches
-
-        def scores(p):
-            return in_chunks(
-                lambda r: rollout_logprobs(self.model, p, r, sampling=self.sampling), rollout, chunk
-            )
-
-        out["old_logps"] = scores(params)
+        scored = {"old_logps": params}
         if self.beta > 0:
-            out["ref_logps"] = scores(variables["reference"]["params"])
+            scored["ref_logps"] = variables["reference"]["params"]
+
+        def scores(r):
+            return {
+                name: rollout_logprobs(self.model, p, r, sampling=self.sampling)
+                for name, p in scored.items()
+            }
+
+        out.update(in_chunks(scores, rollout, chunk))
         data = {
             k: repeat_rows(v, self.group_size) for k, v in batch.items() if k not in _PROMPT_KEYS
         }

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import jax
@@ -402,13 +401,13 @@ class PPOObjective(Objective):
         )
         mask = rollout.completion_mask
         chunk = self.scoring_rows or mask.shape[0] // self.prepared_updates.minibatches
-        logps, values = in_chunks(partial(self.evaluate_rollout, params), rollout, chunk)
         reference = variables["reference"]["params"]
-        ref_logps = in_chunks(
-            lambda r: rollout_logprobs(self.model, reference, r, sampling=self.sampling),
-            rollout,
-            chunk,
-        )
+
+        def scores(r):  # the policy and the reference in one loop iteration per chunk
+            logps, values = self.evaluate_rollout(params, r)
+            return logps, values, rollout_logprobs(self.model, reference, r, sampling=self.sampling)
+
+        logps, values, ref_logps = in_chunks(scores, rollout, chunk)
         out = dict(rollout.as_dict(), old_logps=logps, old_values=values, ref_logps=ref_logps)
         out["token_rewards"] = self.rewards.token_values(rollout.completion, mask, dict(batch))
         if not self.has_prepare_host:

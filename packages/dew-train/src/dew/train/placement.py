@@ -7,6 +7,7 @@ so the step that ``plan`` measures is the step that ``fit`` runs.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,7 +44,7 @@ def to_global(
     local: Mapping[str, Any], partition: Partition, global_rows: int, mesh: Mesh, rules: Rules
 ) -> dict[str, jax.Array]:
     """This process's rows of a global batch -> global arrays sharded by rows."""
-    out = {}
+    values = {}
     for name, value in local.items():
         value = np.asarray(value)
         if value.shape[:1] != (global_rows // partition.count,):
@@ -52,14 +53,49 @@ def to_global(
                 f"process (partition {partition.index} of {partition.count}) must read "
                 f"{global_rows // partition.count} rows of the global batch {global_rows}"
             )
-        sharding = batch_sharding(mesh, rules, value.ndim)
-        if partition.count == 1:  # this process holds the whole batch
-            out[name] = jax.device_put(value, sharding)
-        else:
-            out[name] = jax.make_array_from_process_local_data(
-                sharding, value, (global_rows, *value.shape[1:])
-            )
-    return out
+        values[name] = value
+    if partition.count == 1:  # this process holds the whole batch
+        return _placed(values, mesh, rules)
+    return {
+        name: jax.make_array_from_process_local_data(
+            batch_sharding(mesh, rules, value.ndim), value, (global_rows, *value.shape[1:])
+        )
+        for name, value in values.items()
+    }
+
+
+def _placed(values: dict[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
+    """Host arrays -> arrays with the batch sharding. On one device through a compiled
+    identity (:func:`_placer`): a compiled call takes numpy arguments in JAX's C++ path,
+    ~40 us for a batch, where ``jax.device_put`` costs ~100 us per array in Python, on
+    every step of ``fit`` (measured: 90 against 400-600 us for three arrays). Over
+    several devices the identity would run a program on each, slower than one batched
+    ``jax.device_put`` (810 against 440 us on 8 CPU devices). The dtypes are JAX's
+    (``jax.device_put``'s: int64 -> int32 without x64)."""
+    if mesh.size > 1:
+        shardings = [batch_sharding(mesh, rules, v.ndim) for v in values.values()]
+        return dict(zip(values, jax.device_put(list(values.values()), shardings)))
+    values = {k: v.astype(_canonical(v.dtype), copy=False) for k, v in values.items()}
+    key = tuple(
+        (k, v.shape, v.dtype.str, batch_sharding(mesh, rules, v.ndim)) for k, v in values.items()
+    )
+    return _placer(key)(values)
+
+
+def _canonical(dtype) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _placer(key: tuple) -> Callable:
+    """The compiled identity for one batch layout ``((name, shape, dtype, sharding), ...)``."""
+    abstract = {k: jax.ShapeDtypeStruct(shape, np.dtype(d), sharding=s) for k, shape, d, s in key}
+    shardings = {k: s for k, _, _, s in key}
+    return (
+        jax.jit(lambda b: b, in_shardings=(shardings,), out_shardings=shardings)
+        .lower(abstract)
+        .compile()
+    )
 
 
 def to_host(batch: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:

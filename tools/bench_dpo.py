@@ -47,6 +47,8 @@ from dew import Dataset, Trainer, models  # noqa: E402
 from dew.objectives.dpo import DPOObjective  # noqa: E402
 
 SIZES = {
+    # a step of ~0.1 ms: what is left is each side's host loop around its step
+    "tiny": dict(emb_features=8, num_layers=1, num_heads=1, mlp_features=8, prompt=4, pairs=8),
     "small": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, prompt=32, pairs=8),
     "medium": dict(
         emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, prompt=64, pairs=8

@@ -241,3 +241,32 @@ def test_accumulate_that_does_not_divide_the_batch_is_refused(trainer):
         bad.fit(data(set()), steps=1)
     with pytest.raises(ValueError, match="accumulate must be >= 1 microbatches, got 0"):
         Trainer(trainer.objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=0)
+
+
+# ------------------------------------------------------------ the fused norm
+def test_fused_tree_norm_is_one_reduction_and_equals_numpy():
+    from dew.train.step import FUSED_NORM_ELEMENTS, tree_norm
+
+    rng = np.random.default_rng(0)
+    tree = {
+        "a": rng.normal(size=(3, 5)).astype(np.float32),
+        "b": {"c": rng.normal(size=(7,)).astype(np.float32), "d": np.float32(2.5)},
+        "e": jnp.asarray(rng.normal(size=(4, 2, 3)), jnp.bfloat16),
+    }
+    want = np.sqrt(
+        sum(np.sum(np.float64(np.asarray(x, np.float32)) ** 2) for x in jax.tree.leaves(tree))
+    )
+    for fused in (False, True):
+        got = jax.jit(lambda t, f=fused: tree_norm(t, fused=f))(tree)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+    def reductions(fused):
+        jaxpr = jax.make_jaxpr(lambda t: tree_norm(t, fused=fused))(tree)
+        return sum(e.primitive.name == "reduce_sum" for e in jaxpr.jaxpr.eqns)
+
+    assert reductions(True) == 1  # one kernel for the whole tree
+    assert reductions(False) == len(jax.tree.leaves(tree))  # as optax: one per leaf
+    big = {"w": jax.ShapeDtypeStruct((FUSED_NORM_ELEMENTS + 1,), jnp.float32)}
+    jaxpr = jax.make_jaxpr(lambda t: tree_norm(t, fused=True))(big)
+    assert not any(e.primitive.name == "concatenate" for e in jaxpr.jaxpr.eqns)  # no copy

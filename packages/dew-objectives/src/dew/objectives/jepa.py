@@ -70,6 +70,16 @@ def effective_rank(x: jax.Array) -> jax.Array:
     return jnp.exp(-jnp.sum(p * jnp.log(p)))
 
 
+def feature_statistics(targets, predictions, pooled) -> dict[str, jax.Array]:
+    """What the log shows of collapse: ``target_std`` and ``prediction_std``
+    (:func:`feature_std`) and the ``effective_rank`` of the pooled target features."""
+    return {
+        "target_std": feature_std(targets),
+        "prediction_std": feature_std(predictions),
+        "effective_rank": effective_rank(pooled),
+    }
+
+
 def momentum_schedule(start: float, end: float, updates: int):
     """``m(u) = start + (end - start) * min(u / updates, 1)``, the EMA decay at update ``u``."""
 
@@ -200,13 +210,9 @@ class JepaObjective(Objective):
         if "example_mask" in batch:  # padded rows of a last validation batch
             weights = batch["example_mask"].astype(jnp.float32)
         loss = Weighted.mean(per_element, weights[:, None, None, None])
-        # feature statistics (an SVD among them): on logged steps only, each a mean
-        # per row as a plain scalar metric is
-        metrics = {
-            "target_std": step.diagnostic(feature_std, h, weight=rows),
-            "prediction_std": step.diagnostic(feature_std, z, weight=rows),
-            "effective_rank": step.diagnostic(effective_rank, full.mean(axis=1), weight=rows),
-        }
+        # feature statistics (an SVD among them): on logged steps only, under one
+        # condition, each a mean per row as a plain scalar metric is
+        metrics = step.diagnostic(feature_statistics, h, z, full.mean(axis=1), weight=rows)
         return loss, metrics
 
     def loss(self, variables, batch, step: Step):

@@ -154,7 +154,9 @@ def plan(
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k])
         for k, v in batch.items()
     }
-    step_fn = build_train_step(objective, optimizer, accumulate_steps=accumulate)
+    step_fn = build_train_step(
+        objective, optimizer, accumulate_steps=accumulate, one_device=device_mesh.size == 1
+    )
     replicated = NamedSharding(device_mesh, PartitionSpec())
 
     start = time.perf_counter()

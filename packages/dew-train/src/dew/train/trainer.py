@@ -655,6 +655,7 @@ class Trainer:
                     self.optimizer,
                     accumulate_steps=self.accumulate,
                     learning_rate=self.learning_rate,
+                    one_device=self.device_mesh.size == 1,
                 )
                 if self.objective.has_prepare:
                     step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)

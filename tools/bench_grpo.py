@@ -299,9 +299,10 @@ def interleaved(size, calls, inline=False):
     median paired ratios, with one call of each side in turn (rollout Dew, rollout
     hand, update Dew, update hand, ...), so a shared machine's drifting load falls
     on both alike. Dew's sides are what ``Trainer.fit`` runs: its prepare phase
-    (``Trainer._prepared``: the compiled prepare, the host stage, the compiled
+    (``dew.train._programs.prepared``: the compiled prepare, the host stage, the compiled
     finish) and its compiled update, taken from a trainer after a one-batch fit."""
     from dew.data import Partition
+    from dew.train._programs import prepared as dew_prepared
     from dew.train.goodput import Goodput
     from dew.train.placement import to_global
     from dew.train.step import logged_flag
@@ -344,7 +345,7 @@ def interleaved(size, calls, inline=False):
         (dew_step,) = trainer.__dict__["_compiled"].values()
         not_logged = logged_flag(trainer.device_mesh, False)  # as fit's steps between log lines
         for i in range(calls + 1):
-            prepared = timed("dew_roll", trainer._prepared, state, placed[i % 4], shardings, gp)
+            prepared = timed("dew_roll", dew_prepared, trainer, state, placed[i % 4], shardings, gp)
             key = jax.random.key(i)
             batch = timed("hand_roll", rollout, params, reference, *hand_batches[i % 4], key)
             state, _ = timed("dew_upd", dew_step, state, prepared, not_logged)

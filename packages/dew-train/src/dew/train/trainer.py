@@ -18,7 +18,7 @@ import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -33,6 +33,7 @@ from dew.nn.keywords import check_keywords, unknown_keywords
 from dew.nn.lora import base_module, lora_of
 from dew.objectives import Objective, Role, Step
 from dew.objectives import weighted as wt
+from dew.train import _programs
 from dew.train._run import Run
 from dew.train.adapters import split_lora
 from dew.train.checkpoints import Checkpoints, resume_position
@@ -48,32 +49,19 @@ from dew.train.mesh import (
     mesh_sizes,
     unbox_abstract,
 )
-from dew.train.packing import packed_step
 from dew.train.placement import (
-    abstract_batch,
     check_batch_rows,
-    compile_fn,
-    compile_with_flops,
-    from_host,
     layout,
-    replicated,
     shard_bytes,
     to_global,
-    to_host,
 )
 from dew.train.preemption import StopSignals
 from dew.train.state import TrainState
 from dew.train.step import (
-    LOGGED_SPEC,
     Stream,
-    build_prepare,
-    build_prepare_finish,
-    build_train_step,
     is_logged_step,
     logged_flag,
     microbatch_key,
-    minibatch_fn,
-    with_minibatch,
 )
 from dew.train.throughput import Throughput
 from dew.train.trackers import Tracker
@@ -519,9 +507,11 @@ class Trainer:
                         with goodput.measure("steps"):
                             jax.block_until_ready(state)
                     began = goodput.seconds["prepare"]  # compilation not counted
-                    prepared = self._prepared(state, batch, shardings, goodput)
+                    prepared = _programs.prepared(self, state, batch, shardings, goodput)
                     run.interval.prepare_seconds += goodput.seconds["prepare"] - began
-                update, run.packing = self._compiled_update(state, prepared, shardings, goodput)
+                update, run.packing = _programs.compiled_update(
+                    self, state, prepared, shardings, goodput
+                )
                 if run.throughput is None:
                     run.throughput = self.throughput(prepared)
                     log.print(run.throughput.line())
@@ -553,126 +543,6 @@ class Trainer:
         log.print(goodput.line(report))
         log.log(step, report, kind="goodput")
         return state
-
-    # ---------------------------------------------------------- compilation
-    def _prepared(self, state, batch, shardings, goodput):
-        if not self.objective.has_prepare:
-            return batch
-        objective = self.objective
-        has_host = objective.has_prepare_host
-        prepared = self._run_prepare(
-            "prepare", build_prepare(objective), state, batch, shardings, goodput, not has_host
-        )
-        if not has_host:
-            return prepared
-        with goodput.measure("prepare"):
-            extra = objective.prepare_host(to_host(prepared))
-            self._check_host(extra, prepared)
-            merged = {**prepared, **from_host(extra, self.device_mesh, self.rules)}
-        finish = build_prepare_finish(objective)
-        return self._run_prepare("finish", finish, state, merged, shardings, goodput, True)
-
-    def _run_prepare(self, part, fn, state, batch, shardings, goodput, final):
-        """One compiled part of the prepare phase, compiled once per batch layout."""
-        key = (part, layout(batch))
-        cache = self.__dict__.setdefault("_compiled_prepare", {})
-        if key not in cache:
-            with goodput.measure("compile"):
-                out = jax.eval_shape(fn, state, batch)
-                if final:
-                    self._check_prepared(out)
-                out_shardings = {
-                    k: v.sharding
-                    for k, v in abstract_batch(out, self.device_mesh, self.rules).items()
-                }
-                cache[key] = compile_fn(
-                    fn,
-                    (state, batch),
-                    in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
-                    out_shardings=out_shardings,
-                )
-        with goodput.measure("prepare"):
-            prepared = cache[key](state, batch)
-            jax.block_until_ready(prepared)
-        return prepared
-
-    def _check_host(self, extra, prepared) -> None:
-        name = type(self.objective).__name__
-        if not isinstance(extra, Mapping):
-            raise TypeError(
-                f"{name}.prepare_host must return a dict of numpy arrays, got "
-                f"{type(extra).__name__}"
-            )
-        rows = next(iter(prepared.values())).shape[0]
-        for key, value in extra.items():
-            shape = np.shape(value)
-            if not shape or shape[0] != rows:
-                raise ValueError(
-                    f"{name}.prepare_host returned {key!r} of shape {shape}; every array needs "
-                    f"the {rows} rows of the prepared batch as its leading axis"
-                )
-
-    def _check_prepared(self, out) -> None:
-        name = type(self.objective).__name__
-        if not isinstance(out, Mapping) or not out:
-            raise TypeError(
-                f"{name}.prepare must return a dict of arrays with a leading rows axis, got "
-                f"{type(out).__name__}"
-            )
-        rows = {k: (v.shape[0] if v.ndim else None) for k, v in out.items()}
-        if len(set(rows.values())) != 1 or None in rows.values():
-            raise ValueError(
-                f"{name}.prepare returned arrays with different leading dimensions {rows}; "
-                f"every array needs the same number of rows"
-            )
-        count = next(iter(rows.values()))
-        updates = self.objective.prepared_updates
-        if count % updates.minibatches:
-            raise ValueError(
-                f"{name}.prepare returned {count} rows, which do not split into the declared "
-                f"{updates.minibatches} minibatches ({updates}); return a multiple of "
-                f"{updates.minibatches} rows"
-            )
-        check_batch_rows(
-            self.device_mesh,
-            self.rules,
-            count // updates.minibatches,
-            self.accumulate,
-            what=f"{name}.prepare minibatch ({count} rows / {updates.minibatches})",
-        )
-
-    def _compiled_update(self, state, batch, shardings, goodput):
-        """The update step compiled for this batch layout, and the :class:`Packing`
-        of its metrics (:mod:`dew.train.packing`); a later ``fit`` with the same
-        layout reuses them."""
-        key = layout(batch)
-        cache = self.__dict__.setdefault("_compiled", {})
-        packings = self.__dict__.setdefault("_packings", {})
-        if key not in cache:
-            with goodput.measure("compile"):
-                step_fn = build_train_step(
-                    self.objective,
-                    self.optimizer,
-                    accumulate_steps=self.accumulate,
-                    learning_rate=self.learning_rate,
-                    one_device=self.device_mesh.size == 1,
-                )
-                if self.objective.has_prepare:
-                    step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)
-                step_fn, packings[key] = packed_step(step_fn)
-                cache[key], flops = compile_with_flops(
-                    step_fn,
-                    (state, batch, LOGGED_SPEC),
-                    in_shardings=(
-                        shardings,
-                        jax.tree.map(lambda x: x.sharding, batch),
-                        replicated(self.device_mesh),
-                    ),
-                    out_shardings=(shardings, replicated(self.device_mesh)),
-                    donate_argnums=(0,),
-                )
-                self.__dict__.setdefault("_step_flops", {})[key] = flops
-        return cache[key], packings[key]
 
     def throughput(self, batch) -> Throughput:
         """The compiled step's FLOPs for ``batch``'s layout and the mesh's peak

@@ -201,7 +201,11 @@ def wheels(session: nox.Session) -> None:
     dist dew-jax`, as packages/dew/README.md says): no datasets/pandas/pyarrow, and
     it trains a tiny model."""
     sync(session, "--only-group", "packaging")
-    session.run(*PYTEST[:2], "tests/packaging", *session.posargs, env=ENV)
+    # two workers, test by test (not file by file: the wheel tests are one file and
+    # most of the time); each worker builds the wheels once (a module fixture, < 1 s)
+    session.run(
+        *PYTEST[:2], "-n", "2", "--dist", "load", "tests/packaging", *session.posargs, env=ENV
+    )
 
 
 @nox.session(python=PYTHON, venv_backend="virtualenv")

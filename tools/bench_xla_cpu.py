@@ -142,27 +142,12 @@ def dew_child(size: str, steps: int) -> None:
     sys.path.insert(0, str(HERE / "bench_peers"))
     import contextlib
     import io
-    import itertools
 
-    import bench_model
     import jax
-    import optax
+    import jax_sides
     import protocol
 
-    from dew import Dataset, Trainer
-    from dew.objectives.lm import LMObjective
-
-    s = protocol.SIZES[size]
-    rows = protocol.rows(size)
-    data = Dataset(
-        train=lambda p: ({"text": r} for r in itertools.cycle(rows)),
-        val=None,
-        records=len(rows) * s["batch"],
-        batch=s["batch"],
-    )
-    model = bench_model.network("dew_gpt2", size)
-    trainer = Trainer(LMObjective(model, seq_len=s["seq"]), optax.adamw(3e-3),
-                      key=jax.random.key(0), progress=False)  # fmt: skip
+    trainer, data = jax_sides.dew_run(size, "dew_gpt2")
     marks = {}
 
     def clock(info):

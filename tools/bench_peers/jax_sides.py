@@ -46,7 +46,9 @@ from dew.sampling import Sampling, generate  # noqa: E402
 SIDES = ("dew", "dew_llama", "hand")
 
 
-def run_dew(size: str, steps: int, variant: str) -> dict:
+def dew_run(size: str, variant: str) -> tuple[Trainer, Dataset]:
+    """The trainer and dataset of a Dew side: ``bench_model.network(variant, size)``
+    under ``LMObjective``, adamw(3e-3), the suite's random token rows."""
     s = protocol.SIZES[size]
     model = bench_model.network(variant, size)
     rows = protocol.rows(size)
@@ -62,6 +64,12 @@ def run_dew(size: str, steps: int, variant: str) -> dict:
         key=jax.random.key(0),
         progress=False,
     )
+    return trainer, data
+
+
+def run_dew(size: str, steps: int, variant: str) -> dict:
+    trainer, data = dew_run(size, variant)
+    model = trainer.objective.model
     # One fit of N steps, timed as every side is: the clocks start when step 1's
     # result is ready (fit waits for the first step) and stop when step N's is.
     marks = {}

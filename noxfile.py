@@ -172,10 +172,13 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests: the quickstart, resume after SIGKILL, several processes, and
     every ```python block in docs/*.md (tests/test_docs.py, which alone is `nox -s docs`).
 
-    One pytest run for both: with `--dist loadfile` the docs file is one unit of work,
-    which in a session of its own left the second worker idle (~2.5 min of CI)."""
+    One pytest run for both, `--dist loadscope`: each module is one unit of work, as
+    with loadfile, and each docs page one of its own (a class in tests/test_docs.py)."""
     sync(session, "--all-packages", "--all-extras")
-    session.run(*PYTEST, "tests", "--ignore=tests/packaging", *session.posargs, env=ENV)
+    # loadscope: a module's functions on one worker (as loadfile), and each docs page,
+    # a class of tests/test_docs.py, a unit of its own
+    pytest = ["loadscope" if a == "loadfile" else a for a in PYTEST]
+    session.run(*pytest, "tests", "--ignore=tests/packaging", *session.posargs, env=ENV)
 
 
 @nox.session(python=PYTHON, default=False)

@@ -18,8 +18,7 @@ def blocks(path: pathlib.Path) -> list[str]:
     return BLOCK.findall(path.read_text())
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d)], ids=lambda p: p.name)
-def test_doc_code_runs(doc, tmp_path):
+def run_doc(doc: pathlib.Path, tmp_path: pathlib.Path) -> None:
     code = "\n\n".join(f"# --- block {i}\n{b}" for i, b in enumerate(blocks(doc)))
     script = tmp_path / f"{doc.stem}.py"
     script.write_text(code)
@@ -34,6 +33,24 @@ def test_doc_code_runs(doc, tmp_path):
         timeout=900,
     )
     assert run.returncode == 0, f"{doc.name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+
+
+# One class per page, `TestDoc_<page>::test_code_runs`: the integration session shares
+# tests between its two workers with `--dist loadscope` (a module's functions on one
+# worker, each class a unit of its own), so the pages, each its own process, run on
+# both workers instead of as one ~11-minute unit.
+def _page_test(doc: pathlib.Path) -> type:
+    def test_code_runs(self, tmp_path):
+        run_doc(doc, tmp_path)
+
+    name = "TestDoc_" + re.sub(r"\W", "_", doc.stem)
+    return type(name, (), {"test_code_runs": test_code_runs, "__doc__": f"docs/{doc.name}"})
+
+
+for _doc in DOCS:
+    if blocks(_doc):
+        _cls = _page_test(_doc)
+        globals()[_cls.__name__] = _cls
 
 
 def test_every_doc_is_checked():

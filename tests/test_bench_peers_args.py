@@ -60,3 +60,17 @@ def test_missing_interpreter_is_reported_not_dropped(run, tmp_path):
     assert out.startswith("not installed") and "levanter_side.py" in out
     rows = run.table("seed", {"dew": [], "levanter": [out]})
     assert any("| levanter | not installed" in row for row in rows)
+
+
+def test_bench_matmul_refuses_a_size_below_one_and_reports_a_missing_torch(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "bench_matmul", pathlib.Path(__file__).parents[1] / "tools" / "bench_matmul.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--size", "0"])
+    assert exit_.value.code == 2
+    assert "--size 0" in capsys.readouterr().err
+    missing = str(tmp_path / "no-venv" / "python")
+    assert module.run(missing, "torch", 8, 1) == f"not installed (no {missing})"

@@ -147,7 +147,7 @@ def dew_child(size: str, steps: int) -> None:
     import jax_sides
     import protocol
 
-    trainer, data = jax_sides.dew_run(size, "dew_gpt2")
+    trainer, data = jax_sides.dew_trainer(size, "dew_gpt2")
     marks = {}
 
     def clock(info):

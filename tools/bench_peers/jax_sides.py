@@ -46,7 +46,7 @@ from dew.sampling import Sampling, generate  # noqa: E402
 SIDES = ("dew", "dew_llama", "hand")
 
 
-def dew_run(size: str, variant: str) -> tuple[Trainer, Dataset]:
+def dew_trainer(size: str, variant: str) -> tuple[Trainer, Dataset]:
     """The trainer and dataset of a Dew side: ``bench_model.network(variant, size)``
     under ``LMObjective``, adamw(3e-3), the suite's random token rows."""
     s = protocol.SIZES[size]
@@ -68,7 +68,7 @@ def dew_run(size: str, variant: str) -> tuple[Trainer, Dataset]:
 
 
 def run_dew(size: str, steps: int, variant: str) -> dict:
-    trainer, data = dew_run(size, variant)
+    trainer, data = dew_trainer(size, variant)
     model = trainer.objective.model
     # One fit of N steps, timed as every side is: the clocks start when step 1's
     # result is ready (fit waits for the first step) and stop when step N's is.

@@ -62,15 +62,31 @@ def test_missing_interpreter_is_reported_not_dropped(run, tmp_path):
     assert any("| levanter | not installed" in row for row in rows)
 
 
-def test_bench_matmul_refuses_a_size_below_one_and_reports_a_missing_torch(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "bench_matmul", pathlib.Path(__file__).parents[1] / "tools" / "bench_matmul.py"
-    )
+def load_tool(name: str):
+    """The module of ``tools/<name>.py``."""
+    path = pathlib.Path(__file__).parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_matmul_refuses_a_size_below_one_and_reports_a_missing_torch(tmp_path, capsys):
+    module = load_tool("bench_matmul")
     with pytest.raises(SystemExit) as exit_:
         module.main(["--size", "0"])
     assert exit_.value.code == 2
     assert "--size 0" in capsys.readouterr().err
     missing = str(tmp_path / "no-venv" / "python")
     assert module.run(missing, "torch", 8, 1) == f"not installed (no {missing})"
+
+
+def test_bench_attention_refuses_a_length_that_does_not_divide_the_tokens(tmp_path, capsys):
+    module = load_tool("bench_attention")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--lengths", "256", "300"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lengths 300" in err and "--tokens 4096" in err
+    missing = str(tmp_path / "no-venv" / "python")
+    assert module.run(missing, "torch", 16, 256) == f"not installed (no {missing})"

@@ -40,26 +40,26 @@ ROWS = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).asty
 ONE_DEVICE = MeshSpec(data=1, devices=jax.devices()[:1])
 
 
-def data() -> Dataset:
+def data(rows=ROWS) -> Dataset:
     """Five different global batches; each process reads its partition's rows."""
     return Dataset(
-        train=lambda p: iter({"text": r[p.slice(BATCH)]} for r in itertools.cycle(ROWS)),
+        train=lambda p: iter({"text": r[p.slice(BATCH)]} for r in itertools.cycle(rows)),
         val=None,
         records=STEPS * BATCH,
         batch=BATCH,
     )
 
 
-def run(config: dict, mesh: MeshSpec, run_dir) -> tuple[list[float], dict, dict]:
+def run(config: dict, mesh: MeshSpec, run_dir, rows=ROWS) -> tuple[list[float], dict, dict]:
     """Train five steps; returns (losses, final params, last metrics)."""
     trainer = Trainer(
-        LMObjective(CausalTransformer(**config), seq_len=SEQ),
+        LMObjective(CausalTransformer(**config), seq_len=rows.shape[-1] - 1),
         optax.sgd(0.5),
         key=jax.random.key(0),
         mesh=mesh,
         run_dir=str(run_dir),
     )
-    state = trainer.fit(data(), steps=STEPS, log_every=1)
+    state = trainer.fit(data(rows), steps=STEPS, log_every=1)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train = [r for r in records if r["kind"] == "train"]
     return [r["loss"] for r in train], state.params, train[-1]
@@ -106,6 +106,41 @@ def test_mesh_matches_one_device(case, reference, tmp_path, capsys):
         assert metrics["loss"] == pytest.approx(lm_loss + 0.01 * metrics["aux_loss"], rel=1e-6)
         up = params["layers"]["mlp"]["up"]  # [layers, expert, embed, mlp]
         assert {s.data.shape[1] for s in up.addressable_shards} == {2}  # 4 experts / expert=2
+
+
+LONG = 128  # from here causal attention runs in query blocks on the CPU (dew.nn.attention)
+
+
+@pytest.mark.slow
+def test_attention_in_query_blocks_matches_one_device_on_a_mesh(tmp_path, monkeypatch):
+    """At 128 tokens the model's attention runs in 2 query blocks on one device and on
+    data=2,fsdp=2,tensor=2 (counted), and in one product where the mesh splits the
+    sequence (data=4,sequence=2); all three train to the same losses and weights."""
+    from dew.nn import attention
+
+    blocks, calls = attention.attend_in_query_blocks, []
+    monkeypatch.setattr(
+        attention, "attend_in_query_blocks", lambda *a: calls.append(a[-1]) or blocks(*a)
+    )
+    rows = np.random.default_rng(1).integers(0, VOCAB, (STEPS, BATCH, LONG + 1)).astype(np.int32)
+    config = dict(TINY, max_seq_len=LONG)
+    want_losses, want_params, _ = run(config, ONE_DEVICE, tmp_path / "one", rows)
+    assert calls and set(calls) == {64}
+    for name, mesh, blocked in [
+        ("data=2,fsdp=2,tensor=2", MeshSpec(data=2, fsdp=2, tensor=2), True),
+        ("data=4,sequence=2", MeshSpec(data=4, sequence=2), False),
+    ]:
+        calls.clear()
+        losses, params, _ = run(config, mesh, tmp_path / name, rows)
+        assert bool(calls) == blocked, name
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=name)
+        jax.tree.map(
+            lambda a, b, name=name: np.testing.assert_allclose(
+                a, b, rtol=1e-5, atol=1e-6, err_msg=name
+            ),
+            jax.device_get(params),
+            jax.device_get(want_params),
+        )
 
 
 def compiled_forward(config, mesh_spec):

@@ -32,6 +32,10 @@ class Attention(nn.Module):
     ``[batch, length, axes]``: the rotary embedding is then V-JEPA 2's axial one
     (:func:`dew.nn.rope.apply_axial_rope`, base ``rope_theta``), and the mask
     must be ``masks.full()``, since coordinates do not order the tokens.
+
+    On the CPU backend, causal self-attention over :data:`CAUSAL_BLOCKS_FROM`
+    tokens or more runs in blocks of queries (:func:`attend_in_query_blocks`):
+    the same values in less time.
     """
 
     num_heads: int

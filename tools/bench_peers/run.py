@@ -21,6 +21,12 @@ MaxText) with ``dew_llama``, Dew built the same way.
     python tools/bench_peers/run.py --sizes seed --venv tunix=/opt/tunix/bin/python
     python tools/bench_peers/run.py --write docs/performance.md
 
+Tunix runs on jax 0.12 (Python 3.12); so does Dew for a user on Python 3.12+ (the
+lock forks on Python). For Dew on the same jax, give its sides a Python 3.13 venv of
+the workspace (``UV_PROJECT_ENVIRONMENT=/work/venv313 uv sync --locked --all-packages
+--all-extras -p 3.13``): ``--venv dew=/work/venv313/bin/python
+dew_llama=/work/venv313/bin/python hand=/work/venv313/bin/python``.
+
 Definitions (tools/bench_peers/protocol.py), the same for every side:
 tokens/s after the first step (steps 2..N), time to the first step from
 process start, greedy generation new tokens/s of a warm call, peak RSS. Each

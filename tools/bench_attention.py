@@ -12,6 +12,14 @@ blocks and torch / blocks (above 1: the blocks are faster).
     python tools/bench_attention.py --lengths 128 256 512 1024 --rounds 2
     python tools/bench_attention.py --torch-python /tmp/torchenv/bin/python
 
+``--step BLOCKS...`` times the whole training step instead: tools/bench_model.py's
+GPT-2-style ``dew_gpt2`` at ``--size`` (hand-written jitted step, adamw, donation)
+compiled once per block count (``one`` = one product, ``auto`` = Dew's default, or a
+number of query blocks), all in one process, the timed runs alternating; ratios
+are one product / this, paired per round.
+
+    python tools/bench_attention.py --step one auto 3 4 --size medium --rounds 4
+
 torch comes from its own venv (``python -m venv /tmp/torchenv &&
 /tmp/torchenv/bin/pip install torch==2.13.0 numpy``); a missing one is reported
 as "not installed".
@@ -105,12 +113,63 @@ def run(python: str, side: str, batch: int, length: int) -> float | str:
     return f"failed (rc {done.returncode}): {done.stderr.strip()[-200:]}"
 
 
+def block_rule(setting: str):
+    """``causal_query_block`` for a ``--step`` setting: ``one``, ``auto`` or a count."""
+    from dew.nn import attention
+
+    if setting == "auto":
+        return attention.causal_query_block
+    if setting == "one":
+        return lambda length: None
+    count = int(setting)
+    return lambda length: -(-length // count) if length >= attention.CAUSAL_BLOCKS_FROM else None
+
+
+def time_steps(settings: list[str], size: str, rounds: int) -> None:
+    """The ``--step`` table: bench_model's ``dew_gpt2`` compiled under each setting."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import time
+
+    import bench_model
+
+    from dew.nn import attention
+
+    default, entries, compile_s = attention.causal_query_block, {}, {}
+    try:
+        for setting in settings:
+            attention.causal_query_block = block_rule(setting)
+            begin = time.perf_counter()
+            entries[setting] = list(bench_model.build("dew_gpt2", size))
+            compile_s[setting] = time.perf_counter() - begin
+            bench_model.timed(entries[setting], 1)  # warm
+    finally:
+        attention.causal_query_block = default
+    steps = 3 if size == "medium" else 40
+    times: dict[str, list] = {s: [] for s in settings}
+    for r in range(rounds):
+        for setting in settings[r % len(settings) :] + settings[: r % len(settings)]:
+            times[setting].append(bench_model.timed(entries[setting], steps))
+    base = times[settings[0]]
+    print(f"dew_gpt2 {size}, {steps} steps x {rounds} rounds; load {os.getloadavg()}")
+    print("| setting | wall ms/step | CPU ms/step | first / this wall | first / this CPU | "
+          "build + compile s |\n|---|---|---|---|---|---|")  # fmt: skip
+    for setting in settings:
+        t = times[setting]
+        wall = statistics.median(a[0] / b[0] for a, b in zip(base, t, strict=True))
+        cpu = statistics.median(a[1] / b[1] for a, b in zip(base, t, strict=True))
+        print(f"| {setting} | {statistics.median(x[0] for x in t) * 1e3:.0f} | "
+              f"{statistics.median(x[1] for x in t) * 1e3:.0f} | {wall:.3f} | {cpu:.3f} | "
+              f"{compile_s[setting]:.1f} |")  # fmt: skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--tokens", type=int, default=4096, help="batch * length per call")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--torch-python", default="/tmp/torchenv/bin/python")
+    parser.add_argument("--step", nargs="+", metavar="BLOCKS", help="one, auto or a count")
+    parser.add_argument("--size", default="medium", help="--step only: seed or medium")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -122,6 +181,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             )
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
+    for setting in args.step or ():
+        if setting not in ("one", "auto") and not (setting.isdigit() and int(setting) >= 1):
+            parser.error(f"--step {setting!r}: use 'one', 'auto' or a block count >= 1")
+    if args.size not in ("seed", "medium"):
+        parser.error(f"--size {args.size!r}: use one of ['seed', 'medium']")
     return args
 
 
@@ -130,6 +194,9 @@ def main(argv=None) -> None:
     if args.child:
         result = child(args.child, args.batch, args.lengths[0])
         print("RESULT " + json.dumps(result), flush=True)
+        return
+    if args.step:
+        time_steps(args.step, args.size, args.rounds)
         return
     from dew.nn import attention
 

@@ -88,5 +88,8 @@ def test_bench_attention_refuses_a_length_that_does_not_divide_the_tokens(tmp_pa
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--lengths 300" in err and "--tokens 4096" in err
+    with pytest.raises(SystemExit):
+        module.main(["--step", "one", "two"])
+    assert "--step 'two': use 'one', 'auto' or a block count >= 1" in capsys.readouterr().err
     missing = str(tmp_path / "no-venv" / "python")
     assert module.run(missing, "torch", 16, 256) == f"not installed (no {missing})"

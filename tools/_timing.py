@@ -1,9 +1,11 @@
-"""The two timings the training benchmarks report, one definition for every script.
+"""The timings the benchmarks report, one definition for every script.
 
 A run is timed as ``(first, per_step)`` seconds: ``first`` from the start (before
 init) to the first step's result, so it holds the compiles; ``per_step`` the mean
 of the following ``steps - 1`` steps, dispatched back to back and waited for once
-at the end.
+at the end. :func:`best_of` times one call (a product, an attention layer) in a
+child process of any side, torch's too: this module imports jax only where it waits
+on jax arrays.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import re
 import time
 from collections.abc import Callable
 from typing import Any
-
-import jax
 
 
 def fit_seconds(trainer, data, steps: int) -> tuple[float, float]:
@@ -37,6 +37,8 @@ def loop_seconds(
     """``(first, per_step)`` of a hand-written loop ``state = step(state, i)``, ``i = 0 ..
     steps - 1``: ``first`` from ``start`` (a ``time.perf_counter()`` taken before init)
     to step 0's result."""
+    import jax
+
     state = jax.block_until_ready(step(state, 0))
     first = time.perf_counter() - start
     begin = time.perf_counter()
@@ -44,3 +46,28 @@ def loop_seconds(
         state = step(state, i)
     jax.block_until_ready(state)
     return first, (time.perf_counter() - begin) / (steps - 1)
+
+
+def best_of(
+    call: Callable[[], Any],
+    ready: Callable[[Any], Any],
+    *,
+    warm: int,
+    repeats: int,
+    calls: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds per call of ``call()``: ``warm`` calls first, then the best of
+    ``repeats`` groups of ``calls`` calls dispatched back to back, each group waited
+    for once with ``ready(out)``; ``clock`` is ``time.perf_counter`` (wall) or
+    ``time.process_time`` (this process's CPU, every thread)."""
+    for _ in range(warm):
+        ready(call())
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(calls):
+            out = call()
+        ready(out)
+        best = min(best, (clock() - start) / calls)
+    return best

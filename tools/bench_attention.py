@@ -41,6 +41,7 @@ SIDES = ("one", "blocks", "torch")
 def child(side: str, batch: int, length: int) -> float:
     import time
 
+    import _timing  # tools/, this script's directory
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -86,15 +87,7 @@ def child(side: str, batch: int, length: int) -> float:
         def ready(out):
             return jax.block_until_ready(out)
 
-    for _ in range(2):
-        ready(call())
-    best = float("inf")
-    for _ in range(5):
-        start = time.process_time()
-        for _ in range(3):
-            out = call()
-        ready(out)
-        best = min(best, (time.process_time() - start) / 3)
+    best = _timing.best_of(call, ready, warm=2, repeats=5, calls=3, clock=time.process_time)
     return best * 1e3
 
 

@@ -21,8 +21,7 @@ import sys
 
 
 def child(side: str, n: int, repeats: int) -> None:
-    import time
-
+    import _timing  # tools/, this script's directory
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -51,15 +50,7 @@ def child(side: str, n: int, repeats: int) -> None:
         def ready(out):
             return out.block_until_ready()
 
-    for _ in range(3):
-        ready(call())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(10):
-            out = call()
-        ready(out)
-        best = min(best, (time.perf_counter() - start) / 10)
+    best = _timing.best_of(call, ready, warm=3, repeats=repeats, calls=10)
     print(f"RESULT {2 * n**3 / best / 1e9:.1f}")
 
 

@@ -89,8 +89,8 @@ def test_block_sizes_and_when_blocks_are_used():
     mesh = jax.sharding.AbstractMesh((2,), ("sequence",))
     with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules([("length", "sequence")]):
         assert attention.causal_query_block(256) is None
+    q, k, v, visible = masked_inputs()
     with pytest.raises(ValueError, match="150 queries but 10 keys"):
-        q, k, v, visible = masked_inputs()
         attention.attend_in_query_blocks(q, k[:, :10], v[:, :10], visible, 64)
 
 

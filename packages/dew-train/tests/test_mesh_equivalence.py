@@ -65,6 +65,17 @@ def run(config: dict, mesh: MeshSpec, run_dir, rows=ROWS) -> tuple[list[float], 
     return [r["loss"] for r in train], state.params, train[-1]
 
 
+def assert_same_training(losses, params, want_losses, want_params, what=""):
+    """Losses within rtol 1e-5, parameters within rtol 1e-5 / atol 1e-6 (the module's
+    tolerance: float32 sums taken in another order across devices)."""
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=what)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=what),
+        jax.device_get(params),
+        jax.device_get(want_params),
+    )
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The one-device runs: the dense model (also the reference of the pipeline,
@@ -93,12 +104,7 @@ def test_mesh_matches_one_device(case, reference, tmp_path, capsys):
     want_losses, want_params, want_metrics = reference[ref_name]
     sizes = mesh.sizes(8)
     assert f"on {sizes} (1 process(es))" in capsys.readouterr().out  # the start line
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        jax.device_get(params),
-        jax.device_get(want_params),
-    )
+    assert_same_training(losses, params, want_losses, want_params)
     if ref_name == "moe":  # the load-balancing loss is reported, agrees, and is in the loss
         assert metrics["aux_loss"] == pytest.approx(want_metrics["aux_loss"], rel=1e-5)
         assert 0.0 < metrics["aux_loss"] <= MOE["num_experts"]
@@ -133,14 +139,7 @@ def test_attention_in_query_blocks_matches_one_device_on_a_mesh(tmp_path, monkey
         calls.clear()
         losses, params, _ = run(config, mesh, tmp_path / name, rows)
         assert bool(calls) == blocked, name
-        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=name)
-        jax.tree.map(
-            lambda a, b, name=name: np.testing.assert_allclose(
-                a, b, rtol=1e-5, atol=1e-6, err_msg=name
-            ),
-            jax.device_get(params),
-            jax.device_get(want_params),
-        )
+        assert_same_training(losses, params, want_losses, want_params, name)
 
 
 def compiled_forward(config, mesh_spec):

@@ -52,7 +52,9 @@ PEAKS = {
     "TPU v3": 123e12,
 }
 
-PROBE_SIZE = 512
+# 1024: a 512 probe read 23.8-103 GFLOP/s a core on one quiet-ish AMD EPYC (too small
+# to keep the cores busy), 1024 read 100-104 (docs/performance.md)
+PROBE_SIZE = 1024
 CACHE_NAME = "cpu_peak.json"
 
 
@@ -119,10 +121,12 @@ def cache_dir() -> str:
 
 
 def cpu_peak() -> tuple[float, str]:
-    """``(per-core float32 FLOP/s, source)``: a jitted ``512 x 512`` float32 matmul
-    probe, the best of several timings divided by the cores it ran on; measured
-    once per machine (CPU model, core count, jax version) and cached."""
-    token = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{jax.__version__}"
+    """``(per-core float32 FLOP/s, source)``: a jitted ``PROBE_SIZE``-square float32
+    matmul probe, the best of several timings divided by the cores it ran on;
+    measured once per machine (CPU model, core count, jax version, probe size) and
+    cached."""
+    machine = platform.processor() or platform.machine()
+    token = f"{machine}|{os.cpu_count()}|{jax.__version__}|{PROBE_SIZE}"
     path = os.path.join(cache_dir(), CACHE_NAME)
     # one entry per machine token, so two jax versions on one machine keep theirs
     try:

@@ -9,15 +9,19 @@ import contextlib
 import io
 import itertools
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from dew.data import Dataset
 from dew.nn import models
 from dew.objectives.lm import LMObjective
 from dew.train import Trainer
 from dew.train.mesh import unbox_abstract
+from dew.train.trainer import INIT_CPU_OPTIONS
 
 
 class CountingLM(LMObjective):
@@ -47,4 +51,45 @@ def test_fit_traces_the_init_once_and_initialises_as_a_direct_jit():
     with trainer._context():
         direct = jax.jit(lambda k: unbox_abstract(trainer._create(k, spec)))(trainer.key)
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct.params)):
+        np.testing.assert_array_equal(got, want)
+
+
+def _init_inputs(name):
+    from dew.nn.testing import TINY_VIT
+
+    if name in ("llama", "gpt2"):
+        extra = {} if name == "llama" else dict(
+            norm="layer", mlp_activation="gelu", position_embedding="learned", use_bias=True
+        )  # fmt: skip
+        model = models.build(
+            "causal_transformer", vocab_size=40, max_seq_len=16, emb_features=16, num_layers=2,
+            num_heads=2, mlp_features=32, **extra,
+        )  # fmt: skip
+        return model, (jnp.zeros((1, 16), jnp.int32),), {}
+    if name == "vit":
+        return models.build("vit", **TINY_VIT), (jnp.zeros((1, 12, 12, 3)),), {}
+    model = models.build(
+        "dit", sample_size=8, patch_size=2, in_channels=3, emb_features=16, num_layers=2,
+        num_heads=2, mlp_features=24, num_classes=5, learn_sigma=True,
+    )  # fmt: skip
+    return model, (jnp.zeros((1, 8, 8, 3)), jnp.zeros((1,))), {"label": jnp.zeros((1,), jnp.int32)}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "vit", "dit"])
+def test_init_compiled_at_o1_equals_the_default_bit_for_bit(name):
+    """The trainer compiles the initialisation with INIT_CPU_OPTIONS on a CPU (faster to
+    compile); the initial values must not move: every family's random initialisers
+    (normal, truncated normal, uniform, zeros; dense, convolution, embedding) at O1
+    against XLA's default."""
+    model, args, kwargs = _init_inputs(name)
+
+    def init(key):
+        return nn.unbox(model.init(key, *args, **kwargs))
+
+    key = jax.random.key(7)
+    default = jax.jit(init)(key)
+    fast = jax.jit(init, compiler_options=INIT_CPU_OPTIONS)(key)
+    pairs = list(zip(jax.tree.leaves(fast), jax.tree.leaves(default), strict=True))
+    assert len(pairs) > 5
+    for got, want in pairs:
         np.testing.assert_array_equal(got, want)

@@ -46,7 +46,9 @@ if early:
     jax.devices()
 import dew.train
 from dew.train import cpu_split
-print(json.dumps({**cpu_split.configure_cpu_devices(), "count": jax.device_count()}))
+import os
+print(json.dumps({**cpu_split.configure_cpu_devices(), "count": jax.device_count(),
+                  "nproc": os.environ.get("NPROC")}))
 """
 
 
@@ -79,12 +81,16 @@ def test_device_count_at_import():
     auto = run(IMPORT)
     if CORES >= 2:
         assert (auto["devices"], auto["count"]) == (2, 2)
+        # the intra-op pool: the cores, and at least one thread more than devices
+        assert auto["nproc"] == str(max(CORES, 3))
     else:  # one core: nothing to split over
         assert (auto["devices"], auto["count"]) == (None, 1) and "core" in auto["why"]
     off = run(IMPORT, DEW_CPU_DEVICES="off")
     assert (off["devices"], off["count"], off["why"]) == (None, 1, "DEW_CPU_DEVICES=off")
     three = run(IMPORT, DEW_CPU_DEVICES="3")
-    assert (three["devices"], three["count"]) == (3, 3)
+    assert (three["devices"], three["count"], three["nproc"]) == (3, 3, str(max(CORES, 4)))
+    mine = run(IMPORT, NPROC="7")  # the user's own pool size stands
+    assert mine["nproc"] == "7"
     # the user's own count stands
     flags = run(IMPORT, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert (flags["devices"], flags["count"]) == (None, 4) and "XLA_FLAGS" in flags["why"]
@@ -192,3 +198,48 @@ def test_flops_estimate_matches_the_compiled_step():
     # the estimate leaves out the loss and the optimizer (no matrix products) and
     # counts the backward as twice the forward: within 10% at this size
     assert compiled > 0 and abs(estimate / compiled - 1) < 0.1, (estimate, compiled)
+
+
+# A hand-written data-parallel loop over the two devices, dispatched ahead without
+# waiting (as a user's loop is): with as many intra-op threads as devices on 2 cores
+# it stopped in XLA's all-reduce rendezvous (40 s, then the process is killed) in 6
+# runs of 6; Dew's pool of devices + 1 threads runs it through.
+SPLIT_LOOP = """
+import json, sys
+import numpy as np
+import jax, jax.numpy as jnp, optax, flax.linen as nn
+import dew.train
+from dew import models
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+model = models.build("causal_transformer", vocab_size=264, emb_features=64, num_layers=2,
+                     num_heads=4, mlp_features=256, max_seq_len=64)
+params = nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((1, 64), jnp.int32))["params"])
+optimizer = optax.adamw(3e-3)
+state = jax.device_put((params, optimizer.init(params)), NamedSharding(mesh, P()))
+rows = np.random.default_rng(0).integers(0, 256, (4, 8, 65)).astype(np.int32)
+batches = [jax.device_put(r, NamedSharding(mesh, P("data"))) for r in rows]
+
+def loss_fn(params, tokens):
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+@jax.jit
+def step(state, tokens):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+for i in range(300):
+    state, loss = step(state, batches[i % 4])
+print(json.dumps({"loss": float(loss), "devices": len(jax.devices())}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CORES < 2, reason="auto asks for 2 CPU devices only on 2 or more cores")
+def test_a_split_loop_dispatched_ahead_runs_through():
+    done = run(SPLIT_LOOP)
+    assert done["devices"] == 2 and np.isfinite(done["loss"])

@@ -9,7 +9,6 @@ from dew.train.checkpoints import (
     OptimizerMismatchError,
     load_model,
 )
-from dew.train.cpu_split import configure_cpu_devices
 from dew.train.goodput import Goodput
 from dew.train.hooks import EarlyStopping, FitResult, Hook, StepInfo
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
@@ -21,9 +20,6 @@ from dew.train.trainer import Trainer
 # glibc malloc tuned for XLA's large buffers before any is allocated
 # (dew.nn.allocator; DEW_ALLOCATOR=system opts out)
 configure_allocator()
-# two XLA:CPU devices where the host has the cores, before JAX starts its backend
-# (dew.train.cpu_split; DEW_CPU_DEVICES=off opts out)
-configure_cpu_devices()
 
 __version__ = "0.1.0"
 

@@ -33,7 +33,7 @@ from dew.nn.keywords import check_keywords, unknown_keywords
 from dew.nn.lora import base_module, lora_of
 from dew.objectives import Objective, Role, Step
 from dew.objectives import weighted as wt
-from dew.train import _programs, cpu_split
+from dew.train import _programs
 from dew.train._run import Run
 from dew.train.adapters import split_lora
 from dew.train.checkpoints import Checkpoints, resume_position
@@ -169,41 +169,8 @@ class Trainer:
     @property
     def device_mesh(self) -> jax.sharding.Mesh:
         if self._mesh is None:
-            # On Dew's CPU split devices the default mesh starts on one device per
-            # process; fit may widen it (_choose_cpu_split)
-            found = cpu_split.split_devices() if self.mesh == MeshSpec() else None
-            self._mesh = self.mesh.make(found[1] if found else None)
+            self._mesh = self.mesh.make()
         return self._mesh
-
-    def _choose_cpu_split(self, data: Dataset) -> str | None:
-        """Once per trainer, on Dew's CPU split devices (:mod:`dew.train.cpu_split`)
-        and the default mesh: split the step over them when it is large enough.
-        Returns the start line's note, if the choice has one."""
-        if self.mesh != MeshSpec() or "_cpu_split" in self.__dict__:
-            return None
-        found = cpu_split.split_devices()
-        if found is None:
-            return None
-        every, _ = found
-        if self.objective.has_prepare:
-            why, show = (
-                f"CPU split ({cpu_split.ENV}=auto): {type(self.objective).__name__} has a "
-                f"prepare phase; the step runs on one device",
-                False,
-            )
-        else:
-            spec = self._data_spec(data)
-            self.state_shardings(spec)  # traces the init on the one-device mesh
-            closed, _ = self._init_jaxprs[_spec_token(spec)]
-            rows = data.batch // self._update_microbatches()
-            flops = cpu_split.step_flops_estimate(closed, rows) / jax.process_count()
-            split, why, show = cpu_split.choose(flops, rows, len(every))
-            if split:  # the traces and shardings of the one-device mesh no longer hold
-                for cache in ("_shardings_by_spec", "_init_jaxprs", "_init_fns", "_shardings"):
-                    self.__dict__.pop(cache, None)
-                self._mesh = self.mesh.make(every)
-        self._cpu_split = why
-        return why if show else None
 
     def _context(self):
         import contextlib
@@ -407,9 +374,6 @@ class Trainer:
             )
         goodput = Goodput()
         partition = Partition(jax.process_index(), jax.process_count())
-        split_note = self._choose_cpu_split(data)
-        if split_note is not None:
-            notes.append(split_note)
         check_batch_rows(self.device_mesh, self.rules, data.batch, self._update_microbatches())
         partition.rows(data.batch)
         run_dir = self.run_dir

@@ -52,8 +52,8 @@ PEAKS = {
     "TPU v3": 123e12,
 }
 
-# 1024: a 512 probe read 23.8-103 GFLOP/s a core on one quiet-ish AMD EPYC (too small
-# to keep the cores busy), 1024 read 100-104 (docs/performance.md)
+# 1024: on a 2-core AMD EPYC a 512 probe read 62-103 GFLOP/s a core when quiet and 23.8
+# under load (too small to keep the cores busy); 1024 read 100-104 (docs/performance.md)
 PROBE_SIZE = 1024
 CACHE_NAME = "cpu_peak.json"
 

@@ -667,9 +667,10 @@ class Trainer:
 
 INIT_CPU_OPTIONS = {"xla_backend_optimization_level": 1}
 """XLA:CPU options for the compiled initialisation: LLVM at O1 instead of O2 compiles
-the random initialisers' kernels 1.3-2.6 s faster at the medium LM size (jax 0.10.2,
-0.12.0.1), with the same values bit for bit (tests/test_startup.py); the program
-runs once, so its speed does not matter. O0 changes the values' last bits."""
+the random initialisers' kernels 1.3-2.8 s faster at the seed and medium LM sizes (jax
+0.10.2 and 0.12.0.1; docs/performance.md), with the same values bit for bit
+(dew-train's tests/test_startup.py); the program runs once, so its own speed does not
+matter. O0 compiles faster still but changes the values' last bits."""
 
 
 def init_compiler_options(trainer: Trainer) -> dict | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import platform
 import re
 
 import jax
@@ -165,3 +167,17 @@ def test_cpu_probe_runs_inside_the_run_mesh_and_keeps_each_jax_versions_entry(
     monkeypatch.setattr(tp, "probe_cpu", lambda: pytest.fail("probed again"))
     again, source = tp.cpu_peak()
     assert again == per_core and source.endswith("(cached)")
+
+
+def test_an_entry_of_another_probe_size_is_measured_again(tmp_path, monkeypatch):
+    """The cache key holds the probe size: an entry the 512 probe wrote for this very
+    machine and jax (it read a quarter of the cores' rate under load) is not reused."""
+    monkeypatch.setenv("DEW_CACHE_DIR", str(tmp_path))
+    machine = platform.processor() or platform.machine()
+    old = f"{machine}|{os.cpu_count()}|{jax.__version__}"  # the key before the probe size
+    (tmp_path / tp.CACHE_NAME).write_text(json.dumps({old: 2.4e10, f"{old}|512": 2.4e10}))
+    monkeypatch.setattr(tp, "probe_cpu", lambda: 1.0e11)
+    per_core, source = tp.cpu_peak()
+    assert (per_core, source) == (1.0e11, "CPU peak measured by matmul probe")
+    cached = json.loads((tmp_path / tp.CACHE_NAME).read_text())
+    assert cached[f"{old}|{tp.PROBE_SIZE}"] == 1.0e11 and cached[old] == 2.4e10

@@ -145,7 +145,8 @@ def tests(session: nox.Session, package: str) -> None:
 
 # The newest Python's share of a bare `nox` (CI: <= 3 min on 2 cores): one venv, the tests not
 # marked slow of the modules that touch what moves between JAX versions (the model registry,
-# qwix LoRA, decoding, the trainer, Orbax + Grain checkpoints) and the two light packages.
+# qwix LoRA, decoding, the trainer, Orbax + Grain checkpoints, the initialisation compiled at
+# XLA:CPU O1 equal to the default bit for bit) and the two light packages.
 NEWEST_TESTS = [
     "packages/dew-data/tests",
     "packages/dew-nn/tests/test_models.py",
@@ -153,6 +154,7 @@ NEWEST_TESTS = [
     "packages/dew-sampling/tests/test_generate.py",
     "packages/dew-train/tests/test_trainer.py",
     "packages/dew-train/tests/test_checkpoints.py",
+    "packages/dew-train/tests/test_startup.py",
     "packages/dew/tests",
 ]
 

@@ -93,3 +93,18 @@ def test_bench_attention_refuses_a_length_that_does_not_divide_the_tokens(tmp_pa
     assert "--step 'two': use 'one', 'auto' or a block count >= 1" in capsys.readouterr().err
     missing = str(tmp_path / "no-venv" / "python")
     assert module.run(missing, "torch", 16, 256) == f"not installed (no {missing})"
+
+
+def test_table_pairs_training_rates_round_by_round(run):
+    """The by-round column: Dew's rate over the side's within each round, a failed
+    round left out, the median first; the ratio of medians beside it."""
+    dew = [{"tokens_per_s": t, "first_step_s": 10.0, "gen_tokens_per_s": 100.0,
+            "peak_rss_mib": 1.0} for t in (100.0, 300.0, 200.0)]  # fmt: skip
+    torch = [{**dew[0], "tokens_per_s": 50.0}, "failed (rc 1): oops",
+             {**dew[0], "tokens_per_s": 400.0}]  # fmt: skip
+    assert run.paired_ratios(dew, torch) == [2.0, 0.5]
+    lines = run.table("seed", {"dew": dew, "torch": torch})
+    row = next(x for x in lines if "| torch |" in x).split(" | ")
+    # ratio of medians: 200 / median(50, 400) = 200 / 225; by round: median(2.0, 0.5)
+    assert row[3] == f"{200 / 225:.2f}x" and row[4] == "1.25x (2.00, 0.50)"
+    assert "| dew | 200 | (ref) |  |" in next(x for x in lines if "| dew |" in x)

@@ -31,7 +31,10 @@ Definitions (tools/bench_peers/protocol.py), the same for every side:
 tokens/s after the first step (steps 2..N), time to the first step from
 process start, greedy generation new tokens/s of a warm call, peak RSS. Each
 figure is the median over repeats; the load average is printed with the table
-(the machine may be shared: read ratios with it).
+(the machine may be shared: read ratios with it). "Dew / side by round" pairs the
+training rates of each round (the two runs minutes apart) and gives their median
+and each round's: on a machine whose speed drifts between rounds it is the
+steadier ratio.
 """
 
 from __future__ import annotations
@@ -135,18 +138,24 @@ def table(size: str, results: dict[str, list]) -> list[str]:
         ok = [r for r in runs if isinstance(r, dict)]
         if not ok:
             why = str(runs[0]).replace("|", "/") if runs else "not run"
-            lines.append(f"| {size} | {side} | {why} | | | | | | |")
+            lines.append(f"| {size} | {side} | {why} | | | | | | | |")
             continue
         ref = [r for r in results.get(SIDES[side][2], []) if isinstance(r, dict)]
         rate, first, gen = (median(ok, k) for k in ("tokens_per_s", "first_step_s",
                                                       "gen_tokens_per_s"))  # fmt: skip
         rss = median(ok, "peak_rss_mib")
+        rounds = ""
         if ref and side != SIDES[side][2]:
             ratios = (
                 f"{median(ref, 'tokens_per_s') / rate:.2f}x",
                 f"{first / median(ref, 'first_step_s'):.2f}x",
                 f"{median(ref, 'gen_tokens_per_s') / gen:.2f}x",
             )
+            paired = paired_ratios(results[SIDES[side][2]], runs)
+            if paired:
+                rounds = (
+                    f"{statistics.median(paired):.2f}x ({', '.join(f'{x:.2f}' for x in paired)})"
+                )
         else:
             ratios = ("(ref)", "(ref)", "(ref)")
         note = ok[0].get("note") or ""
@@ -154,11 +163,22 @@ def table(size: str, results: dict[str, list]) -> list[str]:
         if gen != gen:  # NaN: the side has no generation to time
             ratios = (*ratios[:2], "")
         lines.append(
-            f"| {size} | {side} | {rate:,.0f} | {ratios[0]} | {first:.1f} | {ratios[1]} | "
-            f"{shown_gen} | {ratios[2]} | {rss:,.0f} | {note}".rstrip()
+            f"| {size} | {side} | {rate:,.0f} | {ratios[0]} | {rounds} | {first:.1f} | "
+            f"{ratios[1]} | {shown_gen} | {ratios[2]} | {rss:,.0f} | {note}".rstrip()
             + " |"
         )
     return lines
+
+
+def paired_ratios(reference: list, runs: list) -> list[float]:
+    """Training tokens/s of the Dew side over the side's, round by round (both ran in
+    the same round, minutes apart): steadier than the ratio of medians when the
+    machine's speed drifts between rounds. Rounds where either run failed are left out."""
+    return [
+        d["tokens_per_s"] / o["tokens_per_s"]
+        for d, o in zip(reference, runs)
+        if isinstance(d, dict) and isinstance(o, dict)
+    ]
 
 
 def write(path: str, text: str) -> None:
@@ -177,9 +197,9 @@ def main(argv=None) -> None:
     load = [os.getloadavg()]
     used: dict[str, int] = {}
     lines = [
-        "| size | side | tokens/s | Dew / side | first step s | side / Dew | generate tok/s | "
-        "Dew / side | peak RSS MiB | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | side | tokens/s | Dew / side | Dew / side by round | first step s | "
+        "side / Dew | generate tok/s | Dew / side | peak RSS MiB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size in args.sizes:
         results: dict[str, list] = {side: [] for side in args.sides}

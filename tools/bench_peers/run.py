@@ -31,7 +31,9 @@ Definitions (tools/bench_peers/protocol.py), the same for every side:
 tokens/s after the first step (steps 2..N), time to the first step from
 process start, greedy generation new tokens/s of a warm call, peak RSS. Each
 figure is the median over repeats; the load average is printed with the table
-(the machine may be shared: read ratios with it). "Dew / side by round" pairs the
+(the machine may be shared: read ratios with it). Before each timed run the side's
+runner is started with ``--help`` once, untimed, so its imports come from the page
+cache. "Dew / side by round" pairs the
 training rates of each round (the two runs minutes apart) and gives their median
 and each round's: on a machine whose speed drifts between rounds it is the
 steadier ratio.
@@ -116,6 +118,15 @@ def run_side(side: str, python: str, size: str, steps: int, timeout: float) -> d
     env.pop("XLA_FLAGS", None)  # one CPU device for every JAX side
     env.pop("VIRTUAL_ENV", None)
     try:
+        # Imports read from the page cache, as on a machine that ran the side before: a
+        # runner's --help imports its modules and stops. Without it the time to the
+        # first step measured whether the host had evicted that venv's files (a cold
+        # cache added 8.7 s to Dew's imports, 10.3 s against 1.6 s; the side run just
+        # before decides it, and the order rotates).
+        subprocess.run(
+            [python, str(runner), "--help"], capture_output=True, env=env, cwd=ROOT,
+            timeout=timeout,
+        )  # fmt: skip
         done = subprocess.run(
             args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
         )

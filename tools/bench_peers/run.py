@@ -53,8 +53,9 @@ import time
 HERE = pathlib.Path(__file__).parent
 ROOT = HERE.parents[1]
 SIZES = ("seed", "medium")
-# steps per run: enough that steps 2..N take seconds at each size
-DEFAULT_STEPS = {"seed": 60, "medium": 10}
+# steps per run: enough that steps 2..N take seconds at each size (60 at seed, ~0.6 s of
+# steps, swung by 40% run to run on a shared VM; 300 take ~3 s)
+DEFAULT_STEPS = {"seed": 300, "medium": 10}
 # side: (runner, default interpreter, the Dew side it is compared with)
 SIDES = {
     "dew": ("jax_sides.py", str(ROOT / ".venv/bin/python"), "dew"),

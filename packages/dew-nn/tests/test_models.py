@@ -82,3 +82,34 @@ def test_register_refuses_a_taken_name():
         @models.register("causal_transformer")
         class Other(nn.Module):
             pass
+
+
+def test_config_differences_lists_only_the_fields_that_differ_with_both_values():
+    small = models.build("causal_transformer", **CONFIG)
+    large = models.build(
+        "causal_transformer", **{**CONFIG, "emb_features": 32, "num_layers": 4}, dtype=jnp.bfloat16
+    )
+    lines = models.config_differences(
+        small, large, saved_label="the checkpoint", current_label="this run"
+    )
+    assert lines == [
+        "dtype: float32 in the checkpoint, bfloat16 in this run",
+        "emb_features: 16 in the checkpoint, 32 in this run",
+        "num_layers: 2 in the checkpoint, 4 in this run",
+    ]
+    assert models.config_differences(small, small) == []
+
+
+def test_config_differences_reads_saved_records_and_fills_unrecorded_defaults():
+    model = models.build("causal_transformer", **CONFIG)
+    name, config = models.config_of(model)
+    saved = json.loads(json.dumps({"name": name, "config": config}))  # as a checkpoint stores it
+    del saved["config"]["use_scan"]  # written before the field existed: its default
+    assert models.config_differences(saved, model) == []
+    saved["config"]["vocab_size"] = 64
+    assert models.config_differences(saved, (name, config)) == [
+        "vocab_size: 64 in the saved model, 32 in this one"
+    ]
+    assert models.config_differences({"name": "vit", "config": {}}, model) == [
+        "model: 'vit' in the saved model, 'causal_transformer' in this one"
+    ]

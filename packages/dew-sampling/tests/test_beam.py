@@ -112,5 +112,9 @@ def test_beam_search_refuses_sampling(tiny):
             num_beams=2,
             sampling=Sampling(temperature=0.8),
         )
-    with pytest.raises(ValueError, match="num_beams must be >= 1"):
+    with pytest.raises(ValueError, match="num_beams must be a whole number >= 1, got 0"):
         beam_search(model, params, PROMPTS, 4, num_beams=0)
+    with pytest.raises(ValueError, match="length_penalty must be a finite number, got nan"):
+        beam_search(model, params, PROMPTS, 4, num_beams=2, length_penalty=float("nan"))
+    with pytest.raises(ValueError, match=r"end id\(s\) \[64\] of end_ids=\[64\] are outside"):
+        beam_search(model, params, PROMPTS, 4, num_beams=2, end_ids=64)

@@ -142,13 +142,49 @@ def test_filling_rows_are_empty_and_change_no_other_row(llama):
         ([list(range(49))], 1, "49 tokens is longer than the model's max_seq_len 48"),
         ([[1] * 40], 9, "overruns max_seq_len 48; use max_new_tokens <= 8"),
         ([[1], []], 4, "prompt 1 is empty"),
-        ([[1]], 0, "max_new_tokens must be >= 1"),
+        ([[1]], 0, r"max_new_tokens must be a whole number >= 1 \(new tokens per row\), got 0"),
+        ([[1]], 2.5, r"got 2.5 \(float\); pass e.g. max_new_tokens=2"),
+        ([[1]], "8", r"got '8' \(str\); pass e.g. max_new_tokens=8"),
+        ([[1]], True, r"got True \(bool\)"),
     ],
 )
 def test_bad_input_is_named_before_compiling(llama, prompt, new, message):
     model, params = llama
     with pytest.raises(ValueError, match=message):
         generate(model, params, prompt, new, jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "keywords, error, message",
+    [
+        (
+            dict(end_ids=[3, 257]),
+            ValueError,
+            r"end id\(s\) \[257\] of end_ids=\[3, 257\] are outside the model's vocabulary "
+            r"0..63: the model can never produce them.*Pretrained.end_ids.*eos_token_id",
+        ),
+        (dict(end_ids=-1), ValueError, r"end id\(s\) \[-1\]"),
+        (dict(end_ids="</s>"), TypeError, "encode an end string with the tokenizer first"),
+        (dict(end_ids=[2.0]), TypeError, r"token ids \(whole numbers\), got \[2.0\]"),
+        (
+            dict(pad_id=257),
+            ValueError,
+            r"pad_id 257 is outside the model's vocabulary 0..63; pass a pad_id.*pad_token_id",
+        ),
+        (dict(pad_id=1.5), TypeError, "pad_id must be a whole number"),
+        (
+            dict(sampling=Sampling(top_k=100)),
+            ValueError,
+            r"top_k=100 is more than the model's vocab_size 64; use top_k <= 64",
+        ),
+        (dict(sampling=0.7), TypeError, r"must be a dew.sampling.Sampling, got float"),
+        (dict(num_beams=0), ValueError, "num_beams must be a whole number >= 1"),
+    ],
+)
+def test_bad_decoding_settings_are_named_before_compiling(llama, keywords, error, message):
+    model, params = llama
+    with pytest.raises(error, match=message):
+        generate(model, params, [[1, 2]], 4, jax.random.key(0), **keywords)
 
 
 def test_flat_prompt_and_text_are_rejected(llama):

@@ -97,16 +97,31 @@ def test_draws_follow_the_renormalised_kept_distribution():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(temperature=-1), "temperature must be >= 0"),
-        (dict(top_k=-2), "top_k must be >= 0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(min_p=1.0), r"min_p must be in \[0, 1\)"),
+        (dict(temperature=-1), r"temperature=-1 must be a finite number >= 0 \(0 = greedy"),
+        # a NaN compares False with everything: unchecked, every draw was id 0
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number >= 0"),
+        (dict(temperature=float("inf")), "temperature=inf must be a finite number >= 0"),
+        (dict(temperature="0.7"), "temperature='0.7' must be a finite number"),
+        (dict(top_k=-2), r"top_k=-2 must be a whole number >= 0 \(0 = off\)"),
+        (dict(top_k=2.5), "top_k=2.5 must be a whole number >= 0"),
+        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\] \(1 = off\)"),
+        (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+        (dict(top_p=float("nan")), r"top_p=nan must be in \(0, 1\]"),
+        (dict(min_p=1.0), r"min_p=1.0 must be in \[0, 1\) \(0 = off\)"),
+        (dict(min_p=float("nan")), r"min_p=nan must be in \[0, 1\)"),
     ],
 )
 def test_bad_rules_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as error:
         Sampling(**kwargs)
+    assert "Sampling(temperature=0) for greedy" in str(error.value)  # what to do
+
+
+def test_every_bad_rule_is_named_at_once_and_numpy_scalars_are_accepted():
+    with pytest.raises(ValueError, match=r"temperature=nan .*; top_k=-1 .*; top_p=2"):
+        Sampling(temperature=float("nan"), top_k=-1, top_p=2)
+    rule = Sampling(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9))
+    assert rule.top_k == 3 and not rule.is_greedy
 
 
 def test_sampling_keyword_typo_names_the_nearest():

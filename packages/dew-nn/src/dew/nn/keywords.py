@@ -1,4 +1,5 @@
-"""Unknown keyword arguments answered with the valid names and the nearest match.
+"""Checks of configuration arguments: unknown keywords answered with the valid
+names and the nearest match, and :func:`is_whole_number` for counts and ids.
 
 Config classes across Dew (``Trainer``, ``Checkpoints``, ``MeshSpec``,
 ``Sampling``) are keyword-heavy; a typo should say which name was meant,
@@ -19,6 +20,15 @@ import difflib
 import functools
 import inspect
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def is_whole_number(value: Any) -> bool:
+    """An ``int`` or numpy integer: a count or a token id (not a bool, not a
+    float such as 2.0)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
 def unknown_keywords(where: str, unknown: Sequence[str], valid: Sequence[str]) -> str:

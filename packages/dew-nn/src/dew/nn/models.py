@@ -7,12 +7,15 @@ name and configuration of a built one so a saved run can rebuild it.
     >>> name, config = models.config_of(model)
     >>> models.build(name, **config) == model
     True
+    >>> models.config_differences(("causal_transformer", {**config, "emb_features": 32}), model)
+    ['emb_features: 32 in the saved model, 64 in this one']
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from typing import Any
 
 import flax.linen as nn
@@ -123,3 +126,64 @@ def _decode(cls: type[nn.Module], config: dict[str, Any]) -> dict[str, Any]:
             value = decoders[key](**value)
         out[key] = value
     return out
+
+
+def _record(model: Any) -> tuple[str | None, dict[str, Any]]:
+    """``(name, config)`` of a registered module, a ``(name, config)`` pair or a
+    ``{"name": ..., "config": ...}`` record (as checkpoints store it), in JSON form."""
+    if isinstance(model, nn.Module):
+        name, config = config_of(model)
+    elif isinstance(model, dict):
+        name, config = model.get("name"), model.get("config") or {}
+    else:
+        name, config = model
+    # one spelling for both sides: tuples as lists, dtypes as {"__dtype__": ...}
+    return name, json.loads(json.dumps(config, default=str))
+
+
+def config_differences(
+    saved: Any,
+    current: Any,
+    *,
+    saved_label: str = "the saved model",
+    current_label: str = "this one",
+) -> list[str]:
+    """One line per configuration field where two models differ, with both values.
+
+    saved, current: a registered module, a ``(name, config)`` pair
+      (:func:`config_of`) or a ``{"name", "config"}`` record (a checkpoint's).
+      A field one side does not record counts as its default (configs saved
+      before the field existed).
+    saved_label, current_label: how the lines name the two sides.
+
+    For errors about weights of another size: the fields that differ, not the
+    whole configuration of either model.
+    """
+    saved_name, saved_config = _record(saved)
+    name, config = _record(current)
+    if saved_name != name:
+        return [f"model: {saved_name!r} in {saved_label}, {name!r} in {current_label}"]
+    defaults = {}
+    if name in _REGISTRY:
+        for field in dataclasses.fields(_REGISTRY[name]):
+            if field.name not in _FLAX_FIELDS and field.default is not dataclasses.MISSING:
+                defaults[field.name] = _record((name, {field.name: _encode(field.default)}))[1][
+                    field.name
+                ]
+    missing = object()
+    lines = []
+    for key in sorted(set(saved_config) | set(config)):
+        a = saved_config.get(key, defaults.get(key, missing))
+        b = config.get(key, defaults.get(key, missing))
+        if a != b:
+            a, b = (_shown(v, missing) for v in (a, b))
+            lines.append(f"{key}: {a} in {saved_label}, {b} in {current_label}")
+    return lines
+
+
+def _shown(value: Any, missing: object) -> str:
+    if value is missing:
+        return "(not recorded)"
+    if isinstance(value, dict) and set(value) == {"__dtype__"}:
+        return value["__dtype__"]
+    return json.dumps(value)

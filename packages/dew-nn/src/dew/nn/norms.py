@@ -61,10 +61,13 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
+NORMS = ("rms", "layer")
+
+
 def make_norm(kind: str, eps: float, dtype, param_dtype, name: str) -> nn.Module:
     """``'rms'`` or ``'layer'``."""
     if kind == "rms":
         return RMSNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
     if kind == "layer":
         return LayerNorm(eps=eps, dtype=dtype, param_dtype=param_dtype, name=name)
-    raise ValueError(f"unknown norm {kind!r}; use 'rms' or 'layer'")
+    raise ValueError(f"unknown norm {kind!r}; use one of {NORMS}")

@@ -16,6 +16,8 @@ divide by 2 and 4.
                     over token ids (a masked-diffusion or MLM backbone)
 ``TINY_VIT``        :class:`dew.nn.ViT` over 12x12 RGB images in 4x4 patches (a 3x3 grid)
 ``TINY_PREDICTOR``  :class:`dew.nn.ViTPredictor` for ``TINY_VIT`` (JEPA)
+``TINY_DIT``        :class:`dew.nn.DiT` over 8x8 RGB images in 2x2 patches (a 4x4
+                    grid), unconditional; ``VideoDiT`` takes the same options
 ==================  ============================================================
 """
 
@@ -87,6 +89,18 @@ TINY_PREDICTOR: dict[str, Any] = dict(
     num_channels=3,
 )
 """A :class:`dew.nn.ViTPredictor` from ``TINY_VIT``'s features (width 8)."""
+
+
+TINY_DIT: dict[str, Any] = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=3,
+    emb_features=16,
+    num_layers=2,
+    num_heads=2,
+    mlp_features=24,
+)
+"""An unconditional :class:`dew.nn.DiT` over ``[batch, 8, 8, 3]`` images."""
 
 
 def tiny_lm(**overrides: Any) -> CausalTransformer:

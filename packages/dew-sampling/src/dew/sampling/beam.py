@@ -23,6 +23,7 @@ bound is exact, so stopping early never changes the result.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dew.nn.keywords import is_whole_number
 from dew.sampling.decoding import Generation, decode_step, init_cache, prefill, unrolled
 from dew.sampling.prompts import (
     PROMPT_BUCKET,
@@ -274,11 +276,14 @@ def beam_search(
 
     Returns a :class:`Generation` with each row's best hypothesis and its ``scores``.
     """
-    if num_beams < 1:
-        raise ValueError(f"num_beams must be >= 1, got {num_beams}")
-    rows = check_prompts(model, prompt, max_new_tokens, pad_id=pad_id)
+    if not is_whole_number(num_beams) or num_beams < 1:
+        raise ValueError(f"num_beams must be a whole number >= 1, got {num_beams!r}")
+    if not math.isfinite(float(length_penalty)):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    end_ids = end_id_tuple(end_ids)
+    rows = check_prompts(model, prompt, max_new_tokens, pad_id=pad_id, end_ids=end_ids)
     tokens, mask = pad_prompts(rows, pad_id, multiple=PROMPT_BUCKET, rows=row_multiple())
-    fn = _compiled(model, int(max_new_tokens), int(num_beams), end_id_tuple(end_ids), int(pad_id))
+    fn = _compiled(model, int(max_new_tokens), int(num_beams), end_ids, int(pad_id))
     new_tokens, logprobs, lengths, scores = jax.device_get(
         fn(nn.meta.unbox(params), tokens, mask, length_penalty=jnp.float32(length_penalty))
     )

@@ -12,19 +12,69 @@ A sharded checkpoint is Hugging Face's layout: ``model-00001-of-00003.safetensor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def read_json(path: pathlib.Path, *, what: str = "") -> Any:
+    """The JSON value in file ``path``; a file that does not parse raises a
+    ``ValueError`` naming it, where it stops parsing and what to do.
+
+    what: what the file is, for the message (``'the model configuration'``).
+    """
+    text = pathlib.Path(path).read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        kind = f" ({what})" if what else ""
+        empty = " The file is empty." if not text.strip() else ""
+        raise ValueError(
+            f"{path}{kind} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} "
+            f"({len(text)} characters).{empty} It is damaged or was cut off while being "
+            f"written or downloaded: download or save the checkpoint again, or fix the file"
+        ) from None
+
+
+def read_json_object(path: pathlib.Path, *, what: str = "") -> dict[str, Any]:
+    """:func:`read_json` of a file that must hold a JSON object (``{...}``)."""
+    value = read_json(path, what=what)
+    if not isinstance(value, dict):
+        kind = f" ({what})" if what else ""
+        raise ValueError(
+            f"{path}{kind} holds a JSON {type(value).__name__}, not an object {{...}}; "
+            f"download or save the checkpoint again, or fix the file"
+        )
+    return value
+
+
+@contextlib.contextmanager
+def open_safetensors(file: pathlib.Path):
+    """``safe_open(file)`` (numpy); a file whose header or data do not parse (cut
+    off, empty, not safetensors) raises a ``ValueError`` naming it and its size."""
+    try:
+        handle = safe_open(file, framework="numpy")
+    except SafetensorError as e:
+        size = file.stat().st_size if file.exists() else 0
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({e}; the file is {size} bytes): it "
+            f"was most likely cut off while being saved or downloaded. Download or save the "
+            f"checkpoint again"
+        ) from None
+    with handle as f:
+        yield f
 
 
 class TensorReader(Mapping):
@@ -36,7 +86,13 @@ class TensorReader(Mapping):
         indexes = sorted(self.directory.glob(f"*{INDEX_SUFFIX}"))
         index = indexes[0] if indexes else self.directory / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            description = read_json_object(index, what="the index of the weight shards")
+            weight_map = description.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(
+                    f"{index} has no 'weight_map' object ({{tensor name: file name}}); "
+                    f"download or save the checkpoint again"
+                )
             missing = sorted({f for f in weight_map.values() if not (self.directory / f).exists()})
             if missing:
                 raise FileNotFoundError(
@@ -57,7 +113,7 @@ class TensorReader(Mapping):
                 raise FileNotFoundError(f"no *.safetensors weights in {self.directory}.{hint}")
             self.files = {}
             for file in files:
-                with safe_open(file, framework="numpy") as f:
+                with open_safetensors(file) as f:
                     for name in f.keys():
                         self.files[name] = file.name
 
@@ -66,14 +122,21 @@ class TensorReader(Mapping):
         return set(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(self.directory / self.files[name], framework="numpy") as f:
+        with open_safetensors(self.directory / self.files[name]) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.files:
             raise KeyError(f"{self.directory} holds no tensor {name!r}")
-        with safe_open(self.directory / self.files[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        file = self.directory / self.files[name]
+        with open_safetensors(file) as f:
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as e:
+                raise ValueError(
+                    f"{file}: tensor {name!r} cannot be read ({e}); the file is damaged: "
+                    f"download or save the checkpoint again"
+                ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)

@@ -37,11 +37,17 @@ from flax import traverse_util
 
 from dew.data import ByteTokenizer, HFTokenizer
 from dew.nn import hf, models
+from dew.nn.keywords import is_whole_number
 from dew.sampling.byte_level import save_byte_tokenizer
-from dew.sampling.checkpoint_files import TensorReader, write_tensors
+from dew.sampling.checkpoint_files import (
+    TensorReader,
+    read_json_object,
+    write_tensors,
+)
 
 DEW_CONFIG = "dew_config.json"
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # transformers' generation defaults (token ids)
 
 
 def formats() -> tuple[str, ...]:
@@ -54,16 +60,51 @@ def check_format(format: str) -> None:
         raise ValueError(f"unknown format {format!r}; use one of {', '.join(formats())}")
 
 
-def default_end_ids(tokenizer, hf_config: dict[str, Any] | None) -> tuple[int, ...]:
-    """The tokenizer's ``end_id`` and the config's ``eos_token_id`` (one id or a list)."""
+def config_token_ids(config: dict[str, Any] | None, field: str, where: str) -> list[int]:
+    """The ids of ``field`` of a Hugging Face config (``eos_token_id``: one id, a list
+    or null; ``pad_token_id``: one id or null) as a list; another value raises,
+    naming the file ``where``."""
+    value = (config or {}).get(field)
+    values = value if isinstance(value, list) else [value]
+    if not all(v is None or is_whole_number(v) for v in values):
+        raise ValueError(
+            f"{where}: {field}={value!r} must be a token id, a list of token ids or null; "
+            f"fix the field (or pass the ids yourself: Pretrained(..., end_ids=..., pad_id=...))"
+        )
+    return [int(v) for v in values if v is not None]
+
+
+def default_end_ids(
+    tokenizer, hf_config: dict[str, Any] | None, generation_config: dict[str, Any] | None = None
+) -> tuple[int, ...]:
+    """The tokenizer's ``end_id``, then ``eos_token_id`` (one id or a list) of
+    ``generation_config.json`` and of ``config.json``, without repeats."""
     ids = []
     if getattr(tokenizer, "end_id", None) is not None:
         ids.append(int(tokenizer.end_id))
-    eos = (hf_config or {}).get("eos_token_id")
-    for i in eos if isinstance(eos, list) else [eos]:
-        if i is not None and int(i) not in ids:
-            ids.append(int(i))
+    for config, name in ((generation_config, GENERATION_CONFIG), (hf_config, HF_CONFIG)):
+        for i in config_token_ids(config, "eos_token_id", name):
+            if i not in ids:
+                ids.append(i)
     return tuple(ids)
+
+
+def default_pad_id(
+    tokenizer,
+    hf_config: dict[str, Any] | None,
+    generation_config: dict[str, Any] | None,
+    end_ids: tuple[int, ...],
+) -> int | None:
+    """The first of: ``pad_token_id`` of ``generation_config.json``, of ``config.json``
+    (either may be null), the tokenizer's ``pad_id``, the first end id (what
+    transformers pads with when a model has no pad token); None when there is none."""
+    for config, name in ((generation_config, GENERATION_CONFIG), (hf_config, HF_CONFIG)):
+        ids = config_token_ids(config, "pad_token_id", name)
+        if ids:
+            return ids[0]
+    if getattr(tokenizer, "pad_id", None) is not None:
+        return int(tokenizer.pad_id)
+    return end_ids[0] if end_ids else None
 
 
 # ------------------------------------------------------------------ read
@@ -71,12 +112,21 @@ def default_end_ids(tokenizer, hf_config: dict[str, Any] | None) -> tuple[int, .
 
 def read_hf(path: pathlib.Path, *, dtype, param_dtype, use_scan, ignore_fields) -> dict[str, Any]:
     """The fields of a :class:`~dew.sampling.Pretrained` from a Hugging Face checkpoint."""
-    config = json.loads((path / HF_CONFIG).read_text())
+    config = read_json_object(path / HF_CONFIG, what="the Hugging Face model configuration")
+    generation = None
+    if (path / GENERATION_CONFIG).exists():
+        generation = read_json_object(path / GENERATION_CONFIG, what="the generation defaults")
     fmt = hf.get(hf.family_of(config, str(path)))
     name, options = fmt.config_to_dew(config, where=str(path), ignore_fields=ignore_fields)
-    model = models.build(name, **options, dtype=dtype, param_dtype=param_dtype, use_scan=use_scan)
-    if hasattr(model, "check"):
-        model.check()
+    try:
+        model = models.build(
+            name, **options, dtype=dtype, param_dtype=param_dtype, use_scan=use_scan
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{path / HF_CONFIG} describes a model Dew cannot build: {e}. The file is damaged "
+            f"or not a {fmt.family} configuration: fix it or download the checkpoint again"
+        ) from None
     params = fmt.params_from_hf(TensorReader(path), model, where=str(path))
     return dict(
         model=model,
@@ -84,18 +134,31 @@ def read_hf(path: pathlib.Path, *, dtype, param_dtype, use_scan, ignore_fields) 
         tokenizer=HFTokenizer(path) if (path / "tokenizer.json").exists() else None,
         format=fmt.family,
         hf_config=config,
+        generation_config=generation,
     )
 
 
 def read_dew(path: pathlib.Path) -> dict[str, Any]:
     """The fields of a :class:`~dew.sampling.Pretrained` from a Dew checkpoint."""
-    config = json.loads((path / DEW_CONFIG).read_text())
+    config = read_json_object(path / DEW_CONFIG, what="the Dew model description")
     if config.get("format") != "dew" or config.get("version") != 1:
         raise ValueError(
             f"{path / DEW_CONFIG}: expected format 'dew' version 1, got "
             f"{config.get('format')!r} version {config.get('version')!r}"
         )
-    model = models.build(config["model"]["name"], **config["model"]["config"])
+    record = config.get("model")
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        raise ValueError(
+            f"{path / DEW_CONFIG} has no model record {{'name': ..., 'config': {{...}}}}; "
+            f"save the checkpoint again with Pretrained.save"
+        )
+    try:
+        model = models.build(record.get("name"), **record["config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{path / DEW_CONFIG} describes a model Dew cannot build: {e.args[0] if e.args else e}"
+            f". Fix the file or save the checkpoint again"
+        ) from None
     reader = TensorReader(path)
     expected = hf.param_shapes(model)
     missing = sorted(set(expected) - reader.names)
@@ -147,6 +210,7 @@ def write(
     hf_config: dict[str, Any] | None = None,
     max_shard_bytes: int | None = None,
     diffusion: dict[str, Any] | None = None,
+    generation_config: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a checkpoint of ``format`` to directory ``path`` (created if needed).
 
@@ -154,6 +218,8 @@ def write(
       that same family: the fields Dew ignores (token ids, ...) are kept.
     diffusion: a Dew checkpoint's ``"diffusion"`` section (how a diffusion model
       samples, :mod:`dew.sampling.diffusion_pipelines`); None = none.
+    generation_config: a Hugging Face checkpoint's ``generation_config.json``, written
+      back beside ``config.json``; None = none.
     """
     check_format(format)
     params = nn.meta.unbox(params)
@@ -163,6 +229,9 @@ def write(
         _write_dew(path, model, params, tokenizer, end_ids, max_shard_bytes, diffusion)
     else:
         _write_hf(path, model, params, tokenizer, format, end_ids, hf_config, max_shard_bytes)
+        if generation_config is not None:
+            text = json.dumps(generation_config, indent=2, sort_keys=True)
+            (path / GENERATION_CONFIG).write_text(text)
     return path
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from flax import traverse_util
 
 from dew.nn import models
-from dew.sampling.checkpoint_files import TensorReader, write_tensors
+from dew.sampling.checkpoint_files import TensorReader, read_json_object, write_tensors
 
 CONFIG = "features.json"
 POOLINGS = ("mean", "none")
@@ -132,7 +132,7 @@ class FeatureExtractor:
                 f"{path} has no {CONFIG}; FeatureExtractor.load takes a directory written "
                 f"by FeatureExtractor.save"
             )
-        description = json.loads((path / CONFIG).read_text())
+        description = read_json_object(path / CONFIG, what="the feature extractor description")
         if description.get("format") != "dew-features" or description.get("version") != 1:
             raise ValueError(
                 f"{path / CONFIG}: expected format 'dew-features' version 1, got "

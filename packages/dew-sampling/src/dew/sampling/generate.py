@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dew.nn.keywords import is_whole_number
 from dew.sampling.beam import beam_search
 from dew.sampling.decoding import Generation, decode_step, prefill, unrolled
 from dew.sampling.prompts import (
@@ -170,8 +171,10 @@ def generate(
     length_penalty: beam search only: a finished beam scores
       ``sum(logprobs) / length ** length_penalty``.
     """
-    rows = check_prompts(model, prompt, max_new_tokens, pad_id=pad_id)
     end_ids = end_id_tuple(end_ids)
+    rows = check_prompts(model, prompt, max_new_tokens, pad_id=pad_id, end_ids=end_ids)
+    if not is_whole_number(num_beams) or num_beams < 1:
+        raise ValueError(f"num_beams must be a whole number >= 1 (1 = sampling), got {num_beams!r}")
     if num_beams != 1:
         if sampling is not None and not sampling.is_greedy:
             raise ValueError(
@@ -189,6 +192,17 @@ def generate(
             pad_id=pad_id,
         )
     sampling = Sampling() if sampling is None else sampling
+    if not isinstance(sampling, Sampling):
+        raise TypeError(
+            f"sampling must be a dew.sampling.Sampling, got {type(sampling).__name__}; pass "
+            f"e.g. sampling=Sampling(temperature=0.7)"
+        )
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and sampling.top_k > vocab:
+        raise ValueError(
+            f"Sampling top_k={sampling.top_k} is more than the model's vocab_size {vocab}; use "
+            f"top_k <= {vocab} (0 = off)"
+        )
     if sampling.is_greedy:  # every greedy rule is one program
         sampling = Sampling(temperature=0)
     tokens, mask = pad_prompts(rows, pad_id, multiple=PROMPT_BUCKET, rows=row_multiple())

@@ -17,10 +17,12 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dew.nn.keywords import is_whole_number
 from dew.nn.lora import base_module, fold, lora_of
 from dew.sampling import checkpoint_formats as formats
 from dew.sampling import diffusion_pipelines
 from dew.sampling.pipelines import TextGeneration
+from dew.sampling.prompts import end_id_tuple
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,7 +42,14 @@ class Pretrained:
     hf_config: the ``config.json`` a Hugging Face checkpoint came with; the
       fields Dew ignores (token ids, ...) are written back by :meth:`save`.
     end_ids: token ids that end a generation; None = the tokenizer's ``end_id``
-      and the config's ``eos_token_id``.
+      and ``eos_token_id`` of ``generation_config.json`` and ``config.json`` (one
+      id or a list each), so a Hugging Face checkpoint without a tokenizer still
+      knows its end ids.
+    pad_id: the token id that fills padding; None = ``pad_token_id`` of
+      ``generation_config.json`` or ``config.json`` (either may be null), else the
+      tokenizer's ``pad_id``, else the first end id; None when none of them exists.
+    generation_config: the ``generation_config.json`` a Hugging Face checkpoint came
+      with (its token ids and generation defaults); written back by :meth:`save`.
     diffusion: a diffusion model's sampling setup (a Dew checkpoint's ``"diffusion"``
       section, :mod:`dew.sampling.diffusion_pipelines`); None = none, or a denoiser
       (``DiT``) sampled as DiT was trained.
@@ -59,6 +68,8 @@ class Pretrained:
     format: str = "dew"
     hf_config: dict[str, Any] | None = None
     end_ids: tuple[int, ...] | None = None
+    pad_id: int | None = None
+    generation_config: dict[str, Any] | None = None
     diffusion: dict[str, Any] | None = None
     pipeline_parts: dict[str, Any] | None = None
     lora: Any = None
@@ -70,8 +81,19 @@ class Pretrained:
             object.__setattr__(self, "lora", self.lora or lora_of(self.model))
             object.__setattr__(self, "model", base_module(self.model))
         if self.end_ids is None:
-            ids = formats.default_end_ids(self.tokenizer, self.hf_config)
+            ids = formats.default_end_ids(self.tokenizer, self.hf_config, self.generation_config)
             object.__setattr__(self, "end_ids", ids)
+        else:
+            object.__setattr__(self, "end_ids", end_id_tuple(self.end_ids))
+        if self.pad_id is None:
+            pad = formats.default_pad_id(
+                self.tokenizer, self.hf_config, self.generation_config, self.end_ids
+            )
+            object.__setattr__(self, "pad_id", pad)
+        elif not is_whole_number(self.pad_id):
+            raise TypeError(
+                f"pad_id must be a token id (a whole number) or None, got {self.pad_id!r}"
+            )
 
     @classmethod
     def load(
@@ -145,6 +167,7 @@ class Pretrained:
             end_ids=self.end_ids,
             hf_config=self.hf_config if format == self.format else None,
             max_shard_bytes=max_shard_bytes,
+            generation_config=self.generation_config if format == self.format else None,
         )
 
     @property
@@ -211,13 +234,22 @@ class Pretrained:
                 "this checkpoint is an image encoder (dew.nn.ViT), not a language model; "
                 "call model.apply({'params': params}, images) for its features"
             )
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer; build TextGeneration with one")
+        tokenizer = options.pop("tokenizer", self.tokenizer)
+        if tokenizer is None:
+            raise ValueError(
+                f"this {self.format} checkpoint has no tokenizer (no tokenizer.json beside its "
+                f"weights), and TextGeneration turns strings into ids with one: pass the "
+                f"model's own, pipeline(tokenizer=dew.data.HFTokenizer(directory with its "
+                f"tokenizer.json)), or generate from token ids with dew.sampling.generate("
+                f"pretrained.model, pretrained.params, ids, max_new_tokens, key, "
+                f"end_ids={self.end_ids}, pad_id={self.pad_id}) (this checkpoint's end and pad "
+                f"ids, read from its config)"
+            )
         return TextGeneration(
             self.model,
             self.merged_params,
-            self.tokenizer,
-            end_ids=self.end_ids,
+            tokenizer,
+            end_ids=self.end_ids or None,
             checkpoint_format=self.format,
             hf_config=self.hf_config,
             **options,

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from dew.nn import axes
+from dew.nn.keywords import is_whole_number
 from dew.nn.shards import shard_count
 
 # Prompts are left-padded to a multiple of this many positions.
@@ -53,13 +54,24 @@ def pad_prompts(
     return tokens, mask
 
 
-def check_prompts(model, prompts, max_new_tokens: int, *, pad_id: int = 0) -> list[list[int]]:
+def check_prompts(
+    model, prompts, max_new_tokens: int, *, pad_id: int = 0, end_ids: Sequence[int] = ()
+) -> list[list[int]]:
     """Validate prompts before compiling; returns them as lists of ints.
 
-    Raises when a prompt is empty or not a list of ids, a token id (or
-    ``pad_id``) lies outside ``0..vocab_size-1``, a prompt is longer than the
+    Raises when a prompt is empty or not a list of ids, ``max_new_tokens`` is
+    not a whole number >= 1, a token id (or ``pad_id``, or an id of
+    ``end_ids``) lies outside ``0..vocab_size-1``, a prompt is longer than the
     model's ``max_seq_len``, or a prompt plus ``max_new_tokens`` would overrun it.
     """
+    if not is_whole_number(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(
+            f"max_new_tokens must be a whole number >= 1 (new tokens per row), got "
+            f"{max_new_tokens!r} ({type(max_new_tokens).__name__}); pass e.g. "
+            f"max_new_tokens={max(1, _rounded(max_new_tokens))}"
+        )
+    if not is_whole_number(pad_id):
+        raise TypeError(f"pad_id must be a whole number (a token id), got {pad_id!r}")
     if isinstance(prompts, np.ndarray | jax.Array):
         prompts = np.asarray(prompts).tolist()
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], str)):
@@ -78,8 +90,6 @@ def check_prompts(model, prompts, max_new_tokens: int, *, pad_id: int = 0) -> li
     for i, row in enumerate(rows):
         if not row:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     vocab = getattr(model, "vocab_size", None)
     if vocab is not None:
         largest = max(max(r) for r in rows)
@@ -96,7 +106,20 @@ def check_prompts(model, prompts, max_new_tokens: int, *, pad_id: int = 0) -> li
                 f"prompt token id {smallest} is negative; ids must be in 0..{vocab - 1}"
             )
         if not 0 <= pad_id < vocab:
-            raise ValueError(f"pad_id {pad_id} is outside the vocabulary 0..{vocab - 1}")
+            raise ValueError(
+                f"pad_id {pad_id} is outside the model's vocabulary 0..{vocab - 1}; pass a "
+                f"pad_id the model knows (Pretrained.pad_id of a Hugging Face checkpoint, its "
+                f"config.json pad_token_id, or any id below {vocab}: padding is masked out)"
+            )
+        outside = [e for e in end_ids if not 0 <= e < vocab]
+        if outside:
+            raise ValueError(
+                f"end id(s) {outside} of end_ids={list(end_ids)} are outside the model's "
+                f"vocabulary 0..{vocab - 1}: the model can never produce them, so no row "
+                f"would end. Pass the model's own end ids (Pretrained.end_ids, a Hugging Face "
+                f"checkpoint's config.json / generation_config.json eos_token_id) or the "
+                f"tokenizer that matches the model"
+            )
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None:
         longest = max(len(r) for r in rows)
@@ -118,6 +141,18 @@ def end_id_tuple(end_ids: Sequence[int] | int | None) -> tuple[int, ...]:
     """``None``, one id or several ids, as a tuple of ints."""
     if end_ids is None:
         return ()
-    if isinstance(end_ids, int | np.integer):
+    if is_whole_number(end_ids):
         return (int(end_ids),)
+    if isinstance(end_ids, str) or not all(is_whole_number(e) for e in end_ids):
+        raise TypeError(
+            f"end_ids must be a token id or a sequence of token ids (whole numbers), got "
+            f"{end_ids!r}; encode an end string with the tokenizer first"
+        )
     return tuple(int(e) for e in end_ids)
+
+
+def _rounded(value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 1

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dew.nn.keywords import check_keywords
+from dew.nn.keywords import check_keywords, is_whole_number
+
+
+def _is_real(value) -> bool:
+    """A real number (int, float, numpy scalar), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def _finite(value) -> bool:
+    return math.isfinite(float(value))
 
 
 @check_keywords
@@ -31,14 +43,28 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
+        problems = []
+        if (
+            not _is_real(self.temperature)
+            or not self.temperature >= 0
+            or not _finite(self.temperature)
+        ):
+            problems.append(
+                f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy, "
+                f"1 = the model's own distribution)"
+            )
+        if not is_whole_number(self.top_k) or self.top_k < 0:
+            problems.append(f"top_k={self.top_k!r} must be a whole number >= 0 (0 = off)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
+        if not _is_real(self.min_p) or not 0 <= self.min_p < 1:
+            problems.append(f"min_p={self.min_p!r} must be in [0, 1) (0 = off)")
+        if problems:
+            # a NaN compares False with everything: unchecked, it samples id 0 every step
+            raise ValueError(
+                f"Sampling got {'; '.join(problems)}. Pass values in those ranges, e.g. "
+                f"Sampling(temperature=0.7, top_p=0.9), or Sampling(temperature=0) for greedy"
+            )
 
     @property
     def is_greedy(self) -> bool:

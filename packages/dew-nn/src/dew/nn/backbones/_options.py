@@ -8,6 +8,11 @@ layer stack, and the input embeddings and final norm built from them. Each
 backbone adds its own fields (the vocabulary, the mask, the output head) and
 gives ``mask``, the attention :class:`dew.nn.masks.MaskPolicy` of its layers.
 
+Every backbone validates its options when it is built (``__post_init__``), so
+a bad configuration raises at ``models.build`` or the constructor, before
+anything is traced or compiled; :func:`check_counts` is the check of its
+counts (layers, heads, widths, vocabulary, patch sizes).
+
 :class:`BlockConfig` is what one layer needs, derived from those options.
 """
 
@@ -22,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import axes, masks
-from dew.nn.norms import make_norm
+from dew.nn.keywords import is_whole_number
+from dew.nn.mlp import ACTIVATIONS
+from dew.nn.norms import NORMS, make_norm
 from dew.nn.rope import RopeScaling
 from dew.nn.stack import LayerStack
 
@@ -32,6 +39,81 @@ ACTIVATION_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)
 # seed size (2 layers) the scanned step took 1.16x the CPU time of the same
 # scan unrolled (tools/bench_model.py, docs/performance.md).
 UNROLL_UP_TO = 4
+
+
+# What each count is, for the message of check_counts.
+COUNT_MEANINGS = {
+    "emb_features": "the width of the residual stream",
+    "num_layers": "transformer layers",
+    "num_heads": "attention heads",
+    "num_kv_heads": "key/value heads; None = num_heads",
+    "head_dim": "features per head; None = emb_features // num_heads",
+    "mlp_features": "the hidden width of the feed-forward block",
+    "max_seq_len": "the longest sequence, in positions",
+    "vocab_size": "token ids",
+    "out_features": "the output width; None = vocab_size",
+    "sliding_window": "positions a query sees back; None = all",
+    "num_experts": "mixture-of-experts experts; 0 = a dense MLP",
+    "num_stages": "pipeline stages; 1 = no pipeline",
+    "pipeline_microbatches": "microbatches of the pipeline; None = num_stages",
+    "encoder_features": "the encoder's feature width",
+    "image_size": "pixels along a side of an image",
+    "patch_size": "pixels along a side of a patch",
+    "num_channels": "channels of a pixel",
+    "in_channels": "channels of the input",
+    "num_frames": "frames of a video; None = images",
+    "tubelet_size": "frames per tubelet",
+    "num_classes": "class labels; 0 = no label table",
+    "context_features": "width of the text context; 0 = no cross-attention",
+    "time_features": "features of the timestep embedding",
+}
+
+
+def check_counts(
+    module: Any,
+    *,
+    positive: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+) -> None:
+    """Raise ``ValueError`` naming every count field of ``module`` that is not a
+    whole number in range, with its value and meaning: ``positive`` fields must
+    be >= 1, ``optional`` ones >= 1 or None, ``non_negative`` ones >= 0. A zero
+    width or head count would otherwise surface while tracing as a division by
+    zero or an ``IndexError`` from inside JAX."""
+    rules = (
+        [(name, 1, False) for name in positive]
+        + [(name, 1, True) for name in optional]
+        + [(name, 0, False) for name in non_negative]
+    )
+    problems = []
+    for name, minimum, may_be_none in rules:
+        value = getattr(module, name)
+        if (value is None and may_be_none) or (is_whole_number(value) and value >= minimum):
+            continue
+        meaning = COUNT_MEANINGS.get(name)
+        allowed = f"a whole number >= {minimum}" + (" or None" if may_be_none else "")
+        what = f" ({meaning})" if meaning else ""
+        problems.append((name, f"{name}={value!r}{what} must be {allowed}"))
+    if problems:
+        raise ValueError(
+            f"{type(module).__name__} got an invalid count: {'; '.join(p for _, p in problems)}"
+            f". Set {', '.join(n for n, _ in problems)} in range and build it again"
+        )
+
+
+def check_layer_kinds(module: Any) -> None:
+    """Raise ``ValueError`` unless ``module``'s ``mlp_activation`` (and ``norm``, when
+    it has one) name a known kind, listing the known ones."""
+    owner = type(module).__name__
+    norm = getattr(module, "norm", None)
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"{owner} has unknown norm {norm!r}; use one of {NORMS}")
+    if module.mlp_activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{owner} has unknown mlp_activation {module.mlp_activation!r}; use one of "
+            f"{ACTIVATIONS}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +222,11 @@ class TransformerOptions(nn.Module, kw_only=True):
     pipeline_microbatches: int | None = None
 
     config_decoders = {"rope_scaling": RopeScaling}
+    # a backbone's own count fields (vocab_size, ...), checked with the shared ones
+    # (class attributes, not annotated: not dataclass fields)
+    EXTRA_POSITIVE = ()
+    EXTRA_OPTIONAL = ()
+    EXTRA_NON_NEGATIVE = ()
 
     @property
     def kv_heads(self) -> int:
@@ -153,17 +240,37 @@ class TransformerOptions(nn.Module, kw_only=True):
     def microbatches(self) -> int:
         return self.pipeline_microbatches or self.num_stages
 
+    # the count fields of every transformer backbone (checked by check_counts)
+    POSITIVE_COUNTS = ("emb_features", "num_layers", "num_heads", "mlp_features", "max_seq_len")
+    OPTIONAL_COUNTS = ("num_kv_heads", "head_dim", "pipeline_microbatches")
+
+    def __post_init__(self):
+        self.check()  # before Flax registers the module: a bad config never builds
+        super().__post_init__()
+
     def check(self) -> None:
-        """Raise ``ValueError`` on an inconsistent configuration."""
+        """Raise ``ValueError`` on an inconsistent configuration (run when the
+        module is built)."""
+        check_counts(
+            self,
+            positive=(*self.POSITIVE_COUNTS, "num_stages", *type(self).EXTRA_POSITIVE),
+            optional=(*self.OPTIONAL_COUNTS, *type(self).EXTRA_OPTIONAL),
+            non_negative=type(self).EXTRA_NON_NEGATIVE,
+        )
+        owner = type(self).__name__
         if self.num_heads % self.kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
             raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}"
+                f"{owner} num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.kv_heads} (each key/value head serves a whole group of query heads); "
+                f"use num_kv_heads in {divisors}"
             )
         if self.head_dim is None and self.emb_features % self.num_heads:
             raise ValueError(
-                f"emb_features {self.emb_features} does not divide over num_heads "
-                f"{self.num_heads}; set head_dim explicitly"
+                f"{owner} emb_features {self.emb_features} does not divide over num_heads "
+                f"{self.num_heads}; use a multiple of num_heads or set head_dim explicitly"
             )
+        check_layer_kinds(self)
         if self.position_embedding not in ("rope", "learned"):
             raise ValueError(
                 f"unknown position_embedding {self.position_embedding!r}; use 'rope' or 'learned'"

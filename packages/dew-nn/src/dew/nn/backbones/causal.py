@@ -113,6 +113,10 @@ class CausalTransformer(TransformerOptions, kw_only=True):
     num_experts: int = 0
     experts_per_token: int = 2
 
+    EXTRA_POSITIVE = ("vocab_size",)
+    EXTRA_OPTIONAL = ("sliding_window",)
+    EXTRA_NON_NEGATIVE = ("num_experts",)
+
     @property
     def mask(self) -> masks.MaskPolicy:
         """Causal, within ``sliding_window`` positions when one is set."""
@@ -152,7 +156,6 @@ class CausalTransformer(TransformerOptions, kw_only=True):
           what the output projection reads): ``(logits, hidden [batch, length, embed])``,
           for a value head on the trunk (:class:`dew.nn.value.ValueHead`).
         """
-        self.check()
         batch, length = tokens.shape
         if not decode:
             check_divides(length, axes.LENGTH, "CausalTransformer tokens [batch, length]")

@@ -44,8 +44,10 @@ import numpy as np
 
 from dew.nn import axes, masks, models
 from dew.nn.attention import Attention
+from dew.nn.backbones._options import check_counts, check_layer_kinds
 from dew.nn.backbones.vit import sincos_1d
 from dew.nn.cross_attention import CrossAttention
+from dew.nn.keywords import is_whole_number
 from dew.nn.mlp import MLP
 from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
@@ -286,6 +288,7 @@ class DiTOptions(nn.Module, kw_only=True):
     def __post_init__(self):
         if isinstance(self.sample_size, list):  # a JSON round trip turns the pair into a list
             object.__setattr__(self, "sample_size", tuple(self.sample_size))
+        self.check()  # a bad config never builds
         super().__post_init__()
 
     # ------------------------------------------------------------ derived
@@ -329,10 +332,34 @@ class DiTOptions(nn.Module, kw_only=True):
             **overrides,
         )
 
+    EXTRA_OPTIONAL = ()
+
     def check(self) -> None:
-        """Raise ``ValueError`` on an inconsistent configuration."""
+        """Raise ``ValueError`` on an inconsistent configuration (run when the
+        module is built)."""
         name = type(self).__name__
-        if self.patch_size < 1 or any(s < 1 or s % self.patch_size for s in self.sample_shape):
+        size = self.sample_size
+        sides = size if isinstance(size, tuple) else (size,)
+        if len(sides) not in (1, 2) or not all(is_whole_number(s) and s >= 1 for s in sides):
+            raise ValueError(
+                f"{name} sample_size={size!r} must be a whole number >= 1 (square inputs) or "
+                f"a (height, width) pair of them, in pixels or latent cells"
+            )
+        check_counts(
+            self,
+            positive=(
+                "patch_size",
+                "in_channels",
+                "emb_features",
+                "num_layers",
+                "num_heads",
+                "mlp_features",
+                "time_features",
+            ),
+            optional=self.EXTRA_OPTIONAL,
+            non_negative=("num_classes", "context_features"),
+        )
+        if any(s % self.patch_size for s in self.sample_shape):
             raise ValueError(
                 f"{name} sample_size {self.sample_size} is not a positive multiple of "
                 f"patch_size {self.patch_size}; use a sample_size divisible by the patch size"
@@ -345,12 +372,10 @@ class DiTOptions(nn.Module, kw_only=True):
         if self.emb_features % 4:
             raise ValueError(
                 f"{name} emb_features {self.emb_features} must be a multiple of 4 for the 2-D "
-                f"sine-cosine positions"
+                f"sine-cosine positions; use {self.emb_features // 4 * 4 or 4} or "
+                f"{self.emb_features // 4 * 4 + 4}"
             )
-        for field in ("num_classes", "context_features"):
-            value = getattr(self, field)
-            if value < 0:
-                raise ValueError(f"{name} {field} must be >= 0 (0 = none), got {value}")
+        check_layer_kinds(self)
         if self.time_features < 2 or self.time_freq_shift >= self.time_features // 2:
             raise ValueError(
                 f"{name} time_features {self.time_features} with time_freq_shift "
@@ -568,7 +593,6 @@ class DiT(DiTOptions, kw_only=True):
           with ``context_features > 0`` only, and then required).
         context_mask: optional boolean ``[batch, tokens]``; False = padding.
         """
-        self.check()
         if x.ndim != 4:
             raise ValueError(
                 f"DiT takes images [batch, height, width, channels], got shape "

@@ -43,6 +43,7 @@ class Transformer(TransformerOptions, kw_only=True):
     mask: masks.MaskPolicy = masks.full()
 
     config_decoders = {**TransformerOptions.config_decoders, "mask": masks.MaskPolicy}
+    EXTRA_OPTIONAL = ("vocab_size", "out_features")
 
     @property
     def head_features(self) -> int | None:
@@ -80,7 +81,6 @@ class Transformer(TransformerOptions, kw_only=True):
         segment_ids: ``[batch, length]`` ids of sequences packed in a row.
         query_key_mask: boolean ``[batch, length, length]`` ANDed with ``mask``.
         """
-        self.check()
         is_tokens = self.vocab_size is not None
         if inputs.ndim != (2 if is_tokens else 3):
             raise ValueError(

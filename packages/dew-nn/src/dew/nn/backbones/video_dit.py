@@ -83,6 +83,8 @@ class VideoDiT(DiTOptions, kw_only=True):
 
     num_frames: int | None = None
 
+    EXTRA_OPTIONAL = ("num_frames",)
+
     def example_inputs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract positional arguments of ``init``: one video and its timestep."""
         frames = self.num_frames or 1
@@ -107,9 +109,6 @@ class VideoDiT(DiTOptions, kw_only=True):
         x: ``[batch, frames, height, width, in_channels]`` (or an image batch).
         t, label, context, context_mask: as :class:`DiT` takes them (per clip).
         """
-        self.check()
-        if self.num_frames is not None and self.num_frames < 1:
-            raise ValueError(f"VideoDiT num_frames must be >= 1 or None, got {self.num_frames}")
         if x.ndim not in (4, 5):
             raise ValueError(
                 f"VideoDiT takes videos [batch, frames, height, width, channels] (or images "

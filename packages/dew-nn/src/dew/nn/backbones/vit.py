@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import axes, masks, models
+from dew.nn.backbones._options import check_counts, check_layer_kinds
 from dew.nn.backbones.causal import ACTIVATION_AXES, BlockConfig, DecoderBlock
 from dew.nn.norms import make_norm
 from dew.nn.rope import axial_section_dim
@@ -205,6 +206,23 @@ class _PatchModel:
     """What :class:`ViT` and :class:`ViTPredictor` share: the grid, the position
     table, the block configuration and the stack (read from their fields)."""
 
+    POSITIVE_COUNTS = (
+        "emb_features",
+        "num_layers",
+        "num_heads",
+        "mlp_features",
+        "image_size",
+        "patch_size",
+        "num_channels",
+        "tubelet_size",
+        "num_stages",
+    )
+    EXTRA_POSITIVE = ()
+
+    def __post_init__(self):
+        self.check()  # a bad config never builds
+        super().__post_init__()
+
     @property
     def grid(self) -> PatchGrid:
         return PatchGrid(
@@ -219,12 +237,21 @@ class _PatchModel:
         return self.grid.num_patches
 
     def check(self) -> None:
-        """Raise ``ValueError`` on an inconsistent configuration."""
+        """Raise ``ValueError`` on an inconsistent configuration (run when the
+        module is built)."""
+        check_counts(
+            self,
+            positive=(*self.POSITIVE_COUNTS, *self.EXTRA_POSITIVE),
+            optional=("num_frames", "pipeline_microbatches"),
+        )
         grid = self.grid
+        owner = type(self).__name__
         if self.emb_features % self.num_heads:
             raise ValueError(
-                f"emb_features {self.emb_features} does not divide over num_heads {self.num_heads}"
+                f"{owner} emb_features {self.emb_features} does not divide over num_heads "
+                f"{self.num_heads}; use a multiple of num_heads"
             )
+        check_layer_kinds(self)
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(
                 f"unknown position_embedding {self.position_embedding!r}; use one of "
@@ -417,7 +444,6 @@ class ViT(_PatchModel, nn.Module):
           the first block, so no kept patch sees them. None = every patch in
           order (``K = num_patches``).
         """
-        self.check()
         grid = self.grid
         grid.check_pixels(pixels, self.num_channels, "ViT")
         batch = pixels.shape[0]
@@ -454,6 +480,8 @@ class ViTPredictor(_PatchModel, nn.Module):
     """
 
     __doc__ += _SHARED_DOC
+
+    EXTRA_POSITIVE = ("encoder_features",)
 
     encoder_features: int
     emb_features: int
@@ -494,7 +522,6 @@ class ViTPredictor(_PatchModel, nn.Module):
         context_positions: int ``[batch, K]``, their patch indices.
         target_positions: int ``[batch, T]``, the patch indices to predict.
         """
-        self.check()
         if context.ndim != 3 or context.shape[-1] != self.encoder_features:
             raise ValueError(
                 f"ViTPredictor context must be [batch, K, encoder_features="

@@ -88,9 +88,9 @@ class DiTFormat(LayeredFormat):
     ) -> tuple[str, dict[str, Any]]:
         fields = ConfigFields(hf_config, self.family, where)
         fields.expect("_class_name", (self.architecture,), self.architecture)
-        heads = int(fields.get("num_attention_heads", 16))
-        head_dim = int(fields.get("attention_head_dim", 72))
-        in_channels = int(fields.get("in_channels", 4))
+        heads = int(fields.count("num_attention_heads", 16))
+        head_dim = int(fields.count("attention_head_dim", 72))
+        in_channels = int(fields.count("in_channels", 4))
         out_channels = fields.get("out_channels", None)
         if out_channels not in (None, in_channels, 2 * in_channels):
             raise ValueError(
@@ -98,7 +98,7 @@ class DiTFormat(LayeredFormat):
                 f"{in_channels}; Dew's DiT outputs in_channels (the prediction) or "
                 f"2 * in_channels (learn_sigma)"
             )
-        patch = fields.get("patch_size", 2)
+        patch = fields.count("patch_size", 2)
         size = fields.get("sample_size", 32)
         for name, value in (("patch_size", patch), ("sample_size", size)):
             if not isinstance(value, int):
@@ -125,7 +125,7 @@ class DiTFormat(LayeredFormat):
             patch_size=patch,
             in_channels=in_channels,
             emb_features=heads * head_dim,
-            num_layers=int(fields.get("num_layers", 28)),
+            num_layers=int(fields.count("num_layers", 28)),
             num_heads=heads,
             mlp_features=4 * heads * head_dim,
             num_classes=classes,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from dew.nn.keywords import is_whole_number
 from dew.nn.rope import RopeScaling
 
 # Fields that do not change the forward pass of the model.
@@ -79,6 +80,22 @@ class ConfigFields:
         if value is _MISSING:
             raise ValueError(
                 f"{self.where}: config.json lacks {name!r}, which a {self.family} checkpoint needs"
+            )
+        return value
+
+    def count(self, name: str, default: Any = _MISSING, *, optional: bool = False) -> Any:
+        """The field's value, which must be a whole number >= 1 (a size, a head or
+        layer count); ``optional``: None (or a missing field with default None) passes."""
+        value = self.get(name, default)
+        if value is None and optional:
+            return None
+        if not is_whole_number(value) or value < 1:
+            raise ValueError(
+                f"{self.where}: config.json sets {name}={value!r}, but a {self.family} "
+                f"checkpoint needs a whole number >= 1 there"
+                + (" (or null)" if optional else "")
+                + "; the file is damaged or describes another model: fix the field or "
+                "download the checkpoint again"
             )
         return value
 

@@ -28,18 +28,18 @@ class GPT2Format(CausalLMFormat):
     architecture = "GPT2LMHeadModel"
 
     def read_options(self, fields: ConfigFields) -> dict[str, Any]:
-        emb = fields.get("n_embd")
+        emb = fields.count("n_embd")
         activation = fields.expect("activation_function", tuple(ACTIVATIONS), "gelu_new")
         fields.expect("add_cross_attention", (False,), False)
         fields.expect("scale_attn_weights", (True,), True)
         fields.expect("scale_attn_by_inverse_layer_idx", (False,), False)
         return dict(
-            vocab_size=fields.get("vocab_size"),
+            vocab_size=fields.count("vocab_size"),
             emb_features=emb,
-            num_layers=fields.get("n_layer"),
-            num_heads=fields.get("n_head"),
-            mlp_features=fields.get("n_inner", None) or 4 * emb,
-            max_seq_len=fields.get("n_positions", 1024),
+            num_layers=fields.count("n_layer"),
+            num_heads=fields.count("n_head"),
+            mlp_features=fields.count("n_inner", None, optional=True) or 4 * emb,
+            max_seq_len=fields.count("n_positions", 1024),
             mlp_activation=ACTIVATIONS[activation],
             norm="layer",
             norm_eps=float(fields.get("layer_norm_epsilon", 1e-5)),

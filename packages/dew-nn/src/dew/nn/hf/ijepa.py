@@ -85,9 +85,9 @@ class IJepaFormat(ViTEncoderFormat):
         self, hf_config: Mapping[str, Any], *, where: str = "", ignore_fields: Iterable[str] = ()
     ) -> tuple[str, dict[str, Any]]:
         fields = ConfigFields(hf_config, self.family, where)
-        emb = fields.get("hidden_size")
-        heads = fields.get("num_attention_heads")
-        head_dim = fields.get("head_dim", None)
+        emb = fields.count("hidden_size")
+        heads = fields.count("num_attention_heads")
+        head_dim = fields.count("head_dim", None, optional=True)
         if head_dim is not None and head_dim * heads != emb:
             raise ValueError(
                 f"{fields.where}: config.json sets head_dim={head_dim} with hidden_size {emb} "
@@ -100,7 +100,7 @@ class IJepaFormat(ViTEncoderFormat):
         for name in ("pooler_output_size", "pooler_act"):
             fields.get(name, None)
         options.update(
-            mlp_features=fields.get("intermediate_size"),
+            mlp_features=fields.count("intermediate_size"),
             image_size=_square(fields, "image_size", 224),
             patch_size=_square(fields, "patch_size", 16),
             num_channels=fields.get("num_channels", 3),

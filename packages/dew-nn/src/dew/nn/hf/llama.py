@@ -28,20 +28,22 @@ class LlamaFormat(CausalLMFormat):
         self.family, self.architecture = family, architecture
 
     def read_options(self, fields: ConfigFields) -> dict[str, Any]:
-        emb = fields.get("hidden_size")
-        heads = fields.get("num_attention_heads")
-        head_dim = fields.get("head_dim", None) or emb // heads
+        emb = fields.count("hidden_size")
+        heads = fields.count("num_attention_heads")
+        head_dim = fields.count("head_dim", None, optional=True) or emb // heads
         fields.expect("hidden_act", ("silu", "swish"), "silu")
         theta, scaling = read_rope(fields)
         options = dict(
-            vocab_size=fields.get("vocab_size"),
+            vocab_size=fields.count("vocab_size"),
             emb_features=emb,
-            num_layers=fields.get("num_hidden_layers"),
+            num_layers=fields.count("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=fields.get("num_key_value_heads", None) or heads,
+            num_kv_heads=fields.count("num_key_value_heads", None, optional=True) or heads,
             head_dim=None if head_dim * heads == emb else head_dim,
-            mlp_features=fields.get("intermediate_size"),
-            max_seq_len=fields.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[self.family]),
+            mlp_features=fields.count("intermediate_size"),
+            max_seq_len=fields.count(
+                "max_position_embeddings", _DEFAULT_MAX_POSITIONS[self.family]
+            ),
             mlp_activation="swiglu",
             norm="rms",
             norm_eps=float(fields.get("rms_norm_eps", 1e-6)),

@@ -82,9 +82,9 @@ class ViTEncoderFormat(LayeredFormat):
         activation = fields.expect("hidden_act", tuple(ACTIVATIONS), "gelu")
         fields.expect("qkv_bias", (True,), True)
         return dict(
-            emb_features=fields.get("hidden_size"),
-            num_layers=fields.get("num_hidden_layers"),
-            num_heads=fields.get("num_attention_heads"),
+            emb_features=fields.count("hidden_size"),
+            num_layers=fields.count("num_hidden_layers"),
+            num_heads=fields.count("num_attention_heads"),
             mlp_activation=ACTIVATIONS[activation],
             norm="layer",
             norm_eps=float(fields.get("layer_norm_eps", self.default_norm_eps)),

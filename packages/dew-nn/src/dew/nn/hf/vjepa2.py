@@ -84,8 +84,8 @@ class VJepa2Format(ViTEncoderFormat):
                 f"{self.family} format loads {self.architecture} (the encoder) only. Save "
                 f"the model's .vjepa2 submodule with VJEPA2Model.save_pretrained and load that"
             )
-        emb = fields.get("hidden_size")
-        heads = fields.get("num_attention_heads")
+        emb = fields.count("hidden_size")
+        heads = fields.count("num_attention_heads")
         if emb % heads:
             raise ValueError(
                 f"{fields.where}: hidden_size {emb} does not divide over num_attention_heads "

@@ -249,7 +249,7 @@ class Pretrained:
             self.model,
             self.merged_params,
             tokenizer,
-            end_ids=self.end_ids or None,
+            end_ids=self.end_ids,
             checkpoint_format=self.format,
             hf_config=self.hf_config,
             **options,

@@ -126,6 +126,19 @@ def test_hf_tokenizer_ids_and_end_id(tmp_path, write_jsonl):
     assert next(iter(data.val(Partition())))["text"].tolist() == [[6, 5, 1]]
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_damaged_tokenizer_file_is_named(tmp_path, name):
+    make_hf_tokenizer(tmp_path / "tok")
+    file = tmp_path / "tok" / name
+    text = file.read_text()
+    file.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError) as error:
+        HFTokenizer(tmp_path / "tok")
+    message = str(error.value)
+    assert message.startswith(str(file)) and "cut off" in message
+    assert "download or save the tokenizer again" in message.lower()
+
+
 def test_missing_path_and_empty_corpus_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.txt"):
         TokenWindows(tmp_path / "nowhere.txt", seq_len=4, cache_dir=tmp_path).load(batch=2)

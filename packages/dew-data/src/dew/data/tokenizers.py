@@ -58,13 +58,33 @@ class HFTokenizer:
         if not os.path.exists(file):
             raise FileNotFoundError(f"no tokenizer.json at {file}")
         self.path = file
-        self._tokenizer = Tokenizer.from_file(file)
+        try:
+            self._tokenizer = Tokenizer.from_file(file)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(
+                f"{file} is not a readable tokenizer.json ({e}; the file is "
+                f"{os.path.getsize(file)} bytes): it is damaged or was cut off while being "
+                f"saved or downloaded. Download or save the tokenizer again"
+            ) from None
         self.add_special_tokens = add_special_tokens
         self.config = {}
         config_file = os.path.join(directory, "tokenizer_config.json")
         if os.path.exists(config_file):
             with open(config_file) as f:
-                self.config = json.load(f)
+                text = f.read()
+            try:
+                self.config = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{config_file} is not valid JSON: {e.msg} at line {e.lineno}, column "
+                    f"{e.colno}. It is damaged or was cut off: download or save the tokenizer "
+                    f"again, or delete it (the end and pad tokens are read from it)"
+                ) from None
+            if not isinstance(self.config, dict):
+                raise ValueError(
+                    f"{config_file} holds a JSON {type(self.config).__name__}, not an object; "
+                    f"download or save the tokenizer again"
+                )
         self.end_id = self._special_id("eos_token")
         self.pad_id = self._special_id("pad_token")
 

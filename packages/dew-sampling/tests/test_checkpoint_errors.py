@@ -206,3 +206,14 @@ def test_a_pipeline_without_a_tokenizer_names_the_argument_and_the_ids(hf_dir):
     task = loaded.pipeline(tokenizer=ByteTokenizer())
     assert isinstance(task, TextGeneration) and task.end_ids == (7,)
     assert isinstance(task.tokenizer, ByteTokenizer)
+
+
+def test_a_training_checkpoints_directory_is_told_apart(tmp_path):
+    (tmp_path / "run" / "100").mkdir(parents=True)
+    (tmp_path / "run" / "200").mkdir()
+    with pytest.raises(FileNotFoundError) as error:
+        Pretrained.load(tmp_path / "run")
+    message = str(error.value)
+    assert "has neither dew_config.json (a Dew checkpoint) nor config.json" in message
+    assert "step directories ['100', '200']" in message
+    assert f"dew.train.load_model({str(tmp_path / 'run')!r})" in message

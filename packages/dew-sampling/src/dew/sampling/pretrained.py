@@ -136,9 +136,17 @@ class Pretrained:
                     ignore_fields=ignore_fields,
                 )
             )
+        steps = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.isdigit())
+        hint = (
+            f"; it holds step directories {steps[:5]}, as a training run's Checkpoints "
+            f"directory does: rebuild its model with dew.train.load_model({str(path)!r}) "
+            f"and save it with Pretrained(model=..., params=...).save(...)"
+            if steps
+            else ""
+        )
         raise FileNotFoundError(
             f"{path} has neither {formats.DEW_CONFIG} (a Dew checkpoint) nor "
-            f"{formats.HF_CONFIG} (a Hugging Face checkpoint)"
+            f"{formats.HF_CONFIG} (a Hugging Face checkpoint){hint}"
         )
 
     def save(

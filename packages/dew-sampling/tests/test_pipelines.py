@@ -38,6 +38,20 @@ def test_sampling_needs_a_key(pipeline):
         pipeline("dew", sampling=Sampling(temperature=1.0))
 
 
+def test_bad_settings_are_refused_when_built_or_called(pipeline):
+    with pytest.raises(ValueError, match="TextGeneration max_new_tokens must be a whole number"):
+        TextGeneration(pipeline.model, pipeline.params, ByteTokenizer(), max_new_tokens=0)
+    with pytest.raises(TypeError, match="sampling must be a dew.sampling.Sampling, got float"):
+        TextGeneration(pipeline.model, pipeline.params, ByteTokenizer(), sampling=0.7)
+    with pytest.raises(ValueError, match="unknown format 'onnx'"):
+        TextGeneration(pipeline.model, pipeline.params, ByteTokenizer(), checkpoint_format="onnx")
+    # 0 new tokens is an error, not the default of 8 (it was taken as "not given")
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 1.*got 0"):
+        pipeline("dew", max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature=nan must be a finite number"):
+        pipeline("dew", sampling=Sampling(temperature=float("nan")), key=jax.random.key(0))
+
+
 @pytest.mark.parametrize("fmt", ["dew", "llama"])
 def test_save_writes_a_pretrained_that_generates_the_same(pipeline, tmp_path, fmt):
     path = pipeline.save(tmp_path, format=fmt)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from dew.nn.keywords import is_whole_number
 from dew.sampling import checkpoint_formats
 from dew.sampling.generate import generate
 from dew.sampling.sampling import Sampling
@@ -37,6 +38,19 @@ class TextGeneration:
     checkpoint_format: str = "dew"
     hf_config: dict | None = None
 
+    def __post_init__(self):
+        if not is_whole_number(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"TextGeneration max_new_tokens must be a whole number >= 1, got "
+                f"{self.max_new_tokens!r}"
+            )
+        if not isinstance(self.sampling, Sampling):
+            raise TypeError(
+                f"TextGeneration sampling must be a dew.sampling.Sampling, got "
+                f"{type(self.sampling).__name__}; pass e.g. Sampling(temperature=0.7)"
+            )
+        checkpoint_formats.check_format(self.checkpoint_format)
+
     def __call__(self, text, *, max_new_tokens=None, key=None, sampling=None, num_beams=1):
         """Continue ``text`` (a string or a list of strings); returns prompt + continuation.
 
@@ -53,7 +67,8 @@ class TextGeneration:
                 raise ValueError("sampling with temperature > 0 needs key=jax.random.key(...)")
             key = jax.random.key(0)  # unused by greedy and beam decoding
         prompts = [self.tokenizer.encode(t) for t in texts]
-        new = max_new_tokens or self.max_new_tokens
+        # 0 is an error (generate says so), not "the default"
+        new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         max_len = getattr(self.model, "max_seq_len", None)
         if max_new_tokens is None and max_len is not None:
             new = max(1, min(new, max_len - max(len(p) for p in prompts)))

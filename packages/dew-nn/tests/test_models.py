@@ -110,6 +110,12 @@ def test_config_differences_reads_saved_records_and_fills_unrecorded_defaults():
     assert models.config_differences(saved, (name, config)) == [
         "vocab_size: 64 in the saved model, 32 in this one"
     ]
+    raw = dict(CONFIG, rope_scaling=RopeScaling(kind="linear", factor=2.0), dtype=jnp.float32)
+    assert models.config_differences(("causal_transformer", raw), model) == [
+        'rope_scaling: {"__dataclass__": "RopeScaling", "kind": "linear", "factor": 2.0, '
+        '"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 8192} in '
+        "the saved model, null in this one"
+    ]
     assert models.config_differences({"name": "vit", "config": {}}, model) == [
         "model: 'vit' in the saved model, 'causal_transformer' in this one"
     ]

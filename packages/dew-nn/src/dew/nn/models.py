@@ -137,7 +137,9 @@ def _record(model: Any) -> tuple[str | None, dict[str, Any]]:
         name, config = model.get("name"), model.get("config") or {}
     else:
         name, config = model
-    # one spelling for both sides: tuples as lists, dtypes as {"__dtype__": ...}
+    # one spelling for both sides: tuples as lists, dtypes as {"__dtype__": ...},
+    # dataclass options (RopeScaling, MaskPolicy) as the dicts config_of writes
+    config = {key: _encode(value) for key, value in config.items()}
     return name, json.loads(json.dumps(config, default=str))
 
 

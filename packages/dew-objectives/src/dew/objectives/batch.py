@@ -117,9 +117,10 @@ def check_batch_spec(
             else:
                 fits &= want == size
         if not fits:
+            rows = given.rows if isinstance(given, _Given) else None  # a batch's, not a spec's
             raise ValueError(
-                f"batch[{field.key!r}] has shape {_rows(shape, getattr(given, 'rows', None))}, "
-                f"but {what} reads {field.wanted(sizes)}; make the data and the objective agree"
+                f"batch[{field.key!r}] has shape {_rows(shape, rows)}, but {what} reads "
+                f"{field.wanted(sizes)}; make the data and the objective agree"
             )
         if not field.accepts(given.dtype):
             raise TypeError(

@@ -241,10 +241,10 @@ class DPOObjective(Objective):
         return {"loss": loss, **{k: v for k, v in metrics.items() if k != "dpo_loss"}}
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key)
+        return self.policy.preview(variables["params"], key, tokenizer=self.tokenizer)
 
     def export(self, variables):
-        return self.policy.export(variables["params"])
+        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):

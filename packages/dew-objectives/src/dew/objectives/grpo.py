@@ -362,5 +362,8 @@ class GRPOObjective(Objective):
 
     def export(self, variables):
         return self.policy.export(
-            variables["params"], max_new_tokens=self.max_new_tokens, end_ids=self.end_ids or None
+            variables["params"],
+            tokenizer=self.tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            end_ids=self.end_ids or None,
         )

@@ -174,11 +174,15 @@ class LMObjective(Objective):
 
     def preview(self, variables, key):
         return self.policy.preview(
-            variables["params"], key, prompt=self.preview_prompt, new_tokens=self.preview_tokens
+            variables["params"],
+            key,
+            prompt=self.preview_prompt,
+            new_tokens=self.preview_tokens,
+            tokenizer=self.tokenizer,
         )
 
     def export(self, variables):
-        return self.policy.export(variables["params"])
+        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
 
     def check_batch(self, batch):
         super().check_batch(batch)  # the declared fields: the key, [rows, seq_len + 1], dtypes

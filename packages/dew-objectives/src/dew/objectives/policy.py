@@ -150,19 +150,23 @@ class CausalPolicy:
         check_token_ids(ids, self.vocab_size, key=key, what=f"{self.what}'s model")
 
     # ------------------------------------------------------ preview, export
-    def preview(self, params, key: jax.Array, *, prompt: str = "The", new_tokens: int = 16) -> str:
-        """A greedy continuation of ``prompt`` (at most ``new_tokens``), decoded."""
+    def preview(
+        self, params, key: jax.Array, *, prompt="The", new_tokens=16, tokenizer=None
+    ) -> str:
+        """A greedy continuation of ``prompt`` (at most ``new_tokens``), decoded.
+        ``tokenizer``: the objective's current one (None = :attr:`tokenizer`)."""
         from dew.sampling import Sampling, generate
 
-        ids = self.tokenizer.encode(prompt) or [0]
+        tokenizer = tokenizer or self.tokenizer
+        ids = tokenizer.encode(prompt) or [0]
         max_len = self.max_seq_len or len(ids) + new_tokens
         new = max(1, min(new_tokens, max_len - len(ids)))
         out = generate(self.model, params, [ids], new, key, sampling=Sampling(temperature=0))
-        return self.tokenizer.decode(out.tokens[0])
+        return tokenizer.decode(out.tokens[0])
 
-    def export(self, params, **options):
+    def export(self, params, *, tokenizer=None, **options):
         """A :class:`dew.sampling.TextGeneration` of the policy (``options``: sampling,
-        max_new_tokens, end_ids)."""
+        max_new_tokens, end_ids; ``tokenizer`` as in :meth:`preview`)."""
         from dew.sampling import TextGeneration
 
-        return TextGeneration(self.model, params, self.tokenizer, **options)
+        return TextGeneration(self.model, params, tokenizer or self.tokenizer, **options)

@@ -445,6 +445,7 @@ class PPOObjective(Objective):
         """A :class:`dew.sampling.TextGeneration` of the policy."""
         return self.policy.export(
             variables["params"]["policy"],
+            tokenizer=self.tokenizer,
             sampling=self.sampling,
             max_new_tokens=self.max_new_tokens,
             end_ids=self.end_ids or None,

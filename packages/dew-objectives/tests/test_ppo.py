@@ -4,6 +4,8 @@ lambda = 1, no KL: every return is the final score), and the objective's
 prepare + loss on a tiny policy: its loss is the numpy formula of its own
 log-probs and values, the first ratio is 1, pads after the end count nowhere."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,16 +17,15 @@ from dew.objectives import Step, Updates
 from dew.objectives import weighted as wt
 from dew.objectives.ppo import (
     PPOObjective,
-    check_first_logprobs,
     explained_variance,
     gae,
     in_chunks,
-    policy_loss,
     token_rewards,
     value_loss,
     whiten,
 )
 from dew.objectives.rewards import TextReward, TokenReward
+from dew.objectives.rl import check_first_update, clipped_policy_loss
 from dew.objectives.rollouts import Rollout
 
 ROWS, NEW = 6, 5
@@ -108,11 +109,12 @@ def test_clipped_losses_are_the_numpy_formulas():
     logps = RNG.normal(scale=0.5, size=(ROWS, NEW)).astype(np.float32)
     old = (logps + RNG.normal(scale=0.3, size=(ROWS, NEW))).astype(np.float32)
     adv = RNG.normal(size=(ROWS, NEW)).astype(np.float32)
-    pg, pg_clipped, ratio = policy_loss(logps, old, adv, clip_range=0.2)
+    pg, ratio, pg_clipped = clipped_policy_loss(logps, old, adv, epsilon_low=0.2, epsilon_high=0.2)
     rho = np.exp(np.float64(logps) - old)
     want = np.maximum(-adv * rho, -adv * np.clip(rho, 0.8, 1.2))
     np.testing.assert_allclose(ratio, rho, rtol=1e-6)
     np.testing.assert_allclose(pg, want, rtol=1e-5, atol=1e-6)
+    # the clip removes the gradient where the clipped term is the larger: TRL's PPO definition
     np.testing.assert_array_equal(pg_clipped, -adv * np.clip(rho, 0.8, 1.2) > -adv * rho + 1e-7)
     assert 0 < float(np.mean(pg_clipped)) < 1  # both branches are exercised
 
@@ -305,7 +307,10 @@ def test_the_debug_check_allows_float32_rounding_only():
     mismatch (log p / 0.7) fails."""
     old = jnp.asarray([[-12.0, -0.5, -3.0]])
     mask = jnp.asarray([[True, True, False]])
-    check = jax.jit(check_first_logprobs, static_argnames="updates_per_batch")
+    check = jax.jit(
+        functools.partial(check_first_update, what="PPOObjective"),
+        static_argnames="updates_per_batch",
+    )
     jax.block_until_ready(
         check(old + jnp.asarray([[1.9e-6, 0.0, 5.0]]), old, mask, step=0, updates_per_batch=4)
     )
@@ -320,7 +325,7 @@ def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="lam must be in"):
         objective(lam=1.5)
     ppo = objective(prepared_updates=Updates(epochs=1, minibatches=3))
-    with pytest.raises(ValueError, match="exceed the policy's max_seq_len 8"):
+    with pytest.raises(ValueError, match="need 9 positions, more than the model's max_seq_len 8"):
         ppo.check_batch({"prompt": np.zeros((3, 5), np.int32), "prompt_mask": np.ones((3, 5))})
     with pytest.raises(ValueError, match="does not split into 3 minibatches"):
         ppo.check_batch({"prompt": PROMPT, "prompt_mask": PROMPT_MASK})

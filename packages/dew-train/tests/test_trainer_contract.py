@@ -390,8 +390,8 @@ def test_sequence_length_comes_from_the_data_spec(tmp_path):
     clash = Trainer(LMObjective(model, seq_len=12), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
     with pytest.raises(
         ValueError,
-        match=r"LMObjective\(seq_len=12\) reads rows of 13 ids, but the data declares "
-        r"batch\['text'\] rows of 9 ids",
+        match=r"batch\['text'\] has shape \[rows, 9\], but LMObjective reads \[rows, 13\] "
+        r"integer \(rows of seq_len \+ 1 = 13 ids\)",
     ):
         clash.fit(data, steps=1)
     nothing = Dataset(

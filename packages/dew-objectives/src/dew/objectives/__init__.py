@@ -2,6 +2,8 @@
 
 The contract (:class:`Objective`, documented in ``docs/concepts.md``):
 
+- the batch fields it reads (:meth:`Objective.batch_fields`, :class:`BatchField`),
+  matched against ``Dataset.spec`` before compiling (:func:`check_batch_spec`);
 - models by role (:class:`Role`): trained ones (one or several) and frozen ones
   (reference, teacher, text encoder), each recorded by registry name and config;
 - ``init(key, spec)`` -> variables, with shapes from the data's batch spec;
@@ -33,12 +35,14 @@ from dew.objectives.base import (
     Variables,
     with_initial_values,
 )
+from dew.objectives.batch import BatchField, check_batch_spec
 from dew.objectives.weighted import Summed, Weighted
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EMA",
+    "BatchField",
     "Metrics",
     "Objective",
     "Role",
@@ -47,5 +51,6 @@ __all__ = [
     "Updates",
     "Variables",
     "Weighted",
+    "check_batch_spec",
     "with_initial_values",
 ]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.batch import BatchField, check_batch_spec, spec_of
 from dew.objectives.weighted import Weighted
 
 Variables = dict[str, Any]
@@ -267,6 +268,8 @@ class Objective:
         weights when there are any.
       prepared_updates: with :meth:`prepare`, the optimizer updates each prepared batch
         feeds (:class:`Updates`); ignored without it.
+      headline_metrics: metric names the trainer prints on each log line after the
+        loss (``("reward", "kl")``); every metric is in ``metrics.jsonl`` regardless.
 
     The loss's value and metrics may carry weights (:mod:`dew.objectives.weighted`):
     a plain scalar means equal weight per example row.
@@ -277,6 +280,7 @@ class Objective:
     uses_averaged: bool = False
     evaluate_averaged: bool = True
     prepared_updates: Updates = Updates()
+    headline_metrics: tuple[str, ...] = ()
 
     def roles(self) -> tuple[Role, ...]:
         """The models this objective uses. Default: one trained role, ``model``.
@@ -357,8 +361,18 @@ class Objective:
         averaged = self.evaluate_averaged and self.ema is not None
         return self.export(state.variables(averaged=averaged))
 
+    def batch_fields(self) -> tuple[BatchField, ...]:
+        """The batch keys this objective reads, with each row's shape and the dtypes it
+        takes (:class:`dew.objectives.batch.BatchField`); () = not declared. The
+        trainer matches them against ``Dataset.spec`` once, before compiling
+        (:func:`dew.objectives.batch.check_batch_spec`)."""
+        return ()
+
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
-        """Validate one host batch before it is compiled against; raise ValueError."""
+        """Validate one host batch before it is compiled against: its shapes against
+        :meth:`batch_fields` (for data that declares no spec), then, in subclasses,
+        the values (out-of-vocabulary ids, ties, empty completions)."""
+        check_batch_spec(self.batch_fields(), spec_of(batch), what=type(self).__name__)
 
     @property
     def has_evaluate(self) -> bool:

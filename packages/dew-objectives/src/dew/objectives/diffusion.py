@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.batch import FLOATS, IDS, PIXELS, BatchField
 from dew.objectives.text_conditioning import TextConditioning
 from dew.objectives.weighted import Weighted
 from dew.sampling.diffusion_pipelines import (
@@ -252,6 +253,16 @@ class DiffusionObjective(TextConditioning, Objective):
     @property
     def is_video(self) -> bool:
         return self.input_key == "video"
+
+    def batch_fields(self):
+        """The data (rank from the model when it has ``in_channels``), optional class
+        labels and per-example weights; ``check_batch`` checks the rest."""
+        dims = ("frames", "height", "width", "channels")[0 if self.is_video else 1 :]
+        shape = self.sample_shape or (dims if hasattr(self.model, "in_channels") else None)
+        optional = [
+            BatchField(k, (), t, required=False) for k, t in (("label", IDS), ("weight", FLOATS))
+        ]
+        return (*([BatchField(self.input_key, shape, PIXELS)] if shape else []), *optional)
 
     def example_shape(self) -> tuple[int, ...]:
         """One example's shape: ``sample_shape``, else the model's."""

@@ -31,6 +31,16 @@ ids) and ``prompt_mask``. Optional ``ref_chosen_logps``, ``ref_rejected_logps``
 ``[pairs]`` (precomputed reference log-probs) replace the reference's forward
 pass. Prompt and padding positions are never counted: only positions where a
 completion mask is True are summed.
+
+The reference's log-probs are computed in the loss, not in ``prepare`` as the
+RL families compute theirs: each pair is seen by one update (DPO makes one
+pass over a batch), so a prepare phase would run the same forward passes and
+add a compiled program, a dispatch and a stored batch per step; the
+reference's pass carries no gradient, so XLA keeps none of its activations.
+Precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` (TRL's
+``precompute_ref_log_probs``) skip it altogether. Initialisation, the
+reference, the token checks and export are the LM-policy core's
+(:mod:`dew.objectives.policy`); the log line prints ``accuracy`` and ``margin``.
 """
 
 from __future__ import annotations
@@ -42,8 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, with_initial_values
+from dew.objectives.base import Objective, Role, Step
+from dew.objectives.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.logprobs import masked_sum, sequence_logprobs
+from dew.objectives.policy import CausalPolicy
 from dew.objectives.weighted import Summed, Weighted
 
 LOSSES = ("sigmoid", "cdpo", "ipo")
@@ -89,6 +101,8 @@ class DPOObjective(Objective):
     tokenizer: Any = None
     keys: tuple[str, str, str, str] = KEYS
 
+    headline_metrics = ("accuracy", "margin")  # printed on the log line
+
     def __post_init__(self):
         if self.loss_type not in LOSSES:
             raise ValueError(
@@ -123,20 +137,15 @@ class DPOObjective(Objective):
                 "DPOObjective(reference_model=...) needs the reference's weights too "
                 "(reference=params); a reference is a trained model, not a random init"
             )
-        if self.reference_model is None:
-            self.reference_model = self.model
-        vocab = getattr(self.model, "vocab_size", None)
-        ref_vocab = getattr(self.reference_model, "vocab_size", None)
-        if vocab != ref_vocab:
-            raise ValueError(
-                f"DPOObjective: the reference's vocabulary ({ref_vocab} ids) differs from the "
-                f"policy's ({vocab}); log-probs of the same ids are only comparable under one "
-                f"tokenizer, so use a reference with the policy's vocabulary"
-            )
-        if self.tokenizer is None:
-            from dew.data import ByteTokenizer
-
-            self.tokenizer = ByteTokenizer()
+        self.policy = CausalPolicy(
+            model=self.model,
+            what="DPOObjective",
+            tokenizer=self.tokenizer,
+            init_params=self.init_params,
+            reference=self.reference,
+            reference_model=self.reference_model,
+        )
+        self.tokenizer, self.reference_model = self.policy.tokenizer, self.policy.reference_model
 
     # ------------------------------------------------------------- roles, init
     def roles(self) -> tuple[Role, ...]:
@@ -145,26 +154,20 @@ class DPOObjective(Objective):
             return (policy,)
         return (policy, Role(name="reference", module=self.reference_model, trained=False))
 
-    def _length(self, spec) -> int:
-        chosen = self.keys[0]
-        if spec is not None and chosen in spec:
-            return int(tuple(spec[chosen].shape)[0])
-        return int(getattr(self.model, "max_seq_len", 8))
+    def batch_fields(self):
+        ids = [BatchField(k, ("length",), IDS if k in self.keys[::2] else MASK) for k in self.keys]
+        return (*ids, *(BatchField(k, (), FLOATS, required=False) for k in REF_KEYS))
 
     def init(self, key, spec=None):
-        ids = jnp.zeros((1, self._length(spec)), jnp.int32)
-        params = self.model.init(key, ids)["params"]
-        if self.init_params is not None:
-            params = with_initial_values(params, self.init_params, what="DPOObjective init_params")
+        chosen = self.keys[0]
+        if spec is not None and chosen in spec:
+            length = int(tuple(spec[chosen].shape)[0])
+        else:
+            length = int(getattr(self.model, "max_seq_len", 8))
+        params = self.policy.init_policy(key, length)
         variables = {"params": params}
-        if self.reference_free:
-            return variables
-        if self.reference is None:
-            variables["reference"] = {"params": params}  # the initial policy
-            return variables
-        ref = self.reference_model.init(key, ids)["params"]
-        ref = with_initial_values(ref, self.reference, what="DPOObjective reference")
-        variables["reference"] = {"params": ref}
+        if not self.reference_free:  # the initial policy, or the given reference
+            variables["reference"] = {"params": self.policy.init_reference(key, length, params)}
         return variables
 
     # ------------------------------------------------------------------ loss
@@ -238,73 +241,48 @@ class DPOObjective(Objective):
         return {"loss": loss, **{k: v for k, v in metrics.items() if k != "dpo_loss"}}
 
     def preview(self, variables, key):
-        from dew.sampling import Sampling, generate
-
-        prompt = self.tokenizer.encode("The") or [0]
-        max_len = getattr(self.model, "max_seq_len", len(prompt) + 16)
-        out = generate(
-            self.model,
-            variables["params"],
-            [prompt],
-            max(1, min(16, max_len - len(prompt))),
-            key,
-            sampling=Sampling(temperature=0),
-        )
-        return self.tokenizer.decode(out.tokens[0])
+        return self.policy.preview(variables["params"], key, tokenizer=self.tokenizer)
 
     def export(self, variables):
-        from dew.sampling import TextGeneration
-
-        return TextGeneration(self.model, variables["params"], self.tokenizer)
+        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):
+        super().check_batch(batch)  # the declared fields: keys, one [pairs, length], dtypes
         chosen_key, chosen_mask_key, rejected_key, rejected_mask_key = self.keys
-        missing = [k for k in self.keys if k not in batch]
-        if missing:
-            raise KeyError(
-                f"DPOObjective needs batch keys {list(self.keys)} (dew.data.PreferencePairs "
-                f"makes them); missing {missing}, the batch has {sorted(batch)}"
-            )
         chosen, rejected = np.asarray(batch[chosen_key]), np.asarray(batch[rejected_key])
         c_mask = np.asarray(batch[chosen_mask_key]).astype(bool)
         r_mask = np.asarray(batch[rejected_mask_key]).astype(bool)
-        shapes = {k: np.shape(batch[k]) for k in self.keys}
-        if chosen.ndim != 2 or len(set(shapes.values())) != 1:
-            raise ValueError(
-                f"DPOObjective needs {list(self.keys)} of one shape [pairs, length]; got {shapes}"
-            )
+        self.policy.check_positions(
+            chosen.shape[1],
+            where=f"rows of batch[{chosen_key!r}] ({chosen.shape[1]} ids)",
+            fix="shorten prompt_len + completion_len",
+        )
         for name, ids in ((chosen_key, chosen), (rejected_key, rejected)):
-            self._check_ids(name, ids)
-        rows = np.ones(len(chosen), bool)
-        if "example_mask" in batch:
-            rows = np.asarray(batch["example_mask"]).astype(bool)
+            self.policy.check_ids(ids, key=name)
+        rows = np.asarray(batch.get("example_mask", np.ones(len(chosen), bool))).astype(bool)
         for name, mask in ((chosen_key, c_mask), (rejected_key, r_mask)):
-            if mask[:, 0].any():
-                row = int(np.flatnonzero(mask[:, 0])[0])
+            if found := first_row(mask[:, 0]):
                 raise ValueError(
-                    f"DPOObjective: pair {row}'s {name} completion starts at position 0, so its "
-                    f"first token has no context to be scored in; give every pair a prompt (at "
-                    f"least a start-of-text id)"
+                    f"DPOObjective: pair {found[0]}'s {name} completion starts at position 0, so "
+                    f"its first token has no context to be scored in; give every pair a prompt "
+                    f"(at least a start-of-text id)"
                 )
-            empty = rows & ~mask.any(axis=1)
-            if empty.any():
-                row = int(np.flatnonzero(empty)[0])
+            if found := first_row(rows & ~mask.any(axis=1)):
                 raise ValueError(
-                    f"DPOObjective: pair {row} of this batch has an empty {name} completion "
-                    f"after the prompt ({int(empty.sum())} such pairs); drop such pairs in the "
-                    f"data (or raise PreferencePairs' prompt_len + completion_len)"
+                    f"DPOObjective: pair {found[0]} of this batch has an empty {name} completion "
+                    f"after the prompt ({found[1]} such pairs); drop such pairs in the data (or "
+                    f"raise PreferencePairs' prompt_len + completion_len)"
                 )
         same = (c_mask == r_mask).all(axis=1) & (
             np.where(c_mask, chosen, -1) == np.where(r_mask, rejected, -1)
         ).all(axis=1)
-        same &= rows
-        if same.any():
-            row = int(np.flatnonzero(same)[0])
+        if found := first_row(same & rows):
+            row, count = found
+            ids = chosen[row][c_mask[row]].tolist()[:16]
             raise ValueError(
                 f"DPOObjective: pair {row} of this batch has identical chosen and rejected "
-                f"completions ({int(same.sum())} such pairs; ids "
-                f"{chosen[row][c_mask[row]].tolist()[:16]}); a pair without a preference has "
+                f"completions ({count} such pairs; ids {ids}); a pair without a preference has "
                 f"no gradient and no accuracy: drop ties in the data"
             )
         present = [k for k in REF_KEYS if k in batch]
@@ -312,28 +290,4 @@ class DPOObjective(Objective):
             raise ValueError(
                 f"DPOObjective: the batch has {present[0]!r} but not its partner; precomputed "
                 f"reference log-probs need both {list(REF_KEYS)}"
-            )
-        for k in present:
-            if np.shape(batch[k]) != (len(chosen),):
-                raise ValueError(
-                    f"batch[{k!r}] has shape {np.shape(batch[k])}; it needs one reference "
-                    f"log-prob per pair ([{len(chosen)}])"
-                )
-
-    def _check_ids(self, name: str, ids: np.ndarray) -> None:
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"batch[{name!r}] must hold integer ids, got {ids.dtype}")
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and ids.shape[1] > max_len:
-            raise ValueError(
-                f"batch[{name!r}] rows hold {ids.shape[1]} ids, more than the model's "
-                f"max_seq_len {max_len}; shorten prompt_len + completion_len or build the model "
-                f"with max_seq_len >= {ids.shape[1]}"
-            )
-        vocab = getattr(self.model, "vocab_size", None)
-        if vocab is not None and ids.size and (ids.max() >= vocab or ids.min() < 0):
-            bad = int(ids.max()) if ids.max() >= vocab else int(ids.min())
-            raise ValueError(
-                f"batch[{name!r}] holds token id {bad} outside the model's vocabulary "
-                f"(vocab_size {vocab}); check the tokenizer matches the model"
             )

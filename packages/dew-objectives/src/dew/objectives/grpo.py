@@ -36,11 +36,16 @@ advantages (:meth:`Objective.prepare_host`). ``prepared_updates`` runs
 several updates (epochs x minibatches) over one rollout batch; after the
 first, ``rho != 1`` and the clip acts (``clip_fraction``).
 
+The clipped loss, the clip fraction, the group advantages and the first-update
+check are the RL core's (:mod:`dew.objectives.rl`); initialisation, the
+reference, the token checks and export the LM-policy core's
+(:mod:`dew.objectives.policy`).
+
 Metrics: ``reward`` and ``reward/<name>`` per reward, ``zero_variance_fraction``
-(groups with identical rewards), ``clip_fraction`` (tokens where the clip is
-active: ``rho < 1 - eps_low`` with ``A < 0`` or ``rho > 1 + eps_high`` with
-``A > 0``), ``ratio``, ``kl`` (k3, with ``beta > 0``), ``completion_length``,
-``tokens``; the log adds ``rollout_tokens_per_second``.
+(groups with identical rewards), ``clip_fraction`` (tokens whose gradient the
+clip removes, :func:`dew.objectives.rl.clipped_policy_loss`), ``ratio``, ``kl``
+(k3, with ``beta > 0``), ``completion_length``, ``tokens``; the log adds
+``rollout_tokens_per_second`` and prints ``reward`` and ``kl``.
 """
 
 from __future__ import annotations
@@ -53,14 +58,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, Updates, with_initial_values
+from dew.objectives.base import Objective, Role, Step, Updates
 from dew.objectives.logprobs import kl_k3
-from dew.objectives.rewards import Rewards, TokenReward, decode_rows, text_columns
+from dew.objectives.policy import CausalPolicy
+from dew.objectives.rewards import READER, Rewards
+from dew.objectives.rl import (
+    SCALE_REWARDS,
+    check_epsilons,
+    check_first_update,
+    clipped_policy_loss,
+    group_advantages,
+)
 from dew.objectives.rollouts import (
+    PROMPT_KEYS,
     Rollout,
-    check_first_ratio,
+    check_rollout_options,
+    check_rollout_rows,
     debug_enabled,
     in_chunks,
+    prompt_fields,
     repeat_rows,
     rollout_logprobs,
     sample_completions,
@@ -68,52 +84,9 @@ from dew.objectives.rollouts import (
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import Sampling
 
-SCALE_REWARDS = ("group", "batch", "none")
+__all__ = ["GRPOObjective", "aggregate", "group_advantages"]
+
 LOSS_AGGREGATION = ("sequence-mean", "token-mean", "dr_grpo")
-_PROMPT_KEYS = ("prompt", "prompt_mask")
-_DATA = "data/"  # prefix of the reader's other keys inside the rollout
-
-
-def group_advantages(
-    rewards: jax.Array, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4
-) -> tuple[jax.Array, jax.Array]:
-    """Group-relative advantages of ``rewards [rows]`` (rows ``b * G + g``).
-
-    Returns ``(advantages [rows], zero_variance [rows])``: ``zero_variance`` is 1.0
-    on the rows of a group whose rewards are all equal, whose advantages are 0
-    exactly. Standard deviations are unbiased (ddof=1), as in Tunix and TRL.
-    """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
-    rewards = rewards.astype(jnp.float32)
-    groups = rewards.reshape(-1, group_size)  # [prompts, group]
-    centred = groups - jnp.mean(groups, axis=1, keepdims=True)
-    constant = jnp.max(groups, axis=1) == jnp.min(groups, axis=1)  # [prompts]
-    if scale_rewards == "group":
-        centred = centred / (jnp.std(groups, axis=1, ddof=1, keepdims=True) + eps)
-    elif scale_rewards == "batch":
-        centred = centred / (jnp.std(rewards, ddof=1) + eps)
-    advantages = jnp.where(constant[:, None], 0.0, centred)
-    zero = jnp.broadcast_to(constant[:, None], groups.shape).astype(jnp.float32)
-    return advantages.reshape(-1), zero.reshape(-1)
-
-
-def clipped_objective(
-    logps: jax.Array,
-    old_logps: jax.Array,
-    advantages: jax.Array,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-):
-    """Per token ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``, ``rho`` and
-    whether the clip is active. ``logps``/``old_logps [rows, new]``, ``advantages [rows]``."""
-    ratio = jnp.exp(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
-    adv = advantages[:, None].astype(jnp.float32)
-    unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high) * adv
-    active = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | ((ratio > 1.0 + epsilon_high) & (adv > 0))
-    return -jnp.minimum(unclipped, clipped), ratio, active
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> Weighted:
@@ -162,8 +135,9 @@ class GRPOObjective(Objective):
     init_params: start the policy from these parameters instead of a random init.
     tokenizer: decodes prompts, completions and answers for text rewards and
       the exported pipeline; None = ``ByteTokenizer()``.
-    check_first_ratio: assert ``max |rho - 1| <= 1e-6`` on every first update
-      (:func:`dew.objectives.rollouts.check_first_ratio`); None = ``DEW_DEBUG=1``.
+    check_first_ratio: assert on every first update that the loss's log-probs are the
+      rollout's (:func:`dew.objectives.rl.check_first_update`, relative to the
+      log-prob; :class:`~dew.objectives.rl.RatioError` otherwise); None = ``DEW_DEBUG=1``.
     scoring_rows: rows per forward pass when prepare scores its rollouts
       (:func:`dew.objectives.rollouts.in_chunks`); None = the rows of one update
       (``rows / minibatches``), so the loss's first forward pass has the rollout
@@ -192,12 +166,15 @@ class GRPOObjective(Objective):
     check_first_ratio: bool | None = None
     scoring_rows: int | None = None
 
+    headline_metrics = ("reward", "kl")  # printed on the log line
+
     def __post_init__(self):
+        what = type(self).__name__
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
             raise TypeError(f"group_size must be an int, got {self.group_size!r}")
         if self.group_size < 2:
             raise ValueError(
-                f"GRPOObjective needs group_size >= 2 completions per prompt (advantages are "
+                f"{what} needs group_size >= 2 completions per prompt (advantages are "
                 f"rewards against the group's mean), got {self.group_size}"
             )
         if self.max_new_tokens < 1:
@@ -206,40 +183,29 @@ class GRPOObjective(Objective):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {self.sampling!r}")
         if self.sampling.is_greedy:
             raise ValueError(
-                f"GRPOObjective samples its groups; {self.sampling} is greedy, so every "
+                f"{what} samples its groups; {self.sampling} is greedy, so every "
                 f"completion of a group would be the same. Use a temperature > 0"
             )
-        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if not 0 < self.epsilon < 1 or not high > 0:
-            raise ValueError(
-                f"epsilon must be in (0, 1) and epsilon_high > 0, got epsilon={self.epsilon}, "
-                f"epsilon_high={self.epsilon_high}"
-            )
+        check_epsilons(self.epsilon_low, self.epsilon_upper, what=what)
         if self.beta < 0:
             raise ValueError(f"beta (the KL weight) must be >= 0, got {self.beta}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(
-                f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}"
-            )
-        if self.loss_aggregation not in LOSS_AGGREGATION:
-            raise ValueError(
-                f"loss_aggregation must be one of {LOSS_AGGREGATION}, got {self.loss_aggregation!r}"
-            )
-        if self.scoring_rows is not None and (
-            isinstance(self.scoring_rows, bool) or self.scoring_rows < 1
+        for name, value, allowed in (
+            ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+            ("loss_aggregation", self.loss_aggregation, LOSS_AGGREGATION),
         ):
-            raise ValueError(f"scoring_rows must be >= 1 rows or None, got {self.scoring_rows!r}")
-        if not isinstance(self.prepared_updates, Updates):
-            raise TypeError(
-                f"prepared_updates must be dew.objectives.Updates(epochs=, minibatches=), got "
-                f"{self.prepared_updates!r}"
-            )
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_rollout_options(self.scoring_rows, self.prepared_updates)
         self.end_ids = tuple(int(e) for e in self.end_ids)
         self.reward_set = Rewards.of(self.rewards)
-        if self.tokenizer is None:
-            from dew.data import ByteTokenizer
-
-            self.tokenizer = ByteTokenizer()
+        self.policy = CausalPolicy(
+            model=self.model,
+            what=what,
+            tokenizer=self.tokenizer,
+            init_params=self.init_params,
+            reference=self.reference,
+        )
+        self.tokenizer = self.policy.tokenizer
         self.debug = debug_enabled(self.check_first_ratio)
 
     @property
@@ -257,37 +223,21 @@ class GRPOObjective(Objective):
             roles.append(Role(name="reference", module=self.model, trained=False))
         return tuple(roles)
 
-    def _check_prompt_len(self, prompt_len: int, where: str) -> None:
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and prompt_len + self.max_new_tokens > max_len:
-            raise ValueError(
-                f"{where}: prompts of {prompt_len} tokens plus max_new_tokens="
-                f"{self.max_new_tokens} need {prompt_len + self.max_new_tokens} positions, more "
-                f"than the model's max_seq_len {max_len}; use prompts of at most "
-                f"{max_len - self.max_new_tokens} tokens (Prompts(prompt_len=...)) or fewer "
-                f"new tokens"
-            )
+    def batch_fields(self):
+        return prompt_fields()
 
     def init(self, key, spec=None):
         length = self.max_new_tokens
         if spec is not None and "prompt" in spec:
             prompt_len = int(tuple(spec["prompt"].shape)[0])
-            self._check_prompt_len(prompt_len, "the data's batch['prompt']")
+            self.policy.check_rollout_length(prompt_len, self.max_new_tokens)
             length += prompt_len
-        dummy = jnp.zeros((1, length), jnp.int32)
-        params = self.model.init(key, dummy)["params"]
-        if self.init_params is not None:
-            params = with_initial_values(params, self.init_params, what="GRPOObjective init_params")
+        params = self.policy.init_policy(key, length)
         variables = {"params": params}
         if self.beta > 0:
-            if self.reference is None:
-                # the initial policy: the same arrays (under LoRA the trainer makes it a
-                # view of the base, stored nowhere)
-                variables["reference"] = {"params": params}
-            else:
-                ref = self.model.init(key, dummy)["params"]
-                ref = with_initial_values(ref, self.reference, what="GRPOObjective reference")
-                variables["reference"] = {"params": ref}
+            # the initial policy: the same arrays (under LoRA the trainer makes it a view of
+            # the base, stored nowhere), or the given reference weights
+            variables["reference"] = {"params": self.policy.init_reference(key, length, params)}
         return variables
 
     # --------------------------------------------------------------- prepare
@@ -323,35 +273,21 @@ class GRPOObjective(Objective):
 
         out.update(in_chunks(scores, rollout, chunk))
         data = {
-            k: repeat_rows(v, self.group_size) for k, v in batch.items() if k not in _PROMPT_KEYS
+            k: repeat_rows(v, self.group_size) for k, v in batch.items() if k not in PROMPT_KEYS
         }
         seen = {**data, "prompt": rollout.prompt, "prompt_mask": rollout.prompt_mask}
         out["token_rewards"] = self.reward_set.token_values(
             rollout.completion, rollout.completion_mask, seen
         )
-        out.update({_DATA + k: v for k, v in data.items()})
+        out.update({READER + k: v for k, v in data.items()})
         return out
 
     def prepare_host(self, rollout):
-        """Host stage: checks the token rewards, calls the text rewards once over the
-        decoded batch; returns every reward, ``rewards [rows, rewards]``."""
-        g = self.group_size
-        rewards = self.reward_set
-        token = np.asarray(rollout["token_rewards"], np.float32)
-        rewards.check_token_values(token, g)
-        rows = token.shape[0]
-        text = np.zeros((rows, 0), np.float32)
-        if rewards.text:
-            prompts = decode_rows(self.tokenizer, rollout["prompt"], rollout["prompt_mask"])
-            completions = decode_rows(
-                self.tokenizer, rollout["completion"], rollout["completion_mask"], self.end_ids
-            )
-            data = {k[len(_DATA) :]: v for k, v in rollout.items() if k.startswith(_DATA)}
-            columns = text_columns(self.tokenizer, data)
-            text = rewards.text_values(prompts, completions, columns, g)
-        t, h = iter(token.T), iter(text.T)
-        columns = [next(t) if isinstance(r, TokenReward) else next(h) for r in rewards.items]
-        return {"rewards": np.stack(columns, axis=1).astype(np.float32)}
+        """Host stage (:meth:`dew.objectives.rewards.Rewards.host_stage`): every reward,
+        ``rewards [rows, rewards]``."""
+        return self.reward_set.host_stage(
+            rollout, self.tokenizer, end_ids=self.end_ids, group_size=self.group_size
+        )
 
     def prepare_finish(self, variables, batch, step: Step):
         """Advantages (compiled) from the summed rewards; the training batch."""
@@ -372,7 +308,7 @@ class GRPOObjective(Objective):
         logps = rollout_logprobs(
             self.model, variables["params"], rollout, sampling=self.sampling
         )  # [rows, new]
-        per_token, ratio, active = clipped_objective(
+        per_token, ratio, clipped = clipped_policy_loss(
             logps,
             batch["old_logps"],
             batch["advantages"],
@@ -381,8 +317,9 @@ class GRPOObjective(Objective):
         )
         updates = self.prepared_updates
         if self.debug:
-            check_first_ratio(
-                ratio,
+            check_first_update(
+                logps,
+                batch["old_logps"],
                 mask,
                 step=step.index,
                 updates_per_batch=updates.per_batch,
@@ -399,7 +336,7 @@ class GRPOObjective(Objective):
         metrics.update(
             reward=Weighted.mean(batch["reward"]),
             zero_variance_fraction=Weighted.mean(batch["zero_variance"]),
-            clip_fraction=Weighted.mean(active, mask),
+            clip_fraction=Weighted.mean(clipped, mask),
             ratio=Weighted.mean(ratio, mask),
             completion_length=Weighted.mean(rollout.lengths),
             tokens=Summed(tokens),
@@ -411,40 +348,22 @@ class GRPOObjective(Objective):
 
     # ---------------------------------------------------------- validation
     def check_batch(self, batch):
-        for key in _PROMPT_KEYS:
-            if key not in batch:
-                raise KeyError(
-                    f"GRPOObjective needs batch[{key!r}] (left-padded prompts, as "
-                    f"dew.data.Prompts reads them); the batch has keys {sorted(batch)}"
-                )
+        super().check_batch(batch)  # the declared fields
         prompt = np.asarray(batch["prompt"])
-        if prompt.ndim != 2 or np.shape(batch["prompt_mask"]) != prompt.shape:
-            raise ValueError(
-                f"batch['prompt'] must be [rows, prompt_len] with a prompt_mask of the same "
-                f"shape, got {prompt.shape} and {np.shape(batch['prompt_mask'])}"
-            )
-        self._check_prompt_len(prompt.shape[1], "batch['prompt']")
-        rows = prompt.shape[0] * self.group_size
-        if self.scoring_rows and rows % self.scoring_rows:
-            raise ValueError(
-                f"a rollout batch of {rows} rows ({prompt.shape[0]} prompts x group_size "
-                f"{self.group_size}) does not split into chunks of scoring_rows="
-                f"{self.scoring_rows}; use a divisor of {rows}"
-            )
-        vocab = getattr(self.model, "vocab_size", None)
-        if vocab is not None and prompt.size and (prompt.max() >= vocab or prompt.min() < 0):
-            raise ValueError(
-                f"batch['prompt'] holds token ids in [{prompt.min()}, {prompt.max()}], outside "
-                f"the model's vocabulary of {vocab}; check the tokenizer matches the model"
-            )
+        self.policy.check_rollout_length(prompt.shape[1], self.max_new_tokens)
+        check_rollout_rows(
+            prompt.shape[0] * self.group_size,
+            minibatches=self.prepared_updates.minibatches,
+            scoring_rows=self.scoring_rows,
+            what=type(self).__name__,
+            made=f" ({prompt.shape[0]} prompts x group_size {self.group_size})",
+        )
+        self.policy.check_ids(prompt, key="prompt")
 
     def export(self, variables):
-        from dew.sampling import TextGeneration
-
-        return TextGeneration(
-            self.model,
+        return self.policy.export(
             variables["params"],
-            self.tokenizer,
+            tokenizer=self.tokenizer,
             max_new_tokens=self.max_new_tokens,
             end_ids=self.end_ids or None,
         )

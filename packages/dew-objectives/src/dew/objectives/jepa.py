@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.objectives.base import EMA, Objective, Role, Step
+from dew.objectives.batch import PIXELS, BatchField
 from dew.objectives.jepa_masks import MaskLayout, Masks, MultiBlock
 from dew.objectives.weighted import Weighted
 
@@ -153,6 +154,9 @@ class JepaObjective(Objective):
             Role(name="encoder", module=self.encoder),
             Role(name="predictor", module=self.predictor),
         )
+
+    def batch_fields(self):
+        return (BatchField(self.input_key, self.input_shape, PIXELS),)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

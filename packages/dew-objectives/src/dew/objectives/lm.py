@@ -24,6 +24,8 @@ import numpy as np
 import optax
 
 from dew.objectives.base import EMA, Objective, Step, with_initial_values
+from dew.objectives.batch import IDS, MASK, BatchField
+from dew.objectives.policy import CausalPolicy
 from dew.objectives.weighted import Summed, Weighted
 
 
@@ -67,22 +69,25 @@ class LMObjective(Objective):
     aux_loss_weight: float = 0.01
 
     def __post_init__(self):
+        self.policy = CausalPolicy(model=self.model, what="LMObjective", tokenizer=self.tokenizer)
+        self.tokenizer = self.policy.tokenizer
         if self.seq_len is not None:
             self._check_seq_len(self.seq_len, "seq_len")
-        if self.tokenizer is None:
-            from dew.data import ByteTokenizer
-
-            self.tokenizer = ByteTokenizer()
 
     def _check_seq_len(self, seq_len: int, where: str) -> None:
-        if seq_len < 1:
-            raise ValueError(f"{where} must be >= 1 positions, got {seq_len}")
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and seq_len > max_len:
-            raise ValueError(
-                f"{where} {seq_len} is longer than the model's max_seq_len {max_len}; "
-                f"build the model with max_seq_len >= {seq_len} or use shorter rows"
-            )
+        self.policy.check_positions(
+            seq_len, where=f"rows read at {where}={seq_len}", fix="use shorter rows"
+        )
+
+    def batch_fields(self):
+        if self.seq_len is None:
+            length, note = "length", ""
+        else:
+            length, note = self.seq_len + 1, f"rows of seq_len + 1 = {self.seq_len + 1} ids"
+        fields = [BatchField(self.text_key, (length,), IDS, note=note)]
+        if self.loss_mask_key is not None:  # one weight per id
+            fields.append(BatchField(self.loss_mask_key, (length,), MASK, note=note))
+        return tuple(fields)
 
     def positions(self, spec=None) -> int:
         """Positions the model reads per row: ``seq_len``, or the batch spec's row
@@ -168,63 +173,26 @@ class LMObjective(Objective):
         }
 
     def preview(self, variables, key):
-        from dew.sampling import Sampling, generate
-
-        prompt = self.tokenizer.encode(self.preview_prompt)
-        max_len = getattr(self.model, "max_seq_len", len(prompt) + self.preview_tokens)
-        new = max(1, min(self.preview_tokens, max_len - len(prompt)))
-        out = generate(
-            self.model, variables["params"], [prompt], new, key, sampling=Sampling(temperature=0)
+        return self.policy.preview(
+            variables["params"],
+            key,
+            prompt=self.preview_prompt,
+            new_tokens=self.preview_tokens,
+            tokenizer=self.tokenizer,
         )
-        return self.tokenizer.decode(out.tokens[0])
 
     def export(self, variables):
-        from dew.sampling import TextGeneration
-
-        return TextGeneration(self.model, variables["params"], self.tokenizer)
+        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
 
     def check_batch(self, batch):
-        if self.text_key not in batch:
-            raise KeyError(
-                f"LMObjective needs batch[{self.text_key!r}]; the batch has keys {sorted(batch)}"
-            )
+        super().check_batch(batch)  # the declared fields: the key, [rows, seq_len + 1], dtypes
         tokens = np.asarray(batch[self.text_key])
-        if tokens.ndim != 2 or (self.seq_len is not None and tokens.shape[1] != self.seq_len + 1):
-            raise ValueError(
-                f"batch[{self.text_key!r}] has shape {tokens.shape}; LMObjective(seq_len="
-                f"{self.seq_len}) needs rows of seq_len + 1 = {self.seq_len + 1} ids "
-                f"([rows, {self.seq_len + 1}])"
-            )
         if self.seq_len is None:
             self._check_seq_len(tokens.shape[1] - 1, f"batch[{self.text_key!r}] row length - 1")
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"batch[{self.text_key!r}] must hold integer ids, got {tokens.dtype}")
-        vocab = getattr(self.model, "vocab_size", None)
-        if vocab is not None and tokens.size:
-            largest, smallest = int(tokens.max()), int(tokens.min())
-            if largest >= vocab or smallest < 0:
-                bad = largest if largest >= vocab else smallest
-                raise ValueError(
-                    f"batch[{self.text_key!r}] holds token id {bad} outside the model's "
-                    f"vocabulary (vocab_size {vocab}, largest id {largest}); check the "
-                    f"tokenizer matches the model"
-                )
-        if self.loss_mask_key is not None:
-            self._check_mask(batch)
-
-    def _check_mask(self, batch) -> None:
-        if self.loss_mask_key not in batch:
-            raise KeyError(
-                f"LMObjective(loss_mask_key={self.loss_mask_key!r}) needs that key in the "
-                f"batch; the batch has keys {sorted(batch)}"
-            )
+        self.policy.check_ids(tokens, key=self.text_key)
+        if self.loss_mask_key is None:
+            return
         mask = np.asarray(batch[self.loss_mask_key])
-        tokens = np.asarray(batch[self.text_key])
-        if mask.shape != tokens.shape:
-            raise ValueError(
-                f"batch[{self.loss_mask_key!r}] has shape {mask.shape}; it must match "
-                f"batch[{self.text_key!r}] {tokens.shape} (one weight per id)"
-            )
         if mask.size and mask.min() < 0:
             raise ValueError(
                 f"LMObjective: batch[{self.loss_mask_key!r}] holds a negative weight "

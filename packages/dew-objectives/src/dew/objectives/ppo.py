@@ -22,7 +22,7 @@ after it):
 Each of the ``epochs x minibatches`` updates (:class:`~dew.objectives.Updates`)
 then minimizes, with ``rho_t = pi(o_t) / pi_old(o_t)`` and token-weighted means:
 
-    L_pg = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps))
+    L_pg = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps_high))
     L_vf = 0.5 mean_t max((V_t - R_t)^2, (V_old + clip(V_t - V_old, -eps_v, eps_v) - R_t)^2)
     L    = L_pg + c_vf L_vf
 
@@ -30,12 +30,18 @@ Log-probs are those of the distribution the sampler draws from (temperature,
 truncation; :func:`dew.objectives.rollouts.scored_logprobs`), from one full
 forward pass over ``[prompt | completion]`` in prepare and in the loss alike,
 prepare's in chunks of one update's rows (:func:`in_chunks`), so the first
-update's ratio is exactly 1 (``debug=True`` asserts it: :func:`check_first_logprobs`).
+update's ratio is exactly 1 (``debug=True`` asserts it:
+:func:`dew.objectives.rl.check_first_update`).
 The value of position ``t`` is read at the hidden state that predicts ``o_t``
 (the state before the action). Values come from a :class:`dew.nn.value.ValueHead`
 on the policy's trunk (one forward pass gives both; the value loss trains the
 trunk too) or, with ``critic=``, from a separate :class:`dew.nn.value.Critic`,
 a second trained role.
+
+The clipped loss and its clip fraction, GAE, whitening and the first-update
+check are the RL core's (:mod:`dew.objectives.rl`); initialisation, the
+reference, the token checks and export the LM-policy core's
+(:mod:`dew.objectives.policy`). The log line prints ``score`` and ``kl``.
 """
 
 from __future__ import annotations
@@ -48,25 +54,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, Updates, nn_unbox, with_initial_values
+from dew.objectives.base import Objective, Role, Step, Updates, nn_unbox
 from dew.objectives.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
-from dew.objectives.rewards import Rewards, TokenReward, decode_rows, text_columns
+from dew.objectives.policy import CausalPolicy
+from dew.objectives.rewards import READER, Rewards
+from dew.objectives.rl import (
+    check_epsilons,
+    check_first_update,
+    clipped_policy_loss,
+    gae,
+    max_ratio_deviation,
+    whiten,
+)
 from dew.objectives.rollouts import (
-    RATIO_TOLERANCE,
-    RatioError,
+    PROMPT_KEYS,
     Rollout,
+    check_rollout_options,
+    check_rollout_rows,
     debug_enabled,
     in_chunks,
-    max_ratio_deviation,
+    prompt_fields,
     rollout_logprobs,
     sample_completions,
     scored_logprobs,
 )
 from dew.objectives.weighted import Summed, Weighted
 
+__all__ = [  # gae, whiten and in_chunks are the RL core's and the rollouts', importable here
+    "PPOObjective",
+    "end_index",
+    "explained_variance",
+    "gae",
+    "in_chunks",
+    "token_rewards",
+    "value_loss",
+    "whiten",
+]
+
 KL_ESTIMATORS = ("k1", "k3")
-_PROMPT_KEYS = ("prompt", "prompt_mask")
-_DATA = "data/"  # prefix of the reader's other keys inside the rollout (text rewards)
 
 
 # ------------------------------------------------------------------ the math
@@ -88,48 +113,6 @@ def token_rewards(
     return (-kl_coef * kl.astype(jnp.float32) + scores.astype(jnp.float32)[:, None] * at_end) * mask
 
 
-def gae(
-    rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float, lam: float
-) -> tuple[jax.Array, jax.Array]:
-    """Generalized advantage estimation (Schulman et al., 2016) by a reverse ``lax.scan``.
-
-    rewards, values, mask: ``[rows, new]``; the mask is True on a prefix of each
-    row (the completion), False on the padding after its end, where values and
-    rewards count as 0, so the last real token bootstraps from nothing.
-
-        delta_t = r_t + gamma V_{t+1} - V_t;   A_t = delta_t + gamma lam A_{t+1}
-
-    Returns ``(advantages, returns = advantages + values)``, each ``[rows, new]``,
-    0 on padding.
-    """
-    mask = mask.astype(jnp.float32)
-    values = values.astype(jnp.float32) * mask
-    rewards = rewards.astype(jnp.float32) * mask
-    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))  # [rows, new]
-    deltas = rewards + gamma * next_values - values
-
-    def back(later, x):
-        delta, m = x  # [rows] each, at one position
-        advantage = (delta + gamma * lam * later) * m
-        return advantage, advantage
-
-    _, advantages = jax.lax.scan(
-        back, jnp.zeros(mask.shape[:1], jnp.float32), (deltas.T, mask.T), reverse=True
-    )
-    advantages = advantages.T  # [rows, new]
-    return advantages, (advantages + values) * mask
-
-
-def whiten(x: jax.Array, mask: jax.Array, *, eps: float = 1e-8) -> jax.Array:
-    """``(x - mean) / sqrt(var + eps)`` over the valid tokens (unbiased variance, as
-    TRL's ``masked_whiten``); 0 on padding."""
-    mask = mask.astype(jnp.float32)
-    mean = masked_mean(x, mask)
-    count = jnp.sum(mask)
-    var = masked_mean((x - mean) ** 2, mask) * count / jnp.maximum(count - 1.0, 1.0)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * mask
-
-
 def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -> jax.Array:
     """``1 - Var(R - V) / Var(R)`` over the valid tokens: 1 = the values predict the
     returns, 0 = no better than their mean, < 0 worse."""
@@ -141,17 +124,6 @@ def explained_variance(values: jax.Array, returns: jax.Array, mask: jax.Array) -
     return 1.0 - var(returns - values) / jnp.maximum(var(returns), 1e-12)
 
 
-def policy_loss(
-    logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, *, clip_range: float
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per token: ``max(-A rho, -A clip(rho, 1 - eps, 1 + eps))``, whether the clipped
-    term was the larger (clipped), and ``rho``; each ``[rows, new]`` float32."""
-    ratio = jnp.exp(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
-    unclipped = -advantages * ratio
-    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    return jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32), ratio
-
-
 def value_loss(
     values: jax.Array, old_values: jax.Array, returns: jax.Array, *, clip_range_value: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -161,44 +133,6 @@ def value_loss(
     unclipped = (values - returns) ** 2
     clipped = (old_values + moved - returns) ** 2
     return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
-
-
-def check_first_logprobs(
-    logps: jax.Array,
-    old_logps: jax.Array,
-    mask: jax.Array,
-    *,
-    step: jax.Array,
-    updates_per_batch: int,
-    tolerance: float = RATIO_TOLERANCE,
-) -> None:
-    """Debug assertion, traced into the loss: on the first update of a prepared batch
-    the loss's log-probs equal the rollout's, ``|log pi - log pi_old| <= tolerance *
-    max(1, |log pi_old|)`` on every valid token, or :class:`RatioError` (raised on the
-    host through ``jax.debug.callback``).
-
-    Relative, not ``|rho - 1| <= tolerance``: prepare and the loss are two compiled
-    programs whose float32 logits may round differently, by about one unit in the
-    last place of the log-prob (1e-6 at ``log p = -10``); a reconstruction bug
-    (another temperature, padding or positions) is off by a fraction of the
-    log-prob itself."""
-    gap = jnp.abs(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
-    scale = jnp.maximum(1.0, jnp.abs(old_logps.astype(jnp.float32)))
-    relative = jnp.max(jnp.where(mask, gap / scale, 0.0))
-    absolute = max_ratio_deviation(jnp.exp(logps - old_logps), mask)
-    first = (step % updates_per_batch) == 0
-
-    def check(relative, absolute, first, step):
-        if bool(first) and float(relative) > tolerance:
-            raise RatioError(
-                f"PPOObjective: the first update of the prepared batch at step {int(step)} "
-                f"has log-probs off the rollout's by {float(relative):.3g} of max(1, |log p|) "
-                f"> {tolerance:g} (max |rho - 1| = {float(absolute):.3g}); the loss's "
-                f"log-probs differ from the rollout's (temperature, truncation, padding, "
-                f"positions or dropout differ between prepare and loss)"
-            )
-
-    jax.debug.callback(check, relative, absolute, first, step)
 
 
 # ----------------------------------------------------------------- objective
@@ -225,7 +159,8 @@ class PPOObjective(Objective):
     kl_estimator: ``'k1'`` (``log pi_old - log ref``, TRL's default) or ``'k3'``
       (Tunix's ``low_var_kl``).
     gamma, lam: discount and GAE lambda (1.0, 0.95 as TRL and Tunix).
-    clip_range: epsilon of the policy ratio clip; clip_range_value: of the value clip.
+    clip_range: epsilon of the policy ratio clip (below 1, and above unless
+      ``clip_range_high``); clip_range_value: of the value clip.
     vf_coef: weight of the value loss (TRL 0.1).
     whiten_advantages: normalise the advantages over the batch's valid tokens.
     prepared_updates: optimizer updates per rollout batch (epochs x minibatches;
@@ -233,13 +168,14 @@ class PPOObjective(Objective):
     end_ids: ids that end a completion (included in it); pad_id: fills after it.
     reference: the reference policy's parameters; None = a copy of the initial policy.
     init_params: start the policy from these parameters (a ``Pretrained`` load).
-    tokenizer: for export; None = ``ByteTokenizer()``.
+    tokenizer: for text rewards and export; None = ``ByteTokenizer()``.
     debug: assert in the compiled step that the first update's log-probs are the
-      rollout's (:func:`check_first_logprobs`); None = ``DEW_DEBUG``.
+      rollout's (:func:`dew.objectives.rl.check_first_update`); None = ``DEW_DEBUG``.
     scoring_rows: rows per forward pass when prepare scores its rollouts
       (:func:`in_chunks`); None = the rows of one update (``rows / minibatches``),
       so the first update's log-probs equal the rollout's bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
+    clip_range_high: the policy clip above 1 (DAPO's clip-higher); None = ``clip_range``.
     """
 
     model: Any
@@ -266,19 +202,27 @@ class PPOObjective(Objective):
     tokenizer: Any = None
     debug: bool | None = None
     scoring_rows: int | None = None
+    clip_range_high: float | None = None
+
+    headline_metrics = ("score", "kl")  # printed on the log line
 
     def __post_init__(self):
         from dew.nn.value import ValueHead
         from dew.sampling import Sampling
 
+        what = type(self).__name__
         if self.sampling is None:
             self.sampling = Sampling()
         if self.value_head is None:
             self.value_head = ValueHead()
-        if self.tokenizer is None:
-            from dew.data import ByteTokenizer
-
-            self.tokenizer = ByteTokenizer()
+        self.policy = CausalPolicy(
+            model=self.model,
+            what=what,
+            tokenizer=self.tokenizer,
+            init_params=self.init_params,
+            reference=self.reference,
+        )
+        self.tokenizer = self.policy.tokenizer
         self.rewards = Rewards.of(self.reward)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
@@ -286,25 +230,22 @@ class PPOObjective(Objective):
             )
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        for name in ("kl_coef", "clip_range", "clip_range_value", "vf_coef"):
+        for name in ("kl_coef", "clip_range_value", "vf_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PPOObjective {name} must be >= 0, got {getattr(self, name)}")
+        check_epsilons(self.clip_range, self.clip_range_upper, what=what)
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(
                     f"PPOObjective {name} must be in [0, 1], got {getattr(self, name)}"
                 )
-        if not isinstance(self.prepared_updates, Updates):
-            raise TypeError(
-                f"prepared_updates must be dew.objectives.Updates(epochs=, minibatches=), got "
-                f"{type(self.prepared_updates).__name__}"
-            )
-        if self.scoring_rows is not None and (
-            isinstance(self.scoring_rows, bool) or self.scoring_rows < 1
-        ):
-            raise ValueError(f"scoring_rows must be >= 1 rows or None, got {self.scoring_rows!r}")
+        check_rollout_options(self.scoring_rows, self.prepared_updates)
         self.end_ids = tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
         self.debug = debug_enabled(self.debug)
+
+    @property
+    def clip_range_upper(self) -> float:
+        return self.clip_range if self.clip_range_high is None else self.clip_range_high
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:
@@ -315,19 +256,16 @@ class PPOObjective(Objective):
             Role(name="reference", module=self.model, trained=False, weights=self.reference),
         )
 
-    def _prompt_len(self, spec) -> int:
-        if spec is not None and "prompt" in spec:
-            return int(tuple(spec["prompt"].shape)[0])
-        return 1
+    def batch_fields(self):
+        return prompt_fields()
 
     def init(self, key, spec=None):
         k_policy, k_value = jax.random.split(key)
-        length = self._prompt_len(spec) + self.max_new_tokens
-        self._check_length(length - self.max_new_tokens)
+        prompt_len = int(tuple(spec["prompt"].shape)[0]) if spec and "prompt" in spec else 1
+        self.policy.check_rollout_length(prompt_len, self.max_new_tokens)
+        length = prompt_len + self.max_new_tokens
         tokens = jnp.zeros((1, length), jnp.int32)
-        policy = self.model.init(k_policy, tokens)["params"]
-        if self.init_params is not None:
-            policy = with_initial_values(policy, self.init_params, what="PPOObjective init_params")
+        policy = self.policy.init_policy(k_policy, length)
         if self.critic is not None:
             value = self.critic.init(k_value, tokens)["params"]
         else:
@@ -335,19 +273,8 @@ class PPOObjective(Objective):
                 lambda: self.model.apply({"params": nn_unbox(policy)}, tokens, return_hidden=True)
             )
             value = self.value_head.init(k_value, jnp.zeros(hidden.shape, hidden.dtype))["params"]
-        reference = policy  # the initial policy, sharded like it
-        if self.reference is not None:
-            reference = with_initial_values(policy, self.reference, what="PPOObjective reference")
+        reference = self.policy.init_reference(k_policy, length, policy)  # sharded like it
         return {"params": {"policy": policy, "value": value}, "reference": {"params": reference}}
-
-    def _check_length(self, prompt_len: int) -> None:
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and prompt_len + self.max_new_tokens > max_len:
-            raise ValueError(
-                f"prompts of {prompt_len} tokens plus max_new_tokens {self.max_new_tokens} "
-                f"exceed the policy's max_seq_len {max_len}; use shorter prompts, fewer new "
-                f"tokens or a model with max_seq_len >= {prompt_len + self.max_new_tokens}"
-            )
 
     # ------------------------------------------------ log-probs and values
     def evaluate_rollout(self, params, rollout: Rollout) -> tuple[jax.Array, jax.Array]:
@@ -413,7 +340,7 @@ class PPOObjective(Objective):
         if not self.has_prepare_host:
             out["rewards"] = out.pop("token_rewards")  # every reward is a token reward
             return self.prepare_finish(variables, out, step)
-        out.update({_DATA + k: v for k, v in batch.items() if k not in _PROMPT_KEYS})
+        out.update({READER + k: v for k, v in batch.items() if k not in PROMPT_KEYS})
         return jax.lax.stop_gradient(out)
 
     @property
@@ -422,20 +349,9 @@ class PPOObjective(Objective):
         return bool(self.rewards.text)
 
     def prepare_host(self, rollout):
-        """Host stage: checks the token rewards, calls the text rewards once over the
-        decoded batch; returns every reward, ``rewards [rows, rewards]`` in order."""
-        rewards = self.rewards
-        token = np.asarray(rollout["token_rewards"], np.float32)
-        rewards.check_token_values(token, 1)
-        prompts = decode_rows(self.tokenizer, rollout["prompt"], rollout["prompt_mask"])
-        completions = decode_rows(
-            self.tokenizer, rollout["completion"], rollout["completion_mask"], self.end_ids
-        )
-        data = {k[len(_DATA) :]: v for k, v in rollout.items() if k.startswith(_DATA)}
-        text = rewards.text_values(prompts, completions, text_columns(self.tokenizer, data), 1)
-        t, h = iter(token.T), iter(text.T)
-        columns = [next(t) if isinstance(r, TokenReward) else next(h) for r in rewards.items]
-        return {"rewards": np.stack(columns, axis=1).astype(np.float32)}
+        """Host stage (:meth:`dew.objectives.rewards.Rewards.host_stage`): every reward,
+        ``rewards [rows, rewards]`` in order."""
+        return self.rewards.host_stage(rollout, self.tokenizer, end_ids=self.end_ids)
 
     def prepare_finish(self, variables, batch, step: Step):
         """Advantages (compiled): KL-penalised token rewards, GAE, whitening; the
@@ -471,19 +387,24 @@ class PPOObjective(Objective):
         rollout = Rollout.from_batch(batch)
         mask = rollout.completion_mask
         logps, values = self.evaluate_rollout(variables["params"], rollout)
-        pg, pg_clipped, ratio = policy_loss(
-            logps, batch["old_logps"], batch["advantages"], clip_range=self.clip_range
+        pg, ratio, pg_clipped = clipped_policy_loss(
+            logps,
+            batch["old_logps"],
+            batch["advantages"],
+            epsilon_low=self.clip_range,
+            epsilon_high=self.clip_range_upper,
         )
         vf, vf_clipped = value_loss(
             values, batch["old_values"], batch["returns"], clip_range_value=self.clip_range_value
         )
         if self.debug:
-            check_first_logprobs(
+            check_first_update(
                 logps,
                 batch["old_logps"],
                 mask,
                 step=step.index,
                 updates_per_batch=self.prepared_updates.per_batch,
+                what=type(self).__name__,
             )
         weights = mask.astype(jnp.float32)
         policy = Weighted.mean(pg, weights)
@@ -509,47 +430,22 @@ class PPOObjective(Objective):
 
     # ------------------------------------------------------- checks, export
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
-        for key in ("prompt", "prompt_mask"):
-            if key not in batch:
-                raise KeyError(
-                    f"PPOObjective needs batch[{key!r}] (left-padded prompts, as "
-                    f"dew.data.Prompts reads them); the batch has keys {sorted(batch)}"
-                )
-        prompt, mask = np.asarray(batch["prompt"]), np.asarray(batch["prompt_mask"])
-        if prompt.ndim != 2 or mask.shape != prompt.shape:
-            raise ValueError(
-                f"batch['prompt'] {prompt.shape} and batch['prompt_mask'] {mask.shape} must "
-                f"both be [rows, prompt_len]"
-            )
-        if not np.issubdtype(prompt.dtype, np.integer):
-            raise TypeError(f"batch['prompt'] must hold integer ids, got {prompt.dtype}")
-        self._check_length(prompt.shape[1])
-        vocab = getattr(self.model, "vocab_size", None)
-        if vocab is not None and prompt.size and (prompt.max() >= vocab or prompt.min() < 0):
-            raise ValueError(
-                f"batch['prompt'] holds ids in [{prompt.min()}, {prompt.max()}], outside the "
-                f"policy's vocabulary (vocab_size {vocab}); check the tokenizer matches the model"
-            )
-        count = self.prepared_updates.minibatches
-        if prompt.shape[0] % count:
-            raise ValueError(
-                f"a rollout batch of {prompt.shape[0]} rows does not split into "
-                f"{count} minibatches; use a batch that is a multiple of {count}"
-            )
-        if self.scoring_rows and prompt.shape[0] % self.scoring_rows:
-            raise ValueError(
-                f"a rollout batch of {prompt.shape[0]} rows does not split into chunks of "
-                f"scoring_rows={self.scoring_rows}; use a divisor of the batch"
-            )
+        super().check_batch(batch)  # the declared fields
+        prompt = np.asarray(batch["prompt"])
+        self.policy.check_rollout_length(prompt.shape[1], self.max_new_tokens)
+        self.policy.check_ids(prompt, key="prompt")
+        check_rollout_rows(
+            prompt.shape[0],
+            minibatches=self.prepared_updates.minibatches,
+            scoring_rows=self.scoring_rows,
+            what=type(self).__name__,
+        )
 
     def export(self, variables):
         """A :class:`dew.sampling.TextGeneration` of the policy."""
-        from dew.sampling import TextGeneration
-
-        return TextGeneration(
-            self.model,
+        return self.policy.export(
             variables["params"]["policy"],
-            self.tokenizer,
+            tokenizer=self.tokenizer,
             sampling=self.sampling,
             max_new_tokens=self.max_new_tokens,
             end_ids=self.end_ids or None,

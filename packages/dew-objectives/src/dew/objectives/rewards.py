@@ -40,6 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+READER = "data/"
+"""Prefix of the reader's other keys (``answer``...) inside a rollout batch."""
+
 
 class RewardError(ValueError):
     """A reward function failed, returned the wrong shape or a non-finite value."""
@@ -192,6 +195,28 @@ class Rewards:
         return values @ jnp.asarray(self.weights)
 
     # ---------------------------------------------------------------- host
+    def host_stage(
+        self, rollout: Mapping[str, np.ndarray], tokenizer, *, end_ids=(), group_size: int = 1
+    ) -> dict[str, np.ndarray]:
+        """The host part of a rollout's rewards (``Objective.prepare_host``): checks the
+        token rewards (``rollout['token_rewards']``), calls each text reward once over
+        the decoded prompts and completions and the reader's columns (keys under
+        :data:`READER`); returns ``{'rewards': [rows, rewards]}`` float32 in
+        :attr:`names` order."""
+        token = np.asarray(rollout["token_rewards"], np.float32)
+        self.check_token_values(token, group_size)
+        text = np.zeros((token.shape[0], 0), np.float32)
+        if self.text:
+            prompts = decode_rows(tokenizer, rollout["prompt"], rollout["prompt_mask"])
+            completions = decode_rows(
+                tokenizer, rollout["completion"], rollout["completion_mask"], end_ids
+            )
+            data = {k[len(READER) :]: v for k, v in rollout.items() if k.startswith(READER)}
+            text = self.text_values(prompts, completions, text_columns(tokenizer, data), group_size)
+        t, h = iter(token.T), iter(text.T)
+        columns = [next(t) if isinstance(r, TokenReward) else next(h) for r in self.items]
+        return {"rewards": np.stack(columns, axis=1).astype(np.float32)}
+
     def check_token_values(self, values: np.ndarray, group_size: int) -> None:
         """Raise :class:`RewardError` at the first non-finite token-reward value."""
         for k, r in enumerate(self.token):

@@ -21,11 +21,9 @@ weights, mesh and dtype as the loss (GRPO, PPO, on-policy distillation):
    trlx #107 are the bugs this rules out: temperature missing from the
    training logits, other padding or positions). The decoder's own
    log-probs (raw logits, cached attention) are not reused for that reason.
-3. :func:`check_first_ratio` is the library's debug assertion of that
-   contract: on the first update of a prepared batch, ``max |rho - 1|`` over
-   the completion tokens must be ``<= 1e-6``; it raises
-   :class:`RatioError` from inside the compiled step otherwise. Objectives
-   turn it on with a constructor flag, or ``DEW_DEBUG=1`` in the environment.
+3. :func:`dew.objectives.rl.check_first_update` is the library's debug
+   assertion of that contract (relative to the log-prob); objectives turn it
+   on with a constructor flag, or ``DEW_DEBUG=1`` in the environment.
 """
 
 from __future__ import annotations
@@ -37,11 +35,68 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dew.objectives.batch import IDS, MASK, BatchField
 from dew.objectives.logprobs import rollout_positions, token_logprobs
+from dew.objectives.rl import RATIO_TOLERANCE, RatioError, max_ratio_deviation
 from dew.sampling import Sampling, decode, filter_logits
 
-RATIO_TOLERANCE = 1e-6
-"""The largest ``|rho - 1|`` :func:`check_first_ratio` accepts on a first update."""
+__all__ = [  # RatioError and its tolerance live in dew.objectives.rl; importable here too
+    "RATIO_TOLERANCE",
+    "PROMPT_KEYS",
+    "RatioError",
+    "Rollout",
+    "check_rollout_options",
+    "check_rollout_rows",
+    "debug_enabled",
+    "in_chunks",
+    "max_ratio_deviation",
+    "prompt_fields",
+    "repeat_rows",
+    "rollout_logprobs",
+    "sample_completions",
+    "scored_logprobs",
+]
+
+
+PROMPT_KEYS = ("prompt", "prompt_mask")
+
+
+def prompt_fields() -> tuple[BatchField, ...]:
+    """The batch a rollout starts from: left-padded prompts (``dew.data.Prompts``)."""
+    return (
+        BatchField("prompt", ("prompt_len",), IDS),
+        BatchField("prompt_mask", ("prompt_len",), MASK),
+    )
+
+
+def check_rollout_options(scoring_rows, prepared_updates) -> None:
+    """``scoring_rows`` a positive int or None; ``prepared_updates`` an ``Updates``."""
+    from dew.objectives.base import Updates
+
+    if scoring_rows is not None and (isinstance(scoring_rows, bool) or scoring_rows < 1):
+        raise ValueError(f"scoring_rows must be >= 1 rows or None, got {scoring_rows!r}")
+    if not isinstance(prepared_updates, Updates):
+        raise TypeError(
+            f"prepared_updates must be dew.objectives.Updates(epochs=, minibatches=), got "
+            f"{prepared_updates!r}"
+        )
+
+
+def check_rollout_rows(
+    rows: int, *, minibatches: int, scoring_rows: int | None, what: str, made: str = ""
+) -> None:
+    """A rollout batch of ``rows`` rows (``made``: how, for the message) must split
+    into the updates' ``minibatches`` and prepare's chunks of ``scoring_rows``."""
+    if rows % minibatches:
+        raise ValueError(
+            f"{what}: a rollout batch of {rows} rows{made} does not split into {minibatches} "
+            f"minibatches; use a batch that is a multiple of {minibatches}"
+        )
+    if scoring_rows and rows % scoring_rows:
+        raise ValueError(
+            f"{what}: a rollout batch of {rows} rows{made} does not split into chunks of "
+            f"scoring_rows={scoring_rows}; use a divisor of {rows}"
+        )
 
 
 @flax.struct.dataclass
@@ -195,47 +250,9 @@ def in_chunks(fn, tree, chunk_rows: int):
     return jax.tree.map(merge, jax.lax.map(fn, jax.tree.map(split, tree)))
 
 
-class RatioError(AssertionError):
-    """The first update of a prepared batch saw an importance ratio other than 1."""
-
-
 def debug_enabled(flag: bool | None) -> bool:
     """An objective's debug flag: ``flag`` when given, else ``DEW_DEBUG=1`` in the
     environment (read when the objective is built)."""
     if flag is not None:
         return bool(flag)
     return os.environ.get("DEW_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def max_ratio_deviation(ratio: jax.Array, mask: jax.Array) -> jax.Array:
-    """``max |rho - 1|`` over the tokens where ``mask`` is True (0 when none)."""
-    return jnp.max(jnp.where(mask, jnp.abs(ratio.astype(jnp.float32) - 1.0), 0.0))
-
-
-def check_first_ratio(
-    ratio: jax.Array,
-    mask: jax.Array,
-    *,
-    step: jax.Array,
-    updates_per_batch: int,
-    what: str,
-    tolerance: float = RATIO_TOLERANCE,
-) -> None:
-    """Debug assertion, traced into the loss: on the first update of a prepared
-    batch (``step % updates_per_batch == 0``) ``max |rho - 1| <= tolerance``, or
-    :class:`RatioError` (raised on the host through ``jax.debug.callback``; the
-    compiled step fails with its message).
-    """
-    deviation = max_ratio_deviation(ratio, mask)
-    first = (step % updates_per_batch) == 0
-
-    def check(deviation, first, step):
-        if bool(first) and float(deviation) > tolerance:
-            raise RatioError(
-                f"{what}: the first update of the prepared batch at step {int(step)} has "
-                f"max |rho - 1| = {float(deviation):.3g} > {tolerance:g}; the loss's "
-                f"log-probs differ from the rollout's (temperature, truncation, padding, "
-                f"positions or dropout differ between prepare and loss)"
-            )
-
-    jax.debug.callback(check, deviation, first, step)

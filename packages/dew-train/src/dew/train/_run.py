@@ -94,7 +94,12 @@ class Run:
             values = self.interval.reduce(self.data.batch, self.tokens_key)
             self.interval = Interval()
             rates = self._rates(values)
-            line = f"step {step}: loss {format_value(values['loss'])}, {rates}"
+            shown = [
+                f"{k} {format_value(values[k])}, "
+                for k in self.trainer.objective.headline_metrics
+                if k in values
+            ]
+            line = f"step {step}: loss {format_value(values['loss'])}, {''.join(shown)}{rates}"
             self.log.log(step, values, line=line)
             return values
 

@@ -31,8 +31,9 @@ import optax
 from dew.data import Dataset, Partition
 from dew.nn.keywords import check_keywords, unknown_keywords
 from dew.nn.lora import base_module, lora_of
-from dew.objectives import Objective, Role, Step
+from dew.objectives import Objective, Role, Step, check_batch_spec
 from dew.objectives import weighted as wt
+from dew.objectives.rl import raising_ratio_errors
 from dew.train import _programs
 from dew.train._run import Run
 from dew.train.adapters import split_lora
@@ -266,6 +267,7 @@ class Trainer:
             return fns[token](self.key)
 
     # ------------------------------------------------------------------- fit
+    @raising_ratio_errors()  # a first-update RatioError reaches the caller as itself
     def fit(
         self,
         data: Dataset,
@@ -435,6 +437,10 @@ class Trainer:
     ) -> TrainState:
         mesh = self.device_mesh
         spec = self._data_spec(data)
+        if spec:  # the objective's declared fields against the data's, before compiling
+            check_batch_spec(
+                self.objective.batch_fields(), spec, what=type(self.objective).__name__
+            )
         abstract, shardings = self.state_shardings(spec)
         restored = None
         if session is not None:

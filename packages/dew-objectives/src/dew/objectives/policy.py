@@ -1,0 +1,172 @@
+"""The causal-LM policy core: what every objective that trains a causal language
+model shares (LM, DPO, GRPO, PPO; distillation's student).
+
+:class:`CausalPolicy` holds the policy module, its tokenizer and its starting
+weights, and does, once for all of them:
+
+- initialisation from a fresh init or ``init_params`` (a ``Pretrained`` load,
+  an SFT run; :func:`dew.objectives.with_initial_values`), and the frozen
+  reference: the initial policy itself (the same arrays, which the trainer
+  stores once and, under LoRA, makes the base view), or ``reference=`` weights
+  of ``reference_model`` (checked against its shapes);
+- the token checks: integer ids inside the model's vocabulary
+  (:func:`dew.objectives.batch.check_token_ids`), and every length against the
+  model's ``max_seq_len`` in one wording (:meth:`CausalPolicy.check_positions`);
+- the tokenizer: ``ByteTokenizer()`` by default; a tokenizer given must fit the
+  model's vocabulary, and two models scored on the same ids (policy and
+  reference, student and teacher) must share one (:func:`check_same_vocabulary`):
+  an error before anything is compiled, naming both sizes;
+- previews (greedy continuation of a prompt) and export to
+  :class:`dew.sampling.TextGeneration`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dew.objectives.base import with_initial_values
+from dew.objectives.batch import check_token_ids
+
+
+def vocab_size_of(module) -> int | None:
+    """A module's vocabulary (``vocab_size``), None when it does not say."""
+    return getattr(module, "vocab_size", None)
+
+
+def check_same_vocabulary(first, second, *, what: str, names=("policy", "reference")) -> None:
+    """Two models scored on the same token ids (policy and reference, student and
+    teacher) must have one vocabulary: a ValueError naming both sizes."""
+    a, b = vocab_size_of(first), vocab_size_of(second)
+    if a != b:
+        raise ValueError(
+            f"{what}: the {names[1]}'s vocabulary ({b} ids) differs from the {names[0]}'s "
+            f"({a}); log-probs of the same ids are only comparable under one tokenizer, so "
+            f"use a {names[1]} with the {names[0]}'s vocabulary (a cross-tokenizer setup needs "
+            f"another loss)"
+        )
+
+
+def resolve_tokenizer(tokenizer, model, *, what: str):
+    """``tokenizer``, or ``ByteTokenizer()`` when None. A given tokenizer whose ids do not
+    fit the model's vocabulary (``tokenizer.vocab_size > model.vocab_size``) is a
+    ValueError: its ids would index past the embedding. The default is not checked:
+    objectives over a toy vocabulary take ids from their data and decode them with it."""
+    if tokenizer is None:
+        from dew.data import ByteTokenizer
+
+        return ByteTokenizer()
+    vocab, ids = vocab_size_of(model), getattr(tokenizer, "vocab_size", None)
+    if vocab is not None and ids is not None and ids > vocab:
+        raise ValueError(
+            f"{what}: the tokenizer has {ids} ids but the model's vocabulary only {vocab} "
+            f"(vocab_size); ids >= {vocab} would index past the embedding. Use the model's own "
+            f"tokenizer, or build the model with vocab_size >= {ids}"
+        )
+    return tokenizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CausalPolicy:
+    """A causal LM being trained, with its tokenizer and starting weights.
+
+    model: a causal module, ``model.apply(variables, ids) -> [batch, length, vocab]``.
+    tokenizer: the tokenizer; None = ``ByteTokenizer()`` (:func:`resolve_tokenizer`).
+    what: the objective's name, in errors (``"GRPOObjective"``).
+    init_params: starting weights; None = a fresh initialisation.
+    reference: the reference's weights; None = the initial policy.
+    reference_model: the reference's module; None = ``model`` (same vocabulary
+      required, :func:`check_same_vocabulary`).
+    """
+
+    model: Any
+    what: str
+    tokenizer: Any = None
+    init_params: Any = None
+    reference: Any = None
+    reference_model: Any = None
+
+    def __post_init__(self):
+        tokenizer = resolve_tokenizer(self.tokenizer, self.model, what=self.what)
+        object.__setattr__(self, "tokenizer", tokenizer)
+        if self.reference_model is None:
+            object.__setattr__(self, "reference_model", self.model)
+        check_same_vocabulary(self.model, self.reference_model, what=self.what)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return vocab_size_of(self.model)
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return getattr(self.model, "max_seq_len", None)
+
+    # ---------------------------------------------------------------- init
+    def init_policy(self, key: jax.Array, length: int):
+        """The policy's parameter tree (boxed), from ``init_params`` when given."""
+        params = self.model.init(key, jnp.zeros((1, length), jnp.int32))["params"]
+        if self.init_params is None:
+            return params
+        return with_initial_values(params, self.init_params, what=f"{self.what} init_params")
+
+    def init_reference(self, key: jax.Array, length: int, policy):
+        """The frozen reference's parameters: ``policy`` itself (the same arrays: the
+        trainer stores them once) or ``reference`` on ``reference_model``'s tree."""
+        if self.reference is None:
+            return policy
+        if self.reference_model is self.model:
+            fresh = policy
+        else:
+            fresh = self.reference_model.init(key, jnp.zeros((1, length), jnp.int32))["params"]
+        return with_initial_values(fresh, self.reference, what=f"{self.what} reference")
+
+    # -------------------------------------------------------------- checks
+    def check_positions(self, needed: int, *, where: str, fix: str) -> None:
+        """``needed`` positions must fit the model's ``max_seq_len``; ``where`` says what
+        needs them, ``fix`` what to do (both in the error)."""
+        max_len = self.max_seq_len
+        if needed < 1:
+            raise ValueError(f"{self.what}: {where} need {needed} positions; give at least 1")
+        if max_len is not None and needed > max_len:
+            raise ValueError(
+                f"{self.what}: {where} need {needed} positions, more than the model's "
+                f"max_seq_len {max_len}; {fix}, or build the model with max_seq_len >= {needed}"
+            )
+
+    def check_rollout_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Prompts of ``prompt_len`` tokens continued by ``max_new_tokens`` must fit."""
+        self.check_positions(
+            prompt_len + max_new_tokens,
+            where=f"prompts of {prompt_len} tokens plus max_new_tokens={max_new_tokens}",
+            fix=f"use prompts of at most {(self.max_seq_len or 0) - max_new_tokens} tokens "
+            f"(Prompts(prompt_len=...)) or fewer new tokens",
+        )
+
+    def check_ids(self, ids, *, key: str) -> None:
+        """Integer ids inside the model's vocabulary (the error names ``key``)."""
+        check_token_ids(ids, self.vocab_size, key=key, what=f"{self.what}'s model")
+
+    # ------------------------------------------------------ preview, export
+    def preview(
+        self, params, key: jax.Array, *, prompt="The", new_tokens=16, tokenizer=None
+    ) -> str:
+        """A greedy continuation of ``prompt`` (at most ``new_tokens``), decoded.
+        ``tokenizer``: the objective's current one (None = :attr:`tokenizer`)."""
+        from dew.sampling import Sampling, generate
+
+        tokenizer = tokenizer or self.tokenizer
+        ids = tokenizer.encode(prompt) or [0]
+        max_len = self.max_seq_len or len(ids) + new_tokens
+        new = max(1, min(new_tokens, max_len - len(ids)))
+        out = generate(self.model, params, [ids], new, key, sampling=Sampling(temperature=0))
+        return tokenizer.decode(out.tokens[0])
+
+    def export(self, params, *, tokenizer=None, **options):
+        """A :class:`dew.sampling.TextGeneration` of the policy (``options``: sampling,
+        max_new_tokens, end_ids; ``tokenizer`` as in :meth:`preview`)."""
+        from dew.sampling import TextGeneration
+
+        return TextGeneration(self.model, params, tokenizer or self.tokenizer, **options)

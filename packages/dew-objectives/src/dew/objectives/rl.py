@@ -1,0 +1,216 @@
+"""The RL core: the policy-gradient maths GRPO, PPO (and Flow-GRPO, on-policy
+distillation) share, for any policy whose actions have log-probs (tokens of a
+causal LM, denoising steps of a diffusion model).
+
+Clipped surrogate (PPO, Schulman et al. 2017, arXiv 1707.06347; the asymmetric
+clip of DAPO, Yu et al. 2025, arXiv 2503.14476), per action, minimized:
+
+    rho = exp(log pi(a) - log pi_old(a))
+    l   = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
+
+The clip fraction is the share of actions whose gradient the clip removes:
+``rho < 1 - eps_low`` with ``A < 0``, or ``rho > 1 + eps_high`` with ``A > 0``
+(TRL's ``is_low_clipped | is_high_clipped``); the same tokens as "the clipped
+term is the larger" (TRL's PPO ``pg_losses2 > pg_losses``), decided on the ratio
+rather than on two rounded products.
+
+Advantages: GRPO's group-relative ones (:func:`group_advantages`), GAE
+(Schulman et al. 2016, arXiv 1506.02438; :func:`gae`) and whitening over the
+valid actions (:func:`whiten`).
+
+First-update check (:func:`check_first_update`): prepare scores a rollout with
+the loss's own log-prob function on the pre-update weights, so the first
+update's log-probs are the rollout's. It is checked relative to the log-prob,
+``|log pi - log pi_old| <= tolerance * max(1, |log pi_old|)``, not as
+``|rho - 1| <= tolerance``: two compiled programs may round float32 logits
+differently by one unit in the last place of the log-prob (1e-6 at
+``log p = -10``, so ``|rho - 1| ~ 1e-6`` on a correct rollout), while a
+reconstruction bug (another temperature, padding or positions) is off by a
+fraction of the log-prob itself. A failure raises :class:`RatioError` on the
+host, inside the compiled step; :func:`raising_ratio_errors` (the trainer's
+``fit`` runs inside it) hands the caller that :class:`RatioError` instead of the
+``JaxRuntimeError`` XLA wraps it in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from dew.objectives.logprobs import masked_mean
+
+RATIO_TOLERANCE = 1e-6
+"""The largest relative log-prob gap :func:`check_first_update` accepts."""
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class RatioError(AssertionError):
+    """The first update of a prepared batch saw log-probs other than the rollout's
+    (an importance ratio other than 1)."""
+
+
+# ------------------------------------------------------------ the clipped loss
+def clipped_policy_loss(
+    logps: jax.Array,
+    old_logps: jax.Array,
+    advantages: jax.Array,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per action ``max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``, ``rho``, and
+    whether the clip removed the action's gradient (module docstring), each float32
+    of ``logps``' shape. ``advantages`` broadcasts against it from the left: one per
+    row (``[rows]``, GRPO) or one per action (``[rows, actions]``, PPO)."""
+    ratio = jnp.exp(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
+    adv = advantages.astype(jnp.float32)
+    adv = adv.reshape(adv.shape + (1,) * (ratio.ndim - adv.ndim))
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    active = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | ((ratio > 1.0 + epsilon_high) & (adv > 0))
+    return jnp.maximum(unclipped, clipped), ratio, active.astype(jnp.float32)
+
+
+def check_epsilons(epsilon_low: float, epsilon_high: float, *, what: str) -> None:
+    """``0 < eps_low < 1`` and ``eps_high > 0``, or a ValueError naming both."""
+    if not 0 < epsilon_low < 1 or not epsilon_high > 0:
+        raise ValueError(
+            f"{what}: the clip range needs 0 < epsilon (below 1) < 1 and epsilon_high > 0, got "
+            f"{epsilon_low} and {epsilon_high}"
+        )
+
+
+# ------------------------------------------------------------------ advantages
+def group_advantages(
+    rewards: jax.Array, group_size: int, *, scale_rewards: str = "group", eps: float = 1e-4
+) -> tuple[jax.Array, jax.Array]:
+    """Group-relative advantages of ``rewards [rows]`` (rows ``b * G + g``):
+
+        "group": (r - mean_group) / (std_group + eps);   "batch": / (std_batch + eps);
+        "none":   r - mean_group (Dr.GRPO)
+
+    Returns ``(advantages [rows], zero_variance [rows])``: ``zero_variance`` is 1.0
+    on the rows of a group whose rewards are all equal, whose advantages are 0
+    exactly. Standard deviations are unbiased (ddof=1), as in Tunix and TRL.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    rewards = rewards.astype(jnp.float32)
+    groups = rewards.reshape(-1, group_size)  # [prompts, group]
+    centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+    constant = jnp.max(groups, axis=1) == jnp.min(groups, axis=1)  # [prompts]
+    if scale_rewards == "group":
+        centred = centred / (jnp.std(groups, axis=1, ddof=1, keepdims=True) + eps)
+    elif scale_rewards == "batch":
+        centred = centred / (jnp.std(rewards, ddof=1) + eps)
+    advantages = jnp.where(constant[:, None], 0.0, centred)
+    zero = jnp.broadcast_to(constant[:, None], groups.shape).astype(jnp.float32)
+    return advantages.reshape(-1), zero.reshape(-1)
+
+
+def gae(
+    rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float, lam: float
+) -> tuple[jax.Array, jax.Array]:
+    """Generalized advantage estimation by a reverse ``lax.scan``.
+
+    rewards, values, mask: ``[rows, steps]``; the mask is True on a prefix of each
+    row, False on the padding after its end, where values and rewards count as 0,
+    so the last real step bootstraps from nothing.
+
+        delta_t = r_t + gamma V_{t+1} - V_t;   A_t = delta_t + gamma lam A_{t+1}
+
+    Returns ``(advantages, returns = advantages + values)``, each ``[rows, steps]``,
+    0 on padding.
+    """
+    mask = mask.astype(jnp.float32)
+    values = values.astype(jnp.float32) * mask
+    rewards = rewards.astype(jnp.float32) * mask
+    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))  # [rows, steps]
+    deltas = rewards + gamma * next_values - values
+
+    def back(later, x):
+        delta, m = x  # [rows] each, at one step
+        advantage = (delta + gamma * lam * later) * m
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(
+        back, jnp.zeros(mask.shape[:1], jnp.float32), (deltas.T, mask.T), reverse=True
+    )
+    advantages = advantages.T  # [rows, steps]
+    return advantages, (advantages + values) * mask
+
+
+def whiten(x: jax.Array, mask: jax.Array, *, eps: float = 1e-8) -> jax.Array:
+    """``(x - mean) / sqrt(var + eps)`` over the valid entries (unbiased variance, as
+    TRL's ``masked_whiten``); 0 on padding."""
+    mask = mask.astype(jnp.float32)
+    mean = masked_mean(x, mask)
+    count = jnp.sum(mask)
+    var = masked_mean((x - mean) ** 2, mask) * count / jnp.maximum(count - 1.0, 1.0)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * mask
+
+
+# --------------------------------------------------------- first-update check
+def max_ratio_deviation(ratio: jax.Array, mask: jax.Array) -> jax.Array:
+    """``max |rho - 1|`` over the entries where ``mask`` is True (0 when none)."""
+    return jnp.max(jnp.where(mask, jnp.abs(ratio.astype(jnp.float32) - 1.0), 0.0))
+
+
+def relative_logprob_gap(logps: jax.Array, old_logps: jax.Array, mask: jax.Array) -> jax.Array:
+    """``max |log pi - log pi_old| / max(1, |log pi_old|)`` over the valid entries."""
+    gap = jnp.abs(logps.astype(jnp.float32) - old_logps.astype(jnp.float32))
+    scale = jnp.maximum(1.0, jnp.abs(old_logps.astype(jnp.float32)))
+    return jnp.max(jnp.where(mask, gap / scale, 0.0))
+
+
+_RAISED: list[RatioError] = []  # set by the callback (an XLA thread), read by the caller
+
+
+def check_first_update(
+    logps: jax.Array,
+    old_logps: jax.Array,
+    mask: jax.Array,
+    *,
+    step: jax.Array,
+    updates_per_batch: int,
+    what: str,
+    tolerance: float = RATIO_TOLERANCE,
+) -> None:
+    """Debug assertion, traced into the loss: on the first update of a prepared batch
+    (``step % updates_per_batch == 0``) the loss's log-probs are the rollout's,
+    :func:`relative_logprob_gap` ``<= tolerance``, or :class:`RatioError` on the host
+    (through ``jax.debug.callback``; :func:`raising_ratio_errors` unwraps it)."""
+    relative = relative_logprob_gap(logps, old_logps, mask)
+    absolute = max_ratio_deviation(jnp.exp(logps - old_logps), mask)
+    first = (step % updates_per_batch) == 0
+
+    def check(relative, absolute, first, step):
+        if bool(first) and float(relative) > tolerance:
+            error = RatioError(
+                f"{what}: the first update of the prepared batch at step {int(step)} has "
+                f"log-probs off the rollout's by {float(relative):.3g} of max(1, |log p|) > "
+                f"{tolerance:g} (max |rho - 1| = {float(absolute):.3g}); the loss's log-probs "
+                f"differ from the rollout's (temperature, truncation, padding, positions or "
+                f"dropout differ between prepare and loss)"
+            )
+            _RAISED[:] = [error]
+            raise error
+
+    jax.debug.callback(check, relative, absolute, first, step)
+
+
+@contextlib.contextmanager
+def raising_ratio_errors():
+    """Re-raise a :class:`RatioError` that :func:`check_first_update` raised inside a
+    compiled program as itself (from the ``JaxRuntimeError`` XLA wraps it in), so
+    ``except RatioError`` catches it. Other errors pass unchanged."""
+    _RAISED.clear()
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as wrapped:
+        raised, _RAISED[:] = list(_RAISED), []
+        if raised and str(raised[0]) in str(wrapped):
+            raise raised[0] from wrapped
+        raise

@@ -1,0 +1,86 @@
+"""The LM-policy core: one reference, one set of token checks, tokenizers that
+must fit the model (before anything is compiled)."""
+
+import jax
+import numpy as np
+import pytest
+
+from dew.data import ByteTokenizer
+from dew.nn import CausalTransformer
+from dew.nn.testing import TINY_LM
+from dew.objectives.dpo import DPOObjective
+from dew.objectives.grpo import GRPOObjective
+from dew.objectives.lm import LMObjective
+from dew.objectives.policy import CausalPolicy, check_same_vocabulary
+from dew.objectives.ppo import PPOObjective
+from dew.objectives.rewards import TokenReward
+
+MODEL = CausalTransformer(**TINY_LM)  # vocab 32, max_seq_len 32
+BYTES = CausalTransformer(**dict(TINY_LM, vocab_size=ByteTokenizer.vocab_size))
+
+
+def reward(completion, mask, batch):
+    return mask.sum(-1).astype(np.float32)
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_family():
+    too_big = ByteTokenizer()  # 264 ids, the model has 32
+    builders = {
+        "LMObjective": lambda t: LMObjective(MODEL, seq_len=8, tokenizer=t),
+        "DPOObjective": lambda t: DPOObjective(MODEL, tokenizer=t),
+        "GRPOObjective": lambda t: GRPOObjective(
+            MODEL, rewards=[TokenReward(fn=reward)], max_new_tokens=4, tokenizer=t
+        ),
+        "PPOObjective": lambda t: PPOObjective(
+            MODEL, reward=TokenReward(fn=reward), max_new_tokens=4, tokenizer=t
+        ),
+    }
+    for name, build in builders.items():
+        with pytest.raises(
+            ValueError,
+            match=rf"{name}: the tokenizer has 264 ids but the model's vocabulary only 32",
+        ):
+            build(too_big)
+        assert build(None).tokenizer.vocab_size == 264  # the default: ids taken from the data
+    assert LMObjective(BYTES, seq_len=8, tokenizer=too_big).tokenizer is too_big
+
+
+def test_two_models_scored_on_one_vocabulary():
+    other = CausalTransformer(**dict(TINY_LM, vocab_size=64))
+    check_same_vocabulary(MODEL, CausalTransformer(**TINY_LM), what="Toy")
+    with pytest.raises(
+        ValueError,
+        match=r"Distill: the teacher's vocabulary \(64 ids\) differs from the student's \(32\)",
+    ):
+        check_same_vocabulary(MODEL, other, what="Distill", names=("student", "teacher"))
+    with pytest.raises(ValueError, match=r"reference's vocabulary \(64 ids\)"):
+        CausalPolicy(model=MODEL, what="Toy", reference_model=other, reference={})
+
+
+def test_the_reference_is_the_initial_policy_or_the_given_weights():
+    key = jax.random.key(0)
+    policy = CausalPolicy(model=MODEL, what="Toy")
+    params = policy.init_policy(key, 8)
+    assert policy.init_reference(key, 8, params) is params  # the same arrays: stored once
+    given = jax.tree.map(lambda x: np.asarray(x) + 1.0, jax.device_get(params))
+    ref = CausalPolicy(model=MODEL, what="Toy", reference=given).init_reference(key, 8, params)
+    jax.tree.map(np.testing.assert_array_equal, ref, given)
+
+
+def test_one_wording_for_every_length():
+    policy = CausalPolicy(model=MODEL, what="Toy")
+    with pytest.raises(
+        ValueError,
+        match=r"Toy: prompts of 30 tokens plus max_new_tokens=4 need 34 positions, more than "
+        r"the model's max_seq_len 32; use prompts of at most 28 tokens",
+    ):
+        policy.check_rollout_length(30, 4)
+    policy.check_rollout_length(28, 4)
+    with pytest.raises(ValueError, match=r"LMObjective: rows read at seq_len=40 need 40 positions"):
+        LMObjective(MODEL, seq_len=40)
+    with pytest.raises(
+        ValueError, match=r"DPOObjective: rows of batch\['chosen'\] \(40 ids\) need 40"
+    ):
+        pairs = {k: np.zeros((2, 40), np.int32) for k in ("chosen", "rejected")}
+        masks = {f"{k}_mask": np.zeros((2, 40), bool) for k in ("chosen", "rejected")}
+        DPOObjective(MODEL).check_batch({**pairs, **masks})

@@ -1,0 +1,108 @@
+"""What the objective cores give a user through Trainer.fit: a failed first-ratio
+check is a RatioError, the family's headline metrics are on the printed line,
+and a dataset whose spec does not fit the objective's declared fields is
+refused before anything is compiled."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset, Field
+from dew.nn.backbones import CausalTransformer
+from dew.objectives.grpo import GRPOObjective
+from dew.objectives.rewards import TokenReward
+from dew.objectives.rl import RatioError
+from dew.sampling import Sampling
+from dew.train import MeshSpec, Trainer
+
+V, PROMPTS = 16, 4
+MODEL = CausalTransformer(
+    vocab_size=V, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8
+)
+ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+
+
+def sevens(completion, mask, batch):
+    return jnp.sum((completion == 7) & mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
+
+
+def prompts(partition):
+    rng = np.random.default_rng(0)
+    while True:
+        yield {
+            "prompt": rng.integers(0, V, (PROMPTS, 1)).astype(np.int32),
+            "prompt_mask": np.ones((PROMPTS, 1), bool),
+        }
+
+
+SPEC = {"prompt": Field((1,), np.int32), "prompt_mask": Field((1,), np.bool_)}
+DATA = Dataset(train=prompts, val=None, records=0, batch=PROMPTS, spec=SPEC)
+
+
+def grpo(**kw):
+    return GRPOObjective(
+        MODEL,
+        rewards=[TokenReward(fn=sevens)],
+        group_size=4,
+        max_new_tokens=3,
+        sampling=Sampling(temperature=1.0),
+        check_first_ratio=True,
+        **kw,
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class ScoredAtAnotherTemperature(GRPOObjective):
+    """The reconstruction bug the check exists for (TRL #454): the loss scores the
+    completions at another temperature than the sampler drew them at."""
+
+    def loss(self, variables, batch, step):
+        drawn = self.sampling
+        self.sampling = Sampling(temperature=0.5)
+        try:
+            return super().loss(variables, batch, step)
+        finally:
+            self.sampling = drawn
+
+
+def test_headline_metrics_are_printed_and_a_bad_first_ratio_is_a_ratio_error(capsys):
+    trainer = Trainer(grpo(), optax.adam(1e-3), key=jax.random.key(0), mesh=ONE)
+    trainer.fit(DATA, steps=2, log_every=1)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert len(lines) == 2, lines
+    for line in lines:  # "step 1: loss -0.0000, reward 0.0833, kl 0.0000, 1,234 tokens/s, ..."
+        head = line.split(", ")
+        assert head[1].startswith("reward ") and head[2].startswith("kl "), line
+        assert 0.0 <= float(head[1].split()[1]) <= 1.0 and float(head[2].split()[1]) >= 0.0
+
+    broken = ScoredAtAnotherTemperature(
+        MODEL,
+        rewards=[TokenReward(fn=sevens)],
+        group_size=4,
+        max_new_tokens=3,
+        sampling=Sampling(temperature=1.0),
+        check_first_ratio=True,
+    )
+    trainer = Trainer(broken, optax.adam(1e-3), key=jax.random.key(0), mesh=ONE)
+    with pytest.raises(RatioError, match=r"ScoredAtAnotherTemperature: the first update"):
+        trainer.fit(DATA, steps=1, log_every=1)
+
+
+def test_a_spec_that_does_not_fit_the_declared_fields_is_refused_before_compiling():
+    wrong = dict(SPEC, prompt_mask=Field((2,), np.bool_))
+    data = Dataset(train=prompts, val=None, records=0, batch=PROMPTS, spec=wrong)
+    trainer = Trainer(grpo(), optax.adam(1e-3), key=jax.random.key(0), mesh=ONE)
+    with pytest.raises(
+        ValueError,
+        match=r"batch\['prompt_mask'\] has shape \[rows, 2\], but GRPOObjective reads "
+        r"\[rows, prompt_len = 1\]",
+    ):
+        trainer.fit(data, steps=1)
+    floats = dict(SPEC, prompt=Field((1,), np.float32))
+    data = Dataset(train=prompts, val=None, records=0, batch=PROMPTS, spec=floats)
+    with pytest.raises(TypeError, match=r"batch\['prompt'\] holds float32, but GRPOObjective"):
+        trainer.fit(data, steps=1)

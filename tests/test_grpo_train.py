@@ -4,7 +4,8 @@ new tokens that are 7 (a token reward) plus a host text reward, 8 prompts x 8
 completions, 2 updates per rollout batch, k3 KL to the initial policy.
 
 - learns: mean reward ~1/16 -> >= 0.9 within 100 iterations, with the library's
-  debug assertion on (every first update's max |rho - 1| <= 1e-6);
+  debug assertion on (every first update's log-probs equal the rollout's within
+  1e-6 of max(1, |log p|): `dew.objectives.rl.check_first_update`);
 - a run killed between the rollout and its updates (in the host reward stage)
   resumes bit-identically;
 - data=8, fsdp=8 and data2/fsdp2/tensor2 give the same completions and, over 3
@@ -180,8 +181,8 @@ def test_killed_between_rollout_and_update_resumes_bit_identically(learned, tmp_
 def test_first_ratio_is_one_with_two_minibatches(tmp_path):
     """Prepare scores the rollout in chunks of one update's rows (8 prompts x 8 =
     64 rows, 2 minibatches of 32), so the first update's forward pass has the
-    scoring's shapes: the debug assertion (max |rho - 1| <= 1e-6, raising
-    RatioError) passes on both rollout batches, the logged mean ratio of each
+    scoring's shapes: the debug assertion (log-probs off the rollout's by at most
+    1e-6 of max(1, |log p|), raising RatioError) passes on both rollout batches, the logged mean ratio of each
     first update is 1 within 1e-6, and the second update (other rows, moved
     weights) is off-policy."""
     trainer = Trainer(

@@ -46,10 +46,10 @@ def test_readme_links_every_guide():
 # What ships, asked of a fresh install (conftest.py's clone): the model registry, every
 # public module of dew.objectives with the Objective classes it defines, the dew.data
 # readers (a `.load`), the dew.sampling pipelines (a `.save`), diffusion samplers and
-# noise schedules, and the Hugging Face formats.
+# noise schedules, the Hugging Face formats, and the umbrella's re-exports.
 INVENTORY = """
 import importlib, inspect, json, pkgutil
-import dew.data, dew.objectives, dew.sampling
+import dew, dew.data, dew.objectives, dew.sampling
 from dew.nn import hf, models
 from dew.objectives import Objective
 
@@ -68,6 +68,7 @@ for info in pkgutil.iter_modules(dew.objectives.__path__):
         )
 samplers = ("dew.sampling.diffusion_samplers", "dew.sampling.noise_schedules")
 print(json.dumps({
+    "umbrella": dew.__all__,
     "models": models.names(),
     "formats": sorted(hf.names()),
     "objectives": objectives,
@@ -107,6 +108,7 @@ def test_readmes_name_what_ships(fresh_clone):
         "packages/dew-objectives/README.md": [*modules, *classes],
         "packages/dew-data/README.md": ships["readers"],
         "packages/dew-sampling/README.md": [*ships["pipelines"], *ships["samplers"]],
+        "packages/dew/README.md": ships["umbrella"],
     }
     gaps = {path: gap for path, names in wants.items() if (gap := missing(path, names))}
     assert not gaps, f"these READMEs do not name what ships (in backquotes): {gaps}"

@@ -204,7 +204,8 @@ def wheels(session: nox.Session) -> None:
     """Build every wheel; install dew-nn alone, dew-data alone, then all of them (uv);
     then the umbrella with plain pip from the wheels folder (`pip install --find-links
     dist dew-jax`, as packages/dew/README.md says): no datasets/pandas/pyarrow, and
-    it trains a tiny model."""
+    it trains a tiny model. Also every example as its header documents it, in a fresh
+    clone (tests/packaging/test_examples.py), and the READMEs against what ships."""
     sync(session, "--only-group", "packaging")
     # two workers, test by test (not file by file: the wheel tests are one file and
     # most of the time); each worker builds the wheels once (a module fixture, < 1 s)

@@ -1,7 +1,7 @@
 """Class-conditional diffusion on scikit-learn's 8 x 8 digits with a tiny DiT.
 
-The 1797 bundled digits (``sklearn.datasets.load_digits``, installed with
-``pip install dew-jax[examples]``) become uint8 images ``[8, 8, 1]``; the DiT
+The 1797 bundled digits (``sklearn.datasets.load_digits``; scikit-learn and
+pillow come with the ``dew-jax[examples]`` extra) become uint8 images ``[8, 8, 1]``; the DiT
 cuts them into 2 x 2 patches, reads the digit's class, and is trained by flow
 matching (rectified flow, logit-normal times) with 10% condition dropout, so
 classifier-free guidance works at sampling time. The trainer writes a preview
@@ -9,7 +9,13 @@ grid every ``--steps // 4`` steps; at the end the exported pipeline (EMA
 weights) draws four samples of every digit with guidance 3 into
 ``samples.png`` and saves itself. A few minutes on two CPU cores.
 
-    python examples/diffusion_digits.py [--steps 2000] [--out runs/diffusion_digits]
+From the repository root (``uv run`` installs what it needs: the workspace's dev
+group holds ``dew-jax[examples]``):
+
+    uv run --locked python examples/diffusion_digits.py [--steps 2000] [--out runs/diffusion_digits]
+
+Elsewhere: ``pip install "dew-jax[examples]"`` (packages/dew/README.md), then
+``python examples/diffusion_digits.py``.
 """
 
 import argparse

@@ -8,7 +8,12 @@ preference accuracy goes from 0 (policy = reference: every margin is exactly 0)
 to about 1, and the policy's samples hold token 3 far more often than the
 reference's. Runs in well under a minute on two CPU cores.
 
-    python examples/dpo.py [--steps 150]
+From the repository root (``uv run`` installs what it needs; nothing besides Dew):
+
+    uv run --locked python examples/dpo.py [--steps 150]
+
+Elsewhere: ``pip install dew-jax`` (packages/dew/README.md), then
+``python examples/dpo.py``.
 """
 
 import argparse

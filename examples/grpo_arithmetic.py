@@ -12,7 +12,12 @@ about 0.03 with random weights, about 0.8 after 100 rollout batches of 16
 prompts x 16 completions (measured: 0.84). About a minute on two idle CPU
 cores.
 
-    python examples/grpo_arithmetic.py [--iterations 100]
+From the repository root (``uv run`` installs what it needs; nothing besides Dew):
+
+    uv run --locked python examples/grpo_arithmetic.py [--iterations 100]
+
+Elsewhere: ``pip install dew-jax`` (packages/dew/README.md), then
+``python examples/grpo_arithmetic.py``.
 """
 
 import argparse

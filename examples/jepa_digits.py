@@ -1,7 +1,7 @@
 """I-JEPA on scikit-learn's 8 x 8 digits, then probes against a random-initialised encoder.
 
-The 1797 bundled digits (``sklearn.datasets.load_digits``, installed with
-``pip install dew-jax[examples]``) become uint8 images ``[8, 8, 1]``, split
+The 1797 bundled digits (``sklearn.datasets.load_digits``; scikit-learn comes
+with the ``dew-jax[examples]`` extra) become uint8 images ``[8, 8, 1]``, split
 1400 / 397 (train / probe test) with a fixed permutation. The ViT reads every
 pixel as a patch (8 x 8 = 64 patches), three target blocks of 15-20% of the
 grid are predicted from the rest, and the target encoder is the moving average
@@ -16,7 +16,13 @@ ViT is already a strong random-features model for a linear probe (about 0.92,
 raw pixels give 0.94), so JEPA's gain here is small; see docs/jepa.md. A few
 minutes on two CPU cores.
 
-    python examples/jepa_digits.py [--steps 200]
+From the repository root (``uv run`` installs what it needs: the workspace's dev
+group holds ``dew-jax[examples]``):
+
+    uv run --locked python examples/jepa_digits.py [--steps 200]
+
+Elsewhere: ``pip install "dew-jax[examples]"`` (packages/dew/README.md), then
+``python examples/jepa_digits.py``.
 """
 
 import argparse

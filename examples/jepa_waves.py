@@ -7,7 +7,12 @@ alone says nothing about the frequency, so a random encoder's pooled features
 probe near chance; predicting hidden blocks of patches from the others teaches
 the encoder the frequency. Runs in about a minute on two CPU cores.
 
-    python examples/jepa_waves.py [--steps 500]
+From the repository root (``uv run`` installs what it needs; nothing besides Dew):
+
+    uv run --locked python examples/jepa_waves.py [--steps 500]
+
+Elsewhere: ``pip install dew-jax`` (packages/dew/README.md), then
+``python examples/jepa_waves.py``.
 """
 
 import argparse

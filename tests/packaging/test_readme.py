@@ -88,7 +88,7 @@ def missing(path: str, names) -> list[str]:
 
 @pytest.mark.slow
 def test_readmes_name_what_ships(fresh_clone):
-    run = fresh_clone.run(["uv", "run", "--locked", "python", "-c", INVENTORY], timeout=300)
+    run = fresh_clone.run(["uv", "run", "--locked", "python", "-c", INVENTORY], timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     ships = json.loads(run.stdout.splitlines()[-1])
     modules = [f"dew.objectives.{m}" for m in ships["objectives"]]

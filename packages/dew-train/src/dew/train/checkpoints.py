@@ -46,10 +46,8 @@ weights from the directory alone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import pathlib
@@ -61,15 +59,19 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn.keywords import check_keywords
+from dew.train._integrity import read_recorded, verify
+from dew.train._integrity import save_args as checksums_save_args
 from dew.train._restore import (
     CheckpointMismatchError,
     NoUsableCheckpointError,
     OptimizerMismatchError,
     check_compatible,
     damage,
-    describe,
+    damaged_because,
     jsonable_metrics,
     no_usable_message,
+    quiet_orbax,
+    quiet_restore,
     unusable_names,
 )
 from dew.train.state import TrainState
@@ -85,8 +87,8 @@ __all__ = [
 ]
 
 COMMIT_MARKER = "commit_success.txt"
-ITEMS = ("state", "data_iter", "meta")
-FORMAT = 1
+ITEMS = ("state", "data_iter", "meta", "checksums")
+FORMAT = 2  # 2: with checksums of every array (dew.train._integrity)
 
 
 @check_keywords
@@ -248,7 +250,7 @@ class CheckpointSession:
                     create=True,
                     enable_async_checkpointing=spec.use_async,
                 )
-            with _quiet_orbax():
+            with quiet_orbax():
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=options, item_names=ITEMS
                 )
@@ -288,15 +290,14 @@ class CheckpointSession:
           ``reset_optimizer``.
         """
         key_impl = jax.random.key_impl(root_key) if _is_typed_key(root_key) else None
-        unusable: list[tuple[int, str, str]] = []
-        unfinished = 0  # saves that never completed: no progress was in them
+        unusable: list[tuple[int, str, str, bool]] = []  # step, path, why, unfinished
         restored = None
         for step, path in _step_dirs(self.directory):
-            why = _incomplete(path)
-            unfinished += why is not None
-            if why is None:
+            why = _unfinished(path)
+            unfinished = why is not None
+            if not unfinished:
                 try:
-                    with _quiet_orbax():
+                    with quiet_restore():
                         restored = self._read(
                             step, path, abstract, shardings, key_impl, init_opt_state
                         )
@@ -304,12 +305,16 @@ class CheckpointSession:
                     proof = damage(error)
                     if proof is None:  # a mistake, not damage: nothing is renamed
                         raise
-                    why = f"it cannot be read ({describe(proof)})"
+                    why = damaged_because(proof)
                 else:
                     break
-            unusable.append((step, path, why))
-        earlier = unusable_names(os.listdir(self.directory))
-        set_aside = [(path, self._set_aside(step, path, why), why) for step, path, why in unusable]
+            unusable.append((step, path, why, unfinished))
+        earlier = unusable_names(self.directory, COMMIT_MARKER)
+        lost = []  # what held progress: saves that never finished held none
+        for step, path, why, unfinished in unusable:
+            target = self._set_aside(step, path, why, unfinished=unfinished)
+            if not unfinished:
+                lost.append((path, target, why))
         if restored is not None:
             if restored.optimizer_reset:
                 self.print(
@@ -318,14 +323,10 @@ class CheckpointSession:
                     f"a new optimizer state (Checkpoints(reset_optimizer=True))"
                 )
             return restored
-        if not set_aside and not earlier:
-            return None
-        if unfinished == len(set_aside) and not earlier:
-            # only saves that never finished (a kill during the first one): no
-            # progress is lost by starting over, and they stay on disk, renamed
+        if not lost and not earlier:
             return None
         message = no_usable_message(
-            self.directory, set_aside, earlier, fresh_hint=not self.spec.start_fresh
+            self.directory, lost, earlier, fresh_hint=not self.spec.start_fresh
         )
         if not self.spec.start_fresh:
             raise NoUsableCheckpointError(message)
@@ -356,6 +357,7 @@ class CheckpointSession:
                 )
             if not reset:
                 tree = checkpointer.restore(state_dir, saved_abstract)
+                self._verify(path, tree)
         if reset:
             if init_opt_state is None:
                 raise ValueError(
@@ -371,6 +373,7 @@ class CheckpointSession:
                     partial_restore=True,
                 ),
             )
+            self._verify(path, tree)
             tree = {**target, **tree}
             tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
@@ -396,11 +399,28 @@ class CheckpointSession:
             optimizer_reset=reset,
         )
 
-    def _set_aside(self, step: int, path: str, why: str) -> str:
-        target = os.path.join(self.directory, f"{step}.unusable")
+    def _verify(self, path: str, tree) -> None:
+        """Check the arrays read from ``path`` against the checksums saved with
+        them (:mod:`dew.train._integrity`); a checkpoint without them (written
+        before they were) is read as it is, with a note."""
+        recorded = read_recorded(path)
+        if recorded is None:
+            self.print(
+                f"Note: checkpoint {path} has no checksums of its arrays (written by an "
+                f"earlier version of Dew); its arrays are restored unverified"
+            )
+            return
+        verify(tree, recorded)
+
+    def _set_aside(self, step: int, path: str, why: str, *, unfinished: bool) -> str:
+        """Rename ``path`` aside: ``<step>.unfinished`` for a save that never
+        finished (it never held progress), ``<step>.unusable`` for a committed
+        checkpoint proven damaged."""
+        suffix = "unfinished" if unfinished else "unusable"
+        target = os.path.join(self.directory, f"{step}.{suffix}")
         n = 1
         while os.path.exists(target):
-            target = os.path.join(self.directory, f"{step}.unusable-{n}")
+            target = os.path.join(self.directory, f"{step}.{suffix}-{n}")
             n += 1
         if jax.process_index() == 0:
             os.rename(path, target)
@@ -441,10 +461,15 @@ class CheckpointSession:
             "step": step,
             "data": "position" if position is not None else "fast-forward",
         }
-        items = {"state": ocp.args.StandardSave(to_saved(state)), "meta": ocp.args.JsonSave(meta)}
+        saved = to_saved(state)
+        items = {
+            "state": ocp.args.StandardSave(saved),
+            "meta": ocp.args.JsonSave(meta),
+            "checksums": checksums_save_args(saved),
+        }
         if position is not None:
             items["data_iter"] = grain.checkpoint.CheckpointSave(_Position(position))
-        with _quiet_orbax():
+        with quiet_orbax():
             self.manager.save(
                 step,
                 args=ocp.args.Composite(**items),
@@ -674,7 +699,7 @@ def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
     import orbax.checkpoint as ocp
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with _quiet_orbax():
+    with quiet_orbax():
         tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
         subtree = tree
         for key in where:
@@ -729,12 +754,19 @@ def _step_dirs(directory: str) -> list[tuple[int, str]]:
     return [(step, path) for step, _, path in sorted(out, reverse=True)]
 
 
-def _incomplete(path: str) -> str | None:
-    """Why the checkpoint at ``path`` is unfinished, or None."""
+def _unfinished(path: str) -> str | None:
+    """Why the save of the checkpoint at ``path`` never finished, or None."""
     if _TMP_DIR.match(os.path.basename(path)):
         return "it is an Orbax temporary directory, so its save never finished"
     if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
         return f"it has no commit marker ({COMMIT_MARKER}), so its save never finished"
+    return None
+
+
+def _incomplete(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded as it stands, or None."""
+    if why := _unfinished(path):
+        return why
     for item in ("state", "meta"):
         if not os.path.isdir(os.path.join(path, item)):
             return f"it has no {item}/ directory"
@@ -766,16 +798,3 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-    """Orbax logs through absl at INFO/WARNING for routine operations; keep
-    stdout to Dew's own lines while it works."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(max(level, logging.ERROR))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

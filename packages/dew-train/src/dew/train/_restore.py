@@ -352,19 +352,20 @@ class _UnretrievedDamage(logging.Filter):
         return True
 
 
-_DROPPING = False
+_FILTER = _UnretrievedDamage()
 
 
 def _drop_closed_loop_reports() -> None:
-    global _DROPPING
-    if _DROPPING:
+    logger = logging.getLogger("asyncio")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
+    if getattr(sys.unraisablehook, "_dew_closed_loop", False):
         return
-    _DROPPING = True
-    logging.getLogger("asyncio").addFilter(_UnretrievedDamage())
-    previous = sys.unraisablehook
+    previous = sys.unraisablehook  # another hook set since (pytest's, per test) is kept
 
     def hook(unraisable):
         if not _is_closed_loop(unraisable.exc_value):
             previous(unraisable)
 
+    hook._dew_closed_loop = True
     sys.unraisablehook = hook

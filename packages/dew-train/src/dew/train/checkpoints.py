@@ -10,19 +10,23 @@ One checkpoint is one directory per step::
                                      when the iterator has get_state/set_state
     <directory>/<step>/meta/         JSON: the model's registry name and config, how
                                      the data stream resumes
+    <directory>/<step>/checksums/    CRC-32 of every array shard's bytes, one JSON
+                                     file per process (dew.train._integrity)
     <directory>/<step>/commit_success.txt   Orbax's commit marker, written last
 
 A ``fit`` whose directory holds checkpoints continues from the newest usable
-one. A checkpoint is unusable when its save never finished (no commit marker,
-or an Orbax temporary directory ``<step>.orbax-checkpoint-tmp*`` left by a
-kill) or its files prove damaged (missing, truncated, undecodable: the
-storage layer says so); it is renamed to ``<step>.unusable`` (nothing is
-deleted) with a message saying why, and the one before it is used. Any other
-error while restoring is a mistake, not damage: it stops the run as raised
-and the directory is left untouched (see :mod:`dew.train._restore`). When the
-directory holds checkpoints and none is usable, the run stops with
+one. A save that never finished (no commit marker, or an Orbax temporary
+directory ``<step>.orbax-checkpoint-tmp*`` left by a kill) is renamed to
+``<step>.unfinished``; a committed checkpoint whose files prove damaged
+(missing, truncated, undecodable: the storage layer says so; or an array
+that does not match its saved checksum) to ``<step>.unusable``. Nothing is
+deleted, one line says why, and the one before it is used. Any other error
+while restoring is a mistake, not damage: it stops the run as raised and the
+directory is left untouched (see :mod:`dew.train._restore`). When the
+directory holds committed checkpoints and none is usable, the run stops with
 :class:`NoUsableCheckpointError` rather than start over from step 0, unless
-``Checkpoints(..., start_fresh=True)``.
+``Checkpoints(..., start_fresh=True)``; unfinished saves held no progress and
+never count, whichever run set them aside.
 
 A checkpoint written for another model (an array path, shape or dtype of
 ``params``, ``averaged`` or ``frozen`` differs) raises
@@ -115,8 +119,8 @@ class Checkpoints:
       new optimizer state (its step counts, and so its schedules, start at
       0) instead of stopping with :class:`OptimizerMismatchError`. A
       matching optimizer state is always restored.
-    start_fresh: when the directory holds checkpoints but none is usable
-      (all set aside as ``<step>.unusable``), start from step 0 instead of
+    start_fresh: when the directory holds committed checkpoints but none is
+      usable (all set aside as ``<step>.unusable``), start from step 0 instead of
       stopping with :class:`NoUsableCheckpointError`. A usable checkpoint
       is always resumed from.
     """
@@ -727,6 +731,9 @@ def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
                 partial_restore=True,
             ),
         )
+    recorded = read_recorded(path)
+    if recorded is not None:  # a damaged array raises ChecksumMismatchError, naming it
+        verify(restored, recorded)
     for key in where:
         restored = restored[key]
     return restored

@@ -176,6 +176,9 @@ def run_child(work: pathlib.Path, directory, out, kill: str | None, timeout: flo
     if kill:
         command += ["--kill", kill]
     env = dict(os.environ)
+    # one CPU device wherever it runs (pytest's conftest emulates 8): the same program
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = flags.strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/dew/jax-compilation"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -3,9 +3,11 @@ process (tools/kill_soak.py's run: a schedule, clipping, accumulation, EMA, a
 Grain TokenWindows reader, evaluation, asynchronous checkpoints):
 
 1. the issue's stuck directory: killed while its first checkpoint is being
-   written, restarted and killed at batch 2 (nothing committed yet), restarted
-   and killed during an evaluation, restarted: the run finishes with the state
-   of an uninterrupted run, bit for bit;
+   written, restarted and killed at batch 2 (nothing committed yet),
+   restarted: the run trains from step 0 (no NoUsableCheckpointError) and
+   finishes with the state of an uninterrupted run, bit for bit (the other
+   kinds of kill, mid-evaluation and at random times, are the soak's:
+   ``python tools/kill_soak.py --kills 30``);
 2. recovery is quiet: the newest checkpoint damaged (64 zeroed bytes), the
    next run prints one line for it and none of the asyncio tracebacks
    ("Event loop is closed", "Future exception was never retrieved"), falls
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import re
 import signal
 
 import pytest
@@ -40,7 +41,7 @@ def test_kills_then_damage_resume_bit_identical_and_quietly(tmp_path):
 
     directory = tmp_path / "run"
     outputs = []
-    for kill in ("write:0", "step:2", "eval:1"):
+    for kill in ("write:0", "step:2"):
         done, _ = soak.run_child(tmp_path, directory, tmp_path / "never.npz", kill, 300)
         assert done.returncode == -signal.SIGKILL, (kill, done.stdout[-2000:], done.stderr[-3000:])
         outputs.append(done.stdout)
@@ -49,13 +50,11 @@ def test_kills_then_damage_resume_bit_identical_and_quietly(tmp_path):
     # set aside as an unfinished save, the run starts from 0 (and is killed at batch 2)
     assert f"kept as {directory}/3.unfinished, nothing deleted" in outputs[1]
     assert "Training from step 0 to 12" in outputs[1]
-    # nothing committed yet: from 0 again, not NoUsableCheckpointError
-    assert "Training from step 0 to 12" in outputs[2] and "SIGKILL at eval batch 1" in outputs[2]
 
+    # nothing committed yet: from 0 again, not NoUsableCheckpointError
     final, _ = soak.run_child(tmp_path, directory, tmp_path / "final.npz", None, 300)
     assert final.returncode == 0, final.stderr[-3000:]
-    # from step 3 when its asynchronous save had committed before the kill, else from 0
-    assert re.search(r"Training from step [03] to 12", final.stdout), final.stdout
+    assert "Training from step 0 to 12" in final.stdout, final.stdout
     assert soak.same(tmp_path / "final.npz", tmp_path / "ref.npz") == []
 
     # damage the newest checkpoint: one line, no asyncio noise, the one before, exact

@@ -1,12 +1,13 @@
 """Checksums of a checkpoint's arrays, written with it and verified when it is read.
 
 Why Dew keeps its own: Orbax writes each array as zarr chunks, zstd-compressed,
-inside an OCDBT database, and no layer checks the bytes of a chunk. A zeroed
-run of bytes usually fails zstd's decoding, but a single flipped bit inside a
-compressed chunk can decode, without an error, to other numbers (measured:
-46-48 of 54 arrays of a resumed run different, or non-finite steps 11 steps
-later). Orbax's zarr3 layout checksums only its shard index, and Orbax offers
-no setting for a chunk checksum codec.
+inside an OCDBT database. OCDBT checks its b-tree nodes (a CRC-32C), which hold
+small values inline (up to 1 KiB, Orbax's setting), but a larger chunk is stored
+outside them and nothing checks its bytes: a single flipped bit in it can
+decode, without an error, to other numbers (``test_checkpoints.py``,
+``test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum``).
+Orbax's zarr3 layout checksums only its shard index, and Orbax offers no
+setting for a chunk checksum codec.
 
 What is recorded: every process writes ``<step>/checksums/process_<i>-of-<n>.json``
 with the CRC-32 (``zlib.crc32``) of the bytes (C order) of each of its

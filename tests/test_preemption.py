@@ -51,6 +51,7 @@ def test_sigterm_checkpoints_and_the_next_run_resumes(tmp_path):
     assert int(np.load(tmp_path / "stopped.npz")["step"]) == 5
     assert sorted(os.listdir(directory / "5")) == [
         "_CHECKPOINT_METADATA",
+        "checksums",
         "commit_success.txt",
         "data_iter",
         "meta",

@@ -20,9 +20,13 @@ Two questions with different answers:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
+import os
 import re
+import sys
 import zlib
 from typing import Any
 
@@ -55,6 +59,11 @@ def _key_name(key) -> str:
     return str(key)
 
 
+def path_name(path) -> str:
+    """A tree path as Dew names an array in messages, ``'opt_state/0/mu/w'``."""
+    return "/".join(_key_name(k) for k in path)
+
+
 def flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{'opt_state/1/0/mu/w': (shape, dtype name)}`` of every array leaf.
 
@@ -67,7 +76,7 @@ def flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if hasattr(leaf, "shape"):
-            name = "/".join(_key_name(k) for k in path)
+            name = path_name(path)
             dtype = getattr(leaf, "dtype", None)
             out[name] = (tuple(leaf.shape), str(np.dtype(dtype)) if dtype is not None else "?")
     return out
@@ -167,23 +176,40 @@ def _structure(flat: dict, parameters: set[str]) -> str:
 
 
 # ------------------------------------------------------------------- damage
-# TensorStore reports storage failures as ValueError("<STATUS>: ...").
+# TensorStore reports storage failures as ValueError, with a leading status
+# ("DATA_LOSS: Error reading ...") or, through Orbax's driver stack, without one
+# ('Error opening "cast" driver: Error opening "zarr" driver: Error reading
+# "key/.zarray" in OCDBT database ...: Error decoding b-tree node:
+# ZSTD_decompressStream() failed: Data corruption detected; ...').
 _STORAGE_STATUS = re.compile(
     r"^(NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|FAILED_PRECONDITION|UNAVAILABLE|INVALID_ARGUMENT): "
     r".*(Error reading|Error opening|Error decoding|Error parsing|Truncated|corrupt|checksum|"
     r"byte range|OCDBT|manifest)",
     re.S | re.I,
 )
+_TENSORSTORE_DAMAGE = re.compile(
+    r'^Error (opening|reading|decoding) ".*'
+    r"(Error decoding|Data corruption|corrupt|checksum|Truncated|Unexpected end of|ZSTD_|"
+    r"Invalid magic|Error reading .* (byte range|local file))",
+    re.S | re.I,
+)
 
 
 def _is_storage_error(error: BaseException) -> bool:
+    from dew.train._integrity import ChecksumMismatchError
+
+    if isinstance(error, ChecksumMismatchError):
+        return True
     if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError)):
         return True
     if isinstance(error, OSError) and error.errno in (errno.EIO, errno.ENODATA):
         return True
     if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError, zlib.error)):
         return True
-    return isinstance(error, ValueError) and bool(_STORAGE_STATUS.match(str(error)))
+    if not isinstance(error, ValueError):
+        return False
+    text = str(error)
+    return bool(_STORAGE_STATUS.match(text) or _TENSORSTORE_DAMAGE.match(text))
 
 
 def damage(error: BaseException) -> BaseException | None:
@@ -199,10 +225,37 @@ def damage(error: BaseException) -> BaseException | None:
     return None
 
 
+_ARRAY_KEY = re.compile(r'Error reading "([^"]+?)/(?:\.z\w+|c/[\d/]*|[\d.]+)" in OCDBT')
+_FILE = re.compile(r'(local file "[^"]+")')
+
+
 def describe(error: BaseException) -> str:
-    text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}"
+    """One short line for a storage error: the array and file TensorStore
+    names, and its innermost reason (without the JSON specs it appends)."""
+    text = " ".join(str(error).split())
+    text = re.split(r" \[tensorstore_spec", text, maxsplit=1)[0]
+    status = re.match(r"^[A-Z_]+: ", text)
+    body = text[status.end() :] if status else text
+    if isinstance(error, ValueError) and body.startswith("Error "):
+        array = _ARRAY_KEY.search(body)
+        files = _FILE.findall(body)
+        parts = body.split(": ")
+        last = max(i for i, part in enumerate(parts) if part.startswith("Error "))
+        reason = re.split(r"; at ", ": ".join(parts[last:]), maxsplit=1)[0]
+        where = f"array {array.group(1).replace('.', '/')!r}: " if array else ""
+        at = f" in {files[-1]}" if files else ""
+        code = status.group(0) if status else ""
+        return f"{type(error).__name__}: {code}{where}{reason[:200]}{at}"[:400]
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def damaged_because(proof: BaseException) -> str:
+    """Why a checkpoint is set aside, from the error that proves it damaged."""
+    from dew.train._integrity import ChecksumMismatchError
+
+    if isinstance(proof, ChecksumMismatchError):
+        return f"it is damaged: {proof}"
+    return f"it cannot be read ({describe(proof)})"
 
 
 def no_usable_message(
@@ -229,12 +282,90 @@ def no_usable_message(
     )
 
 
-def unusable_names(names: list[str]) -> list[str]:
-    """The names of set-aside checkpoints among a directory's entries."""
-    return sorted(n for n in names if re.match(r"^\d+\.unusable(-\d+)?$", n))
+UNUSABLE = re.compile(r"^\d+\.unusable(-\d+)?$")  # a committed checkpoint, proven damaged
+UNFINISHED = re.compile(r"^\d+\.unfinished(-\d+)?$")  # a save that never finished
+
+
+def unusable_names(directory: str, commit_marker: str) -> list[str]:
+    """The set-aside checkpoints in ``directory`` that held progress: committed
+    ones proven damaged (``<step>.unusable``). Saves that never finished are set
+    aside as ``<step>.unfinished`` and never count; neither does a
+    ``<step>.unusable`` without a commit marker (earlier versions of Dew set
+    unfinished saves aside under that name too)."""
+    return sorted(
+        name
+        for name in os.listdir(directory)
+        if UNUSABLE.match(name) and os.path.exists(os.path.join(directory, name, commit_marker))
+    )
 
 
 def jsonable_metrics(metrics: dict[str, Any] | None) -> dict[str, float] | None:
     if metrics is None:
         return None
     return {str(name): float(value) for name, value in metrics.items()}
+
+
+# ------------------------------------------------------------------- quiet
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax logs through absl at INFO/WARNING for routine operations; keep
+    stdout to Dew's own lines while it works."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_restore():
+    """A restore that may fail on damaged files, with Orbax's logs kept quiet.
+
+    When a read fails, Orbax's event loop closes while TensorStore still has
+    reads in flight: each one, finishing later on TensorStore's threads,
+    reports ``RuntimeError: Event loop is closed`` through
+    ``sys.unraisablehook``, and asyncio logs every other failed read as
+    ``Future exception was never retrieved`` (about 300 lines of tracebacks
+    for one damaged checkpoint), some of them before the failure reaches Dew.
+    From the first restore on, those two reports, and only those, are dropped
+    for the rest of the process (a filter on the ``asyncio`` logger and a
+    ``sys.unraisablehook`` that passes everything else to the previous hook):
+    the loop they address is gone, and Dew reports the failure in one line."""
+    _drop_closed_loop_reports()
+    with quiet_orbax():
+        yield
+
+
+def _is_closed_loop(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+class _UnretrievedDamage(logging.Filter):
+    """asyncio's report of a failed read nobody awaited once the restore had failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if "exception was never retrieved" in record.getMessage() and error is not None:
+            return not (_is_closed_loop(error) or damage(error) is not None)
+        return True
+
+
+_FILTER = _UnretrievedDamage()
+
+
+def _drop_closed_loop_reports() -> None:
+    logger = logging.getLogger("asyncio")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
+    if getattr(sys.unraisablehook, "_dew_closed_loop", False):
+        return
+    previous = sys.unraisablehook  # another hook set since (pytest's, per test) is kept
+
+    def hook(unraisable):
+        if not _is_closed_loop(unraisable.exc_value):
+            previous(unraisable)
+
+    hook._dew_closed_loop = True
+    sys.unraisablehook = hook

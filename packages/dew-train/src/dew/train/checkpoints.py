@@ -10,19 +10,23 @@ One checkpoint is one directory per step::
                                      when the iterator has get_state/set_state
     <directory>/<step>/meta/         JSON: the model's registry name and config, how
                                      the data stream resumes
+    <directory>/<step>/checksums/    CRC-32 of every array shard's bytes, one JSON
+                                     file per process (dew.train._integrity)
     <directory>/<step>/commit_success.txt   Orbax's commit marker, written last
 
 A ``fit`` whose directory holds checkpoints continues from the newest usable
-one. A checkpoint is unusable when its save never finished (no commit marker,
-or an Orbax temporary directory ``<step>.orbax-checkpoint-tmp*`` left by a
-kill) or its files prove damaged (missing, truncated, undecodable: the
-storage layer says so); it is renamed to ``<step>.unusable`` (nothing is
-deleted) with a message saying why, and the one before it is used. Any other
-error while restoring is a mistake, not damage: it stops the run as raised
-and the directory is left untouched (see :mod:`dew.train._restore`). When the
-directory holds checkpoints and none is usable, the run stops with
+one. A save that never finished (no commit marker, or an Orbax temporary
+directory ``<step>.orbax-checkpoint-tmp*`` left by a kill) is renamed to
+``<step>.unfinished``; a committed checkpoint whose files prove damaged
+(missing, truncated, undecodable: the storage layer says so; or an array
+that does not match its saved checksum) to ``<step>.unusable``. Nothing is
+deleted, one line says why, and the one before it is used. Any other error
+while restoring is a mistake, not damage: it stops the run as raised and the
+directory is left untouched (see :mod:`dew.train._restore`). When the
+directory holds committed checkpoints and none is usable, the run stops with
 :class:`NoUsableCheckpointError` rather than start over from step 0, unless
-``Checkpoints(..., start_fresh=True)``.
+``Checkpoints(..., start_fresh=True)``; unfinished saves held no progress and
+never count, whichever run set them aside.
 
 A checkpoint written for another model (an array path, shape or dtype of
 ``params``, ``averaged`` or ``frozen`` differs) raises
@@ -46,10 +50,8 @@ weights from the directory alone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import pathlib
@@ -61,15 +63,24 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn.keywords import check_keywords
+from dew.train._integrity import read_recorded, verify
+from dew.train._integrity import save_args as checksums_save_args
+from dew.train._position import (
+    _Position,
+    iterator_position,
+    resume_position,  # noqa: F401 (the trainer imports it from here)
+)
 from dew.train._restore import (
     CheckpointMismatchError,
     NoUsableCheckpointError,
     OptimizerMismatchError,
     check_compatible,
     damage,
-    describe,
+    damaged_because,
     jsonable_metrics,
     no_usable_message,
+    quiet_orbax,
+    quiet_restore,
     unusable_names,
 )
 from dew.train.state import TrainState
@@ -85,8 +96,8 @@ __all__ = [
 ]
 
 COMMIT_MARKER = "commit_success.txt"
-ITEMS = ("state", "data_iter", "meta")
-FORMAT = 1
+ITEMS = ("state", "data_iter", "meta", "checksums")
+FORMAT = 2  # 2: with checksums of every array (dew.train._integrity)
 
 
 @check_keywords
@@ -113,8 +124,8 @@ class Checkpoints:
       new optimizer state (its step counts, and so its schedules, start at
       0) instead of stopping with :class:`OptimizerMismatchError`. A
       matching optimizer state is always restored.
-    start_fresh: when the directory holds checkpoints but none is usable
-      (all set aside as ``<step>.unusable``), start from step 0 instead of
+    start_fresh: when the directory holds committed checkpoints but none is
+      usable (all set aside as ``<step>.unusable``), start from step 0 instead of
       stopping with :class:`NoUsableCheckpointError`. A usable checkpoint
       is always resumed from.
     """
@@ -248,7 +259,7 @@ class CheckpointSession:
                     create=True,
                     enable_async_checkpointing=spec.use_async,
                 )
-            with _quiet_orbax():
+            with quiet_orbax():
                 self._manager = ocp.CheckpointManager(
                     self.directory, options=options, item_names=ITEMS
                 )
@@ -288,15 +299,14 @@ class CheckpointSession:
           ``reset_optimizer``.
         """
         key_impl = jax.random.key_impl(root_key) if _is_typed_key(root_key) else None
-        unusable: list[tuple[int, str, str]] = []
-        unfinished = 0  # saves that never completed: no progress was in them
+        unusable: list[tuple[int, str, str, bool]] = []  # step, path, why, unfinished
         restored = None
         for step, path in _step_dirs(self.directory):
-            why = _incomplete(path)
-            unfinished += why is not None
-            if why is None:
+            why = _unfinished(path)
+            unfinished = why is not None
+            if not unfinished:
                 try:
-                    with _quiet_orbax():
+                    with quiet_restore():
                         restored = self._read(
                             step, path, abstract, shardings, key_impl, init_opt_state
                         )
@@ -304,12 +314,16 @@ class CheckpointSession:
                     proof = damage(error)
                     if proof is None:  # a mistake, not damage: nothing is renamed
                         raise
-                    why = f"it cannot be read ({describe(proof)})"
+                    why = damaged_because(proof)
                 else:
                     break
-            unusable.append((step, path, why))
-        earlier = unusable_names(os.listdir(self.directory))
-        set_aside = [(path, self._set_aside(step, path, why), why) for step, path, why in unusable]
+            unusable.append((step, path, why, unfinished))
+        earlier = unusable_names(self.directory, COMMIT_MARKER)
+        lost = []  # what held progress: saves that never finished held none
+        for step, path, why, unfinished in unusable:
+            target = self._set_aside(step, path, why, unfinished=unfinished)
+            if not unfinished:
+                lost.append((path, target, why))
         if restored is not None:
             if restored.optimizer_reset:
                 self.print(
@@ -318,14 +332,10 @@ class CheckpointSession:
                     f"a new optimizer state (Checkpoints(reset_optimizer=True))"
                 )
             return restored
-        if not set_aside and not earlier:
-            return None
-        if unfinished == len(set_aside) and not earlier:
-            # only saves that never finished (a kill during the first one): no
-            # progress is lost by starting over, and they stay on disk, renamed
+        if not lost and not earlier:
             return None
         message = no_usable_message(
-            self.directory, set_aside, earlier, fresh_hint=not self.spec.start_fresh
+            self.directory, lost, earlier, fresh_hint=not self.spec.start_fresh
         )
         if not self.spec.start_fresh:
             raise NoUsableCheckpointError(message)
@@ -356,6 +366,7 @@ class CheckpointSession:
                 )
             if not reset:
                 tree = checkpointer.restore(state_dir, saved_abstract)
+                self._verify(path, tree)
         if reset:
             if init_opt_state is None:
                 raise ValueError(
@@ -371,6 +382,7 @@ class CheckpointSession:
                     partial_restore=True,
                 ),
             )
+            self._verify(path, tree)
             tree = {**target, **tree}
             tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
@@ -396,11 +408,28 @@ class CheckpointSession:
             optimizer_reset=reset,
         )
 
-    def _set_aside(self, step: int, path: str, why: str) -> str:
-        target = os.path.join(self.directory, f"{step}.unusable")
+    def _verify(self, path: str, tree) -> None:
+        """Check the arrays read from ``path`` against the checksums saved with
+        them (:mod:`dew.train._integrity`); a checkpoint without them (written
+        before they were) is read as it is, with a note."""
+        recorded = read_recorded(path)
+        if recorded is None:
+            self.print(
+                f"Note: checkpoint {path} has no checksums of its arrays (written by an "
+                f"earlier version of Dew); its arrays are restored unverified"
+            )
+            return
+        verify(tree, recorded)
+
+    def _set_aside(self, step: int, path: str, why: str, *, unfinished: bool) -> str:
+        """Rename ``path`` aside: ``<step>.unfinished`` for a save that never
+        finished (it never held progress), ``<step>.unusable`` for a committed
+        checkpoint proven damaged."""
+        suffix = "unfinished" if unfinished else "unusable"
+        target = os.path.join(self.directory, f"{step}.{suffix}")
         n = 1
         while os.path.exists(target):
-            target = os.path.join(self.directory, f"{step}.unusable-{n}")
+            target = os.path.join(self.directory, f"{step}.{suffix}-{n}")
             n += 1
         if jax.process_index() == 0:
             os.rename(path, target)
@@ -441,10 +470,15 @@ class CheckpointSession:
             "step": step,
             "data": "position" if position is not None else "fast-forward",
         }
-        items = {"state": ocp.args.StandardSave(to_saved(state)), "meta": ocp.args.JsonSave(meta)}
+        saved = to_saved(state)
+        items = {
+            "state": ocp.args.StandardSave(saved),
+            "meta": ocp.args.JsonSave(meta),
+            "checksums": checksums_save_args(saved),
+        }
         if position is not None:
             items["data_iter"] = grain.checkpoint.CheckpointSave(_Position(position))
-        with _quiet_orbax():
+        with quiet_orbax():
             self.manager.save(
                 step,
                 args=ocp.args.Composite(**items),
@@ -507,73 +541,6 @@ def from_saved(tree: dict[str, Any], *, key_impl: Any, key_sharding: Any) -> Tra
 
 def _is_typed_key(value) -> bool:
     return jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
-
-
-# -------------------------------------------------------------- data position
-def iterator_position(iterator: Iterator) -> Any:
-    """The iterator's ``get_state()`` (JSON-serialisable, or bytes), or None
-    when it cannot save its position."""
-    get_state = getattr(iterator, "get_state", None)
-    if get_state is None or not callable(getattr(iterator, "set_state", None)):
-        return None
-    return get_state()
-
-
-def resume_position(
-    iterator: Iterator, restored: Restored | None, *, print_fn: Callable[[str], None]
-) -> Iterator:
-    """Put a freshly opened training iterator where the restored run left
-    off: ``set_state`` when both sides have a position, else skip the
-    ``restored.step`` batches the run consumed (with a one-line warning)."""
-    if restored is None or restored.step == 0:
-        return iterator
-    if restored.data_state is not None and callable(getattr(iterator, "set_state", None)):
-        iterator.set_state(restored.data_state)
-        return iterator
-    reason = (
-        "cannot save its position (no get_state/set_state)"
-        if iterator_position_supported(iterator) is False
-        else "has no saved position in the checkpoint"
-    )
-    print_fn(
-        f"Warning: the training iterator ({type(iterator).__name__}) {reason}; "
-        f"skipping the {restored.step} batches steps 0..{restored.step - 1} consumed, "
-        f"which resumes a deterministic stream exactly"
-    )
-    for _ in range(restored.step):
-        next(iterator)
-    return iterator
-
-
-def iterator_position_supported(iterator: Iterator) -> bool:
-    return callable(getattr(iterator, "get_state", None)) and callable(
-        getattr(iterator, "set_state", None)
-    )
-
-
-class _Position:
-    """A snapshot of an iterator's position, in the shape Grain's checkpoint
-    handler writes (``get_state() -> bytes``) and reads (``set_state(bytes)``).
-
-    The snapshot is taken when ``save`` is called, so a background write
-    never sees a later position."""
-
-    def __init__(self, state: Any):
-        self.state = state
-
-    def get_state(self) -> bytes:
-        if isinstance(self.state, bytes):
-            record = {"bytes": self.state.decode()}
-        else:
-            record = {"state": self.state}
-        return json.dumps(record, indent=1).encode()
-
-    def set_state(self, raw: bytes) -> None:
-        record = json.loads(raw)
-        self.state = record["bytes"].encode() if "bytes" in record else record["state"]
-
-    def start_prefetch(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------- load_model
@@ -674,7 +641,7 @@ def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
     import orbax.checkpoint as ocp
 
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with _quiet_orbax():
+    with quiet_orbax():
         tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
         subtree = tree
         for key in where:
@@ -702,6 +669,9 @@ def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
                 partial_restore=True,
             ),
         )
+    recorded = read_recorded(path)
+    if recorded is not None:  # a damaged array raises ChecksumMismatchError, naming it
+        verify(restored, recorded)
     for key in where:
         restored = restored[key]
     return restored
@@ -729,12 +699,19 @@ def _step_dirs(directory: str) -> list[tuple[int, str]]:
     return [(step, path) for step, _, path in sorted(out, reverse=True)]
 
 
-def _incomplete(path: str) -> str | None:
-    """Why the checkpoint at ``path`` is unfinished, or None."""
+def _unfinished(path: str) -> str | None:
+    """Why the save of the checkpoint at ``path`` never finished, or None."""
     if _TMP_DIR.match(os.path.basename(path)):
         return "it is an Orbax temporary directory, so its save never finished"
     if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
         return f"it has no commit marker ({COMMIT_MARKER}), so its save never finished"
+    return None
+
+
+def _incomplete(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded as it stands, or None."""
+    if why := _unfinished(path):
+        return why
     for item in ("state", "meta"):
         if not os.path.isdir(os.path.join(path, item)):
             return f"it has no {item}/ directory"
@@ -766,16 +743,3 @@ def _sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-    """Orbax logs through absl at INFO/WARNING for routine operations; keep
-    stdout to Dew's own lines while it works."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(max(level, logging.ERROR))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

@@ -83,7 +83,13 @@ def test_the_default_hooks_are_listed_in_order_before_the_users():
     t.replace_hook("checkpoints", policy)
     t.replace_hook("log", None)
     names = t.hook_names()
-    assert names == ["rejections", "evaluation", "checkpoints (policy)", *DEFAULT_HOOKS[4:], "report"]
+    assert names == [
+        "rejections",
+        "evaluation",
+        "checkpoints (policy)",
+        *DEFAULT_HOOKS[4:],
+        "report",
+    ]
 
 
 def test_replacing_a_hook_that_does_not_exist_lists_the_ones_that_do():

@@ -78,6 +78,9 @@ class LogMetrics:
         self.throughput: Throughput | None = None
 
     def run(self, info: StepInfo) -> None:
+        is_log = bool(self.log_every) and info.step % self.log_every == 0
+        if not (is_log or info.step_metrics or info.is_first or info.prepare_seconds):
+            return  # nothing to add up or show at this step
         with self.goodput.measure("logging"):
             if info.is_first:
                 self.throughput = Throughput(info.step_flops, self.devices)
@@ -87,7 +90,7 @@ class LogMetrics:
             self.interval.prepare_seconds += info.prepare_seconds
             for _, values in info.step_metrics:
                 self.interval.add(values)
-            if self.log_every and info.step % self.log_every == 0:
+            if is_log:
                 values = self.interval.reduce(self.rows, "tokens")
                 self.interval = Interval()
                 rates = self._rates(values)

@@ -61,7 +61,7 @@ def check_fit_arguments(
                     f"batch ({objective.prepared_updates}); {name}={value} must be a "
                     f"multiple of {per_batch} so every batch finishes its updates"
                 )
-    records = getattr(data, "records", None)
+    records = data.records
     if records and records < data.batch:  # 0 or None: not known
         raise ValueError(
             f"the global batch {data.batch} is larger than the dataset's {records} "

@@ -123,7 +123,7 @@ class HookRunner:
             prepare_seconds=record.prepare_seconds,
             is_first=record.is_first,
         )
-        self._run(info, "run")
+        self._run(info, finish=False)
         return record.at_boundary and self.stopped is not None
 
     def finish(self, step: int, state) -> None:
@@ -131,17 +131,18 @@ class HookRunner:
         ``finish`` (the final checkpoint)."""
         with self.goodput.measure("steps"):
             fetched = self.pending.fetch()
-        self._run(self.info(step, state, step_metrics=fetched), "finish")
+        self._run(self.info(step, state, step_metrics=fetched), finish=True)
 
-    def _run(self, info: StepInfo, method: str) -> None:
+    def _run(self, info: StepInfo, *, finish: bool) -> None:
         users: list[str] = []
         for hook in self.hooks:
             before = len(info.stop_requests)
+            call = hook.finish if finish else hook.run
             if isinstance(hook, Hook):  # a user's function: its time is "logging"
                 with self.goodput.measure("logging"):
-                    getattr(hook, method)(info)
-            else:
-                getattr(hook, method)(info)
+                    call(info)
+            else:  # the default hooks measure their own buckets
+                call(info)
             for kind, detail in info.stop_requests[before:]:
                 if kind == "stopped_by_hook":
                     users.append(f"{hook.name}: {detail}")

@@ -308,7 +308,7 @@ class Trainer:
         eval_batches,
     ) -> TrainState:
         programs = self.programs
-        spec = dict(data.spec) if getattr(data, "spec", None) else None
+        spec = dict(data.spec) if data.spec else None
         abstract, shardings = self.state_shardings(spec)
         state, restored = self._restore_or_init(session, abstract, shardings, spec, goodput)
         if restored is not None:

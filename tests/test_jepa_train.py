@@ -181,13 +181,12 @@ def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
     from dew.train.step import logged_flag, microbatch_key
 
     trainer, states, pixels, _ = logged_run
-    ((key, step),) = trainer._compiled.items()
-    packing = trainer._packings[key]
+    ((step, _, packing),) = trainer.programs.cache.update.values()
     _, shardings = trainer.state_shardings()
     mesh = trainer.device_mesh
     batch = to_global({"image": pixels[1]}, Partition(0, 1), 8, mesh, trainer.rules)
     out = {}
-    with trainer._context():
+    with trainer.programs.context():
         for flag in (False, True):
             state = jax.device_put(typed(states[1]), shardings)  # donated: a copy each
             new, packed = step(state, batch, logged_flag(mesh, flag))

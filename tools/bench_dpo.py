@@ -189,8 +189,8 @@ def interleaved(size: str, steps: int) -> dict[str, tuple[float, float]]:
     trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
     with contextlib.redirect_stdout(io.StringIO()):
         state = trainer.fit(data, steps=2, log_every=0)
-    (dew_step,) = trainer.__dict__["_compiled"].values()
-    with trainer._context():
+    ((dew_step, _, _),) = trainer.programs.cache.update.values()
+    with trainer.programs.context():
         placed = [
             to_global(b, Partition(0, 1), pairs, trainer.device_mesh, trainer.rules)
             for b in batches

@@ -299,10 +299,9 @@ def interleaved(size, calls, inline=False):
     median paired ratios, with one call of each side in turn (rollout Dew, rollout
     hand, update Dew, update hand, ...), so a shared machine's drifting load falls
     on both alike. Dew's sides are what ``Trainer.fit`` runs: its prepare phase
-    (``dew.train._programs.prepared``: the compiled prepare, the host stage, the compiled
+    (``Programs.prepare``: the compiled prepare, the host stage, the compiled
     finish) and its compiled update, taken from a trainer after a one-batch fit."""
     from dew.data import Partition
-    from dew.train._programs import prepared as dew_prepared
     from dew.train.goodput import Goodput
     from dew.train.placement import to_global
     from dew.train.step import logged_flag
@@ -331,7 +330,7 @@ def interleaved(size, calls, inline=False):
         times[name].append(time.perf_counter() - begin)
         return out
 
-    with trainer._context():
+    with trainer.programs.context():
         placed = [
             to_global(
                 {"prompt": prompts[i], "prompt_mask": masks[i]},
@@ -342,10 +341,12 @@ def interleaved(size, calls, inline=False):
             )
             for i in range(4)
         ]
-        (dew_step,) = trainer.__dict__["_compiled"].values()
+        ((dew_step, _, _),) = trainer.programs.cache.update.values()
         not_logged = logged_flag(trainer.device_mesh, False)  # as fit's steps between log lines
         for i in range(calls + 1):
-            prepared = timed("dew_roll", dew_prepared, trainer, state, placed[i % 4], shardings, gp)
+            prepared = timed(
+                "dew_roll", trainer.programs.prepare, state, placed[i % 4], shardings, gp
+            )
             key = jax.random.key(i)
             batch = timed("hand_roll", rollout, params, reference, *hand_batches[i % 4], key)
             state, _ = timed("dew_upd", dew_step, state, prepared, not_logged)

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     trainer, _ = jax_sides.dew_trainer(args.size, args.variant)
     _, shardings = trainer.state_shardings(None)
-    closed, treedef = next(iter(trainer._init_jaxprs.values()))
+    closed, treedef = next(iter(trainer.programs.cache.init_jaxprs.values()))
 
     def create(key):
         leaves = jax.extend.core.jaxpr_as_fun(closed)(key)
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
 
     values = {}
     for name, options in LEVELS:
-        with trainer._context():
+        with trainer.programs.context():
             begin = time.perf_counter()
             compiled = (
                 jax.jit(create, out_shardings=shardings, compiler_options=options)

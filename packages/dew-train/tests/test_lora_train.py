@@ -152,7 +152,9 @@ def test_load_model_rebuilds_the_lora_policy(run):
     model, params = load_model(str(t.directory))
     assert lora_of(model) == LORA
     tokens = np.asarray(next(batches())["text"])[:, :-1]
-    want = jax.jit(t.objective.model.apply)({"params": final.variables()["params"]}, tokens)
+    # load_model gives the live weights by default; state.variables() the EMA's
+    live = final.variables(averaged=False)["params"]
+    want = jax.jit(t.objective.model.apply)({"params": live}, tokens)
     got = jax.jit(model.apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

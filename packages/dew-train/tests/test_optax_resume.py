@@ -117,6 +117,9 @@ OPTIMIZERS = {
     "multi_steps": lambda: optax.MultiSteps(
         optax.adam(1e-2), every_k_schedule=2
     ).gradient_transformation(),
+    # as users pass it: the MultiSteps object itself, and an ExtraArgs transformation
+    "multi_steps_as_built": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "extra_args": lambda: optax.with_extra_args_support(optax.adam(1e-2)),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
     "lion": lambda: optax.lion(1e-3),
     "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
@@ -128,7 +131,7 @@ OPTIMIZERS = {
     "adopt": lambda: optax.contrib.adopt(1e-2),
     "dog": lambda: optax.contrib.dog(),
 }
-FAST = {"clip_then_adamw", "adafactor", "multi_transform"}  # the rest are slow
+FAST = {"clip_then_adamw", "adafactor", "multi_transform", "multi_steps_as_built"}  # the rest slow
 MESHES = {
     "one_device": lambda: MeshSpec(data=1, devices=jax.devices()[:1]),
     "fsdp": lambda: MeshSpec(fsdp=8),

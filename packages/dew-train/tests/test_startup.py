@@ -47,9 +47,9 @@ def test_fit_traces_the_init_once_and_initialises_as_a_direct_jit():
         state = trainer.fit(data, steps=1, log_every=0)
     assert CountingLM.traces == 1
     # sgd(0): the step leaves the weights as initialised
-    spec = trainer._data_spec(data)
-    with trainer._context():
-        direct = jax.jit(lambda k: unbox_abstract(trainer._create(k, spec)))(trainer.key)
+    programs, spec = trainer.programs, dict(data.spec) if data.spec else None
+    with programs.context():
+        direct = jax.jit(lambda k: unbox_abstract(programs.create(k, spec)))(trainer.key)
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(direct.params)):
         np.testing.assert_array_equal(got, want)
 

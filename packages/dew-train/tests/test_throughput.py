@@ -74,7 +74,7 @@ def fitted(tmp_path_factory):
         with contextlib.redirect_stdout(out):
             trainer.fit(data, steps=4, log_every=2)
     records = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
-    (compiled,) = trainer._compiled.values()
+    ((compiled, _, _),) = trainer.programs.cache.update.values()
     return config, trainer, out.getvalue().splitlines(), records, compiled
 
 

@@ -335,7 +335,7 @@ def test_bad_fit_input_is_refused_before_compiling(capsys):
         trainer.fit(linear_data(records=4), steps=1)
     with pytest.raises(ValueError, match=r"eval_every=2 but the dataset has no validation data"):
         trainer.fit(linear_data(val=False), steps=1, eval_every=2)
-    assert trainer.__dict__.get("_compiled", {}) == {}  # nothing was compiled
+    assert trainer.programs.cache.update == {}  # nothing was compiled
 
 
 def test_resume_refuses_fewer_steps_or_another_batch(tmp_path):

@@ -1,6 +1,8 @@
 """dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
 
 from dew.nn.allocator import configure_allocator
+from dew.train._loop import StepRecord, training_steps
+from dew.train._programs import Compiled, Programs
 from dew.train._run import NonFiniteError
 from dew.train.checkpoints import (
     CheckpointMismatchError,
@@ -10,7 +12,7 @@ from dew.train.checkpoints import (
     load_model,
 )
 from dew.train.goodput import Goodput
-from dew.train.hooks import EarlyStopping, FitResult, Hook, StepInfo
+from dew.train.hooks import DEFAULT_HOOKS, EarlyStopping, FitResult, Hook, StepInfo
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.plan import Plan, plan
 from dew.train.state import TrainState
@@ -24,7 +26,9 @@ configure_allocator()
 __version__ = "0.1.0"
 
 __all__ = [
+    "Compiled",
     "CheckpointMismatchError",
+    "DEFAULT_HOOKS",
     "Checkpoints",
     "NoUsableCheckpointError",
     "OptimizerMismatchError",
@@ -37,10 +41,13 @@ __all__ = [
     "MeshSpec",
     "NonFiniteError",
     "Plan",
+    "Programs",
+    "StepRecord",
     "StepInfo",
     "TrainState",
     "Trainer",
     "build_train_step",
     "load_model",
     "plan",
+    "training_steps",
 ]

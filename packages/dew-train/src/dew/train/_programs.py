@@ -1,156 +1,440 @@
-"""A trainer's compiled programs: the prepare phase (compiled, then with
-``prepare_host`` host Python and a compiled ``prepare_finish``) and the update
-step, each compiled once per batch layout and kept on the trainer, so a later
-``fit`` with the same layout reuses them (``trainer._compiled``,
-``trainer._packings``, ``trainer._step_flops``)."""
+"""``Programs``: what a run compiles, owned in one frozen object.
+
+Built from the objective, the optimizer, the mesh, the rules table and the
+accumulation, it owns the device mesh, the state's shardings, the compiled
+initialisation and the compiled prepare / finish / update / evaluate
+programs, each in a typed cache keyed by the batch layout with its FLOPs.
+``Trainer.fit`` runs these programs and :func:`dew.train.plan` compiles
+them, so ``plan`` measures the very step ``fit`` runs (for an objective with
+a prepare phase: the update over the prepared minibatch, with its metrics
+packed, not the loss over the raw data batch).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
+import jax.extend.core
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-from dew.train.packing import packed_step
+from dew.data import Partition
+from dew.objectives import Objective, Role, Step
+from dew.objectives import weighted as wt
+from dew.train.adapters import split_lora
+from dew.train.goodput import Goodput
+from dew.train.mesh import (
+    MeshSpec,
+    Rules,
+    check_divisible,
+    logical_shardings,
+    optimizer_specs,
+    unbox_abstract,
+)
+from dew.train.packing import Packing, packed_step
 from dew.train.placement import (
     abstract_batch,
     check_batch_rows,
-    compile_fn,
     compile_with_flops,
     from_host,
     layout,
     replicated,
+    to_global,
     to_host,
 )
+from dew.train.state import TrainState
 from dew.train.step import (
     LOGGED_SPEC,
+    Stream,
     build_prepare,
     build_prepare_finish,
     build_train_step,
+    microbatch_key,
     minibatch_fn,
     with_minibatch,
 )
 
-
-def prepared(trainer, state, batch, shardings, goodput):
-    """``batch`` after the objective's prepare phase (``batch`` itself without one)."""
-    if not trainer.objective.has_prepare:
-        return batch
-    objective = trainer.objective
-    has_host = objective.has_prepare_host
-    prepared = _run_prepare(
-        trainer, "prepare", build_prepare(objective), state, batch, shardings, goodput, not has_host
-    )
-    if not has_host:
-        return prepared
-    with goodput.measure("prepare"):
-        extra = objective.prepare_host(to_host(prepared))
-        _check_host(trainer, extra, prepared)
-        merged = {**prepared, **from_host(extra, trainer.device_mesh, trainer.rules)}
-    finish = build_prepare_finish(objective)
-    return _run_prepare(trainer, "finish", finish, state, merged, shardings, goodput, True)
+INIT_CPU_OPTIONS = {"xla_backend_optimization_level": 1}
+"""XLA:CPU options for the compiled initialisation: LLVM at O1 instead of O2 compiles
+the random initialisers' kernels 1.3-2.8 s faster at the seed and medium LM sizes (jax
+0.10.2 and 0.12.0.1; docs/performance.md), with the same values bit for bit
+(dew-train's tests/test_startup.py); the program runs once, so its own speed does not
+matter. O0 compiles faster still but changes the values' last bits."""
 
 
-def _run_prepare(trainer, part, fn, state, batch, shardings, goodput, final):
-    """One compiled part of the prepare phase, compiled once per batch layout."""
-    key = (part, layout(batch))
-    cache = trainer.__dict__.setdefault("_compiled_prepare", {})
-    if key not in cache:
-        with goodput.measure("compile"):
+class Compiled(NamedTuple):
+    """One compiled program and what was read off it when it was compiled.
+
+    program: the ``jax.stages.Compiled``.
+    flops: matrix-product FLOPs of one call (:func:`dew.train.throughput.program_flops`).
+    packing: how the update step packs its metrics (:mod:`dew.train.packing`);
+      None for the other programs.
+    """
+
+    program: Any
+    flops: float
+    packing: Packing | None = None
+
+
+@dataclasses.dataclass
+class ProgramCache:
+    """What :class:`Programs` compiled, by data spec or batch layout."""
+
+    # spec token -> (abstract state, its NamedSharding tree)
+    shardings: dict[Any, tuple[TrainState, TrainState]] = dataclasses.field(default_factory=dict)
+    # spec token -> (the init jaxpr, its output treedef): traced once, replayed compiled
+    init_jaxprs: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    init: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+    # (part, layout) -> the prepare phase's compiled parts ("prepare", "finish")
+    prepare: dict[tuple, Compiled] = dataclasses.field(default_factory=dict)
+    # layout -> the compiled update step
+    update: dict[tuple, Compiled] = dataclasses.field(default_factory=dict)
+    evaluate: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Programs:
+    """The device mesh, the state shardings, initialisation and the compiled
+    programs of one objective / optimizer / mesh / rules / accumulation.
+
+    learning_rate: the schedule the log reads the rate from (as in ``Trainer``);
+      it is part of the compiled update step.
+    """
+
+    objective: Objective
+    optimizer: optax.GradientTransformation
+    mesh: MeshSpec
+    rules: Rules
+    accumulate: int = 1
+    learning_rate: Callable | float | None = None
+    cache: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
+
+    # ----------------------------------------------------------------- mesh
+    @functools.cached_property
+    def device_mesh(self) -> jax.sharding.Mesh:
+        return self.mesh.make()
+
+    @functools.cached_property
+    def roles(self) -> tuple[Role, ...]:
+        return check_roles(self.objective)
+
+    @property
+    def per_batch(self) -> int:
+        """Steps (updates) one data batch feeds: ``prepared_updates.per_batch``
+        with a prepare phase, else 1."""
+        objective = self.objective
+        return objective.prepared_updates.per_batch if objective.has_prepare else 1
+
+    def context(self) -> contextlib.ExitStack:
+        """The mesh and the logical-axis rules, entered for tracing and running."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.device_mesh))
+        stack.enter_context(nn.logical_axis_rules(list(self.rules)))
+        return stack
+
+    # ---------------------------------------------------------------- state
+    def create(self, key: jax.Array, spec=None) -> TrainState:
+        """The initial state, parameters still in their logical-axis boxes."""
+        k_init, k_run = jax.random.split(key)
+        init = self.objective.init
+        # an objective's own ``init(self, key)`` without ``spec`` stays valid
+        takes_spec = spec is not None and "spec" in inspect.signature(init).parameters
+        variables = dict(init(k_init, spec=spec) if takes_spec else init(k_init))
+        if "params" not in variables:
+            raise ValueError(
+                f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "
+                f"return a dict with 'params' (the trained weights)"
+            )
+        # Under LoRA only the adapters train; the base moves to frozen (dew.train.adapters).
+        params, variables, views = split_lora(self.roles, variables.pop("params"), variables)
+        return TrainState(
+            params=params,
+            opt_state=self.optimizer.init(params),
+            key=k_run,
+            step=jnp.zeros((), jnp.int32),
+            microstep=jnp.zeros((), jnp.int32),
+            updates=jnp.zeros((), jnp.int32),
+            averaged=params if self.objective.ema is not None else None,
+            frozen=variables,
+            lora_views=views,
+            evaluate_averaged=self.evaluates_averaged,
+        )
+
+    @property
+    def evaluates_averaged(self) -> bool:
+        """Evaluation, previews and exports read the moving average: the objective
+        keeps one and evaluates with it (``Objective.evaluate_averaged``)."""
+        return bool(self.objective.evaluate_averaged and self.objective.ema is not None)
+
+    def state_shardings(self, spec=None, *, key: jax.Array) -> tuple[TrainState, TrainState]:
+        """``(abstract state, NamedSharding tree)`` without allocating anything."""
+        token = spec_token(spec)
+        if token not in self.cache.shardings:
+            self.cache.shardings[token] = self._state_shardings(spec, key)
+        return self.cache.shardings[token]
+
+    def _state_shardings(self, spec, key):
+        with self.context():
+            # one trace of the model's init serves the shapes here and the
+            # compiled initialisation (init_state replays this jaxpr)
+            closed, boxed = jax.make_jaxpr(lambda k: self.create(k, spec), return_shape=True)(key)
+            self.cache.init_jaxprs[spec_token(spec)] = (closed, jax.tree.structure(boxed))
+            specs = nn.get_partition_spec(boxed)
+            # Optimizer arrays shaped unlike their parameter (Adafactor's factored
+            # moments) get a spec that fits their own shape.
+            specs = specs.replace(
+                opt_state=optimizer_specs(
+                    boxed.opt_state, boxed.params, self.device_mesh, self.rules
+                )
+            )
+            abstract = unbox_abstract(boxed)
+            check_divisible(abstract, specs, self.device_mesh, self.rules)
+            return abstract, logical_shardings(specs, self.device_mesh, self.rules)
+
+    def init_state(self, key: jax.Array, spec=None) -> TrainState:
+        """The state already sharded (initialisation compiled with output shardings)."""
+        _, shardings = self.state_shardings(spec, key=key)
+        token = spec_token(spec)
+        if token not in self.cache.init:
+            # unbox_abstract, not nn.unbox: nn.unbox re-applies each parameter's spec to
+            # optimizer arrays of other shapes (Adafactor's factored moments);
+            # out_shardings already places every array
+            closed, treedef = self.cache.init_jaxprs[token]
+
+            def create(key):
+                leaves = jax.extend.core.jaxpr_as_fun(closed)(key)
+                return unbox_abstract(jax.tree.unflatten(treedef, leaves))
+
+            options = (
+                INIT_CPU_OPTIONS if self.device_mesh.devices.flat[0].platform == "cpu" else None
+            )
+            self.cache.init[token] = jax.jit(
+                create, out_shardings=shardings, compiler_options=options
+            )
+        with self.context():
+            return self.cache.init[token](key)
+
+    # -------------------------------------------------------------- prepare
+    def prepare(self, state, batch, shardings, goodput: Goodput):
+        """``batch`` after the objective's prepare phase (``batch`` itself without one)."""
+        objective = self.objective
+        if not objective.has_prepare:
+            return batch
+        has_host = objective.has_prepare_host
+        prepared = self._run_prepare("prepare", state, batch, shardings, goodput, not has_host)
+        if not has_host:
+            return prepared
+        with goodput.measure("prepare"):
+            extra = objective.prepare_host(to_host(prepared))
+            merged = self._merge_host(extra, prepared)
+        return self._run_prepare("finish", state, merged, shardings, goodput, True)
+
+    def _merge_host(self, extra, prepared) -> dict:
+        name = type(self.objective).__name__
+        if not isinstance(extra, Mapping):
+            raise TypeError(
+                f"{name}.prepare_host must return a dict of numpy arrays, got "
+                f"{type(extra).__name__}"
+            )
+        rows = next(iter(prepared.values())).shape[0]
+        for key, value in extra.items():
+            shape = np.shape(value)
+            if not shape or shape[0] != rows:
+                raise ValueError(
+                    f"{name}.prepare_host returned {key!r} of shape {shape}; every array needs "
+                    f"the {rows} rows of the prepared batch as its leading axis"
+                )
+        return {**prepared, **from_host(extra, self.device_mesh, self.rules)}
+
+    def compiled_prepare(self, part: str, state, batch, shardings, *, final: bool) -> Compiled:
+        """The compiled ``part`` (``"prepare"`` or ``"finish"``) of the prepare
+        phase for ``batch``'s layout (arrays or ``ShapeDtypeStruct`` with shardings)."""
+        key = (part, layout(batch))
+        if key not in self.cache.prepare:
+            objective = self.objective
+            fn = build_prepare(objective) if part == "prepare" else build_prepare_finish(objective)
             out = jax.eval_shape(fn, state, batch)
             if final:
-                _check_prepared(trainer, out)
+                self._check_prepared(out)
             out_shardings = {
-                k: v.sharding
-                for k, v in abstract_batch(out, trainer.device_mesh, trainer.rules).items()
+                k: v.sharding for k, v in abstract_batch(out, self.device_mesh, self.rules).items()
             }
-            cache[key] = compile_fn(
+            program, flops = compile_with_flops(
                 fn,
                 (state, batch),
                 in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
                 out_shardings=out_shardings,
             )
-    with goodput.measure("prepare"):
-        prepared = cache[key](state, batch)
-        jax.block_until_ready(prepared)
-    return prepared
+            self.cache.prepare[key] = Compiled(program, flops)
+        return self.cache.prepare[key]
 
+    def _run_prepare(self, part, state, batch, shardings, goodput, final):
+        key = (part, layout(batch))
+        if key not in self.cache.prepare:
+            with goodput.measure("compile"):
+                self.compiled_prepare(part, state, batch, shardings, final=final)
+        with goodput.measure("prepare"):
+            prepared = self.cache.prepare[key].program(state, batch)
+            jax.block_until_ready(prepared)
+        return prepared
 
-def _check_host(trainer, extra, prepared) -> None:
-    name = type(trainer.objective).__name__
-    if not isinstance(extra, Mapping):
-        raise TypeError(
-            f"{name}.prepare_host must return a dict of numpy arrays, got {type(extra).__name__}"
-        )
-    rows = next(iter(prepared.values())).shape[0]
-    for key, value in extra.items():
-        shape = np.shape(value)
-        if not shape or shape[0] != rows:
+    def _check_prepared(self, out) -> None:
+        name = type(self.objective).__name__
+        if not isinstance(out, Mapping) or not out:
+            raise TypeError(
+                f"{name}.prepare must return a dict of arrays with a leading rows axis, got "
+                f"{type(out).__name__}"
+            )
+        rows = {k: (v.shape[0] if v.ndim else None) for k, v in out.items()}
+        if len(set(rows.values())) != 1 or None in rows.values():
             raise ValueError(
-                f"{name}.prepare_host returned {key!r} of shape {shape}; every array needs "
-                f"the {rows} rows of the prepared batch as its leading axis"
+                f"{name}.prepare returned arrays with different leading dimensions {rows}; "
+                f"every array needs the same number of rows"
             )
-
-
-def _check_prepared(trainer, out) -> None:
-    name = type(trainer.objective).__name__
-    if not isinstance(out, Mapping) or not out:
-        raise TypeError(
-            f"{name}.prepare must return a dict of arrays with a leading rows axis, got "
-            f"{type(out).__name__}"
-        )
-    rows = {k: (v.shape[0] if v.ndim else None) for k, v in out.items()}
-    if len(set(rows.values())) != 1 or None in rows.values():
-        raise ValueError(
-            f"{name}.prepare returned arrays with different leading dimensions {rows}; "
-            f"every array needs the same number of rows"
-        )
-    count = next(iter(rows.values()))
-    updates = trainer.objective.prepared_updates
-    if count % updates.minibatches:
-        raise ValueError(
-            f"{name}.prepare returned {count} rows, which do not split into the declared "
-            f"{updates.minibatches} minibatches ({updates}); return a multiple of "
-            f"{updates.minibatches} rows"
-        )
-    check_batch_rows(
-        trainer.device_mesh,
-        trainer.rules,
-        count // updates.minibatches,
-        trainer.accumulate,
-        what=f"{name}.prepare minibatch ({count} rows / {updates.minibatches})",
-    )
-
-
-def compiled_update(trainer, state, batch, shardings, goodput):
-    """The update step compiled for this batch layout, and the :class:`Packing`
-    of its metrics (:mod:`dew.train.packing`); a later ``fit`` with the same
-    layout reuses them."""
-    key = layout(batch)
-    cache = trainer.__dict__.setdefault("_compiled", {})
-    packings = trainer.__dict__.setdefault("_packings", {})
-    if key not in cache:
-        with goodput.measure("compile"):
-            step_fn = build_train_step(
-                trainer.objective,
-                trainer.optimizer,
-                accumulate_steps=trainer.accumulate,
-                learning_rate=trainer.learning_rate,
-                one_device=trainer.device_mesh.size == 1,
+        count = next(iter(rows.values()))
+        updates = self.objective.prepared_updates
+        if count % updates.minibatches:
+            raise ValueError(
+                f"{name}.prepare returned {count} rows, which do not split into the declared "
+                f"{updates.minibatches} minibatches ({updates}); return a multiple of "
+                f"{updates.minibatches} rows"
             )
-            if trainer.objective.has_prepare:
-                step_fn = with_minibatch(minibatch_fn(trainer.objective.prepared_updates), step_fn)
-            step_fn, packings[key] = packed_step(step_fn)
-            cache[key], flops = compile_with_flops(
+        check_batch_rows(
+            self.device_mesh,
+            self.rules,
+            count // updates.minibatches,
+            self.accumulate,
+            what=f"{name}.prepare minibatch ({count} rows / {updates.minibatches})",
+        )
+
+    def abstract_prepared(self, state, batch, shardings) -> dict:
+        """The prepared batch ``fit`` would hand the update step, as
+        ``ShapeDtypeStruct`` with its shardings, from abstract ``state`` and ``batch``.
+        The host stage (``prepare_host``) runs on a rollout of zeros of the
+        compiled prepare's output shapes: only its output shapes are read."""
+        if not self.objective.has_prepare:
+            return batch
+        has_host = self.objective.has_prepare_host
+        with self.context():
+            self.compiled_prepare("prepare", state, batch, shardings, final=not has_host)
+            out = jax.eval_shape(build_prepare(self.objective), state, batch)
+            out = abstract_batch(out, self.device_mesh, self.rules)
+            if not has_host:
+                return out
+            zeros = {k: np.zeros(v.shape, v.dtype) for k, v in out.items()}
+            extra = abstract_batch(self.objective.prepare_host(zeros), self.device_mesh, self.rules)
+            merged = {**out, **extra}
+            self.compiled_prepare("finish", state, merged, shardings, final=True)
+            finished = jax.eval_shape(build_prepare_finish(self.objective), state, merged)
+            return abstract_batch(finished, self.device_mesh, self.rules)
+
+    # --------------------------------------------------------------- update
+    def update(self, state, batch, shardings) -> Compiled:
+        """The update step compiled for ``batch``'s layout (arrays, or
+        ``ShapeDtypeStruct`` with shardings): ``(state, batch, is_logged) ->
+        (state, packed metrics)``; a later ``fit`` with the same layout reuses it."""
+        key = layout(batch)
+        compiled = self.cache.update.get(key)
+        if compiled is None:
+            step_fn, packing = packed_step(self.step_fn())
+            program, flops = compile_with_flops(
                 step_fn,
                 (state, batch, LOGGED_SPEC),
                 in_shardings=(
                     shardings,
                     jax.tree.map(lambda x: x.sharding, batch),
-                    replicated(trainer.device_mesh),
+                    replicated(self.device_mesh),
                 ),
-                out_shardings=(shardings, replicated(trainer.device_mesh)),
+                out_shardings=(shardings, replicated(self.device_mesh)),
                 donate_argnums=(0,),
             )
-            trainer.__dict__.setdefault("_step_flops", {})[key] = flops
-    return cache[key], packings[key]
+            compiled = self.cache.update[key] = Compiled(program, flops, packing)
+        return compiled
+
+    def step_fn(self) -> Callable:
+        """``(state, batch, is_logged) -> (state, metrics)``: the update step
+        before its metrics are packed (a prepared batch's minibatch selected first)."""
+        step_fn = build_train_step(
+            self.objective,
+            self.optimizer,
+            accumulate_steps=self.accumulate,
+            learning_rate=self.learning_rate,
+            one_device=self.device_mesh.size == 1,
+        )
+        if self.objective.has_prepare:
+            step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)
+        return step_fn
+
+    # ------------------------------------------------------------- evaluate
+    def evaluate(self, state: TrainState, val, partition: Partition, max_batches: int) -> dict:
+        """One pass of ``objective.evaluate`` over ``val(partition)``: the reduced
+        metrics after ``objective.summarize`` ({} without evaluation). Reads the
+        weights :meth:`TrainState.variables` gives by default (the moving average
+        when the objective evaluates with it)."""
+        objective = self.objective
+        if val is None or not objective.has_evaluate:
+            return {}
+        if self.cache.evaluate is None:
+
+            def evaluate(variables, batch, root, step):
+                key = microbatch_key(root, step, Stream.EVALUATE)
+                metrics = objective.evaluate(variables, batch, Step(index=step, key=key))
+                rows = batch["example_mask"].sum() if "example_mask" in batch else _rows(batch)
+                return wt.as_metrics(metrics, rows)
+
+            self.cache.evaluate = jax.jit(evaluate)
+        variables = state.variables()
+        totals = None
+        for i, local in enumerate(val(partition)):
+            if max_batches and i >= max_batches:
+                break
+            rows = np.asarray(next(iter(local.values()))).shape[0] * partition.count
+            batch = to_global(local, partition, rows, self.device_mesh, self.rules)
+            sums = jax.device_get(self.cache.evaluate(variables, batch, state.key, state.step))
+            totals = sums if totals is None else wt.add(totals, sums)
+        if totals is None:
+            return {}
+        return objective.summarize(wt.to_float(totals))
+
+
+def check_roles(objective: Objective) -> tuple[Role, ...]:
+    roles = tuple(objective.roles())
+    seen: dict[str, int] = {}
+    for role in roles:
+        if not isinstance(role, Role):
+            raise TypeError(
+                f"{type(objective).__name__}.roles() must return dew.objectives.Role objects, "
+                f"got {type(role).__name__}"
+            )
+        seen[role.name] = seen.get(role.name, 0) + 1
+    twice = sorted(name for name, count in seen.items() if count > 1)
+    if twice:
+        raise ValueError(
+            f"{type(objective).__name__} declares role name(s) {twice} more than once "
+            f"(roles: {[r.name for r in roles]}); give every role its own name"
+        )
+    if not any(role.trained for role in roles):
+        raise ValueError(
+            f"{type(objective).__name__} declares no trained role (roles: "
+            f"{[r.name for r in roles]}); mark at least one Role(trained=True)"
+        )
+    return roles
+
+
+def spec_token(spec) -> Any:
+    if not spec:
+        return None
+    return tuple(sorted((k, tuple(f.shape), str(f.dtype)) for k, f in spec.items()))
+
+
+def _rows(batch) -> int:
+    leaves = jax.tree.leaves(batch)
+    return leaves[0].shape[0] if leaves else 1

@@ -1,20 +1,17 @@
-"""One ``fit``'s hooks and their bookkeeping: interval metrics, rejected
-steps, evaluation and preview, checkpoints, early stopping, stop requests,
-then the user's hooks (:mod:`dew.train.hooks`)."""
+"""Running the installed hooks over ``training_steps``' records: the metrics
+that leave the devices, the checkpoint writer the hooks share, the stop
+requests, the end of the run (:mod:`dew.train.hooks`)."""
 
 from __future__ import annotations
 
-import inspect
-import time
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 
-from dew.objectives import weighted as wt
-from dew.train.hooks import EarlyStoppingState, FitResult, StepInfo
-from dew.train.logs import format_value
-from dew.train.previews import as_pixels
-from dew.train.step import Stream, microbatch_key
+from dew.train.goodput import Goodput
+from dew.train.hooks import FitResult, Hook, Installed, StepInfo
 
 ROLLOUT_TOKENS = "rollout_tokens"
 """The ``Summed`` metric of tokens an objective's prepare phase generated; with
@@ -25,266 +22,138 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
-class Run:
-    """One ``fit``'s hooks and their bookkeeping (interval metrics, rejections,
-    evaluations, checkpoints, stop requests)."""
+class Saver:
+    """Writes this run's checkpoints (the session, the data iterator, the
+    metadata) and remembers the step it last wrote."""
 
-    def __init__(self, *, trainer, **fields):
-        self.trainer = trainer
-        self.__dict__.update(fields)
-        # (step, packed metrics, their Packing), fetched together at the next flush
-        self.pending: list[tuple[int, Any, Any]] = []
-        self.rejected_run: list[int] = []
-        self.interval = Interval()
-        self.stop = None
-        self.stopped: tuple[str, str] | None = None
-        self.early = EarlyStoppingState(trainer.early_stopping) if trainer.early_stopping else None
-        self.last_eval: dict[str, float] = {}
-        self.last_eval_step: int | None = None
-        # the step's FLOPs and the devices' peak (dew.train.throughput), set once
-        # the step is compiled
-        self.throughput = None
-        # how the compiled step packs its metrics (dew.train.packing)
-        self.packing = None
+    def __init__(self, session, train_iter: Iterator, meta: dict, saved_at: int | None):
+        self.session = session
+        self.train_iter = train_iter
+        self.meta = meta
+        self.saved_at = saved_at
 
-    # the trainer's own hooks, in order
-    def after_step(self, step: int, state, metrics, *, at_boundary: bool) -> bool:
-        """Run the hooks after ``step``; True = end the run now."""
-        t = self.trainer
-        self.pending.append((step, metrics, self.packing))
-        is_log = bool(self.log_every) and step % self.log_every == 0
-        requested = at_boundary and self.stop.requested(step)
-        logged: dict[str, float] = {}
-        if is_log or len(self.pending) >= max(t.max_rejected, 1) or step == self.steps or requested:
-            logged = self._flush(step, is_log)
-        info_metrics = dict(logged)
-        if self.eval_every and step % self.eval_every == 0:
-            with self.goodput.measure("eval"):
-                results = self._evaluate(state, step)
-            info_metrics.update({f"eval/{k}": v for k, v in results.items()})
-        if (
-            at_boundary
-            and self.session is not None
-            and (self.checkpoint_every and step % self.checkpoint_every == 0)
-        ):
-            with self.goodput.measure("checkpoint"):
-                self._save(step, state)
-        user = self._user_hooks(step, state, info_metrics)
-        if requested:
-            self.stopped = ("interrupted", str(self.stop.received))
-            return True
-        if at_boundary and self.stopped is not None:
-            return True
-        if user and at_boundary:
-            self.stopped = ("stopped_by_hook", "; ".join(user))
-            return True
-        return False
-
-    def _flush(self, step: int, is_log: bool) -> dict[str, float]:
-        with self.goodput.measure("steps"):
-            packed = jax.device_get([m for _, m, _ in self.pending])
-            fetched = [p.unpack(m) for (_, _, p), m in zip(self.pending, packed)]
-        with self.goodput.measure("logging"):
-            for (s, _, _), values in zip(self.pending, fetched):
-                self._account(s, values)
-                self.interval.add(values)
-            self.pending = []
-            if not is_log:
-                return {}
-            values = self.interval.reduce(self.data.batch, self.tokens_key)
-            self.interval = Interval()
-            rates = self._rates(values)
-            shown = [
-                f"{k} {format_value(values[k])}, "
-                for k in self.trainer.objective.headline_metrics
-                if k in values
-            ]
-            line = f"step {step}: loss {format_value(values['loss'])}, {''.join(shown)}{rates}"
-            self.log.log(step, values, line=line)
-            return values
-
-    def _rates(self, values: dict) -> str:
-        """``12,345 tokens/s, MFU 31.2%`` (examples/s when the objective counts no
-        tokens); adds ``mfu`` and ``step_flops`` to ``values``."""
-        if "tokens_per_second" in values:
-            rate = f"{values['tokens_per_second']:,.0f} tokens/s"
-        else:
-            rate = f"{values['examples_per_second']:,.1f} examples/s"
-        if self.throughput is None:
-            return rate
-        mfu = self.throughput.mfu(values["step_seconds"])
-        values["mfu"], values["step_flops"] = mfu, self.throughput.step_flops
-        return f"{rate}, MFU {100 * mfu:.2f}%" if mfu == mfu else f"{rate}, MFU n/a"
-
-    def _account(self, step: int, values) -> None:
-        t = self.trainer
-        if float(values["accepted"]) > 0:
-            self.rejected_run.clear()
-            return
-        self.rejected_run.append(step)
-        weight = float(values.get("loss_weight", 1.0))
-        why = (
-            f"the loss weight of the batch is {weight:g} ({type(t.objective).__name__}: nothing "
-            f"in it counts, e.g. every target masked)"
-            if not weight > 0
-            else f"loss {format_value(float(values['loss']))} or its gradients not finite"
-        )
-        self.log.print(f"step {step}: rejected ({why}); nothing applied")
-        if len(self.rejected_run) > t.max_rejected:
-            raise NonFiniteError(
-                f"{len(self.rejected_run)} consecutive steps had a non-finite loss or gradient "
-                f"(steps {self.rejected_run}), more than max_rejected={t.max_rejected}; check "
-                f"the data and the learning rate"
-            )
-
-    def _evaluate(self, state, step: int) -> dict[str, float]:
-        t = self.trainer
-        results = t._eval_results(state, self.data, self.partition, self.eval_batches)
-        if results:
-            ema = " (ema)" if t._uses_ema(state) else ""
-            shown = ", ".join(f"{k} {format_value(v)}" for k, v in results.items())
-            self.log.log(
-                step,
-                {**results, "ema": float(bool(ema))},
-                kind="eval",
-                line=f"eval{ema} step {step}: {shown}",
-            )
-            self.last_eval, self.last_eval_step = results, step
-            if self.session is not None and hasattr(self.session, "check_best_metric"):
-                self.session.check_best_metric(set(results))
-            if self.early is not None:
-                metric = t.early_stopping.metric
-                if metric not in results:
-                    raise ValueError(
-                        f"early_stopping watches {metric!r}, which evaluation does not report; "
-                        f"it reports {sorted(results)}"
-                    )
-                if self.early.update(float(results[metric])):
-                    self.stopped = (
-                        "early_stopped",
-                        f"{metric} did not improve on {self.early.best:.6g} for "
-                        f"{t.early_stopping.patience} evaluations",
-                    )
-                    self.log.print(f"Stopping early at step {step}: {self.stopped[1]}")
-        if t.objective.has_preview:
-            variables = state.variables(averaged=t._uses_ema(state))
-            sample = t.objective.preview(
-                variables, microbatch_key(state.key, state.step, Stream.PREVIEW)
-            )
-            pixels = as_pixels(sample)
-            if pixels is not None:
-                path = self.log.image(step, "preview", pixels)
-                shape = "x".join(map(str, pixels.shape))
-                self.log.print(
-                    f"preview step {step}: uint8 {shape}" + (f", {path}" if path else "")
-                )
-            elif sample is not None:
-                self.log.print(
-                    f"preview step {step}: {sample!r}"
-                    if isinstance(sample, str)
-                    else f"preview step {step}: {type(sample).__name__}"
-                )
-        return results
-
-    def _save(self, step: int, state) -> None:
-        kwargs = {}
-        # keep_best ranks a checkpoint by the evaluation of its own weights only
-        fresh = self.last_eval if self.last_eval_step == step else None
-        if fresh and "metrics" in inspect.signature(self.session.save).parameters:
-            kwargs["metrics"] = fresh
-        self.session.save(step, state, self.train_iter, self.meta, **kwargs)
+    def save(self, step: int, state, metrics=None) -> None:
+        self.session.save(step, state, self.train_iter, self.meta, metrics=metrics or None)
         self.saved_at = step
 
-    def _user_hooks(self, step: int, state, metrics) -> list[str]:
-        requests: list[str] = []
-        for hook in self.trainer.hooks:
-            if not hook.due(step):
-                continue
-            info = StepInfo(
-                step=step,
-                state=state,
-                metrics=metrics,
-                print=self.log.print,
-                log=lambda values, kind="hook", _s=step: self.log.log(_s, values, kind=kind),
-            )
-            with self.goodput.measure("logging"):
-                hook.fn(info)
-            requests += [f"{hook.name}: {r}" for r in info._stop]
-        return requests
+
+@dataclasses.dataclass
+class Pending:
+    """Packed metrics of the steps since the last fetch, fetched together.
+
+    every: fetch after this many steps even without a log line (so rejections
+      are counted in time: ``max(max_rejected, 1)``).
+    """
+
+    log_every: int
+    every: int
+    steps: int
+    items: list[tuple[int, Any, Any]] = dataclasses.field(default_factory=list)
+
+    def add(self, step: int, metrics, packing) -> None:
+        self.items.append((step, metrics, packing))
+
+    def due(self, step: int) -> bool:
+        return (
+            (self.log_every and step % self.log_every == 0)
+            or len(self.items) >= self.every
+            or step == self.steps
+        )
+
+    def fetch(self) -> list[tuple[int, dict]]:
+        if not self.items:
+            return []
+        packed = jax.device_get([m for _, m, _ in self.items])
+        fetched = [(s, p.unpack(m)) for (s, _, p), m in zip(self.items, packed)]
+        self.items = []
+        return fetched
+
+
+class HookRunner:
+    """Runs ``hooks`` after each step and once at the end; decides when the run stops.
+
+    A stop request ends the run at the next data-batch boundary: SIGTERM
+    (``interrupted``) before any other, else the first request made.
+    """
+
+    def __init__(
+        self,
+        hooks: Sequence[Installed],
+        *,
+        pending: Pending,
+        goodput: Goodput,
+        print_fn: Callable[[str], None],
+        log_fn: Callable[..., None],
+        save_fn: Callable[..., None] | None,
+    ):
+        self.hooks = list(hooks)
+        self.pending = pending
+        self.goodput = goodput
+        self.print_fn = print_fn
+        self.log_fn = log_fn
+        self.save_fn = save_fn
+        self.stopped: tuple[str, str] | None = None
+
+    def info(self, step: int, state, *, at_boundary=True, **fields) -> StepInfo:
+        return StepInfo(
+            step=step,
+            state=state,
+            metrics={},
+            print=self.print_fn,
+            at_boundary=at_boundary,
+            _log=self.log_fn,
+            _save=self.save_fn,
+            **fields,
+        )
+
+    def after_step(self, record) -> bool:
+        """Run the hooks after ``record``'s step; True = end the run now."""
+        pending = self.pending
+        pending.add(record.step, record.metrics, record.compiled.packing)
+        fetched = []
+        if pending.due(record.step):
+            with self.goodput.measure("steps"):
+                fetched = pending.fetch()
+        info = self.info(
+            record.step,
+            record.state,
+            at_boundary=record.at_boundary,
+            step_metrics=fetched,
+            step_flops=record.compiled.flops,
+            prepare_seconds=record.prepare_seconds,
+            is_first=record.is_first,
+        )
+        self._run(info, finish=False)
+        return record.at_boundary and self.stopped is not None
 
     def finish(self, step: int, state) -> None:
-        if self.session is None:
-            return
-        with self.goodput.measure("checkpoint"):
-            if self.saved_at != step:
-                self._save(step, state)
-            self.session.wait()
+        """The end of the run: the metrics still on the devices, then each hook's
+        ``finish`` (the final checkpoint)."""
+        with self.goodput.measure("steps"):
+            fetched = self.pending.fetch()
+        self._run(self.info(step, state, step_metrics=fetched), finish=True)
+
+    def _run(self, info: StepInfo, *, finish: bool) -> None:
+        users: list[str] = []
+        for hook in self.hooks:
+            before = len(info.stop_requests)
+            call = hook.finish if finish else hook.run
+            if isinstance(hook, Hook):  # a user's function: its time is "logging"
+                with self.goodput.measure("logging"):
+                    call(info)
+            else:  # the default hooks measure their own buckets
+                call(info)
+            for kind, detail in info.stop_requests[before:]:
+                if kind == "stopped_by_hook":
+                    users.append(f"{hook.name}: {detail}")
+                elif kind == "interrupted" or self.stopped is None:
+                    if self.stopped is None or self.stopped[0] != "interrupted":
+                        self.stopped = (kind, detail)
+        if users and self.stopped is None:
+            self.stopped = ("stopped_by_hook", "; ".join(users))
 
     def result(self, step: int) -> FitResult:
         if self.stopped is None:
             return FitResult(reason="completed", step=step)
         reason, detail = self.stopped
         return FitResult(reason=reason, step=step, detail=detail)
-
-
-class Interval:
-    """Training metrics added up over the steps between two log lines."""
-
-    def __init__(self):
-        self.start = self.began = time.perf_counter()
-        self.steps = 0
-        self.accepted = 0
-        self.weighted: dict | None = None
-        self.plain: dict[str, float] = {}
-        self.last: dict[str, float] = {}
-        # seconds of the prepare phases (rollouts) that fed this interval
-        self.prepare_seconds = 0.0
-        # steps run before ``start`` (the first step, with its compilation)
-        self.untimed = 0
-
-    def restart(self, untimed: int) -> None:
-        """Time the interval from now: the ``untimed`` steps already run (the first,
-        which compiled the step) do not count in its rates."""
-        self.start, self.untimed = time.perf_counter(), untimed
-
-    def add(self, values) -> None:
-        self.steps += 1
-        if float(values["accepted"]) <= 0:
-            return
-        self.accepted += 1
-        weighted = {k: v for k, v in values.items() if wt.is_metric(v)}
-        self.weighted = weighted if self.weighted is None else wt.add(self.weighted, weighted)
-        for k, v in values.items():
-            if not wt.is_metric(v) and k not in ("accepted", "loss_weight", "learning_rate"):
-                self.plain[k] = self.plain.get(k, 0.0) + float(v)
-        if "learning_rate" in values:
-            self.last["learning_rate"] = float(values["learning_rate"])
-
-    def reduce(self, examples_per_step: int, tokens_key: str | None) -> dict[str, float]:
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        out: dict[str, float] = {}
-        if self.accepted:
-            out.update({k: v / self.accepted for k, v in self.plain.items()})
-            out.update(wt.to_float(self.weighted or {}))
-        else:
-            out["loss"] = float("nan")
-        out.update(self.last)
-        out["rejected_fraction"] = 1.0 - self.accepted / max(self.steps, 1)
-        timed = self.steps - self.untimed
-        if timed <= 0:  # only the untimed steps: time them from the interval's creation
-            timed, seconds = self.steps, max(time.perf_counter() - self.began, 1e-9)
-        out["step_seconds"] = seconds / max(timed, 1)
-        out["examples_per_second"] = examples_per_step * timed / seconds
-        if tokens_key is not None and self.weighted and tokens_key in self.weighted:
-            # the timed steps' share of the tokens
-            tokens = float(self.weighted[tokens_key].total) * timed / max(self.steps, 1)
-            out["tokens_per_second"] = tokens / seconds
-        if self.prepare_seconds > 0:
-            # the prepare phases (rollouts) of this interval, apart from its steps
-            out["prepare_seconds"] = self.prepare_seconds
-        if self.prepare_seconds > 0 and self.weighted and ROLLOUT_TOKENS in self.weighted:
-            # an objective counts each prepared batch's rollout tokens once (its
-            # first epoch): exact when log_every is a multiple of the updates per batch
-            rollout = float(self.weighted[ROLLOUT_TOKENS].total)
-            out["rollout_tokens_per_second"] = rollout / self.prepare_seconds
-        return out

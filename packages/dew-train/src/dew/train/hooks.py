@@ -1,18 +1,22 @@
-"""Hooks: what the loop does every N steps, the trainer's own and the user's.
+"""Hooks: what the loop does after each step, the trainer's own and the user's.
 
-The loop is ``data -> prepare -> updates -> hooks``. After every step the
-trainer runs its own hooks (metrics and logging, evaluation and preview,
-checkpoints, stop signals) and then each user hook whose ``every`` divides
-the step, in the order they were added::
+The loop is ``data -> prepare -> updates`` (:func:`dew.train.training_steps`);
+after every step ``fit`` runs the installed hooks in order: the trainer's own
+(:data:`DEFAULT_HOOKS`), each with its own state and cadence, then the user's
+in the order they were added::
 
     def report(info):
         info.print(f"step {info.step}: {info.metrics.get('loss')}")
 
-    trainer.add_hook(report, every=50)
+    trainer.add_hook(report, every=50)              # add one
+    trainer.hook_names()                            # list them, in order
+    trainer.replace_hook("checkpoints", my_policy)  # replace a default one
+    trainer.replace_hook("log", None)               # or leave it out
 
 A hook sees :class:`StepInfo`: the step just finished, the state after it,
-the metrics of the last log interval (on log steps; else empty), and
-``print``/``log``/``request_stop`` to talk to the run. No subclassing.
+the metrics the default hooks read off it (the log interval's on log steps,
+this step's evaluation under ``eval/...``), and ``print`` / ``log`` /
+``request_stop`` / ``save_checkpoint`` to talk to the run. No subclassing.
 (Levanter's ``Trainer.add_hook`` and its default hooks are the model.)
 """
 
@@ -20,7 +24,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
+
+DEFAULT_HOOKS = (
+    "rejections",
+    "log",
+    "evaluation",
+    "checkpoints",
+    "early_stopping",
+    "stop_signals",
+)
+"""The trainer's own hooks, in the order they run (before the user's):
+
+- ``rejections``: counts steps whose loss or gradients were not finite, prints
+  each, raises :class:`dew.train.NonFiniteError` past ``max_rejected``;
+- ``log``: the interval metrics and the ``step N: loss ...`` line every
+  ``log_every`` steps (``metrics.jsonl``, TensorBoard, trackers);
+- ``evaluation``: ``objective.evaluate`` over the validation data and a preview
+  every ``eval_every`` steps;
+- ``checkpoints``: a checkpoint every ``checkpoint_every`` steps (ranked by
+  this step's evaluation for ``keep_best``) and at the end;
+- ``early_stopping``: ``Trainer(early_stopping=...)`` on the evaluations;
+- ``stop_signals``: SIGTERM / SIGINT end the run after the step in flight.
+"""
 
 
 @dataclasses.dataclass
@@ -30,20 +56,80 @@ class StepInfo:
     step: steps done (``state.step``).
     state: the ``TrainState`` after the step (arrays on the devices).
     metrics: the last log interval's reduced training metrics when this step
-      logged, the latest evaluation's under ``eval/...`` when it evaluated;
-      empty otherwise.
+      logged, this step's evaluation under ``eval/...`` when it evaluated;
+      empty otherwise (the default hooks fill it before the user's run).
+    print: print a line to the run's output (the main process only).
+    at_boundary: the step is the last update of its data batch (always True
+      without a prepare phase): a checkpoint or a stop happens only here.
+    evaluation: this step's evaluation results (``{name: value}``), or None
+      when it did not evaluate.
+    step_metrics: ``(step, {name: value})`` of the steps whose metrics came off
+      the devices after this one (on log steps, every ``max_rejected`` steps and
+      at the end; empty otherwise).
+    step_flops: matrix-product FLOPs of the compiled update step.
+    prepare_seconds: seconds of the prepare phase that fed this step (on the
+      first update of a prepared batch; 0 otherwise).
+    is_first: the first step of this ``fit`` (it compiled the step).
     """
 
     step: int
     state: Any
-    metrics: Mapping[str, float]
+    metrics: dict[str, float]
     print: Callable[[str], None]
-    log: Callable[..., None]
-    _stop: list = dataclasses.field(default_factory=list, repr=False)
+    at_boundary: bool = True
+    evaluation: Mapping[str, float] | None = None
+    step_metrics: list[tuple[int, Mapping[str, Any]]] = dataclasses.field(default_factory=list)
+    step_flops: float = 0.0
+    prepare_seconds: float = 0.0
+    is_first: bool = False
+    _log: Callable[..., None] | None = dataclasses.field(default=None, repr=False)
+    _save: Callable[..., None] | None = dataclasses.field(default=None, repr=False)
+    # (kind, detail) stop requests of this step, in the order the hooks made them
+    stop_requests: list[tuple[str, str]] = dataclasses.field(default_factory=list, repr=False)
+
+    def log(self, values: Mapping[str, float], kind: str = "hook") -> None:
+        """Record ``values`` at this step in ``metrics.jsonl`` and the trackers."""
+        if self._log is not None:
+            self._log(self.step, values, kind=kind)
 
     def request_stop(self, reason: str) -> None:
-        """End the run after this step (a checkpoint is written as on SIGTERM)."""
-        self._stop.append(reason)
+        """End the run after this step (at the end of its data batch with a prepare
+        phase); a checkpoint is written as on SIGTERM. ``fit``'s result says
+        ``stopped_by_hook`` with the hook's name and ``reason``."""
+        self.stop_requests.append(("stopped_by_hook", reason))
+
+    def stop(self, kind: str, detail: str) -> None:
+        """A stop request of a given :attr:`FitResult.reason` (``"early_stopped"``,
+        ``"interrupted"``); :meth:`request_stop` is the user's form."""
+        self.stop_requests.append((kind, detail))
+
+    def save_checkpoint(self, metrics: Mapping[str, float] | None = None) -> None:
+        """Write a checkpoint of this step now (with ``keep_best``: ranked by
+        ``metrics``): for a checkpoint policy of one's own
+        (``trainer.replace_hook("checkpoints", ...)``). Needs ``checkpoints=``."""
+        if self._save is None:
+            raise ValueError(
+                "save_checkpoint needs somewhere to write: pass Trainer(..., "
+                "checkpoints=Checkpoints(directory))"
+            )
+        if not self.at_boundary:
+            raise ValueError(
+                f"step {self.step} is inside a prepared batch's updates; a checkpoint is "
+                f"written only at the end of a batch (StepInfo.at_boundary)"
+            )
+        self._save(self.step, self.state, metrics)
+
+
+class Installed(Protocol):
+    """What ``fit`` calls on each installed hook: ``run`` after every step,
+    ``finish`` once at the end (the final step's info; remaining
+    ``step_metrics``)."""
+
+    name: str
+
+    def run(self, info: StepInfo) -> None: ...
+
+    def finish(self, info: StepInfo) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +137,8 @@ class Hook:
     """``fn(StepInfo)`` after every ``every``-th step.
 
     every: steps between calls (>= 1).
-    name: shown in errors; defaults to the function's name.
+    name: shown in errors and :meth:`Trainer.hook_names`; defaults to the
+      function's name.
     """
 
     fn: Callable[[StepInfo], Any]
@@ -68,6 +155,13 @@ class Hook:
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
+
+    def run(self, info: StepInfo) -> None:
+        if self.due(info.step):
+            self.fn(info)
+
+    def finish(self, info: StepInfo) -> None:
+        """Nothing: a function hook runs on its steps only."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -64,6 +64,32 @@ def to_global(
     }
 
 
+def host_rows(local: Mapping[str, Any], partition: Partition, global_rows: int) -> dict:
+    """This process's rows of a global batch as numpy arrays of JAX's dtypes, for a
+    compiled program on one device to take as they are: the program's call moves
+    them in JAX's C++ path, one transfer with the call itself, where
+    :func:`to_global` runs a program of its own first (measured on the tiny DPO
+    step: 110 us less a step). Rows are checked as :func:`to_global` checks them."""
+    rows = global_rows // partition.count
+    values = {}
+    for name, value in local.items():
+        value = np.asarray(value)
+        if value.shape[:1] != (rows,):
+            raise ValueError(
+                f"batch[{name!r}] has {value.shape[0] if value.ndim else 0} rows; this "
+                f"process (partition {partition.index} of {partition.count}) must read "
+                f"{rows} rows of the global batch {global_rows}"
+            )
+        values[name] = value.astype(_canonical(value.dtype), copy=False)
+    return values
+
+
+def signature(local: Mapping[str, Any]) -> tuple:
+    """What a host batch's placed layout depends on, cheaply: keys, shapes, dtypes
+    (:func:`layout` of the placed batch reads each sharding, ~100 us a batch)."""
+    return tuple((k, np.shape(v), getattr(v, "dtype", None)) for k, v in local.items())
+
+
 def _placed(values: dict[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
     """Host arrays -> arrays with the batch sharding. On one device through a compiled
     identity (:func:`_placer`): a compiled call takes numpy arguments in JAX's C++ path,

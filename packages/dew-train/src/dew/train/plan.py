@@ -1,19 +1,21 @@
 """Size a run before running it: per-device memory and step FLOPs of a model,
 an optimizer and a ``MeshSpec``, from compilation alone.
 
-:func:`plan` builds the trainer's state shardings from abstract shapes
-(``jax.eval_shape``: nothing is allocated), lowers and compiles the real
-training step for the mesh, and reads
+:func:`plan` builds the state shardings from abstract shapes (nothing is allocated) and compiles
+the update step through :class:`dew.train.Programs`, the object ``Trainer.fit``
+compiles with: the same program (for GRPO and PPO, the update over the
+prepared minibatch, after an abstract prepare phase), and reads
 
 - parameter / optimizer / other state bytes per device from the shardings
   (each array's shard shape on a device, summed);
 - temporary bytes per device from XLA's ``memory_analysis()`` of the
   compiled step: activations kept for the backward pass, gradients and
   workspace;
-- FLOPs of the step by counting the matrix products (``dot_general``,
-  convolutions) of its jaxpr, forward and backward, with every loop body
-  multiplied by its trip count. (XLA's own ``cost_analysis()`` counts a
-  loop body once, so it undercounts a scanned layer stack.)
+- FLOPs of the step by counting the matrix products (``dot_general``) of
+  its jaxpr, forward and backward, with every loop body multiplied by its
+  trip count (:func:`dew.train.throughput.program_flops`, the number the log's
+  MFU divides). (XLA's own ``cost_analysis()`` counts a loop body once, so it
+  undercounts a scanned layer stack.)
 
 Devices are whatever this process has: a CPU process emulates N devices
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX
@@ -30,22 +32,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from dew.objectives import Objective
-from dew.train.mesh import (
-    MeshSpec,
-    Rules,
-    batch_sharding,
-    data_parallel_size,
-    mesh_sizes,
-)
-from dew.train.placement import compile_fn, shard_bytes
-from dew.train.step import build_train_step
-from dew.train.trainer import Trainer
+from dew.train._programs import Programs
+from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, data_parallel_size, mesh_sizes
+from dew.train.placement import abstract_batch, shard_bytes
+from dew.train.trainer import as_optax
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,49 +122,42 @@ def plan(
       ``seq_len=2048``.
     rules, accumulate: as in :class:`Trainer`.
     """
-    trainer = Trainer(
-        objective, optimizer, key=jax.random.key(0), mesh=mesh, rules=rules, accumulate=accumulate
+    programs = Programs(
+        objective=objective,
+        optimizer=as_optax(optimizer),
+        mesh=mesh,
+        rules=DEFAULT_RULES if rules is None else rules,
+        accumulate=accumulate,
     )
-    device_mesh = trainer.device_mesh
+    device_mesh = programs.device_mesh
     batch = {
         k: v if isinstance(v, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(*v)
         for k, v in batch.items()
     }
     rows = {v.shape[0] for v in batch.values()}
-    dp = data_parallel_size(device_mesh, trainer.rules)
-    if len(rows) != 1 or next(iter(rows)) % (dp * accumulate):
+    # with a prepare phase, accumulate splits the prepared minibatch (checked when
+    # the prepare program is traced), not the data batch
+    divisor = 1 if objective.has_prepare else accumulate
+    dp = data_parallel_size(device_mesh, programs.rules)
+    if len(rows) != 1 or next(iter(rows)) % (dp * divisor):
         raise ValueError(
             f"batch rows {sorted(rows)} must be one number, a multiple of accumulate="
-            f"{accumulate} x {dp} data-parallel devices (mesh {mesh_sizes(device_mesh)})"
+            f"{divisor} x {dp} data-parallel devices (mesh {mesh_sizes(device_mesh)})"
         )
-    abstract, shardings = trainer.state_shardings()
+    # only traced: the initialisation's shapes, never its values
+    abstract, shardings = programs.state_shardings(None, key=jax.eval_shape(_any_key))
     state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    batch_shardings = {
-        k: batch_sharding(device_mesh, trainer.rules, v.ndim) for k, v in batch.items()
-    }
-    batch = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k])
-        for k, v in batch.items()
-    }
-    step_fn = build_train_step(
-        objective, optimizer, accumulate_steps=accumulate, one_device=device_mesh.size == 1
-    )
-    replicated = NamedSharding(device_mesh, PartitionSpec())
+    batch = abstract_batch(batch, device_mesh, programs.rules)
 
     start = time.perf_counter()
-    with jax.set_mesh(device_mesh), nn.logical_axis_rules(list(trainer.rules)):
-        flops = count_flops(jax.make_jaxpr(step_fn)(state, batch).jaxpr)
-        compiled = compile_fn(
-            step_fn,
-            (state, batch),
-            in_shardings=(shardings, batch_shardings),
-            out_shardings=(shardings, replicated),
-            donate_argnums=(0,),
-        )
+    with programs.context():
+        # the batch the update step reads: fit's prepared batch for GRPO / PPO
+        prepared = programs.abstract_prepared(state, batch, shardings)
+        compiled = programs.update(state, prepared, shardings)
     seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
+    memory = compiled.program.memory_analysis()
     devices = device_mesh.devices.size
     return Plan(
         mesh=mesh_sizes(device_mesh),
@@ -182,46 +169,22 @@ def plan(
             (shardings.averaged, shardings.frozen, shardings.key, shardings.step),
         ),
         temporary_bytes=int(memory.temp_size_in_bytes),
-        peak_bytes=int(
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        ),
-        flops=flops,
-        flops_per_device=flops / devices,
+        peak_bytes=peak_bytes(memory),
+        flops=compiled.flops,
+        flops_per_device=compiled.flops / devices,
         compile_seconds=seconds,
     )
 
 
-def count_flops(jaxpr) -> float:
-    """FLOPs of the matrix products in ``jaxpr`` (2 per multiply-add), loop
-    bodies times their trip counts; elementwise work is not counted.
+def peak_bytes(memory) -> int:
+    """arguments + outputs - donated (aliased) + temporaries of XLA's ``memory_analysis()``."""
+    return int(
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
 
-    ``scan`` bodies count ``length`` times, ``cond`` its costliest branch, a
-    ``while`` loop's body once (its trip count is not static).
-    """
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            out = math.prod(eqn.outvars[0].aval.shape)
-            total += 2.0 * out * math.prod(lhs[d] for d in contract)
-        elif name == "conv_general_dilated":
-            rhs = eqn.invars[1].aval.shape  # the kernel: out, in / groups, *window
-            numbers = eqn.params["dimension_numbers"]
-            kernel = math.prod(rhs[d] for d in numbers.rhs_spec[1:])  # in / groups x window
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * kernel
-        elif name == "scan":
-            total += eqn.params["length"] * count_flops(eqn.params["jaxpr"].jaxpr)
-        elif name == "cond":
-            total += max(count_flops(b.jaxpr) for b in eqn.params["branches"])
-        else:
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, tuple | list) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        total += count_flops(inner)
-    return total
+
+def _any_key() -> jax.Array:
+    return jax.random.key(0)

@@ -33,6 +33,10 @@ class TrainState:
     lora_views: ``(frozen role, trained role or None)`` pairs: frozen roles that are
       the base of a LoRA role (its initial policy), built from ``frozen['lora_base']``
       with zero adapters and stored nowhere (None: the only trained role).
+    evaluate_averaged: :meth:`variables` gives the moving average by default: the
+      objective keeps one and evaluates, previews and exports with it
+      (``Objective.evaluate_averaged``; the trainer sets it). Not an array: it is
+      part of the tree's structure, like ``lora_views``.
     """
 
     params: Any
@@ -46,9 +50,21 @@ class TrainState:
     lora_views: tuple[tuple[str, str | None], ...] = flax.struct.field(
         pytree_node=False, default=()
     )
+    evaluate_averaged: bool = flax.struct.field(pytree_node=False, default=False)
 
-    def variables(self, *, averaged: bool = False) -> dict[str, Any]:
-        """``{'params': ..., **frozen}`` (the averaged params when asked and kept)."""
+    def variables(self, *, averaged: bool | None = None) -> dict[str, Any]:
+        """``{'params': ..., **frozen}``: what evaluation, sampling and export read.
+
+        averaged: True = the moving-average params (when kept), False = the live
+          ones; None = :attr:`evaluate_averaged`: the average wherever the
+          objective keeps one and evaluates with it (``ema=`` given and
+          ``Objective.evaluate_averaged``), the live weights otherwise. So
+          ``objective.sample(state.variables())`` and
+          ``objective.export(state.variables())`` read the EMA weights, as
+          evaluation and previews do.
+        """
+        if averaged is None:
+            averaged = self.evaluate_averaged
         params = self.averaged if (averaged and self.averaged is not None) else self.params
         return self.variables_with(params)
 

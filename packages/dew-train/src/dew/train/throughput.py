@@ -60,7 +60,8 @@ CACHE_NAME = "cpu_peak.json"
 
 def program_flops(jaxpr) -> float:
     """Matrix-product FLOPs of a (closed) jaxpr: ``2 * prod(output) * prod(contracted)``
-    for every ``dot_general``, scan bodies times their length, other nested
+    for every ``dot_general`` (a convolution: ``2 * prod(output) * in / groups x
+    window``), scan bodies times their length, other nested
     programs (jit, remat, custom derivatives, the larger ``cond`` branch) once."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
@@ -71,6 +72,12 @@ def program_flops(jaxpr) -> float:
             lhs = eqn.invars[0].aval.shape
             out = eqn.outvars[0].aval.shape
             total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracted)
+            continue
+        if name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval.shape  # the kernel: out, in / groups, *window
+            numbers = eqn.params["dimension_numbers"]
+            kernel = math.prod(rhs[d] for d in numbers.rhs_spec[1:])  # in / groups x window
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * kernel
             continue
         if name == "scan":
             total += eqn.params["length"] * program_flops(eqn.params["jaxpr"])

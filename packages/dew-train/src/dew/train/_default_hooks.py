@@ -1,0 +1,335 @@
+"""The trainer's own hooks (:data:`dew.train.hooks.DEFAULT_HOOKS`), each with its
+own state and cadence: rejections, the log, evaluation and previews,
+checkpoints, early stopping, stop signals."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from dew.objectives import weighted as wt
+from dew.train._run import ROLLOUT_TOKENS, NonFiniteError, Saver
+from dew.train.goodput import Goodput
+from dew.train.hooks import EarlyStopping, EarlyStoppingState, StepInfo
+from dew.train.logs import MetricsLog, format_value
+from dew.train.preemption import StopSignals
+from dew.train.previews import as_pixels
+from dew.train.step import Stream, microbatch_key
+from dew.train.throughput import Throughput
+
+
+class Rejections:
+    """Counts consecutive steps whose loss or gradients were not finite: a line for
+    each, :class:`NonFiniteError` past ``max_rejected``."""
+
+    name = "rejections"
+
+    def __init__(self, *, objective_name: str, max_rejected: int, log: MetricsLog, goodput):
+        self.objective_name = objective_name
+        self.max_rejected = max_rejected
+        self.log = log
+        self.goodput = goodput
+        self.run_of: list[int] = []  # the current run of rejected steps
+
+    def run(self, info: StepInfo) -> None:
+        if not info.step_metrics:
+            return
+        with self.goodput.measure("logging"):
+            for step, values in info.step_metrics:
+                self._account(step, values)
+
+    finish = run
+
+    def _account(self, step: int, values) -> None:
+        if float(values["accepted"]) > 0:
+            self.run_of.clear()
+            return
+        self.run_of.append(step)
+        weight = float(values.get("loss_weight", 1.0))
+        why = (
+            f"the loss weight of the batch is {weight:g} ({self.objective_name}: nothing "
+            f"in it counts, e.g. every target masked)"
+            if not weight > 0
+            else f"loss {format_value(float(values['loss']))} or its gradients not finite"
+        )
+        self.log.print(f"step {step}: rejected ({why}); nothing applied")
+        if len(self.run_of) > self.max_rejected:
+            raise NonFiniteError(
+                f"{len(self.run_of)} consecutive steps had a non-finite loss or gradient "
+                f"(steps {self.run_of}), more than max_rejected={self.max_rejected}; check "
+                f"the data and the learning rate"
+            )
+
+
+class LogMetrics:
+    """The interval metrics and the ``step N: loss ...`` line every ``log_every``
+    steps; the throughput line (FLOPs, peak) before the first."""
+
+    name = "log"
+
+    def __init__(
+        self,
+        *,
+        log: MetricsLog,
+        goodput,
+        log_every: int,
+        start: int,
+        rows: int,
+        devices,
+        headline: tuple[str, ...] = (),
+    ):
+        self.log = log
+        self.headline = headline  # the objective's metrics printed after the loss
+        self.goodput = goodput
+        self.log_every = log_every
+        self.start = start
+        self.rows = rows  # examples per step
+        self.devices = devices
+        self.interval = Interval()
+        self.throughput: Throughput | None = None
+
+    def run(self, info: StepInfo) -> None:
+        is_log = bool(self.log_every) and info.step % self.log_every == 0
+        if not (is_log or info.step_metrics or info.is_first or info.prepare_seconds):
+            return  # nothing to add up or show at this step
+        with self.goodput.measure("logging"):
+            if info.is_first:
+                self.throughput = Throughput(info.step_flops, self.devices)
+                self.log.print(self.throughput.line())
+                # the log's rates leave out the step that compiled
+                self.interval.restart(untimed=info.step - self.start)
+            self.interval.prepare_seconds += info.prepare_seconds
+            for _, values in info.step_metrics:
+                self.interval.add(values)
+            if is_log:
+                values = self.interval.reduce(self.rows, "tokens")
+                self.interval = Interval()
+                rates = self._rates(values)
+                shown = "".join(
+                    f"{k} {format_value(values[k])}, " for k in self.headline if k in values
+                )
+                line = f"step {info.step}: loss {format_value(values['loss'])}, {shown}{rates}"
+                self.log.log(info.step, values, line=line)
+                info.metrics.update(values)
+
+    def finish(self, info: StepInfo) -> None:
+        for _, values in info.step_metrics:
+            self.interval.add(values)
+
+    def _rates(self, values: dict) -> str:
+        """``12,345 tokens/s, MFU 31.2%`` (examples/s when the objective counts no
+        tokens); adds ``mfu`` and ``step_flops`` to ``values``."""
+        if "tokens_per_second" in values:
+            rate = f"{values['tokens_per_second']:,.0f} tokens/s"
+        else:
+            rate = f"{values['examples_per_second']:,.1f} examples/s"
+        if self.throughput is None:
+            return rate
+        mfu = self.throughput.mfu(values["step_seconds"])
+        values["mfu"], values["step_flops"] = mfu, self.throughput.step_flops
+        return f"{rate}, MFU {100 * mfu:.2f}%" if mfu == mfu else f"{rate}, MFU n/a"
+
+
+class Evaluation:
+    """``objective.evaluate`` over the validation data, then a preview, every
+    ``eval_every`` steps, on the weights ``state.variables()`` gives (the moving
+    average where the objective evaluates with it: ``eval (ema)`` in the log)."""
+
+    name = "evaluation"
+
+    def __init__(self, *, programs, data, partition, eval_every, eval_batches, log, goodput):
+        self.programs = programs
+        self.data = data
+        self.partition = partition
+        self.eval_every = eval_every
+        self.eval_batches = eval_batches
+        self.log = log
+        self.goodput = goodput
+
+    def run(self, info: StepInfo) -> None:
+        if not self.eval_every or info.step % self.eval_every:
+            return
+        with self.goodput.measure("eval"):
+            results = self._evaluate(info.state, info.step)
+        info.metrics.update({f"eval/{k}": v for k, v in results.items()})
+        info.evaluation = results or None
+
+    def finish(self, info: StepInfo) -> None:
+        """Nothing: evaluation runs on its steps only."""
+
+    def _evaluate(self, state, step: int) -> dict[str, float]:
+        objective = self.programs.objective
+        results = self.programs.evaluate(state, self.data.val, self.partition, self.eval_batches)
+        averaged = state.evaluate_averaged and state.averaged is not None
+        if results:
+            ema = " (ema)" if averaged else ""
+            shown = ", ".join(f"{k} {format_value(v)}" for k, v in results.items())
+            self.log.log(
+                step,
+                {**results, "ema": float(averaged)},
+                kind="eval",
+                line=f"eval{ema} step {step}: {shown}",
+            )
+        if objective.has_preview:
+            key = microbatch_key(state.key, state.step, Stream.PREVIEW)
+            self._show(step, objective.preview(state.variables(), key))
+        return results
+
+    def _show(self, step: int, sample) -> None:
+        pixels = as_pixels(sample)
+        if pixels is not None:
+            path = self.log.image(step, "preview", pixels)
+            shape = "x".join(map(str, pixels.shape))
+            self.log.print(f"preview step {step}: uint8 {shape}" + (f", {path}" if path else ""))
+        elif sample is not None:
+            self.log.print(
+                f"preview step {step}: {sample!r}"
+                if isinstance(sample, str)
+                else f"preview step {step}: {type(sample).__name__}"
+            )
+
+
+class CheckpointPolicy:
+    """A checkpoint every ``checkpoint_every`` steps at a data-batch boundary
+    (``keep_best`` ranks it by its own step's evaluation), one at the end unless
+    the last step has one, then waits for the writes."""
+
+    name = "checkpoints"
+
+    def __init__(self, *, saver: Saver, checkpoint_every: int, goodput: Goodput):
+        self.saver = saver
+        self.checkpoint_every = checkpoint_every
+        self.goodput = goodput
+        self.last_eval: tuple[int, dict] | None = None
+
+    def run(self, info: StepInfo) -> None:
+        if info.evaluation:
+            self.saver.session.check_best_metric(set(info.evaluation))
+            self.last_eval = (info.step, dict(info.evaluation))
+        every = self.checkpoint_every
+        if info.at_boundary and every and info.step % every == 0:
+            with self.goodput.measure("checkpoint"):
+                self.saver.save(info.step, info.state, info.evaluation)
+
+    def finish(self, info: StepInfo) -> None:
+        with self.goodput.measure("checkpoint"):
+            if self.saver.saved_at != info.step:
+                # keep_best ranks a checkpoint by the evaluation of its own weights only
+                fresh = (
+                    self.last_eval[1] if self.last_eval and self.last_eval[0] == info.step else None
+                )
+                self.saver.save(info.step, info.state, fresh)
+            self.saver.session.wait()
+
+
+class EarlyStop:
+    """Stops the run when ``spec.metric`` has not improved for ``spec.patience``
+    evaluations."""
+
+    name = "early_stopping"
+
+    def __init__(self, spec: EarlyStopping, *, print_fn: Callable[[str], None]):
+        self.spec = spec
+        self.state = EarlyStoppingState(spec)
+        self.print_fn = print_fn
+
+    def run(self, info: StepInfo) -> None:
+        results = info.evaluation
+        if not results:
+            return
+        metric = self.spec.metric
+        if metric not in results:
+            raise ValueError(
+                f"early_stopping watches {metric!r}, which evaluation does not report; "
+                f"it reports {sorted(results)}"
+            )
+        if self.state.update(float(results[metric])):
+            detail = (
+                f"{metric} did not improve on {self.state.best:.6g} for "
+                f"{self.spec.patience} evaluations"
+            )
+            self.print_fn(f"Stopping early at step {info.step}: {detail}")
+            info.stop("early_stopped", detail)
+
+    def finish(self, info: StepInfo) -> None:
+        """Nothing to finish."""
+
+
+class StopSignalsHook:
+    """SIGTERM / SIGINT (on any process) end the run at the next data-batch
+    boundary (:mod:`dew.train.preemption`)."""
+
+    name = "stop_signals"
+
+    def __init__(self, signals: StopSignals):
+        self.signals = signals
+
+    def run(self, info: StepInfo) -> None:
+        if info.at_boundary and self.signals.requested(info.step):
+            info.stop("interrupted", str(self.signals.received))
+
+    def finish(self, info: StepInfo) -> None:
+        """Nothing to finish."""
+
+
+class Interval:
+    """Training metrics added up over the steps between two log lines."""
+
+    def __init__(self):
+        self.start = self.began = time.perf_counter()
+        self.steps = 0
+        self.accepted = 0
+        self.weighted: dict | None = None
+        self.plain: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        # seconds of the prepare phases (rollouts) that fed this interval
+        self.prepare_seconds = 0.0
+        # steps run before ``start`` (the first step, with its compilation)
+        self.untimed = 0
+
+    def restart(self, untimed: int) -> None:
+        """Time the interval from now: the ``untimed`` steps already run (the first,
+        which compiled the step) do not count in its rates."""
+        self.start, self.untimed = time.perf_counter(), untimed
+
+    def add(self, values) -> None:
+        self.steps += 1
+        if float(values["accepted"]) <= 0:
+            return
+        self.accepted += 1
+        weighted = {k: v for k, v in values.items() if wt.is_metric(v)}
+        self.weighted = weighted if self.weighted is None else wt.add(self.weighted, weighted)
+        for k, v in values.items():
+            if not wt.is_metric(v) and k not in ("accepted", "loss_weight", "learning_rate"):
+                self.plain[k] = self.plain.get(k, 0.0) + float(v)
+        if "learning_rate" in values:
+            self.last["learning_rate"] = float(values["learning_rate"])
+
+    def reduce(self, examples_per_step: int, tokens_key: str | None) -> dict[str, float]:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        out: dict[str, float] = {}
+        if self.accepted:
+            out.update({k: v / self.accepted for k, v in self.plain.items()})
+            out.update(wt.to_float(self.weighted or {}))
+        else:
+            out["loss"] = float("nan")
+        out.update(self.last)
+        out["rejected_fraction"] = 1.0 - self.accepted / max(self.steps, 1)
+        timed = self.steps - self.untimed
+        if timed <= 0:  # only the untimed steps: time them from the interval's creation
+            timed, seconds = self.steps, max(time.perf_counter() - self.began, 1e-9)
+        out["step_seconds"] = seconds / max(timed, 1)
+        out["examples_per_second"] = examples_per_step * timed / seconds
+        if tokens_key is not None and self.weighted and tokens_key in self.weighted:
+            # the timed steps' share of the tokens
+            tokens = float(self.weighted[tokens_key].total) * timed / max(self.steps, 1)
+            out["tokens_per_second"] = tokens / seconds
+        if self.prepare_seconds > 0:
+            # the prepare phases (rollouts) of this interval, apart from its steps
+            out["prepare_seconds"] = self.prepare_seconds
+        if self.prepare_seconds > 0 and self.weighted and ROLLOUT_TOKENS in self.weighted:
+            # an objective counts each prepared batch's rollout tokens once (its
+            # first epoch): exact when log_every is a multiple of the updates per batch
+            rollout = float(self.weighted[ROLLOUT_TOKENS].total)
+            out["rollout_tokens_per_second"] = rollout / self.prepare_seconds
+        return out

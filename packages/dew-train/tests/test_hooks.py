@@ -1,0 +1,191 @@
+"""The trainer's default hooks: listed in order, replaced by a user's own (a
+checkpoint policy), left out, or followed by the user's; what a hook sees
+checked against numpy; the EMA weights as the default of evaluation and
+``state.variables()``."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset
+from dew.objectives import EMA, Objective, Weighted
+from dew.train import DEFAULT_HOOKS, Checkpoints, MeshSpec, Trainer
+
+ROWS, IN = 8, 3
+ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)
+
+
+class Regression(Objective):
+    """Least squares on a fixed linear map; ``evaluate`` reports the mean squared error."""
+
+    model = None
+
+    def __init__(self, ema=None):
+        self.ema = ema
+
+    def init(self, key):
+        return {"params": {"w": jax.random.normal(key, (IN,))}}
+
+    def loss(self, variables, batch, step):
+        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        return jnp.mean(err**2), {}
+
+    def evaluate(self, variables, batch, step):
+        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        return {"mse": Weighted.mean(err**2)}
+
+
+def rows(i):
+    x = np.random.default_rng(i).normal(size=(ROWS, IN)).astype(np.float32)
+    return {"x": x, "y": x @ W_TRUE}
+
+
+VAL = [rows(100), rows(101)]
+DATA = Dataset(
+    train=lambda p: (rows(i) for i in itertools.count()),
+    val=lambda p: iter(VAL),
+    records=0,
+    batch=ROWS,
+)
+
+
+def numpy_mse(w) -> float:
+    """The validation error of weights ``w``, in float64 numpy."""
+    errors = [b["x"].astype(np.float64) @ np.asarray(w, np.float64) - b["y"] for b in VAL]
+    return float(np.mean(np.concatenate(errors) ** 2))
+
+
+def trainer(**kw) -> Trainer:
+    return Trainer(Regression(), optax.sgd(0.05), key=jax.random.key(0), mesh=ONE, **kw)
+
+
+def test_the_default_hooks_are_listed_in_order_before_the_users():
+    t = trainer()
+    t.add_hook(lambda info: None, name="report")
+    assert t.hook_names() == [*DEFAULT_HOOKS, "report"]
+    assert DEFAULT_HOOKS == (
+        "rejections",
+        "log",
+        "evaluation",
+        "checkpoints",
+        "early_stopping",
+        "stop_signals",
+    )
+
+    def policy(info):
+        pass
+
+    t.replace_hook("checkpoints", policy)
+    t.replace_hook("log", None)
+    names = t.hook_names()
+    assert names == [
+        "rejections",
+        "evaluation",
+        "checkpoints (policy)",
+        *DEFAULT_HOOKS[4:],
+        "report",
+    ]
+
+
+def test_replacing_a_hook_that_does_not_exist_lists_the_ones_that_do():
+    with pytest.raises(
+        ValueError,
+        match=r"no default hook 'checkpoint' to replace; the default hooks are \['rejections', "
+        r"'log', 'evaluation', 'checkpoints', 'early_stopping', 'stop_signals'\]",
+    ):
+        trainer().replace_hook("checkpoint", lambda info: None)
+
+
+def test_an_own_checkpoint_policy_replaces_the_default_and_resumes_exactly(tmp_path):
+    """The policy saves at steps 3 and 5 only (no final checkpoint: the default
+    that writes it is replaced); a run resumed from step 5 reaches the weights of
+    an uninterrupted run bit for bit."""
+
+    def odd_steps_after_two(info):
+        if info.step in (3, 5):
+            info.save_checkpoint()
+
+    t = trainer(checkpoints=Checkpoints(tmp_path / "run", use_async=False))
+    t.replace_hook("checkpoints", odd_steps_after_two)
+    t.fit(DATA, steps=6, log_every=0)
+    assert Checkpoints(tmp_path / "run").steps() == [3, 5]
+
+    resumed = trainer(checkpoints=Checkpoints(tmp_path / "run")).fit(DATA, steps=6, log_every=0)
+    straight = trainer().fit(DATA, steps=6, log_every=0)
+    np.testing.assert_array_equal(resumed.params["w"], straight.params["w"])
+
+    with pytest.raises(ValueError, match=r"save_checkpoint needs somewhere to write"):
+        t = trainer()
+        t.replace_hook("checkpoints", odd_steps_after_two)
+        t.fit(DATA, steps=3, log_every=0)
+
+
+def test_leaving_out_the_log_hook_leaves_out_its_lines_only(capsys):
+    t = trainer()
+    t.replace_hook("log", None)
+    t.fit(DATA, steps=4, log_every=2)
+    out = capsys.readouterr().out
+    assert "step 2: loss" not in out and "Throughput:" not in out
+    assert "Training from step 0 to 4" in out and "Goodput:" in out
+
+
+def test_a_hook_sees_this_steps_evaluation_and_the_interval_metrics():
+    """At each evaluation step, ``info.evaluation['mse']`` is the numpy error of the
+    weights the hook sees; on log steps ``info.metrics['loss']`` is the mean of the
+    interval's training losses (each recomputed in numpy from the weights before it)."""
+    seen, weights = [], [None]
+    t = trainer()
+
+    def watch(info):
+        seen.append((info.step, info.evaluation, dict(info.metrics)))
+
+    def keep_weights(info):
+        weights.append(np.asarray(info.state.params["w"]))
+
+    t.add_hook(watch)
+    t.add_hook(keep_weights)
+    start = np.asarray(t.init_state().params["w"])
+    weights[0] = start
+    t.fit(DATA, steps=4, log_every=2, eval_every=2)
+    evaluations = {s: e for s, e, _ in seen if e is not None}
+    assert sorted(evaluations) == [2, 4]
+    for step, results in evaluations.items():
+        assert results["mse"] == pytest.approx(numpy_mse(weights[step]), rel=1e-5)
+    losses = []
+    for i in range(4):
+        b = rows(i)
+        losses.append(np.mean((b["x"] @ weights[i].astype(np.float64) - b["y"]) ** 2))
+    metrics = {s: m for s, _, m in seen}
+    assert metrics[2]["loss"] == pytest.approx(np.mean(losses[:2]), rel=1e-5)
+    assert metrics[4]["loss"] == pytest.approx(np.mean(losses[2:]), rel=1e-5)
+    assert metrics[4]["eval/mse"] == evaluations[4]["mse"]
+    assert metrics[1] == {}
+
+
+def test_evaluation_and_variables_default_to_the_moving_average():
+    """With ``ema=``, ``state.variables()`` (what ``objective.sample``/``export`` are
+    given) and the trainer's evaluation read the averaged weights; the live ones
+    stay one argument away. ``EMA(decay=0.5)`` after sgd updates: the average is
+    recomputed here from the live weights of each step."""
+    objective = Regression(ema=EMA(decay=0.5))
+    t = Trainer(objective, optax.sgd(0.05), key=jax.random.key(0), mesh=ONE)
+    live = [np.asarray(t.init_state().params["w"], np.float64)]
+    t.add_hook(lambda info: live.append(np.asarray(info.state.params["w"], np.float64)))
+    state = t.fit(DATA, steps=3, log_every=0)
+    average = live[0]
+    for w in live[1:]:
+        average = 0.5 * average + 0.5 * w
+    np.testing.assert_allclose(state.variables()["params"]["w"], average, rtol=1e-6)
+    np.testing.assert_array_equal(state.variables(averaged=False)["params"]["w"], live[-1])
+    assert not np.allclose(average, live[-1])
+    assert t.evaluate(state, DATA)["mse"] == pytest.approx(numpy_mse(average), rel=1e-5)
+    # an objective that evaluates with its live weights keeps them as the default
+    objective.evaluate_averaged = False
+    other = Trainer(objective, optax.sgd(0.05), key=jax.random.key(0), mesh=ONE)
+    state = other.fit(DATA, steps=3, log_every=0)
+    np.testing.assert_array_equal(state.variables()["params"]["w"], state.params["w"])

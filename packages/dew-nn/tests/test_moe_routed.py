@@ -253,3 +253,19 @@ def test_experts_that_do_not_divide_over_the_expert_axis_are_refused():
     with jax.set_mesh(mesh_of(expert=8)), nn.logical_axis_rules(RULES):
         with pytest.raises(ValueError, match="MoE num_experts: 'expert' of size 4 does not divide"):
             make("capacity").init(jax.random.key(0), x)
+
+
+@pytest.mark.slow
+def test_causal_transformer_routes_with_the_same_parameters():
+    from dew.nn import CausalTransformer
+    from dew.nn.testing import TINY_MOE
+
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    dense = CausalTransformer(**TINY_MOE)
+    params = nn.unbox(dense.init(jax.random.key(0), tokens)["params"])
+    want = jax.jit(dense.apply)({"params": params}, tokens)
+    routed = CausalTransformer(**TINY_MOE, moe_dispatch="capacity")
+    got = jax.jit(routed.apply)({"params": params}, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        CausalTransformer(**TINY_MOE, moe_capacity_factor=-1.0).init(jax.random.key(0), tokens)

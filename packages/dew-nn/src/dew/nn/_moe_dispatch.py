@@ -70,10 +70,11 @@ def positions(chosen, num_experts: int):
 def experts_batched(x, gate, up, down, activation: str):
     """Each expert on its own rows: ``x [expert, rows, embed] -> [expert, rows, embed]``."""
     upped = jnp.einsum("xre,xem->xrm", x, up)
-    return jnp.einsum("xrm,xme->xre", _activate(x, gate, upped, activation, batched=True), down)
+    return jnp.einsum("xrm,xme->xre", _activate(x, gate, upped, activation), down)
 
 
-def _activate(x, gate, upped, activation, *, batched=False, group_sizes=None):
+def _activate(x, gate, upped, activation, *, group_sizes=None):
+    """The hidden activations from ``upped = x up``: SwiGLU also multiplies ``x gate``."""
     if activation == "swiglu":
         if group_sizes is not None:
             gated = jax.lax.ragged_dot(x, gate, group_sizes)
@@ -126,16 +127,6 @@ def ragged_dispatch(x, chosen, weights, kept, gate, up, down, activation):
     out = jnp.zeros_like(out).at[order].set(out).reshape(tokens, k, -1)
     out = jnp.where(kept[..., None], out, 0)  # rows past the groups are not defined
     return jnp.einsum("tke,tk->te", out, weights.astype(out.dtype))
-
-
-def dense_dispatch(x, chosen, weights, kept, gate, up, down, activation):
-    """Every expert on every token, combined with the (mostly zero) gates:
-    the reference."""
-    num = up.shape[0]
-    gates = jnp.einsum("tkx,tk->tx", jax.nn.one_hot(chosen, num, dtype=jnp.float32), weights * kept)
-    xs = jnp.broadcast_to(x, (num, *x.shape))
-    out = experts_batched(xs, gate, up, down, activation)  # [expert, tokens, embed]
-    return jnp.einsum("xte,tx->te", out, gates.astype(out.dtype))
 
 
 def resolve(dispatch: str) -> str:

@@ -5,6 +5,7 @@ dense SwiGLU MLP of the same active parameters (width ``k * features``) as the b
 - ``dense``: every expert on every token (the reference);
 - ``capacity`` dropless (``[expert, tokens, embed]`` buckets: as dense) and with
   ``--capacity-factor`` (the fast CPU path; it drops what overflows);
+- ``blocked``: dropless, sorted by expert and padded to blocks, one batched matmul;
 - ``ragged``: ``jax.lax.ragged_dot`` (XLA:CPU lowers it to a dense masked product).
 
 Each figure is the best of ``--repeats`` groups of 3 steps, in ms, and its ratio to
@@ -54,6 +55,7 @@ def main(argv=None) -> None:
         f"MoE capacity, factor {args.capacity_factor:g}": MoE(
             dispatch="capacity", capacity_factor=args.capacity_factor, **common
         ),
+        "MoE blocked, dropless": MoE(dispatch="blocked", **common),
         "MoE ragged_dot, dropless": MoE(dispatch="ragged", **common),
     }
     times, dropped = {}, None

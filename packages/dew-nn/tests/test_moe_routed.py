@@ -103,7 +103,7 @@ def test_every_dispatch_equals_numpy_and_the_dense_reference(case):
         assert 0 < (~kept).sum() < kept.size  # some, not all, dropped
     r = jax.random.normal(jax.random.key(2), X.shape)
     grads = {}
-    for dispatch in ("dense", "capacity", "ragged"):
+    for dispatch in ("dense", "capacity", "blocked", "ragged"):
         module = make(dispatch, **kw)
 
         def loss(p, x, module=module):
@@ -118,7 +118,7 @@ def test_every_dispatch_equals_numpy_and_the_dense_reference(case):
             (dropped,) = sown["dropped_fraction"]
             assert float(dropped) == pytest.approx((~kept).mean(), abs=1e-7)
         grads[dispatch] = g
-    for dispatch in ("capacity", "ragged"):
+    for dispatch in ("capacity", "blocked", "ragged"):
         jax.tree.map(
             lambda a, b, d=dispatch: np.testing.assert_allclose(
                 a, b, rtol=1e-5, atol=1e-6, err_msg=d
@@ -138,7 +138,7 @@ def test_capacity_drops_exactly_the_assignments_past_capacity():
     x = jnp.broadcast_to(X[:1, :1], (1, 6, EMBED)) + 0.01 * X[:1]
     _, kept, chosen = np_moe(params, np.asarray(x), 2, capacity_factor=1.0)
     assert (chosen[:, 0] == 0).all() and kept[:, 0].tolist() == [True] * 3 + [False] * 3
-    for dispatch in ("dense", "capacity", "ragged"):
+    for dispatch in ("dense", "capacity", "blocked", "ragged"):
         y, sown = make(dispatch, capacity_factor=1.0).apply(
             {"params": params}, x, mutable=["intermediates"]
         )
@@ -185,6 +185,9 @@ def test_router_losses_against_closed_forms_and_in_float32():
     ],
 )
 def test_bad_moe_options_are_refused(options, message):
+    from dew.nn._moe_dispatch import resolve
+
+    assert resolve("auto") == ("ragged" if jax.default_backend() in ("gpu", "tpu") else "capacity")
     with pytest.raises(ValueError, match=message):
         make(options.pop("dispatch", "capacity"), **options).init(jax.random.key(0), X)
 
@@ -269,3 +272,20 @@ def test_causal_transformer_routes_with_the_same_parameters():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         CausalTransformer(**TINY_MOE, moe_capacity_factor=-1.0).init(jax.random.key(0), tokens)
+
+
+def test_blocked_dispatch_spans_an_expert_over_several_blocks():
+    """20 tokens that all pick expert 0 (k=1): its group fills three blocks of 8."""
+    from dew.nn._moe_dispatch import block_rows
+
+    module = make("blocked", experts_per_token=1)
+    params = nn.unbox(module.init(jax.random.key(0), X)["params"])
+    x = jnp.broadcast_to(X[:1, :1], (1, 20, EMBED)) + 0.01 * jax.random.normal(
+        jax.random.key(4), (1, 20, EMBED)
+    )
+    _, _, chosen = np_moe(params, np.asarray(x), 1)
+    params["router"] = params["router"].at[:, int(chosen[0, 0])].add(5.0 * jnp.sign(x[0, 0]))
+    want, _, chosen = np_moe(params, np.asarray(x), 1)
+    assert len(set(chosen[:, 0].tolist())) == 1 and block_rows(20, 4) == 8
+    y = jax.jit(module.apply)({"params": params}, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-6)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 GATINGS = ("softmax_topk", "topk_softmax")
-DISPATCHES = ("auto", "dense", "capacity", "ragged")
+DISPATCHES = ("auto", "dense", "capacity", "blocked", "ragged")
 
 
 def route(logits, k: int, gating: str, norm_topk_prob: bool | None):
@@ -127,6 +127,47 @@ def ragged_dispatch(x, chosen, weights, kept, gate, up, down, activation):
     out = jnp.zeros_like(out).at[order].set(out).reshape(tokens, k, -1)
     out = jnp.where(kept[..., None], out, 0)  # rows past the groups are not defined
     return jnp.einsum("tke,tk->te", out, weights.astype(out.dtype))
+
+
+def block_rows(assignments: int, num_experts: int) -> int:
+    """Rows of one block of :func:`blocked_dispatch`: a power of two near
+    ``assignments / (4 * num_experts)``, 8 to 128, so the padding (at most
+    ``num_experts`` blocks) stays under ~25% of the rows."""
+    rows = max(1, assignments // (4 * num_experts))
+    return max(8, min(128, 1 << (rows.bit_length() - 1)))
+
+
+def blocked_dispatch(x, chosen, weights, kept, gate, up, down, activation):
+    """Dropless grouped matmuls without ``ragged_dot``: the assignments sorted by
+    expert, each expert's group padded to whole blocks of ``block_rows`` rows, and
+    one batched matmul over the blocks with each block's expert's weights
+    (``[blocks, block, embed] x [blocks, embed, mlp]``). At most ``assignments /
+    block + num_experts`` blocks, a static bound, so the cost is ``(tokens * k +
+    num_experts * block)`` rows whatever the load (MegaBlocks' block-sparse
+    layout, Gale et al. 2022, in plain XLA)."""
+    tokens, k = chosen.shape
+    num, n = up.shape[0], tokens * k
+    block = block_rows(n, num)
+    blocks = -(-n // block) + num
+    rows = blocks * block
+    expert_of = jnp.where(kept, chosen, num).reshape(-1)  # [T*k]; dropped sort last
+    order = jnp.argsort(expert_of, stable=True)
+    ordered = expert_of[order]
+    sizes = jnp.bincount(expert_of, length=num + 1)[:num]
+    padded = -(-sizes // block) * block
+    ends = jnp.cumsum(padded)
+    within = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[jnp.minimum(ordered, num - 1)]
+    dest = jnp.where(ordered < num, (ends - padded)[jnp.minimum(ordered, num - 1)] + within, rows)
+    buf = jnp.zeros((rows + 1, x.shape[-1]), x.dtype).at[dest].set(jnp.take(x, order // k, axis=0))
+    buf = buf[:rows].reshape(blocks, block, -1)
+    # each block's expert: the group its first row falls in (blocks past the last are empty)
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * block, side="right"), num - 1)
+    y = experts_batched(
+        buf, None if gate is None else gate[owner], up[owner], down[owner], activation
+    ).reshape(rows, -1)
+    y = jnp.concatenate([y, jnp.zeros((1, y.shape[-1]), y.dtype)])[dest]  # [T*k, embed], sorted
+    out = jnp.zeros_like(y).at[order].set(y).reshape(tokens, k, -1)
+    return jnp.einsum("tke,tk->te", out, (weights * kept).astype(out.dtype))
 
 
 def resolve(dispatch: str) -> str:

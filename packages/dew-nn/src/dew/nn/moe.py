@@ -332,6 +332,8 @@ class MoE(nn.Module):
             kept = rank < capacity
             if how == "ragged":
                 out = dispatches.ragged_dispatch(rows, c, w, kept, gate, up, down, activation)
+            elif how == "blocked":
+                out = dispatches.blocked_dispatch(rows, c, w, kept, gate, up, down, activation)
             else:
                 out = dispatches.capacity_dispatch(
                     rows, c, w, kept, rank, gate, up, down, activation, capacity

@@ -187,7 +187,9 @@ def test_router_losses_against_closed_forms_and_in_float32():
 def test_bad_moe_options_are_refused(options, message):
     from dew.nn._moe_dispatch import resolve
 
-    assert resolve("auto") == ("ragged" if jax.default_backend() in ("gpu", "tpu") else "capacity")
+    accelerator = jax.default_backend() in ("gpu", "tpu")
+    assert resolve("auto", None) == ("ragged" if accelerator else "blocked")
+    assert resolve("auto", 1.25) == ("ragged" if accelerator else "capacity")
     with pytest.raises(ValueError, match=message):
         make(options.pop("dispatch", "capacity"), **options).init(jax.random.key(0), X)
 

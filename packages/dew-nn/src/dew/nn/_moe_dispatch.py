@@ -170,13 +170,16 @@ def blocked_dispatch(x, chosen, weights, kept, gate, up, down, activation):
     return jnp.einsum("tke,tk->te", out, (weights * kept).astype(out.dtype))
 
 
-def resolve(dispatch: str) -> str:
-    """``auto``: ``ragged`` where ``ragged_dot`` is a grouped kernel (GPU, TPU),
-    ``capacity`` elsewhere (XLA:CPU lowers ``ragged_dot`` to a dense masked
-    product, ~10x one matmul at 8 experts)."""
+def resolve(dispatch: str, capacity_factor: float | None) -> str:
+    """``auto``: ``ragged`` where ``ragged_dot`` is a grouped kernel (GPU, TPU);
+    elsewhere (XLA:CPU lowers ``ragged_dot`` to a dense masked product, ~10x one
+    matmul at 8 experts) ``capacity`` with a capacity factor, ``blocked`` without
+    (dropless capacity buckets cost as much as the dense dispatch)."""
     if dispatch != "auto":
         return dispatch
-    return "ragged" if jax.default_backend() in ("gpu", "tpu") else "capacity"
+    if jax.default_backend() in ("gpu", "tpu"):
+        return "ragged"
+    return "blocked" if capacity_factor is None else "capacity"
 
 
 def expert_parallel(

@@ -18,7 +18,11 @@ Dispatch (``dispatch=``), all over one weight layout ``[expert, embed, mlp]``:
 - ``'ragged'``: the (token, choice) assignments are sorted by expert and run
   through grouped matmuls, ``jax.lax.ragged_dot`` (a grouped kernel on GPU/TPU;
   XLA:CPU lowers it to a dense masked product, ~10x one matmul at 8 experts).
-- ``'auto'``: ``'ragged'`` on GPU/TPU, ``'capacity'`` elsewhere.
+- ``'blocked'``: dropless grouped matmuls in plain XLA: the assignments sorted by
+  expert, each expert's group padded to whole blocks, one batched matmul over the
+  blocks (at most ``tokens * k / block + num_experts`` blocks, whatever the load).
+- ``'auto'``: ``'ragged'`` on GPU/TPU; elsewhere ``'capacity'`` with a capacity
+  factor and ``'blocked'`` without.
 
 ``capacity_factor=None`` is dropless: the buckets hold ``tokens`` rows, enough
 for any load (on the capacity path that costs as much as dense; set a factor
@@ -28,13 +32,14 @@ num_experts)`` slots and drops the assignments past them in the order of
 same ones, and the dropped fraction is sown as ``dropped_fraction``.
 
 Under a mesh whose ``expert`` logical axis is split (``MeshSpec(expert=E)``),
-the routed dispatches run in ``jax.shard_map``: each device routes its own
-tokens, sends each expert's bucket to the device that holds that expert with
-``jax.lax.all_to_all`` and receives the results back in the original order
-(capacity per device; dropless when ``capacity_factor`` is None). The batch must
-be split over the ``expert`` mesh axis too (the default rules do); the experts'
-``mlp`` may be split over ``tensor`` (partial sums are ``psum``-ed) and their
-``embed`` over ``fsdp`` (gathered on entry).
+the routed dispatches run in ``jax.shard_map``, all of them as capacity buckets
+there: each device routes its own tokens, sends each expert's bucket to the
+device that holds that expert with ``jax.lax.all_to_all`` and receives the
+results back in the original order (capacity per device; dropless when
+``capacity_factor`` is None). The batch must be split over the ``expert`` mesh
+axis too (the default rules do); the experts' ``mlp`` may be split over
+``tensor`` (partial sums are ``psum``-ed) and their ``embed`` over ``fsdp``
+(gathered on entry).
 
 Load balance (Switch/GShard): with ``f_e`` the fraction of the batch's
 (token, choice) assignments that go to expert ``e`` and ``P_e`` the mean
@@ -119,7 +124,8 @@ class MoE(nn.Module):
     features: hidden width of each expert.
     activation: as in :class:`dew.nn.MLP` ('swiglu', 'gelu', 'gelu_exact', 'relu').
     init_std: standard deviation of the normal weight initialiser.
-    dispatch: 'dense' (reference), 'capacity', 'ragged' or 'auto' (module docstring).
+    dispatch: 'dense' (reference), 'capacity', 'blocked', 'ragged' or 'auto'
+      (module docstring).
     capacity_factor: None = dropless; a number > 0 = slots per expert as
       ``ceil(capacity_factor * tokens * k / num_experts)``, the rest dropped.
     gating: 'softmax_topk' (softmax over all experts, then the k largest) or
@@ -214,7 +220,7 @@ class MoE(nn.Module):
             gate = self._param("gate", (num, embed, self.features), weight_axes)
         down = self._param("down", (num, self.features, embed), (axes.EXPERT, axes.MLP, axes.EMBED))
 
-        how = dispatches.resolve(self.dispatch)
+        how = dispatches.resolve(self.dispatch, self.capacity_factor)
         if how == "dense":
             out, kept = self._dense(x, weights, chosen, gate, up, down)
         else:

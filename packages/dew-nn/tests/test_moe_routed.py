@@ -272,6 +272,14 @@ def test_causal_transformer_routes_with_the_same_parameters():
     routed = CausalTransformer(**TINY_MOE, moe_dispatch="capacity")
     got = jax.jit(routed.apply)({"params": params}, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # the scanned stack under a data x expert mesh: all-to-all inside the scan, same logits
+    tokens8 = jnp.arange(64).reshape(8, 8) % 32
+    want = jax.jit(dense.apply)({"params": params}, tokens8)
+    with jax.set_mesh(mesh_of(data=2, expert=4)), nn.logical_axis_rules(RULES):
+        parallel = jax.jit(routed.apply)
+        got = parallel({"params": params}, tokens8)
+        assert "all-to-all" in parallel.lower({"params": params}, tokens8).compile().as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         CausalTransformer(**TINY_MOE, moe_capacity_factor=-1.0).init(jax.random.key(0), tokens)
 
@@ -291,3 +299,11 @@ def test_blocked_dispatch_spans_an_expert_over_several_blocks():
     assert len(set(chosen[:, 0].tolist())) == 1 and block_rows(20, 4) == 8
     y = jax.jit(module.apply)({"params": params}, x)
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-6)
+
+
+def test_an_expert_axis_that_does_not_split_the_batch_is_refused():
+    x = jax.random.normal(jax.random.key(3), (8, 4, EMBED))
+    rules = [("expert", "expert"), ("batch", "data")]
+    with jax.set_mesh(mesh_of(data=2, expert=4)), nn.logical_axis_rules(rules):
+        with pytest.raises(ValueError, match="needs the batch split over it too"):
+            make("capacity").init(jax.random.key(0), x)

@@ -307,3 +307,16 @@ def test_an_expert_axis_that_does_not_split_the_batch_is_refused():
     with jax.set_mesh(mesh_of(data=2, expert=4)), nn.logical_axis_rules(rules):
         with pytest.raises(ValueError, match="needs the batch split over it too"):
             make("capacity").init(jax.random.key(0), x)
+
+
+def test_a_batch_that_does_not_split_is_routed_in_one_program():
+    """The trainer initialises on one example: under data=2 x expert=4 it cannot be
+    split 8 ways, so it is routed unsplit (no shard_map), with the same values."""
+    x = X[:1]
+    params = nn.unbox(make("dense").init(jax.random.key(0), x)["params"])
+    want = make("dense").apply({"params": params}, x)
+    with jax.set_mesh(mesh_of(data=2, expert=4)), nn.logical_axis_rules(RULES):
+        fn = jax.jit(make("capacity").apply)
+        got = fn({"params": params}, x)
+        assert "all-to-all" not in fn.lower({"params": params}, x).compile().as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

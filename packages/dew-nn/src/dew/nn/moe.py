@@ -39,7 +39,8 @@ results back in the original order (capacity per device; dropless when
 ``capacity_factor`` is None). The batch must be split over the ``expert`` mesh
 axis too (the default rules do); the experts' ``mlp`` may be split over
 ``tensor`` (partial sums are ``psum``-ed) and their ``embed`` over ``fsdp``
-(gathered on entry).
+(gathered on entry). A batch that does not split over the mesh (initialisation
+on one example) is routed unsplit, in one program the compiler partitions.
 
 Load balance (Switch/GShard): with ``f_e`` the fraction of the batch's
 (token, choice) assignments that go to expert ``e`` and ``P_e`` the mean
@@ -61,6 +62,8 @@ the per-expert activations ``[expert, batch, length, mlp]`` follow them.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -304,11 +307,13 @@ class MoE(nn.Module):
                 "map logical 'batch' to the expert mesh axis in the rules (as DEFAULT_RULES "
                 "does) or use dispatch='dense'"
             )
+        check_divides(self.features, axes.MLP, "MoE features")
+        ways = lambda names: math.prod(int(mesh.shape[a]) for a in names)  # noqa: E731
+        if batch % ways(batch_axes) or length % ways(length_axes):
+            # a batch that does not split (the trainer's initialisation on one example):
+            # all tokens routed in one program, which the compiler partitions (GSPMD)
+            batch_axes = length_axes = expert_axes = tensor_axes = ()
         sharded = bool(batch_axes or length_axes or tensor_axes)
-        if sharded:
-            check_divides(batch, axes.BATCH, "MoE input batch")
-            check_divides(length, axes.LENGTH, "MoE input length")
-            check_divides(self.features, axes.MLP, "MoE features")
 
         def local(x, weights, chosen, params):
             gate, up, down = params.get("gate"), params["up"], params["down"]

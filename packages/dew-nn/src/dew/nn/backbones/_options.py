@@ -126,6 +126,8 @@ class BlockConfig:
       dense MLP.
     experts_per_token: experts each token is routed to; read only when
       ``num_experts > 0``.
+    moe_dispatch, moe_capacity_factor: :class:`dew.nn.moe.MoE`'s ``dispatch``
+      and ``capacity_factor``.
     """
 
     num_heads: int
@@ -145,6 +147,8 @@ class BlockConfig:
     param_dtype: Any
     num_experts: int = 0
     experts_per_token: int = 2
+    moe_dispatch: str = "dense"
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self):
         if self.num_experts < 0:

@@ -79,7 +79,13 @@ class DecoderBlock(nn.Module):
             name="mlp",
         )
         if c.num_experts:
-            mlp = MoE(num_experts=c.num_experts, experts_per_token=c.experts_per_token, **shared)
+            mlp = MoE(
+                num_experts=c.num_experts,
+                experts_per_token=c.experts_per_token,
+                dispatch=c.moe_dispatch,
+                capacity_factor=c.moe_capacity_factor,
+                **shared,
+            )
         else:
             mlp = MLP(use_bias=c.use_bias, **shared)
         h = mlp(h)
@@ -100,6 +106,11 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         dense MLP.
       experts_per_token: experts each token is routed to (k); read only when
         ``num_experts > 0``.
+      moe_dispatch: how tokens reach their experts: 'dense' (every expert on
+        every token, the reference), 'capacity', 'ragged' or 'auto'
+        (:class:`dew.nn.moe.MoE`; docs/moe.md); the same parameters for all.
+      moe_capacity_factor: None = dropless; a number > 0 = each expert's slots
+        as ``ceil(factor * tokens * k / num_experts)``, the rest dropped.
 
     The rest (widths, heads, norms, positions, dtypes, the layer stack) are
     :class:`~dew.nn.backbones._options.TransformerOptions`' fields; decoding
@@ -112,6 +123,8 @@ class CausalTransformer(TransformerOptions, kw_only=True):
     tie_embeddings: bool = False
     num_experts: int = 0
     experts_per_token: int = 2
+    moe_dispatch: str = "dense"
+    moe_capacity_factor: float | None = None
 
     EXTRA_POSITIVE = ("vocab_size",)
     EXTRA_OPTIONAL = ("sliding_window",)
@@ -127,6 +140,8 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             super().block_config(),
             num_experts=self.num_experts,
             experts_per_token=self.experts_per_token,
+            moe_dispatch=self.moe_dispatch,
+            moe_capacity_factor=self.moe_capacity_factor,
         )
 
     @nn.compact

@@ -96,6 +96,8 @@ class Run:
             rates = self._rates(values)
             line = f"step {step}: loss {format_value(values['loss'])}, {rates}"
             self.log.log(step, values, line=line)
+            for note in self.trainer.objective.log_notes(step, values):
+                self.log.print(note)
             return values
 
     def _rates(self, values: dict) -> str:

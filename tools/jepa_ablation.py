@@ -116,6 +116,8 @@ VARIANTS = {
         {"learning_rate": 3e-4, "predictor_num_layers": 4},
         {},
     ),
+    "sincos positions": ("dew", {"position_embedding": "sincos"}, {}),
+    "reference sincos positions": ("reference", {"position_embedding": "sincos"}, {}),
     "1000 steps": ("dew", {"steps": 1000}, {}),
     "reference 1000 steps": ("reference", {"steps": 1000}, {}),
 }

@@ -87,12 +87,24 @@ def toy_setup(toy, **changes):
 
 
 def vary(setup, changes):
-    """``setup`` with ``changes``; ``predictor_<field>`` changes the predictor's field."""
-    predictor = {
-        k[len("predictor_") :]: v for k, v in changes.items() if k.startswith("predictor_")
-    }
-    rest = {k: v for k, v in changes.items() if not k.startswith("predictor_")}
-    return dataclasses.replace(setup, predictor=setup.predictor.clone(**predictor), **rest)
+    """``setup`` with ``changes``; ``predictor_<field>`` and ``encoder_<field>`` change
+    a field of that module; ``position_embedding`` that of both."""
+    modules = {"predictor": {}, "encoder": {}}
+    rest = {}
+    for name, value in changes.items():
+        role, _, field = name.partition("_")
+        if name == "position_embedding":
+            modules["predictor"][name] = modules["encoder"][name] = value
+        elif role in modules:
+            modules[role][field] = value
+        else:
+            rest[name] = value
+    return dataclasses.replace(
+        setup,
+        encoder=setup.encoder.clone(**modules["encoder"]),
+        predictor=setup.predictor.clone(**modules["predictor"]),
+        **rest,
+    )
 
 
 # name: (side, setup changes, JepaObjective options)
@@ -117,6 +129,11 @@ VARIANTS = {
         {},
     ),
     "sincos positions": ("dew", {"position_embedding": "sincos"}, {}),
+    "sincos + lr 3e-4 + predictor 4 layers": (
+        "dew",
+        {"position_embedding": "sincos", "learning_rate": 3e-4, "predictor_num_layers": 4},
+        {},
+    ),
     "reference sincos positions": ("reference", {"position_embedding": "sincos"}, {}),
     "1000 steps": ("dew", {"steps": 1000}, {}),
     "reference 1000 steps": ("reference", {"steps": 1000}, {}),

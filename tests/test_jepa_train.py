@@ -10,6 +10,7 @@ nothing about ``f`` (``theta`` is uniform), so a random encoder's pooled feature
 are near chance; predicting hidden patches from the others needs ``f``.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -109,7 +110,7 @@ def typed(state):
 
 
 def numpy_statistics(objective, state, pixels):
-    """``(target_std, effective_rank)`` of the step that starts at ``state`` on
+    """``(target_std, effective_rank, pooled_std)`` of the step that starts at ``state`` on
     ``pixels``: the target encoder's features from the model, everything after
     them (layer norm, the target gather, std, SVD, entropy) in float64 numpy."""
     from dew.train.step import microbatch_key
@@ -127,7 +128,8 @@ def numpy_statistics(objective, state, pixels):
     pooled = full.mean(axis=1)
     s = np.linalg.svd(pooled - pooled.mean(0), compute_uv=False)
     p = s / (s.sum() + 1e-12) + 1e-12
-    return target_std, np.exp(-np.sum(p * np.log(p)))
+    pooled_std = h.mean(axis=1).std(axis=0).mean()  # over images, of the layer-normed
+    return target_std, np.exp(-np.sum(p * np.log(p))), pooled_std
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +157,14 @@ def test_logged_statistics_are_the_logged_steps_own(logged_run):
     assert [r["step"] for r in records] == [2, 4]
     for record in records:
         before = states[record["step"] - 1]  # the state the logged step started from
-        target_std, rank = numpy_statistics(trainer.objective, before, pixels[record["step"] - 1])
+        target_std, rank, pooled_std = numpy_statistics(
+            trainer.objective, before, pixels[record["step"] - 1]
+        )
         # the value of that step alone, not a mean over the interval; float32 in the
         # step against float64 here
         assert record["target_std"] == pytest.approx(target_std, rel=1e-6)
         assert record["effective_rank"] == pytest.approx(rank, rel=1e-6)
+        assert record["pooled_std"] == pytest.approx(pooled_std, rel=1e-5)
         # the update norm of that step: adam's update is the change of the parameters;
         # rel 1e-4: the float32 difference of two nearby parameter trees
         after = states[record["step"]]
@@ -196,7 +201,7 @@ def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
     jax.tree.map(np.testing.assert_array_equal, off.averaged, on.averaged)
     jax.tree.map(np.testing.assert_array_equal, off.params, states[2].params)  # fit's step 2
     assert off_metrics["loss"] == on_metrics["loss"]
-    for name in ("target_std", "prediction_std", "effective_rank", "update_norm"):
+    for name in ("target_std", "prediction_std", "effective_rank", "pooled_std", "update_norm"):
         assert float(off_metrics[name].weight) == 0.0 and float(off_metrics[name].total) == 0.0
         assert float(on_metrics[name].weight) > 0
     # evaluation (Step.is_logged left True) still reports them: the numpy values
@@ -205,7 +210,7 @@ def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
     key = microbatch_key(typed(states[1]).key, states[1].step, 0)
     evaluate = jax.jit(lambda v, x, k: objective.evaluate(v, {"image": x}, Step(index=1, key=k)))
     metrics = evaluate(variables, pixels[1], key)
-    target_std, rank = numpy_statistics(objective, states[1], pixels[1])
+    target_std, rank, _ = numpy_statistics(objective, states[1], pixels[1])
     assert float(metrics["target_std"]) == pytest.approx(target_std, rel=1e-6)
     assert float(metrics["effective_rank"]) == pytest.approx(rank, rel=1e-6)
     logged = on_metrics["effective_rank"]
@@ -239,6 +244,27 @@ def test_eight_devices_equal_one(mesh, tmp_path):
             getattr(got, tree),
             getattr(want, tree),
         )
+
+
+def test_collapse_prints_one_warning_line(capsys):
+    """A deliberately collapsing run: no moving average (momentum 0, the target is
+    the encoder itself), a large learning rate, and pixels of independent noise,
+    where nothing but a patch's position is predictable: the features stop
+    depending on the image, and the log says so in one line."""
+    objective = dataclasses.replace(tiny_objective(60), momentum=(0.0, 0.0))
+    trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(0), progress=False, **ONE)
+    records = []
+    trainer.add_hook(lambda info: records.append(dict(info.metrics)), every=5)
+    trainer.fit(tiny_data(), steps=60, log_every=5)
+    out = capsys.readouterr().out
+    stds = [r["pooled_std"] for r in records]
+    assert stds[-1] < 0.01 and stds[-1] < 0.25 * stds[0], stds
+    warnings = [x for x in out.splitlines() if x.startswith("warning:")]
+    assert warnings and warnings[-1].startswith("warning: step 60: "), out
+    assert all("JEPA features are collapsing (pooled_std" in x for x in warnings), warnings
+    # the steps before the features collapsed did not warn
+    healthy = [5 * (i + 1) for i, s in enumerate(stds) if s >= 0.01 and s >= 0.25 * stds[0]]
+    assert not any(x.startswith(f"warning: step {s}: ") for s in healthy for x in warnings)
 
 
 # ------------------------------------------------------------------ toy task

@@ -173,3 +173,24 @@ def test_wrong_batches_are_refused_before_compiling():
         JepaObjective(ENCODER, PREDICTOR, planned_updates=0)
     with pytest.raises(ValueError, match="loss_type"):
         objective(loss_type="l2")
+
+
+def test_collapse_alarm_warns_in_one_line_against_the_first_logged_values():
+    from dew.objectives.jepa import CollapseAlarm
+
+    obj = objective()
+    assert obj.log_notes(10, {"loss": 0.1}) == []  # no statistics logged: nothing to say
+    assert obj.log_notes(10, {"pooled_std": 0.2, "effective_rank": 6.0}) == []  # the first
+    assert obj.log_notes(20, {"pooled_std": 0.06, "effective_rank": 2.0}) == []  # 0.3x, 0.33x
+    (line,) = obj.log_notes(30, {"pooled_std": 0.04, "effective_rank": 6.0})
+    assert line.startswith("warning: step 30: JEPA features are collapsing (pooled_std 0.04 < ")
+    assert "\n" not in line and "0.25 x its first 0.2" in line
+    (line,) = obj.log_notes(40, {"pooled_std": 0.2, "effective_rank": 1.2})
+    assert "effective_rank 1.2 < 0.25 x its first 6" in line
+    # a run that starts collapsed: the absolute floors
+    fresh = objective()
+    (line,) = fresh.log_notes(5, {"pooled_std": 0.004, "effective_rank": 1.1})
+    assert "pooled_std 0.004 < 0.01" in line and "effective_rank 1.1 < 1.5" in line
+    assert objective(alarm=None).log_notes(5, {"pooled_std": 0.0, "effective_rank": 0.0}) == []
+    with pytest.raises(ValueError, match="std_fraction"):
+        CollapseAlarm(std_fraction=1.5)

@@ -346,6 +346,12 @@ class Objective:
         """Add derived numbers to the reduced evaluation results (e.g. perplexity)."""
         return dict(results)
 
+    def log_notes(self, step: int, metrics: Mapping[str, float]) -> list[str]:
+        """Lines the trainer prints after the training log line of ``step`` (on the
+        host, from its reduced ``metrics``): warnings such as JEPA's collapse alarm.
+        Default: none."""
+        return []
+
     def preview(self, variables: Variables, key: jax.Array) -> Any:
         """A sample to log (text, images, video); None = nothing to show."""
         return None

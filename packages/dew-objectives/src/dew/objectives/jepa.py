@@ -71,14 +71,67 @@ def effective_rank(x: jax.Array) -> jax.Array:
     return jnp.exp(-jnp.sum(p * jnp.log(p)))
 
 
-def feature_statistics(targets, predictions, pooled) -> dict[str, jax.Array]:
+def feature_statistics(targets, predictions, pooled, pooled_normed) -> dict[str, jax.Array]:
     """What the log shows of collapse: ``target_std`` and ``prediction_std``
-    (:func:`feature_std`) and the ``effective_rank`` of the pooled target features."""
+    (:func:`feature_std`), the ``effective_rank`` of the pooled target features
+    and ``pooled_std``, the :func:`feature_std` over images of the mean-pooled
+    layer-normed target features: how much the features still depend on the
+    image (features that only encode the position keep ``target_std`` and
+    lose this)."""
     return {
         "target_std": feature_std(targets),
         "prediction_std": feature_std(predictions),
         "effective_rank": effective_rank(pooled),
+        "pooled_std": feature_std(pooled_normed),
     }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollapseAlarm:
+    """When the log warns that the features collapse (one line).
+
+    std_fraction: warn when ``pooled_std`` falls below this fraction of its
+      first logged value (the run's start); 0 = never.
+    min_std: warn when ``pooled_std`` falls below this, whatever it started at
+      (the targets are layer-normed, so it is on one scale for every model; a
+      run that collapses before its first log line is caught by it); 0 = never.
+    rank_fraction: warn when ``effective_rank`` falls below this fraction of
+      its first logged value; 0 = never.
+    min_rank: warn when ``effective_rank`` falls below this (1 = every image's
+      pooled features on one line); 0 = never.
+    """
+
+    std_fraction: float = 0.25
+    min_std: float = 0.01
+    rank_fraction: float = 0.25
+    min_rank: float = 1.5
+
+    def __post_init__(self):
+        for name in ("std_fraction", "rank_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(
+                    f"CollapseAlarm {name} must be in [0, 1), got {getattr(self, name)}"
+                )
+        for name in ("min_rank", "min_std"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CollapseAlarm {name} must be >= 0, got {getattr(self, name)}")
+
+    def check(self, first: Mapping[str, float], now: Mapping[str, float]) -> str | None:
+        """The reasons to warn (one phrase), or None, for logged ``now`` against ``first``."""
+        reasons = []
+        std, std0 = now.get("pooled_std"), first.get("pooled_std")
+        if std is not None and std0 and std < self.std_fraction * std0:
+            reasons.append(f"pooled_std {std:.3g} < {self.std_fraction:g} x its first {std0:.3g}")
+        elif std is not None and std < self.min_std:
+            reasons.append(f"pooled_std {std:.3g} < {self.min_std:g}")
+        rank, rank0 = now.get("effective_rank"), first.get("effective_rank")
+        if rank is not None and rank0 and rank < self.rank_fraction * rank0:
+            reasons.append(
+                f"effective_rank {rank:.3g} < {self.rank_fraction:g} x its first {rank0:.3g}"
+            )
+        elif rank is not None and rank < self.min_rank:
+            reasons.append(f"effective_rank {rank:.3g} < {self.min_rank:g}")
+        return "; ".join(reasons) or None
 
 
 def momentum_schedule(start: float, end: float, updates: int):
@@ -105,6 +158,8 @@ class JepaObjective(Objective):
       ``(0.996, 1.0)``, V-JEPA ``(0.998, 1.0)``).
     masks: the :class:`MultiBlock` block sampler (I-JEPA's defaults).
     loss_type: ``'smooth_l1'`` (I-JEPA) or ``'l1'`` (V-JEPA ``loss_exp=1``).
+    alarm: when the training log warns of collapse (:class:`CollapseAlarm`,
+      :meth:`log_notes`); None = never.
     input_key: the batch key of the pixels; None = ``'video'`` when the
       encoder takes video (``encoder.grid.is_video``), else ``'image'``.
     """
@@ -115,6 +170,7 @@ class JepaObjective(Objective):
     momentum: tuple[float, float] = (0.996, 1.0)
     masks: MultiBlock = dataclasses.field(default_factory=MultiBlock)
     loss_type: str = "smooth_l1"
+    alarm: CollapseAlarm | None = dataclasses.field(default_factory=CollapseAlarm)
     input_key: str | None = None
 
     uses_averaged = True
@@ -147,6 +203,7 @@ class JepaObjective(Objective):
             decay=momentum_schedule(start, end, self.planned_updates),
             include=lambda path: path.split("/")[0] == "encoder",
         )
+        self._first_logged: dict[str, float] | None = None
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:
@@ -196,9 +253,9 @@ class JepaObjective(Objective):
         # without 'averaged' (outside the trainer) the encoder is its own target
         target_params = variables.get("averaged", variables["params"])["encoder"]
         full = jax.lax.stop_gradient(encode(self.encoder, target_params, pixels))
-        h = jax.lax.stop_gradient(layer_norm(full))  # [batch, patches, features]
+        normed = jax.lax.stop_gradient(layer_norm(full))  # [batch, patches, features]
         flat = masks.targets.reshape(rows, n * kt)
-        h = jnp.take_along_axis(h, flat[:, :, None], axis=1).reshape(rows, n, kt, -1)
+        h = jnp.take_along_axis(normed, flat[:, :, None], axis=1).reshape(rows, n, kt, -1)
         params = variables["params"]
         context = encode(self.encoder, params["encoder"], pixels, masks.context)  # [batch, K, f]
         # each target block is a predictor row of its own (I-JEPA repeats the context)
@@ -216,13 +273,32 @@ class JepaObjective(Objective):
         loss = Weighted.mean(per_element, weights[:, None, None, None])
         # feature statistics (an SVD among them): on logged steps only, under one
         # condition, each a mean per row as a plain scalar metric is
-        metrics = step.diagnostic(feature_statistics, h, z, full.mean(axis=1), weight=rows)
+        metrics = step.diagnostic(
+            feature_statistics, h, z, full.mean(axis=1), normed.mean(axis=1), weight=rows
+        )
         return loss, metrics
 
     def loss(self, variables, batch, step: Step):
         """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
         the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""
         return self._terms(variables, batch, step)
+
+    def log_notes(self, step: int, metrics: Mapping[str, float]) -> list[str]:
+        """A one-line warning after a training log line whose feature statistics
+        have collapsed (:attr:`alarm`), against the first logged line this
+        objective saw (the start of the run; after a resume, the resumed start)."""
+        if self.alarm is None or "pooled_std" not in metrics:
+            return []
+        now = {k: float(metrics[k]) for k in ("pooled_std", "effective_rank") if k in metrics}
+        if self._first_logged is None:
+            self._first_logged = now
+        reason = self.alarm.check(self._first_logged, now)
+        if reason is None:
+            return []
+        return [
+            f"warning: step {step}: JEPA features are collapsing ({reason}); lower the "
+            f"learning rate, raise the momentum or widen the predictor (docs/jepa.md)"
+        ]
 
     def evaluate(self, variables, batch, step: Step):
         """The loss and the feature statistics on a validation batch (masks from the

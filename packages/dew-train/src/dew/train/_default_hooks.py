@@ -77,9 +77,11 @@ class LogMetrics:
         rows: int,
         devices,
         headline: tuple[str, ...] = (),
+        notes_fn=lambda step, values: [],
     ):
         self.log = log
         self.headline = headline  # the objective's metrics printed after the loss
+        self.notes_fn = notes_fn  # the objective's warnings after the line (JEPA's collapse)
         self.goodput = goodput
         self.log_every = log_every
         self.start = start
@@ -110,6 +112,8 @@ class LogMetrics:
                 )
                 line = f"step {info.step}: loss {format_value(values['loss'])}, {shown}{rates}"
                 self.log.log(info.step, values, line=line)
+                for note in self.notes_fn(info.step, values):
+                    self.log.print(note)
                 info.metrics.update(values)
 
     def finish(self, info: StepInfo) -> None:

@@ -458,6 +458,7 @@ class Trainer:
                 rows=data.batch,
                 devices=self.device_mesh.devices.flat,
                 headline=tuple(self.objective.headline_metrics),
+                notes_fn=self.objective.log_notes,
             ),
             "evaluation": lambda: defaults.Evaluation(
                 programs=programs,

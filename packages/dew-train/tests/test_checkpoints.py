@@ -243,6 +243,9 @@ def test_checkpoint_of_another_model_names_the_parameters(run, tmp_path):
     ) as error:
         make_trainer(tmp_path, emb=24).fit(grain_data(), steps=STEPS)
     assert not isinstance(error.value, OptimizerMismatchError)
+    # the configuration fields that differ, with both values, not the whole config
+    assert "(it differs in emb_features: 16 in the checkpoint, 24 in this run)" in str(error.value)
+    assert "num_layers" not in str(error.value) and "mlp_features" not in str(error.value)
     assert listing(tmp_path) == before  # an error, not skipped
 
 

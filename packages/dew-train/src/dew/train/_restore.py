@@ -33,6 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from dew.nn import models
+
 MODEL_FIELDS = ("params", "averaged", "frozen")
 SHOWN = 6  # differences listed in one message
 
@@ -119,7 +121,14 @@ def _shown(lines: list[str]) -> str:
 
 
 def check_compatible(
-    saved_abstract, saved_metadata, path: str, meta: dict, *, reset_optimizer: bool, directory: str
+    saved_abstract,
+    saved_metadata,
+    path: str,
+    meta: dict,
+    *,
+    reset_optimizer: bool,
+    directory: str,
+    this_model: dict | None = None,
 ) -> bool:
     """Raise unless the checkpoint at ``path`` fits this run; return True when
     only its optimizer state differs and ``reset_optimizer`` allows starting
@@ -127,17 +136,22 @@ def check_compatible(
 
     saved_abstract: this run's tree as :func:`dew.train.checkpoints.to_saved`
       writes it, abstract. saved_metadata: the checkpoint's Orbax metadata tree.
+    this_model: this run's ``{"name", "config"}`` record; a model mismatch then names
+      the configuration fields that differ, not the whole saved configuration.
     """
     ours, theirs = flat_arrays(saved_abstract), flat_arrays(saved_metadata)
     model_fields = {name.split("/", 1)[0] for name in (*ours, *theirs)} - {"opt_state"}
     model = _differences(ours, theirs, model_fields)
     if model:
         written = meta.get("model") or {}
-        by = (
-            f" (written for model {written.get('name')!r} with config {written.get('config')})"
-            if written
-            else ""
-        )
+        by = ""
+        if written and this_model:
+            lines = models.config_differences(
+                written, this_model, saved_label="the checkpoint", current_label="this run"
+            )
+            by = f" (it differs in {'; '.join(lines)})" if lines else ""
+        elif written:
+            by = f" (written for model {written.get('name')!r} with config {written.get('config')})"
         raise CheckpointMismatchError(
             f"checkpoint {path} does not match this run's model{by}: {_shown(model)}; resume "
             f"with the model that wrote it, or point Checkpoints at another directory"

@@ -287,6 +287,7 @@ class CheckpointSession:
         *,
         root_key: jax.Array,
         init_opt_state: Callable[[Any], Any] | None = None,
+        model: dict | None = None,
     ) -> Restored | None:
         """The newest usable checkpoint, read into ``shardings``; None when the
         directory holds none (or none is usable and ``start_fresh``).
@@ -308,7 +309,7 @@ class CheckpointSession:
                 try:
                     with quiet_restore():
                         restored = self._read(
-                            step, path, abstract, shardings, key_impl, init_opt_state
+                            step, path, abstract, shardings, key_impl, init_opt_state, model
                         )
                 except Exception as error:
                     proof = damage(error)
@@ -342,7 +343,9 @@ class CheckpointSession:
         self.print(f"Starting from step 0 (Checkpoints(start_fresh=True)): {message}")
         return None
 
-    def _read(self, step, path, abstract, shardings, key_impl, init_opt_state) -> Restored:
+    def _read(
+        self, step, path, abstract, shardings, key_impl, init_opt_state, model=None
+    ) -> Restored:
         ocp = self._ocp
         meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
         saved_abstract = to_saved(abstract, shardings=shardings)
@@ -363,6 +366,7 @@ class CheckpointSession:
                     meta,
                     reset_optimizer=self.spec.reset_optimizer,
                     directory=self.directory,
+                    this_model=model,
                 )
             if not reset:
                 tree = checkpointer.restore(state_dir, saved_abstract)

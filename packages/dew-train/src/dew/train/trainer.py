@@ -416,6 +416,7 @@ class Trainer:
                     init_opt_state=jax.jit(
                         self.programs.optimizer.init, out_shardings=shardings.opt_state
                     ),
+                    model=_first_trained_record(self.roles),
                 )
         if restored is None:
             with goodput.measure("init"):
@@ -543,6 +544,12 @@ def checkpoint_meta(objective, roles, data, per_batch: int) -> dict:
     if "model_note" in first:
         meta["model_note"] = first["model_note"]
     return meta
+
+
+def _first_trained_record(roles) -> dict | None:
+    """The first trained role's ``{"name", "config"}`` (a checkpoint's ``model``)."""
+    trained = [r for r in roles if r.trained]
+    return _model_record(base_module(trained[0].module)).get("model") if trained else None
 
 
 def _model_line(abstract, shardings) -> str:

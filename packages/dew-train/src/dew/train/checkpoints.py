@@ -10,8 +10,9 @@ One checkpoint is one directory per step::
                                      when the iterator has get_state/set_state
     <directory>/<step>/meta/         JSON: the model's registry name and config, how
                                      the data stream resumes
-    <directory>/<step>/checksums/    CRC-32 of every array shard's bytes, one JSON
-                                     file per process (dew.train._integrity)
+    <directory>/<step>/checksums/    a checksum (wsum64-v1) of every array shard's
+                                     bytes, one JSON file per process
+                                     (dew.train._integrity)
     <directory>/<step>/commit_success.txt   Orbax's commit marker, written last
 
 A ``fit`` whose directory holds checkpoints continues from the newest usable

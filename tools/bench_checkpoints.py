@@ -12,8 +12,10 @@ round), each into a fresh directory through ``CheckpointSession.save``
 items with an empty checksum record and skips the verification, so a
 difference from it is the sums themselves (taking the shards: ``save``
 returns; computing and writing them: the commit waits for them; recomputing
-them on restore); ``wsum64-v1`` (what Dew records) on ``_integrity.WORKERS``
-threads and on 1; ``crc32`` (what Dew recorded before, ``zlib.crc32``).
+them on restore); ``wsum64-v1`` (what Dew records; a save sums on Orbax's
+commit thread, a restore on ``_integrity.WORKERS`` threads) and the same with
+the restore on 1 thread; ``crc32`` (what Dew recorded before, ``zlib.crc32``,
+threaded as ``wsum64-v1``).
 
 Reported, medians over the rounds: ``save`` (until ``save`` returns: what a
 training step waits for), ``save+commit`` (until the checkpoint is on disk),
@@ -46,7 +48,7 @@ from dew.train import _integrity  # noqa: E402
 SIZE = dict(emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, max_seq_len=256)
 
 
-VARIANTS = ("none", "wsum64-v1", "wsum64-v1, 1 thread", "crc32")
+VARIANTS = ("none", "wsum64-v1", "wsum64-v1, 1 thread", "crc32")  # 1 thread: restore
 
 
 def use(variant: str) -> None:
@@ -54,7 +56,7 @@ def use(variant: str) -> None:
     _integrity.ALGORITHM = "crc32" if variant == "crc32" else "wsum64-v1"
     _integrity.WORKERS = 1 if "1 thread" in variant else DEFAULT_WORKERS
     if variant == "none":
-        checkpoints.checksums_save_args = lambda tree: _integrity.save_args({})
+        checkpoints.checksums_save_args = lambda tree, **kw: _integrity.save_args({}, **kw)
         checkpoints.verify = lambda tree, recorded: 0
     else:
         checkpoints.checksums_save_args = _integrity.save_args
@@ -122,7 +124,7 @@ def main() -> None:
             runs[variant].append(one(trainer, state, abstract, shardings, variant))
     print(
         f"medium LM state, {megabytes:.1f} MB, {jax.device_count()} device(s), "
-        f"{_integrity.WORKERS} checksum threads, medians of {args.rounds} rounds "
+        f"{_integrity.WORKERS} checksum threads on restore, medians of {args.rounds} rounds "
         f"(ratio: to none):"
     )
     print(f"{'':22} {'save':>15} {'save+commit':>15} {'restore':>15}")

@@ -15,8 +15,9 @@ entry per distinct shard index of every array of the saved tree
 (``{"algorithm": "wsum64-v1", "arrays": {"params/embed/embedding": {"[0:4, 0:16]":
 "<64 hex digits>", ...}}}``). The shards are taken from device when ``save`` is
 called (host views on CPU, where they are the arrays Orbax writes too) and the
-sums computed in Orbax's background commit thread, so an asynchronous save does
-not wait for them; the checkpoint commits only after they are written.
+sums computed in Orbax's background commit thread once ``save`` has returned,
+so an asynchronous save does not wait for them nor share the CPU with them;
+the checkpoint commits only after they are written.
 
 The algorithm, ``wsum64-v1`` (:func:`wsum64`): the bytes read as little-endian
 64-bit words ``w_k`` (the last one zero-padded), k = 1..N, and four sums mod
@@ -53,6 +54,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import threading
 import zlib
 from typing import Any
 
@@ -216,21 +218,26 @@ def host_shards(tree) -> list[tuple[str, str, np.ndarray]]:
     return out
 
 
-WORKERS = min(4, os.cpu_count() or 1)  # threads sharing the sums (numpy and zlib release the GIL)
+# Threads sharing the sums of a restore (numpy and zlib release the GIL). A
+# save computes its sums on Orbax's commit thread alone: they are background
+# work, and more threads would take cores from the training step (one run of
+# tools/bench_checkpoints.py on 2 shared cores: `save` returned after 59 ms with
+# the sums on 2 threads, 42 ms on 1, 34 ms without sums).
+WORKERS = min(4, os.cpu_count() or 1)
 
 
-def _sums(items: list[tuple[str, np.ndarray]]) -> list:
-    """The checksum of each ``(algorithm, data)``."""
-    if WORKERS == 1 or len(items) < 2:
+def _sums(items: list[tuple[str, np.ndarray]], workers: int) -> list:
+    """The checksum of each ``(algorithm, data)``, on ``workers`` threads."""
+    if workers == 1 or len(items) < 2:
         return [checksum(data, algorithm) for algorithm, data in items]
-    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         return list(pool.map(lambda item: checksum(item[1], item[0]), items))
 
 
 def record(shards: list[tuple[str, str, np.ndarray]]) -> dict:
     """The JSON record of this process's shards."""
     arrays: dict[str, dict[str, str]] = {}
-    sums = _sums([(ALGORITHM, data) for _, _, data in shards])
+    sums = _sums([(ALGORITHM, data) for _, _, data in shards], workers=1)
     for (name, key, _), value in zip(shards, sums, strict=True):
         arrays.setdefault(name, {})[key] = value
     return {"algorithm": ALGORITHM, "arrays": arrays}
@@ -290,7 +297,7 @@ def verify(tree, recorded: dict[str, dict[str, tuple[str, Any]]]) -> int:
             else:
                 continue  # another process holds it
             checked.append((name, key, algorithm, value, data))
-    sums = _sums([(algorithm, data) for _, _, algorithm, _, data in checked])
+    sums = _sums([(algorithm, data) for _, _, algorithm, _, data in checked], WORKERS)
     for (name, key, algorithm, value, _), got in zip(checked, sums, strict=True):
         if got != value:
             mismatch = ChecksumMismatchError(name, key, value, got, algorithm)
@@ -321,14 +328,18 @@ def _handler_classes():
         """Writes this process's record; the sums are computed in the commit
         thread, before the checkpoint commits."""
 
-        async def _write(self, shards, directory):
-            content = json.dumps(record(shards), indent=0)
+        async def _write(self, args, directory):
+            # on this commit future's own thread: wait until ``save`` has
+            # returned, so that the sums do not take cores from its foreground
+            # work (what a training step waits for)
+            args.started.wait(timeout=_RELEASE_TIMEOUT_S)
+            content = json.dumps(record(args.shards), indent=0)
             (directory / _filename()).write_text(content)
 
         async def async_save(self, directory, args):
             return [
                 future.CommitFutureAwaitingContractedSignals(
-                    self._write(args.shards, directory), name="dew_checksums_save"
+                    self._write(args, directory), name="dew_checksums_save"
                 )
             ]
 
@@ -354,6 +365,7 @@ def _handler_classes():
     @dataclasses.dataclass
     class ChecksumsSave(ocp.args.CheckpointArgs):
         shards: list
+        started: threading.Event  # set when the save has returned (CheckpointSession.save)
 
     @ocp.args.register_with_handler(ChecksumsHandler, for_restore=True)
     @dataclasses.dataclass
@@ -367,6 +379,17 @@ def _handler_classes():
 _CLASSES = None
 
 
-def save_args(tree):
-    """The Orbax args that write ``tree``'s checksums as the ``checksums`` item."""
-    return _handler_classes()[1](host_shards(tree))
+_RELEASE_TIMEOUT_S = 60.0  # a save that never says it returned: sum anyway
+
+
+def save_args(tree, *, deferred: bool = False):
+    """The Orbax args that write ``tree``'s checksums as the ``checksums`` item.
+
+    deferred: an asynchronous save computes the sums only once its caller sets
+      the args' ``started`` event (after Orbax's ``save`` returns; the caller
+      must set it, also when the save fails); otherwise at once.
+    """
+    started = threading.Event()
+    if not deferred:
+        started.set()
+    return _handler_classes()[1](host_shards(tree), started)

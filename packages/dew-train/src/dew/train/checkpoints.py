@@ -475,17 +475,20 @@ class CheckpointSession:
         items = {
             "state": ocp.args.StandardSave(saved),
             "meta": ocp.args.JsonSave(meta),
-            "checksums": checksums_save_args(saved),
         }
+        checksums = items["checksums"] = checksums_save_args(saved, deferred=spec.use_async)
         if position is not None:
             items["data_iter"] = grain.checkpoint.CheckpointSave(_Position(position))
-        with quiet_orbax():
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(**items),
-                force=True,
-                metrics=metrics if spec.keep_best else None,
-            )
+        try:
+            with quiet_orbax():
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(**items),
+                    force=True,
+                    metrics=metrics if spec.keep_best else None,
+                )
+        finally:
+            checksums.started.set()  # the sums start in the background now
 
     def wait(self) -> None:
         """Block until every started save is on disk."""

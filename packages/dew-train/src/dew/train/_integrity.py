@@ -24,8 +24,8 @@ The algorithm, ``wsum64-v1`` (:func:`wsum64`): the bytes read as little-endian
 2**64: ``S = sum w_k``, ``T = sum k*w_k``, and the same of the words' upper
 halves, ``S' = sum (w_k >> 32)``, ``T' = sum k*(w_k >> 32)``. Numpy computes
 them in one pass over memory (``T`` from row and column sums of the words seen
-as a matrix, a block in cache at a time), 1.3-1.9x faster than ``zlib.crc32``
-on one core (``tools/bench_checkpoints.py``). What it detects, for a shard under
+as a matrix, a block in cache at a time), with 1.3-1.8x less CPU than
+``zlib.crc32`` (``tools/bench_checkpoints.py``). What it detects, for a shard under
 2**32 words (32 GiB), argued here and checked in ``test_integrity.py``:
 any change confined to one word (every flipped bit, every run of up to 8 bytes
 set to anything, ``S``), any change confined to two words (every pair of
@@ -33,8 +33,9 @@ flipped bits, every run of up to 9 bytes: ``S'`` and ``T'`` pin the upper
 halves' changes, then ``S`` and ``T`` the lower ones, since a difference of
 positions times a change under 2**32 cannot vanish mod 2**64; a plain
 weighted sum of whole words misses, for one, the same top bit flipped in two
-words an even distance apart), and, with probability about 1 - 2**-64 per sum,
-longer changes: zeroed runs, blocks read from the wrong place (``T`` weighs a
+words an even distance apart), and longer changes unless they happen to leave
+all four sums as they were (for damage unrelated to the sums, a chance of
+about 2**-64): zeroed runs, blocks read from the wrong place (``T`` weighs a
 word by its position, so swapped blocks change it), a truncated read (zeros
 where data was). Swapped shards fail because each index has its own sum.
 Checkpoints written with ``crc32`` (``zlib.crc32`` of the bytes, Dew before

@@ -623,6 +623,37 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
     assert_same_state(restored.state, states[1])
 
 
+@pytest.mark.parametrize("use_async", [True, False])
+def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path, use_async):
+    """An asynchronous save sums in the background once ``save`` has returned,
+    a synchronous one at once; both record wsum64-v1 of the array, and the
+    restore verifies it (a changed record sets the checkpoint aside)."""
+    state = big_state(3)
+    session = Checkpoints(tmp_path, use_async=use_async).open(print_fn=lambda line: None)
+    session.save(3, state, iter(()), {})
+    session.close()
+    path = tmp_path / "3" / "checksums" / "process_0-of-1.json"
+    record = json.loads(path.read_text())
+    assert record["arrays"]["params/w"] == {"[0:8192]": numpy_wsum64(state.params["w"])}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda: state)
+    shardings = jax.tree.map(lambda _: device, abstract)
+    restored = (
+        Checkpoints(tmp_path)
+        .open(print_fn=lambda line: None)
+        .restore(abstract, shardings, root_key=jax.random.key(0))
+    )
+    assert_same_state(restored.state, state)
+    record["arrays"]["params/w"]["[0:8192]"] = "0" * 64
+    path.write_text(json.dumps(record))
+    lines = []
+    with pytest.raises(NoUsableCheckpointError):
+        Checkpoints(tmp_path).open(print_fn=lines.append).restore(
+            abstract, shardings, root_key=jax.random.key(0)
+        )
+    assert "array 'params/w' (shard [0:8192]) does not match" in lines[0]
+
+
 def test_checksums_match_an_independent_reference(run, tmp_path):
     """The saved sums are wsum64-v1 of each shard's bytes in C order, for
     every array of the state, checked against numpy_wsum64 of the final

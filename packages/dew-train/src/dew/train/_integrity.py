@@ -10,13 +10,36 @@ Orbax's zarr3 layout checksums only its shard index, and Orbax offers no
 setting for a chunk checksum codec.
 
 What is recorded: every process writes ``<step>/checksums/process_<i>-of-<n>.json``
-with the CRC-32 (``zlib.crc32``) of the bytes (C order) of each of its
-addressable shards, one entry per distinct shard index of every array of the
-saved tree (``{"params/embed/embedding": {"[0:4, 0:16]": crc, ...}}``). The
-shards are taken from device when ``save`` is called (host views on CPU, where
-they are the arrays Orbax writes too) and the sums computed in Orbax's
-background commit thread, so an asynchronous save does not wait for them; the
-checkpoint commits only after they are written.
+with a checksum of the bytes (C order) of each of its addressable shards, one
+entry per distinct shard index of every array of the saved tree
+(``{"algorithm": "wsum64-v1", "arrays": {"params/embed/embedding": {"[0:4, 0:16]":
+"<64 hex digits>", ...}}}``). The shards are taken from device when ``save`` is
+called (host views on CPU, where they are the arrays Orbax writes too) and the
+sums computed in Orbax's background commit thread once ``save`` has returned,
+so an asynchronous save does not wait for them nor share the CPU with them;
+the checkpoint commits only after they are written.
+
+The algorithm, ``wsum64-v1`` (:func:`wsum64`): the bytes read as little-endian
+64-bit words ``w_k`` (the last one zero-padded), k = 1..N, and four sums mod
+2**64: ``S = sum w_k``, ``T = sum k*w_k``, and the same of the words' upper
+halves, ``S' = sum (w_k >> 32)``, ``T' = sum k*(w_k >> 32)``. Numpy computes
+them in one pass over memory (``T`` from row and column sums of the words seen
+as a matrix, a block in cache at a time), with 1.3-1.8x less CPU than
+``zlib.crc32`` (``tools/bench_checkpoints.py``). What it detects, for a shard under
+2**32 words (32 GiB), argued here and checked in ``test_integrity.py``:
+any change confined to one word (every flipped bit, every run of up to 8 bytes
+set to anything, ``S``), any change confined to two words (every pair of
+flipped bits, every run of up to 9 bytes: ``S'`` and ``T'`` pin the upper
+halves' changes, then ``S`` and ``T`` the lower ones, since a difference of
+positions times a change under 2**32 cannot vanish mod 2**64; a plain
+weighted sum of whole words misses, for one, the same top bit flipped in two
+words an even distance apart), and longer changes unless they happen to leave
+all four sums as they were (for damage unrelated to the sums, a chance of
+about 2**-64): zeroed runs, blocks read from the wrong place (``T`` weighs a
+word by its position, so swapped blocks change it), a truncated read (zeros
+where data was). Swapped shards fail because each index has its own sum.
+Checkpoints written with ``crc32`` (``zlib.crc32`` of the bytes, Dew before
+``wsum64-v1``) still verify against it.
 
 What is verified: after a restore, each process recomputes the sums of the
 shards it holds whose index was recorded (any process's record: the same mesh
@@ -32,6 +55,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import threading
 import zlib
 from typing import Any
 
@@ -39,18 +63,18 @@ import jax
 import numpy as np
 
 ITEM = "checksums"
-ALGORITHM = "crc32"
+ALGORITHM = "wsum64-v1"  # what a save records
 
 
 class ChecksumMismatchError(ValueError):
     """An array read back from a checkpoint differs from the one saved: its
     files are damaged."""
 
-    def __init__(self, name: str, index: str, saved: int, read: int):
+    def __init__(self, name: str, index: str, saved, read, algorithm: str = ALGORITHM):
         self.name = name
         super().__init__(
             f"array {name!r} (shard {index}) does not match the checksum saved with it "
-            f"({ALGORITHM} {saved:#010x} saved, {read:#010x} read back)"
+            f"({algorithm} {_shown(saved)} saved, {_shown(read)} read back)"
         )
 
     @classmethod
@@ -66,10 +90,85 @@ class ChecksumMismatchError(ValueError):
         return error
 
 
-def checksum(array: np.ndarray) -> int:
-    """CRC-32 of an array's bytes in C order."""
-    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return zlib.crc32(data)
+def _shown(value) -> str:
+    return f"{value:#010x}" if isinstance(value, int) else str(value)
+
+
+def _bytes(array) -> np.ndarray:
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def crc32(array) -> int:
+    """``zlib.crc32`` of an array's bytes in C order: the ``crc32`` algorithm."""
+    return zlib.crc32(_bytes(array))
+
+
+_COLUMNS = 1024  # words per row of the matrix the words are seen as (8 KiB)
+_BLOCK_ROWS = 64  # rows summed at a time (512 KiB, in cache for the second sum)
+_MASK = (1 << 64) - 1
+
+
+def _position_sums(rows: np.ndarray, cols: np.ndarray, tail: np.ndarray, n: int) -> tuple[int, int]:
+    """``(sum w_k, sum k*w_k)`` mod 2**64 of n words (k from 1) seen as a
+    matrix of ``len(rows)`` rows of C words (k = r*C + c + 1) then ``tail``,
+    from the matrix's row and column sums."""
+    C, R = cols.size, rows.size
+    s = int(rows.sum()) + int(tail.sum())
+    t = (
+        C * int((rows * np.arange(R, dtype=np.uint64)).sum())
+        + int((cols * np.arange(1, C + 1, dtype=np.uint64)).sum())
+        + int((tail * np.arange(R * C + 1, n + 1, dtype=np.uint64)).sum())
+    )
+    return s & _MASK, t & _MASK
+
+
+def _sums4(words: np.ndarray) -> tuple[int, int, int, int]:
+    """``S, T, S', T'`` of uint64 words in one pass: each block of rows is
+    summed along both axes, and again after shifting it (in cache)."""
+    C = _COLUMNS
+    R = words.size // C
+    if R == 0:  # under a row: the weighted sums directly
+        k = np.arange(1, words.size + 1, dtype=np.uint64)
+        upper = words >> np.uint64(32)
+        return tuple(int(v) for v in (words.sum(), words @ k, upper.sum(), upper @ k))
+    full = words[: R * C].reshape(R, C)
+    rows, upper_rows = np.empty(R, np.uint64), np.empty(R, np.uint64)
+    cols, upper_cols = np.zeros(C, np.uint64), np.zeros(C, np.uint64)
+    upper = np.empty((min(R, _BLOCK_ROWS), C), np.uint64)
+    for r in range(0, R, _BLOCK_ROWS):  # numpy's integer sums wrap mod 2**64
+        block = full[r : r + _BLOCK_ROWS]
+        half = np.right_shift(block, np.uint64(32), out=upper[: block.shape[0]])
+        np.add.reduce(block, axis=1, out=rows[r : r + _BLOCK_ROWS])
+        cols += np.add.reduce(block, axis=0)
+        np.add.reduce(half, axis=1, out=upper_rows[r : r + _BLOCK_ROWS])
+        upper_cols += np.add.reduce(half, axis=0)
+    tail = words[R * C :]
+    s, t = _position_sums(rows, cols, tail, words.size)
+    sh, th = _position_sums(upper_rows, upper_cols, tail >> np.uint64(32), words.size)
+    return s, t, sh, th
+
+
+def wsum64(array) -> str:
+    """The ``wsum64-v1`` checksum of an array's bytes in C order: ``S, T, S',
+    T'`` (see the module's docstring) as 64 hex digits."""
+    data = _bytes(array)
+    whole = data.size // 8 * 8
+    words = data[:whole].view("<u8")
+    if whole < data.size:  # the last word, zero-padded
+        last = np.zeros(8, np.uint8)
+        last[: data.size - whole] = data[whole:]
+        words = np.concatenate([words, last.view("<u8")])
+    if words.dtype != np.uint64:  # a big-endian host: the same numbers
+        words = words.astype(np.uint64)
+    return "".join(f"{v:016x}" for v in _sums4(words))
+
+
+ALGORITHMS = {ALGORITHM: wsum64, "crc32": crc32}
+
+
+def checksum(array, algorithm: str = ALGORITHM):
+    """The checksum of an array's bytes in C order, by ``algorithm``."""
+    return ALGORITHMS[algorithm](array)
 
 
 def index_key(index: tuple, shape: tuple[int, ...]) -> str:
@@ -120,19 +219,27 @@ def host_shards(tree) -> list[tuple[str, str, np.ndarray]]:
     return out
 
 
-def _sums(shards: list[tuple[str, str, np.ndarray]]) -> list[int]:
-    # zlib.crc32 releases the GIL on large buffers: threads share the work
-    workers = min(8, os.cpu_count() or 1)
-    if workers == 1 or len(shards) < 2:
-        return [checksum(data) for _, _, data in shards]
+# Threads sharing the sums of a restore (numpy and zlib release the GIL). A
+# save computes its sums on Orbax's commit thread alone: they are background
+# work, and more threads would take cores from the training step (one run of
+# tools/bench_checkpoints.py on 2 shared cores: `save` returned after 59 ms with
+# the sums on 2 threads, 42 ms on 1, 34 ms without sums).
+WORKERS = min(4, os.cpu_count() or 1)
+
+
+def _sums(items: list[tuple[str, np.ndarray]], workers: int) -> list:
+    """The checksum of each ``(algorithm, data)``, on ``workers`` threads."""
+    if workers == 1 or len(items) < 2:
+        return [checksum(data, algorithm) for algorithm, data in items]
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(checksum, (data for _, _, data in shards)))
+        return list(pool.map(lambda item: checksum(item[1], item[0]), items))
 
 
 def record(shards: list[tuple[str, str, np.ndarray]]) -> dict:
     """The JSON record of this process's shards."""
-    arrays: dict[str, dict[str, int]] = {}
-    for (name, key, _), value in zip(shards, _sums(shards), strict=True):
+    arrays: dict[str, dict[str, str]] = {}
+    sums = _sums([(ALGORITHM, data) for _, _, data in shards], workers=1)
+    for (name, key, _), value in zip(shards, sums, strict=True):
         arrays.setdefault(name, {})[key] = value
     return {"algorithm": ALGORITHM, "arrays": arrays}
 
@@ -141,30 +248,33 @@ def _filename() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
-def read_recorded(path: str) -> dict[str, dict[str, int]] | None:
-    """Every process's recorded sums of the checkpoint at ``path``, merged;
-    None for a checkpoint written without them."""
+def read_recorded(path: str) -> dict[str, dict[str, tuple[str, Any]]] | None:
+    """Every process's recorded sums of the checkpoint at ``path``, merged,
+    ``{array: {shard index: (algorithm, sum)}}``; None for a checkpoint
+    written without them."""
     directory = os.path.join(path, ITEM)
     if not os.path.isdir(directory):
         return None
-    merged: dict[str, dict[str, int]] = {}
+    merged: dict[str, dict[str, tuple[str, Any]]] = {}
     for name in sorted(os.listdir(directory)):
         if not (name.startswith("process_") and name.endswith(".json")):
             continue
         with open(os.path.join(directory, name)) as f:
             content = json.load(f)
-        if content.get("algorithm") != ALGORITHM:
+        algorithm = content.get("algorithm")
+        if algorithm not in ALGORITHMS:
             raise ValueError(
-                f"checkpoint {path}: {ITEM}/{name} uses checksum {content.get('algorithm')!r}, "
-                f"which this version of Dew does not know (it knows {ALGORITHM!r}); "
-                f"resume with the Dew version that wrote it"
+                f"checkpoint {path}: {ITEM}/{name} uses checksum {algorithm!r}, which this "
+                f"version of Dew does not know (it knows {sorted(ALGORITHMS)}); resume with "
+                f"the Dew version that wrote it"
             )
         for array, shards in content["arrays"].items():
-            merged.setdefault(array, {}).update(shards)
+            entry = merged.setdefault(array, {})
+            entry.update((key, (algorithm, value)) for key, value in shards.items())
     return merged
 
 
-def verify(tree, recorded: dict[str, dict[str, int]]) -> int:
+def verify(tree, recorded: dict[str, dict[str, tuple[str, Any]]]) -> int:
     """Raise :class:`ChecksumMismatchError` unless every recorded shard this
     process can see matches; return how many shards it verified."""
     checked, mismatch = [], None
@@ -179,7 +289,7 @@ def verify(tree, recorded: dict[str, dict[str, int]]) -> int:
         else:
             local[index_key((slice(None),) * np.ndim(leaf), np.shape(leaf))] = leaf
         whole = None
-        for key, value in saved.items():
+        for key, (algorithm, value) in saved.items():
             if key in local:
                 data = np.asarray(local[key])
             elif not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
@@ -187,11 +297,11 @@ def verify(tree, recorded: dict[str, dict[str, int]]) -> int:
                 data = whole[_slices(key)]
             else:
                 continue  # another process holds it
-            checked.append((name, key, value, data))
-    sums = _sums([(name, key, data) for name, key, _, data in checked])
-    for (name, key, value, _), got in zip(checked, sums, strict=True):
+            checked.append((name, key, algorithm, value, data))
+    sums = _sums([(algorithm, data) for _, _, algorithm, _, data in checked], WORKERS)
+    for (name, key, algorithm, value, _), got in zip(checked, sums, strict=True):
         if got != value:
-            mismatch = ChecksumMismatchError(name, key, value, got)
+            mismatch = ChecksumMismatchError(name, key, value, got, algorithm)
             break
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -219,14 +329,18 @@ def _handler_classes():
         """Writes this process's record; the sums are computed in the commit
         thread, before the checkpoint commits."""
 
-        async def _write(self, shards, directory):
-            content = json.dumps(record(shards), indent=0)
+        async def _write(self, args, directory):
+            # on this commit future's own thread: wait until ``save`` has
+            # returned, so that the sums do not take cores from its foreground
+            # work (what a training step waits for)
+            args.started.wait(timeout=_RELEASE_TIMEOUT_S)
+            content = json.dumps(record(args.shards), indent=0)
             (directory / _filename()).write_text(content)
 
         async def async_save(self, directory, args):
             return [
                 future.CommitFutureAwaitingContractedSignals(
-                    self._write(args.shards, directory), name="dew_checksums_save"
+                    self._write(args, directory), name="dew_checksums_save"
                 )
             ]
 
@@ -252,6 +366,7 @@ def _handler_classes():
     @dataclasses.dataclass
     class ChecksumsSave(ocp.args.CheckpointArgs):
         shards: list
+        started: threading.Event  # set when the save has returned (CheckpointSession.save)
 
     @ocp.args.register_with_handler(ChecksumsHandler, for_restore=True)
     @dataclasses.dataclass
@@ -265,6 +380,17 @@ def _handler_classes():
 _CLASSES = None
 
 
-def save_args(tree):
-    """The Orbax args that write ``tree``'s checksums as the ``checksums`` item."""
-    return _handler_classes()[1](host_shards(tree))
+_RELEASE_TIMEOUT_S = 60.0  # a save that never says it returned: sum anyway
+
+
+def save_args(tree, *, deferred: bool = False):
+    """The Orbax args that write ``tree``'s checksums as the ``checksums`` item.
+
+    deferred: an asynchronous save computes the sums only once its caller sets
+      the args' ``started`` event (after Orbax's ``save`` returns; the caller
+      must set it, also when the save fails); otherwise at once.
+    """
+    started = threading.Event()
+    if not deferred:
+        started.set()
+    return _handler_classes()[1](host_shards(tree), started)

@@ -10,8 +10,9 @@ One checkpoint is one directory per step::
                                      when the iterator has get_state/set_state
     <directory>/<step>/meta/         JSON: the model's registry name and config, how
                                      the data stream resumes
-    <directory>/<step>/checksums/    CRC-32 of every array shard's bytes, one JSON
-                                     file per process (dew.train._integrity)
+    <directory>/<step>/checksums/    a checksum (wsum64-v1) of every array shard's
+                                     bytes, one JSON file per process
+                                     (dew.train._integrity)
     <directory>/<step>/commit_success.txt   Orbax's commit marker, written last
 
 A ``fit`` whose directory holds checkpoints continues from the newest usable
@@ -478,17 +479,20 @@ class CheckpointSession:
         items = {
             "state": ocp.args.StandardSave(saved),
             "meta": ocp.args.JsonSave(meta),
-            "checksums": checksums_save_args(saved),
         }
+        checksums = items["checksums"] = checksums_save_args(saved, deferred=spec.use_async)
         if position is not None:
             items["data_iter"] = grain.checkpoint.CheckpointSave(_Position(position))
-        with quiet_orbax():
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(**items),
-                force=True,
-                metrics=metrics if spec.keep_best else None,
-            )
+        try:
+            with quiet_orbax():
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(**items),
+                    force=True,
+                    metrics=metrics if spec.keep_best else None,
+                )
+        finally:
+            checksums.started.set()  # the sums start in the background now
 
     def wait(self) -> None:
         """Block until every started save is on disk."""

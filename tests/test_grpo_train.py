@@ -182,9 +182,9 @@ def test_first_ratio_is_one_with_two_minibatches(tmp_path):
     """Prepare scores the rollout in chunks of one update's rows (8 prompts x 8 =
     64 rows, 2 minibatches of 32), so the first update's forward pass has the
     scoring's shapes: the debug assertion (log-probs off the rollout's by at most
-    1e-6 of max(1, |log p|), raising RatioError) passes on both rollout batches, the logged mean ratio of each
-    first update is 1 within 1e-6, and the second update (other rows, moved
-    weights) is off-policy."""
+    1e-6 of max(1, |log p|), raising RatioError) passes on both rollout batches, the
+    logged mean ratio of each first update is 1 within 1e-6, and the second update
+    (other rows, moved weights) is off-policy."""
     trainer = Trainer(
         objective(EndsInSeven(), debug=True, updates=Updates(epochs=1, minibatches=2)),
         optax.adam(3e-3),

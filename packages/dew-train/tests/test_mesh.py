@@ -254,7 +254,8 @@ def test_parameter_and_optimizer_bytes_shrink_as_one_over_fsdp():
         (
             {**TINY, "num_experts": 3},
             MeshSpec(expert=2),
-            r"dimension 1 \('expert'\) of size 3 does not divide over mesh axis expert of size 2",
+            # the routed MoE refuses it while tracing its experts (dew.nn.shards)
+            r"MoE num_experts: 'expert' of size 3 does not divide over mesh axis expert of size 2",
         ),
         (
             {**TINY, "max_seq_len": 16},

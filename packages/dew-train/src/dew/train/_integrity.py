@@ -187,9 +187,20 @@ def _slices(key: str) -> tuple[slice, ...]:
     return tuple(slice(*map(int, part.split(":"))) for part in inner.split(", "))
 
 
-def _named_leaves(tree) -> list[tuple[str, Any]]:
-    from dew.train._restore import path_name
+def _key_name(key) -> str:
+    """A key path entry as Orbax names it (``orbax`` ``get_key_name``)."""
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
 
+
+def path_name(path) -> str:
+    """A tree path as Dew names an array in messages, ``'opt_state/0/mu/w'``."""
+    return "/".join(_key_name(k) for k in path)
+
+
+def _named_leaves(tree) -> list[tuple[str, Any]]:
     return [
         (path_name(path), leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from dew.nn import models
+from dew.train._integrity import ChecksumMismatchError, path_name
 
 MODEL_FIELDS = ("params", "averaged", "frozen")
 SHOWN = 6  # differences listed in one message
@@ -53,19 +54,6 @@ class NoUsableCheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------- the trees
-def _key_name(key) -> str:
-    """A key path entry as Orbax names it (``orbax`` ``get_key_name``)."""
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-
-def path_name(path) -> str:
-    """A tree path as Dew names an array in messages, ``'opt_state/0/mu/w'``."""
-    return "/".join(_key_name(k) for k in path)
-
-
 def flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{'opt_state/1/0/mu/w': (shape, dtype name)}`` of every array leaf.
 
@@ -210,7 +198,6 @@ _TENSORSTORE_DAMAGE = re.compile(
 
 
 def _is_storage_error(error: BaseException) -> bool:
-    from dew.train._integrity import ChecksumMismatchError
 
     if isinstance(error, ChecksumMismatchError):
         return True
@@ -265,7 +252,6 @@ def describe(error: BaseException) -> str:
 
 def damaged_because(proof: BaseException) -> str:
     """Why a checkpoint is set aside, from the error that proves it damaged."""
-    from dew.train._integrity import ChecksumMismatchError
 
     if isinstance(proof, ChecksumMismatchError):
         return f"it is damaged: {proof}"

@@ -3,8 +3,8 @@
 The denoiser is a per-channel affine map with a time term and a label table, so numpy
 can compute its output too: ``F(x, t, label) = w x + b t / 1000 + E[label]``. The random
 draws (times, noise, dropout) come from the step key in the objective's documented
-order ``k_time, k_noise, k_drop = split(step.key, 3)``; everything after them is
-recomputed here from the papers' formulas.
+order, per row: ``k_time, k_noise, k_drop = split(split(step.key, rows)[row], 3)``;
+everything after them is recomputed here from the papers' formulas.
 """
 
 import math
@@ -63,12 +63,18 @@ def batch_of(seed=0):
 
 
 def draws(objective, key, shape):
+    """Row ``i``'s time, noise and dropout from ``split(split(key, rows)[i], 3)``: the
+    loss's per-row draws (``Step.row_keys``)."""
+
     @jax.jit
     def draw(key):
-        k_time, k_noise, k_drop = jax.random.split(key, 3)
-        t = objective.schedule.sample_time(k_time, (shape[0],))
-        noise = jax.random.normal(k_noise, shape, jnp.float32)
-        return t, noise, jax.random.bernoulli(k_drop, objective.cond_dropout, (shape[0],))
+        def row(row_key):
+            k_time, k_noise, k_drop = jax.random.split(row_key, 3)
+            t = objective.schedule.sample_time(k_time, ())
+            noise = jax.random.normal(k_noise, shape[1:], jnp.float32)
+            return t, noise, jax.random.bernoulli(k_drop, objective.cond_dropout)
+
+        return jax.vmap(row)(jax.random.split(key, shape[0]))
 
     return [np.asarray(a, np.float64 if a.dtype != bool else bool) for a in draw(key)]
 

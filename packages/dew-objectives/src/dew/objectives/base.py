@@ -32,6 +32,10 @@ class Step:
     key: this attempt's PRNG key, ``fold_in(fold_in(root, step), microbatch)``:
       every draw of a run is a pure function of the root key, the step and the
       microbatch, so a resumed run repeats the same draws.
+    rows, row_key, batch_rows: the index of each row of this microbatch in the
+      step's whole batch (row ``r`` of microbatch ``j`` of ``k`` is ``r * k + j``),
+      the step's key for per-row draws (microbatch 0's ``key``) and the whole batch's
+      row count; :meth:`row_keys` combines them. None (0) outside the trainer.
     is_logged: whether the log reads this step's metrics: in ``Trainer.fit`` a
       traced bool scalar, True on the steps ``log_every`` divides and on the last
       step (one compiled program serves both); True (a Python bool) everywhere
@@ -43,6 +47,35 @@ class Step:
     index: jax.Array
     key: jax.Array
     is_logged: jax.Array | bool = True
+    rows: jax.Array | None = None
+    row_key: jax.Array | None = None
+    batch_rows: int = flax.struct.field(pytree_node=False, default=0)
+
+    def row_keys(self, count: int | None = None) -> jax.Array:
+        """One PRNG key per row of this (micro)batch: row ``i`` of the step's whole
+        batch (``rows``, set by the trainer) gets ``split(row_key, batch_rows)[i]``. A
+        draw made row by row from these keys (a diffusion time and noise, a JEPA mask)
+        is the same whatever the accumulation and the device count, so ``accumulate=k``
+        and 8 devices equal one full batch even for a stochastic loss; a draw from
+        ``key`` over the microbatch's shape is not (it is the microbatch's own stream).
+
+        At ``accumulate=1`` they are ``jax.random.split(key, rows)``, the usual idiom:
+        draw from these keys or from ``key``, not from both. Called outside the trainer
+        (``rows`` is None): ``split(key, count)``.
+        """
+        if self.rows is None:
+            if count is None:
+                raise ValueError(
+                    "Step.row_keys() needs the row count when the step has no rows "
+                    "(outside Trainer.fit): pass row_keys(batch_rows)"
+                )
+            return jax.random.split(self.key, count)
+        if count is not None and self.rows.shape[0] != count:
+            raise ValueError(
+                f"Step.row_keys({count}) asked for {count} keys but this microbatch has "
+                f"{self.rows.shape[0]} rows; ask for the batch's own row count"
+            )
+        return jax.random.split(self.row_key, self.batch_rows)[self.rows]
 
     def diagnostic(self, fn: Callable[..., Any], *operands, weight=1.0) -> Any:
         """``fn(*operands)`` (a scalar) as a mean of weight ``weight`` on a logged step,

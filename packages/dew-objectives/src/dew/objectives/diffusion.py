@@ -325,7 +325,10 @@ class DiffusionObjective(TextConditioning, Objective):
         rows = batch[self.input_key].shape[0]
         drop = None
         if drop_key is not None and self.cond_dropout > 0:
-            drop = jax.random.bernoulli(drop_key, self.cond_dropout, (rows,))
+            if drop_key.shape:  # one key per row: the same draw at any accumulation
+                drop = jax.vmap(lambda k: jax.random.bernoulli(k, self.cond_dropout))(drop_key)
+            else:
+                drop = jax.random.bernoulli(drop_key, self.cond_dropout, (rows,))
         if self.num_classes:
             label = jnp.asarray(batch["label"], jnp.int32)
             out["label"] = label if drop is None else jnp.where(drop, self.num_classes, label)
@@ -413,9 +416,12 @@ class DiffusionObjective(TextConditioning, Objective):
     def loss(self, variables, batch, step: Step):
         x0 = batch[self.input_key]
         rows = x0.shape[0]
-        k_time, k_noise, k_drop = jax.random.split(step.key, 3)
-        time = self.schedule.sample_time(k_time, (rows,))
-        noise = jax.random.normal(k_noise, x0.shape, jnp.float32)
+        # per-row draws (Step.row_keys): a row's time, noise and condition dropout are
+        # the same whatever the accumulation and the device count
+        keys = jax.vmap(lambda k: jax.random.split(k, 3))(step.row_keys(rows))
+        k_time, k_noise, k_drop = keys[:, 0], keys[:, 1], keys[:, 2]
+        time = jax.vmap(lambda k: self.schedule.sample_time(k, ()))(k_time)
+        noise = jax.vmap(lambda k: jax.random.normal(k, x0.shape[1:], jnp.float32))(k_noise)
         loss, metrics = self.per_example_loss(
             variables["params"], batch, time=time, noise=noise, drop_key=k_drop
         )

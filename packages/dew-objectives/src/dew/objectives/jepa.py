@@ -173,6 +173,8 @@ class JepaObjective(Objective):
     alarm: CollapseAlarm | None = dataclasses.field(default_factory=CollapseAlarm)
     input_key: str | None = None
 
+    headline_metrics = ("target_std", "effective_rank")  # printed on the log line
+
     uses_averaged = True
 
     def __post_init__(self):
@@ -240,7 +242,9 @@ class JepaObjective(Objective):
 
     # --------------------------------------------------------------- loss
     def draw_masks(self, key: jax.Array, batch: int) -> Masks:
-        """The masks of a batch of ``batch`` examples (a pure function of ``key``)."""
+        """The masks of a batch of ``batch`` examples (a pure function of ``key``): the
+        loss's own masks for a step of that key (row ``i`` from ``split(key, batch)[i]``,
+        :meth:`Step.row_keys`)."""
         return self.layout.sample(key, batch)
 
     def _terms(self, variables, batch, step: Step):
@@ -248,7 +252,7 @@ class JepaObjective(Objective):
 
         pixels = scale_inputs(batch[self.input_key])
         rows = pixels.shape[0]
-        masks = self.draw_masks(step.key, rows)
+        masks = self.layout.sample_rows(step.row_keys(rows))
         n, kt = self.masks.num_targets, self.layout.target_keep
         # without 'averaged' (outside the trainer) the encoder is its own target
         target_params = variables.get("averaged", variables["params"])["encoder"]

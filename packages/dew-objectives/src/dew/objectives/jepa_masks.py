@@ -199,4 +199,9 @@ class MaskLayout:
 
     def sample(self, key: jax.Array, batch: int) -> Masks:
         """Masks for ``batch`` examples, a pure function of ``key``."""
-        return jax.vmap(self._one)(jax.random.split(key, batch))
+        return self.sample_rows(jax.random.split(key, batch))
+
+    def sample_rows(self, keys: jax.Array) -> Masks:
+        """Masks for one example per key (``Step.row_keys``: the same mask for a row
+        whatever the accumulation and the device count)."""
+        return jax.vmap(self._one)(keys)

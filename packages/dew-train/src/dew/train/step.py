@@ -73,15 +73,21 @@ def objective_variables(objective: Objective, state: TrainState, params) -> dict
     return variables
 
 
-def weighted_loss_fn(objective: Objective) -> Callable:
+def weighted_loss_fn(objective: Objective, accumulate_steps: int = 1) -> Callable:
     """``(params, state, batch, microbatch, is_logged) -> (terms, metrics)``, both
-    weighted; ``is_logged`` is :attr:`Step.is_logged`."""
+    weighted; ``is_logged`` is :attr:`Step.is_logged`. The step's ``rows`` are the
+    microbatch's rows' indices in the whole batch (:func:`accumulate` gives
+    microbatch ``j`` rows ``j, j + k, ...``), its ``row_key`` microbatch 0's key, so
+    at ``accumulate=1`` ``Step.row_keys()`` is ``split(step.key, rows)``."""
 
     def fn(params, state: TrainState, batch, microbatch, is_logged=True):
         step = Step(
             index=state.step,
             key=microbatch_key(state.key, state.step, microbatch),
             is_logged=is_logged,
+            rows=jnp.arange(rows_of(batch), dtype=jnp.int32) * accumulate_steps + microbatch,
+            row_key=microbatch_key(state.key, state.step, 0),
+            batch_rows=rows_of(batch) * accumulate_steps,
         )
         loss, metrics = objective.loss(objective_variables(objective, state, params), batch, step)
         rows = rows_of(batch)
@@ -284,7 +290,7 @@ def build_train_step(
     one_device: the step runs on one device: small trees' norms are one fused
     reduction (:func:`tree_norm`).
     """
-    grads_fn = accumulate(weighted_loss_fn(objective), accumulate_steps)
+    grads_fn = accumulate(weighted_loss_fn(objective, accumulate_steps), accumulate_steps)
     ema_fn = ema_update_fn(objective.ema)
 
     def train_step(state: TrainState, batch, is_logged=True):

@@ -1,0 +1,256 @@
+"""One contract for every family, through ``Trainer.fit`` (issue 24, item 7).
+
+For each family (LM, diffusion, JEPA, DPO, GRPO, PPO; the next ones join ``FAMILIES``
+as they land), at a tiny size, on rows that carry unequal weights (masked LM rows of
+8 and 1 targets, diffusion rows weighted 1..8, DPO completions of different lengths,
+rollouts of different lengths):
+
+- init, loss, evaluation and export run, and the export holds the weights
+  ``state.variables()`` gives (the moving average where the objective keeps one);
+- ``accumulate`` 2 and 4 on one device, and 8 devices, give the parameters one full
+  batch on one device gives after 2 steps (1e-5 of each array's largest entry);
+- a run stopped after step 1 and resumed equals the uninterrupted run, bit for bit;
+- ``plan`` compiles the step ``fit`` ran: the same FLOPs.
+
+Each family's runs share one reference run; every figure is compared with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dew.data import Dataset, Partition
+from dew.nn import CausalTransformer, DiT, ViT, ViTPredictor
+from dew.nn.testing import TINY_DIT, TINY_LM, TINY_PREDICTOR, TINY_VIT
+from dew.train import Checkpoints, MeshSpec, Trainer, plan
+
+ROWS, STEPS = 8, 2
+ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+EIGHT = MeshSpec(data=8)
+
+
+@dataclasses.dataclass
+class Case:
+    objective: object
+    batches: list  # STEPS global batches of numpy arrays, ROWS rows each
+    # sgd: adam would turn float32 noise in a near-zero gradient into a full-size step
+    optimizer: optax.GradientTransformation = dataclasses.field(
+        default_factory=lambda: optax.sgd(0.5)
+    )
+    # rollouts sample tokens: 8 devices may pick another token where two logits tie to
+    # float32 rounding, so their parameters are compared more loosely
+    atol: float = 1e-5
+
+    def data(self, val: bool = False) -> Dataset:
+        batches = self.batches
+
+        def train(p: Partition):
+            for b in itertools.cycle(batches):
+                yield {k: v[p.slice(ROWS)] for k, v in b.items()}
+
+        def one_pass(p: Partition):
+            yield {k: v[p.slice(ROWS)] for k, v in batches[0].items()}
+
+        return Dataset(train=train, val=one_pass if val else None, records=0, batch=ROWS)
+
+    def shapes(self) -> dict:
+        return {k: (v.shape, jnp.asarray(v).dtype) for k, v in self.batches[0].items()}
+
+
+def lm() -> Case:
+    from dew.objectives.lm import LMObjective
+
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(STEPS):
+        text = rng.integers(0, TINY_LM["vocab_size"], (ROWS, 9)).astype(np.int32)
+        mask = np.zeros((ROWS, 9), np.int32)
+        mask[0::2, 1:] = 1  # 8 targets
+        mask[1::2, -1] = 1  # 1 target
+        batches.append({"text": text, "mask": mask})
+    model = CausalTransformer(**TINY_LM)
+    return Case(LMObjective(model, seq_len=8, loss_mask_key="mask"), batches)
+
+
+def diffusion() -> Case:
+    from dew.objectives.diffusion import DiffusionObjective
+
+    rng = np.random.default_rng(1)
+    size, channels = TINY_DIT["sample_size"], TINY_DIT["in_channels"]
+    batches = [
+        {
+            "image": rng.integers(0, 256, (ROWS, size, size, channels)).astype(np.uint8),
+            "label": (np.arange(ROWS) % 10).astype(np.int32),
+            "weight": np.arange(1, ROWS + 1, dtype=np.float32),
+        }
+        for _ in range(STEPS)
+    ]
+    model = DiT(**TINY_DIT, num_classes=10)
+    return Case(DiffusionObjective(model), batches)
+
+
+def jepa() -> Case:
+    from dew.objectives.jepa import JepaObjective
+    from dew.objectives.jepa_masks import MultiBlock
+
+    rng = np.random.default_rng(2)
+    size, channels = TINY_VIT["image_size"], TINY_VIT["num_channels"]
+    batches = [
+        {"image": rng.integers(0, 256, (ROWS, size, size, channels)).astype(np.uint8)}
+        for _ in range(STEPS)
+    ]
+    objective = JepaObjective(
+        ViT(**TINY_VIT),
+        ViTPredictor(**TINY_PREDICTOR),
+        planned_updates=10,
+        masks=MultiBlock(num_targets=2, min_keep=2),
+    )
+    return Case(objective, batches)
+
+
+def dpo() -> Case:
+    from dew.objectives.dpo import DPOObjective
+
+    rng = np.random.default_rng(3)
+    vocab, length = TINY_LM["vocab_size"], 8
+    batches = []
+    for _ in range(STEPS):
+        ids = {
+            k: rng.integers(1, vocab, (ROWS, length)).astype(np.int32)
+            for k in ("chosen", "rejected")
+        }
+        ids["rejected"][:, :3] = ids["chosen"][:, :3]  # a shared 3-token prompt
+        ends = 4 + np.arange(ROWS) % 5  # completions of 1..5 tokens
+        pos = np.arange(length)[None]
+        chosen = (pos >= 3) & (pos < ends[:, None])
+        rejected = (pos >= 3) & (pos < ends[::-1, None])
+        batches.append(dict(ids, chosen_mask=chosen, rejected_mask=rejected))
+    return Case(DPOObjective(CausalTransformer(**TINY_LM)), batches)
+
+
+def _sevens(completion, mask, batch):
+    return jnp.sum((completion == 7) & mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1)
+
+
+def _prompts(seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    vocab = TINY_LM["vocab_size"]
+    return [
+        {
+            "prompt": rng.integers(1, vocab, (ROWS, 2)).astype(np.int32),
+            "prompt_mask": np.ones((ROWS, 2), bool),
+        }
+        for _ in range(STEPS)
+    ]
+
+
+def grpo() -> Case:
+    from dew.objectives.grpo import GRPOObjective
+    from dew.objectives.rewards import TokenReward
+    from dew.sampling import Sampling
+
+    objective = GRPOObjective(
+        CausalTransformer(**TINY_LM),
+        rewards=[TokenReward(fn=_sevens)],
+        group_size=2,
+        max_new_tokens=3,
+        sampling=Sampling(temperature=1.0),
+        end_ids=(5,),
+    )
+    return Case(objective, _prompts(4), atol=1e-4)
+
+
+def ppo() -> Case:
+    from dew.objectives import Updates
+    from dew.objectives.ppo import PPOObjective
+    from dew.objectives.rewards import TokenReward
+    from dew.sampling import Sampling
+
+    objective = PPOObjective(
+        CausalTransformer(**TINY_LM),
+        reward=TokenReward(fn=_sevens),
+        max_new_tokens=3,
+        sampling=Sampling(temperature=1.0),
+        end_ids=(5,),
+        prepared_updates=Updates(epochs=1, minibatches=1),
+    )
+    return Case(objective, _prompts(5), atol=1e-4)
+
+
+FAMILIES = {f.__name__: f for f in (lm, diffusion, jepa, dpo, grpo, ppo)}
+
+
+def fit(case: Case, mesh=ONE, accumulate=1, steps=STEPS, checkpoints=None, val=False):
+    trainer = Trainer(
+        case.objective,
+        case.optimizer,
+        key=jax.random.key(0),
+        mesh=mesh,
+        accumulate=accumulate,
+        checkpoints=checkpoints,
+        progress=False,
+    )
+    state = trainer.fit(case.data(val=val), steps=steps, log_every=0)
+    return trainer, state
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def assert_close(got, want, atol: float, what: str) -> None:
+    for i, (g, w) in enumerate(zip(leaves(got), leaves(want), strict=True)):
+        # an array that is ~0 in both (a gradient that cancels) is compared to 1e-6
+        scale = max(float(np.max(np.abs(w))) if w.size else 0.0, 1e-6)
+        err = float(np.max(np.abs(g.astype(np.float64) - w))) if w.size else 0.0
+        assert err <= atol * scale, f"{what}: leaf {i} {w.shape} off by {err:.3g} of {scale:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_contract(family, tmp_path):
+    case = FAMILIES[family]()
+    objective = case.objective
+
+    # the reference: one device, one full batch a step, evaluated and exported
+    trainer, ref = fit(case, val=objective.has_evaluate)
+    assert int(ref.step) == STEPS
+    assert all(np.isfinite(x).all() for x in leaves(ref.params))
+    if objective.has_evaluate:
+        results = trainer.programs.evaluate(ref, case.data(val=True).val, Partition(0, 1), 1)
+        assert results and all(np.isfinite(v) for v in results.values()), results
+    variables = ref.variables()
+    exported = objective.export(variables)
+    assert exported is not None
+    given = {x.tobytes() for x in leaves(variables)}
+    assert (exported_params := leaves(getattr(exported, "params", {})))
+    assert all(x.tobytes() in given for x in exported_params), (
+        f"{type(exported).__name__} holds weights that state.variables() does not give"
+    )
+
+    # plan compiles the step fit ran
+    ((_, flops, _),) = trainer.programs.cache.update.values()
+    assert plan(objective, case.optimizer, mesh=ONE, batch=case.shapes()).flops == flops > 0
+
+    # microbatches and devices: the same parameters as one full batch
+    for accumulate in (2, 4):
+        _, state = fit(case, accumulate=accumulate)
+        assert_close(state.params, ref.params, case.atol, f"accumulate={accumulate}")
+    _, state = fit(case, mesh=EIGHT)
+    assert_close(state.params, ref.params, case.atol, "8 devices")
+
+    # stopped after step 1 and resumed: bit for bit the uninterrupted run
+    run = Checkpoints(str(tmp_path / "run"))
+    fit(case, steps=1, checkpoints=run)
+    _, resumed = fit(case, checkpoints=Checkpoints(str(tmp_path / "run")))
+    assert int(resumed.step) == int(ref.step)
+    for part in ("params", "opt_state", "averaged"):
+        for g, w in zip(leaves(getattr(resumed, part)), leaves(getattr(ref, part)), strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=part)

@@ -6,7 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from dew.data import ChatTemplate, HFTokenizer, Partition, RecordError, SFTExamples
+from dew.data import (
+    ChatTemplate,
+    ChatTemplateError,
+    HFTokenizer,
+    Partition,
+    RecordError,
+    SFTExamples,
+)
 from dew.data.sft import check_roles, pack_best_fit
 from dew.data.testing import CHATML, CHATML_GENERATION, write_chat_tokenizer
 
@@ -208,3 +215,21 @@ def test_templates_run_sandboxed(tmp_path, write_jsonl, tokenizer):
     with pytest.raises(RecordError, match=r"row 0 of .*SecurityError"):
         SFTExamples(path, seq_len=79, tokenizer=tokenizer, chat_template=escape).tokenize(path)
     assert json.loads(open(tmp_path / "c.jsonl").read())["messages"] == CHATS[1]
+
+
+def test_the_template_is_found_or_refused(tmp_path, chats):
+    folder = write_chat_tokenizer(tmp_path / "tok", template=CHATML)
+    config_file = tmp_path / "tok" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = [{"name": "default", "template": CHATML_GENERATION}]
+    config_file.write_text(json.dumps(config))
+    assert ChatTemplate.of_tokenizer(HFTokenizer(folder)).has_generation  # a named list
+    (tmp_path / "tok" / "chat_template.jinja").write_text(CHATML)  # the file comes first
+    assert not ChatTemplate.of_tokenizer(HFTokenizer(folder)).has_generation
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        SFTExamples(chats, tokenizer=HFTokenizer(folder), chat_template="{% for %}").tokenize(chats)
+    del config["chat_template"]
+    (tmp_path / "tok" / "chat_template.jinja").unlink()
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="has no chat template .* chat_template="):
+        SFTExamples(chats, tokenizer=HFTokenizer(folder)).tokenize(chats)

@@ -293,15 +293,17 @@ class SFTExamples:
         table, kind = self._columns(source, what)
         described = _describe(source)
         count = len(next(iter(table.values())))
-        templates: list[ChatTemplate] = []  # built for the first conversation
+        # a template that is missing or does not compile is no row's fault: built first
+        chats = kind == "messages" or any(isinstance(p, list) for p in table[self.prompt_field])
+        template = self._template() if chats else None
         ids, masks, rows, skipped = [], [], [], 0
         for row in range(count):
             try:
                 if kind == "messages":
-                    example = self._chat_example(table[self.messages_field][row], 0, templates)
+                    example = self._chat_example(table[self.messages_field][row], 0, template)
                 else:
                     example = self._prompt_example(
-                        table[self.prompt_field][row], table[self.completion_field][row], templates
+                        table[self.prompt_field][row], table[self.completion_field][row], template
                     )
                 example = self._fit(*example)
             except (ValueError, TypeError) as error:
@@ -328,9 +330,9 @@ class SFTExamples:
             rows=np.asarray(rows, np.int64),
         )
 
-    def _prompt_example(self, prompt, completion, templates):
+    def _prompt_example(self, prompt, completion, template: ChatTemplate | None):
         if isinstance(prompt, list) and isinstance(completion, list):
-            return self._chat_example(prompt + completion, len(prompt), templates)
+            return self._chat_example(prompt + completion, len(prompt), template)
         if not (isinstance(prompt, str) and isinstance(completion, str)):
             raise ValueError(
                 f"prompt and completion must both be text or both lists of messages, got "
@@ -345,21 +347,14 @@ class SFTExamples:
         mask = [False] * len(prompt_ids) + [True] * len(completion_ids)
         return prompt_ids + completion_ids, mask
 
-    def _chat_example(self, messages, first: int, templates: list[ChatTemplate]):
+    def _chat_example(self, messages, first: int, template: ChatTemplate):
         """A conversation's ids and the mask of its assistant turns from ``first`` on."""
         problem = check_roles(messages)
         if problem is not None:
             raise ValueError(problem)
         if first and not any(m["role"] == "assistant" for m in messages[first:]):
             raise ValueError("the completion has no assistant turn to train on")
-        if not templates:  # a template that does not compile is no row's fault: not caught
-            try:
-                templates.append(self._template())
-            except ValueError as error:
-                raise RuntimeError(str(error)) from None
-        text, spans = templates[0].assistant_spans(
-            messages, first=first, **self.chat_template_kwargs
-        )
+        text, spans = template.assistant_spans(messages, first=first, **self.chat_template_kwargs)
         if not spans:
             raise ChatTemplateError("the chat template marked no assistant text")
         return _chat_ids(self.tokenizer, text, spans)

@@ -21,7 +21,7 @@ from dew.nn.testing import TINY_LM
 from dew.objectives.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
-SEQ, ROWS, LR = 63, 4, 1.0
+SEQ, ROWS, LR = 95, 4, 1.0
 CONFIG = {**TINY_LM, "vocab_size": 304, "max_seq_len": SEQ}
 KEYS = dict(loss_mask_key="loss_mask", segment_ids_key="segment_ids", positions_key="positions")
 ONE_DEVICE = MeshSpec(data=1, devices=jax.devices()[:1])

@@ -73,3 +73,34 @@ def test_ids_and_assistant_mask_match_transformers(folder, tmp_path):
     assert tokens.ids.tolist() == list(out["input_ids"])
     assert np.array_equal(tokens.mask, np.asarray(out["assistant_masks"], bool))
     assert tokens.mask.sum() > 0
+
+
+def test_prefix_rendering_finds_what_generation_blocks_mark(tmp_path):
+    """Without {% generation %}, rendering prefix by prefix finds each assistant turn as
+    the text after the generation prompt up to the next turn: transformers' mask for a
+    template whose blocks mark exactly that, on the same rendering."""
+    from dew.data.testing import CHATML
+
+    turn = (
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    )
+    marked = CHATML.replace(
+        turn,
+        "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+        "{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}{% else %}"
+        + turn
+        + "{% endif %}",
+    )
+    assert marked != CHATML
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        write_chat_tokenizer(tmp_path / "marked", template=marked)
+    )
+    out = theirs.apply_chat_template(
+        MESSAGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": MESSAGES}) + "\n")
+    plain = HFTokenizer(write_chat_tokenizer(tmp_path / "plain", template=CHATML))
+    tokens = SFTExamples(path, seq_len=255, tokenizer=plain).tokenize(path)
+    assert tokens.ids.tolist() == list(out["input_ids"])
+    assert np.array_equal(tokens.mask, np.asarray(out["assistant_masks"], bool))

@@ -1,6 +1,7 @@
 """dew-data works with jax absent: nothing imports it, and the readers run without it.
-Without the [hf] extra (datasets, pillow, tokenizers, pyarrow) it imports and reads
-text and .npy clips, and what needs the extra says how to install it."""
+Without the [hf] extra (datasets, pillow, tokenizers, pyarrow, jinja2) it imports and
+reads text, prompt/completion rows and .npy clips, and what needs the extra (a chat
+template) says how to install it."""
 
 import ast
 import pathlib
@@ -43,10 +44,10 @@ def test_no_module_imports_jax_or_a_higher_package():
 def test_readers_run_with_jax_blocked(tmp_path):
     script = textwrap.dedent("""
         import sys
-        for name in ("jax", "jaxlib", "flax", "datasets", "PIL", "tokenizers", "pyarrow"):
+        for name in ("jax", "jaxlib", "flax", "datasets", "PIL", "tokenizers", "pyarrow", "jinja2"):
             sys.modules[name] = None  # any import of them now fails
         import numpy as np
-        from dew.data import HFImages, HFTokenizer, Partition, TokenWindows, Videos
+        from dew.data import HFImages, HFTokenizer, Partition, SFTExamples, TokenWindows, Videos
 
         open("corpus.txt", "w").write("no jax needed here. " * 20)
         data = TokenWindows("corpus.txt", seq_len=8, cache_dir="cache").load(batch=4)
@@ -60,11 +61,19 @@ def test_readers_run_with_jax_blocked(tmp_path):
         np.save("clip.npy", np.zeros((4, 2, 2, 3), np.uint8))
         assert next(Videos("clip.npy", frames=2).load(batch=2).train(Partition()))[
             "video"].shape == (2, 2, 2, 2, 3)
+        open("sft.jsonl", "w").write('{"prompt": "2+2=", "completion": "4"}\\n')
+        sft = next(SFTExamples("sft.jsonl", seq_len=15).load(batch=1).train(Partition()))
+        assert sft["loss_mask"].sum() == 2  # "4" and the end id
+        open("chat.jsonl", "w").write(
+            '{"messages": [{"role": "user", "content": "hi"}, '
+            '{"role": "assistant", "content": "yo"}]}\\n'
+        )
         assert "jax" not in [m for m in sys.modules if sys.modules[m] is not None]
         for needs_the_extra in (
             lambda: HFTokenizer("tokenizer.json"),
             lambda: HFImages("images").load(batch=1),
             lambda: next(Videos("clip.npy", frames=2, size=1).load(batch=2).train(Partition())),
+            lambda: SFTExamples("chat.jsonl", chat_template="{{ messages }}").load(batch=1),
         ):
             try:
                 needs_the_extra()

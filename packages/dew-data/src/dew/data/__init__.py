@@ -6,15 +6,19 @@ row, which each reader fills in from its arguments.
 Readers describe a dataset and build a :class:`Dataset` with ``.load(batch=...)``:
 :class:`TokenWindows` (text for language models), :class:`HFImages` (images of
 the ``datasets`` library), :class:`Videos` (local clips), :class:`PreferencePairs`
-(DPO) and :class:`Prompts` (GRPO, PPO). :func:`from_records` turns any
+(DPO), :class:`Prompts` (GRPO, PPO) and :class:`SFTExamples` (supervised
+fine-tuning on prompt/completion or chat rows, rendered with a
+:class:`ChatTemplate`, packed or not). :func:`from_records` turns any
 random-access source into a Grain-backed :class:`Dataset` the same way.
 """
 
+from dew.data.chat_template import ChatTemplate, ChatTemplateError
 from dew.data.dataset import Batch, Dataset, Field, Partition, spec_of_batch
 from dew.data.images import HFImages
 from dew.data.preferences import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.data.records import RecordError, Records, from_records
+from dew.data.sft import SFTExamples
 from dew.data.token_windows import TokenWindows
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
 from dew.data.videos import Videos
@@ -24,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "ByteTokenizer",
+    "ChatTemplate",
+    "ChatTemplateError",
     "Dataset",
     "Field",
     "HFImages",
@@ -33,6 +39,7 @@ __all__ = [
     "Prompts",
     "RecordError",
     "Records",
+    "SFTExamples",
     "TokenWindows",
     "Videos",
     "from_records",

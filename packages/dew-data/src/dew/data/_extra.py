@@ -1,6 +1,6 @@
 """Imports of the optional extras, made where a reader needs them, with an error that
 says how to install them: ``[hf]`` (``datasets``, ``pillow``, ``tokenizers``,
-``pyarrow``) and ``[video]`` (PyAV, ``av``)."""
+``pyarrow``, ``jinja2``) and ``[video]`` (PyAV, ``av``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _DISTRIBUTIONS = {
     "tokenizers": "tokenizers",
     "pyarrow": "pyarrow",
     "av": "av",
+    "jinja2": "jinja2",
 }
 
 

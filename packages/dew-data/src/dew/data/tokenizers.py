@@ -27,6 +27,19 @@ class ByteTokenizer:
         """``encode`` of each text."""
         return [self.encode(text) for text in texts]
 
+    def encode_with_offsets(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text)`` and each id's ``(start, end)`` characters in ``text`` (every
+        byte of a character covers that character)."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for index, char in enumerate(text):
+            data = char.encode("utf-8")
+            ids.extend(data)
+            offsets.extend([(index, index + 1)] * len(data))
+        return ids, offsets
+
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
@@ -100,6 +113,15 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def encode_with_offsets(
+        self, text: str, *, add_special_tokens: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` (the tokenizer's own specials only with
+        ``add_special_tokens``) and each id's ``(start, end)`` characters in ``text``:
+        how ``transformers`` maps a rendered chat's assistant text to tokens."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, [tuple(offset) for offset in encoding.offsets]
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """``encode`` of each text, in parallel inside the ``tokenizers`` library."""

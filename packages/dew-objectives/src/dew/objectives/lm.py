@@ -5,7 +5,11 @@ scored on ``x[1:]``:
 
     loss = -sum_t w_t log p(x_{t+1} | x_{<=t}) / sum_t w_t
 
-with ``w`` the optional loss mask (1 everywhere by default). The loss is a
+with ``w`` the optional loss mask (1 everywhere by default). Packed rows (several
+sequences in one row, ``dew.data.SFTExamples(packing=True)``) give
+``segment_ids`` and ``positions``: the model attends within a segment only and
+restarts its positions there, and a target in another segment than the id that
+predicts it, or in segment 0 (padding), never counts. The loss is a
 :class:`~dew.objectives.Weighted` mean over target tokens, so accumulation and
 data parallelism divide once by the global token count. A model that sows
 auxiliary losses (a mixture of experts' per-row load balance) adds
@@ -44,6 +48,11 @@ class LMObjective(Objective):
     text_key: the batch key holding the token rows.
     loss_mask_key: optional batch key of a ``[batch, seq_len + 1]`` 0/1 mask; a
       target position counts when its mask is 1 (e.g. completion tokens only).
+    segment_ids_key: optional batch key of ``[batch, seq_len + 1]`` int ids of the
+      sequences packed in a row (0 = padding); handed to the model as
+      ``segment_ids`` so no token attends across sequences.
+    positions_key: optional batch key of ``[batch, seq_len + 1]`` int positions of
+      each id within its own sequence; handed to the model as ``positions``.
     ema: moving-average spec, or None.
     tokenizer: turns previews and pipeline text into ids; None = ``ByteTokenizer()``.
     preview_prompt: the text a preview continues (greedy).
@@ -61,6 +70,8 @@ class LMObjective(Objective):
     seq_len: int | None = None
     text_key: str = "text"
     loss_mask_key: str | None = None
+    segment_ids_key: str | None = None
+    positions_key: str | None = None
     ema: EMA | None = None
     tokenizer: Any = None
     preview_prompt: str = "The"
@@ -87,6 +98,9 @@ class LMObjective(Objective):
         fields = [BatchField(self.text_key, (length,), IDS, note=note)]
         if self.loss_mask_key is not None:  # one weight per id
             fields.append(BatchField(self.loss_mask_key, (length,), MASK, note=note))
+        for key in (self.segment_ids_key, self.positions_key):
+            if key is not None:
+                fields.append(BatchField(key, (length,), IDS, note=note))
         return tuple(fields)
 
     def positions(self, spec=None) -> int:
@@ -127,14 +141,23 @@ class LMObjective(Objective):
         weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)
         if self.loss_mask_key is not None:
             weights = weights * batch[self.loss_mask_key][:, 1:].astype(jnp.float32)
+        if self.segment_ids_key is not None:  # no target across packed sequences
+            segments = batch[self.segment_ids_key]
+            same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+            weights = weights * same.astype(jnp.float32)
         if "example_mask" in batch:  # padded rows of a last validation batch
             weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
         return weights
 
     def _forward(self, variables, batch):
         tokens = batch[self.text_key]
+        packed = {}  # the model reads the first seq_len of each row, so of these too
+        if self.segment_ids_key is not None:
+            packed["segment_ids"] = batch[self.segment_ids_key][:, :-1]
+        if self.positions_key is not None:
+            packed["positions"] = batch[self.positions_key][:, :-1]
         logits, sown = self.model.apply(
-            {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"]
+            {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"], **packed
         )
         targets = tokens[:, 1:]
         weights = self._weights(batch, tokens)
@@ -190,6 +213,8 @@ class LMObjective(Objective):
         if self.seq_len is None:
             self._check_seq_len(tokens.shape[1] - 1, f"batch[{self.text_key!r}] row length - 1")
         self.policy.check_ids(tokens, key=self.text_key)
+        if self.positions_key is not None:
+            self._check_positions_of(np.asarray(batch[self.positions_key]))
         if self.loss_mask_key is None:
             return
         mask = np.asarray(batch[self.loss_mask_key])
@@ -203,4 +228,14 @@ class LMObjective(Objective):
                 f"LMObjective: every target of this batch is masked out "
                 f"(batch[{self.loss_mask_key!r}][:, 1:] is all 0 over {mask.shape[0]} rows), "
                 f"so its loss has weight 0; drop such batches in the reader or unmask a target"
+            )
+
+    def _check_positions_of(self, positions: np.ndarray) -> None:
+        """Packed positions must index the model's position range ``[0, max_seq_len)``."""
+        max_len = self.policy.max_seq_len
+        if positions.size and (positions.min() < 0 or (max_len and positions.max() >= max_len)):
+            raise ValueError(
+                f"LMObjective: batch[{self.positions_key!r}] holds positions from "
+                f"{positions.min()} to {positions.max()}, outside the model's [0, max_seq_len "
+                f"= {max_len}); positions count from 0 within each packed sequence"
             )

@@ -107,7 +107,7 @@ ENV = {
     "UV_COMPILE_BYTECODE": "1",
     "PYTHONDONTWRITEBYTECODE": "",
 }
-PYTEST = ["pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
+PYTEST = ["pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider", "--durations=15"]
 
 
 def sync(session: nox.Session, *args: str) -> None:

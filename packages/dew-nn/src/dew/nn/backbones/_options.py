@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import axes, masks
+from dew.nn._moe_dispatch import GATINGS
 from dew.nn.keywords import is_whole_number
 from dew.nn.mlp import ACTIVATIONS
 from dew.nn.norms import NORMS, make_norm
@@ -54,6 +55,7 @@ COUNT_MEANINGS = {
     "out_features": "the output width; None = vocab_size",
     "sliding_window": "positions a query sees back; None = all",
     "num_experts": "mixture-of-experts experts; 0 = a dense MLP",
+    "moe_shared_features": "the width of the shared expert; 0 = none",
     "num_stages": "pipeline stages; 1 = no pipeline",
     "pipeline_microbatches": "microbatches of the pipeline; None = num_stages",
     "encoder_features": "the encoder's feature width",
@@ -128,6 +130,10 @@ class BlockConfig:
       ``num_experts > 0``.
     moe_dispatch, moe_capacity_factor: :class:`dew.nn.moe.MoE`'s ``dispatch``
       and ``capacity_factor``.
+    moe_gating, moe_norm_topk_prob, moe_shared_features, moe_shared_gate:
+      :class:`dew.nn.moe.MoE`'s ``gating``, ``norm_topk_prob``,
+      ``shared_features`` and ``shared_expert_gate``.
+    qk_norm: an RMSNorm over each head's queries and keys (:class:`dew.nn.Attention`).
     """
 
     num_heads: int
@@ -149,6 +155,11 @@ class BlockConfig:
     experts_per_token: int = 2
     moe_dispatch: str = "dense"
     moe_capacity_factor: float | None = None
+    moe_gating: str = "softmax_topk"
+    moe_norm_topk_prob: bool | None = None
+    moe_shared_features: int = 0
+    moe_shared_gate: bool = True
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.num_experts < 0:
@@ -158,6 +169,8 @@ class BlockConfig:
                 f"experts_per_token {self.experts_per_token} must be between 1 and "
                 f"num_experts {self.num_experts}"
             )
+        if self.num_experts and self.moe_gating not in GATINGS:
+            raise ValueError(f"unknown moe_gating {self.moe_gating!r}; use one of {GATINGS}")
 
 
 class TransformerOptions(nn.Module, kw_only=True):

@@ -58,6 +58,7 @@ COUNT_MEANINGS = {
     "moe_shared_features": "the width of the shared expert; 0 = none",
     "num_stages": "pipeline stages; 1 = no pipeline",
     "pipeline_microbatches": "microbatches of the pipeline; None = num_stages",
+    "pipeline_repeats": "rounds of the circular pipeline schedule; 1 = GPipe",
     "encoder_features": "the encoder's feature width",
     "image_size": "pixels along a side of an image",
     "patch_size": "pixels along a side of a patch",
@@ -212,6 +213,12 @@ class TransformerOptions(nn.Module, kw_only=True):
       pipeline_microbatches: microbatches the batch is cut into for the
         pipeline; None = ``num_stages``. More microbatches, a smaller bubble
         (``(stages - 1) / (microbatches + stages - 1)`` of the time idle).
+      pipeline_repeats: 1 = the GPipe schedule; ``R > 1`` = the circular one
+        (MaxText's ``num_pipeline_repeats``): each stage holds ``R`` chunks of
+        ``num_layers / (num_stages R)`` layers and every microbatch goes round
+        the stages ``R`` times, a bubble of ``(stages - 1) / (microbatches R +
+        stages - 1)``. Needs ``num_layers`` a multiple of ``num_stages R`` and
+        at least ``num_stages`` microbatches; the same parameters either way.
     """
 
     emb_features: int
@@ -237,6 +244,7 @@ class TransformerOptions(nn.Module, kw_only=True):
     init_std: float | None = None
     num_stages: int = 1
     pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
 
     config_decoders = {"rope_scaling": RopeScaling}
     # a backbone's own count fields (vocab_size, ...), checked with the shared ones
@@ -270,7 +278,12 @@ class TransformerOptions(nn.Module, kw_only=True):
         module is built)."""
         check_counts(
             self,
-            positive=(*self.POSITIVE_COUNTS, "num_stages", *type(self).EXTRA_POSITIVE),
+            positive=(
+                *self.POSITIVE_COUNTS,
+                "num_stages",
+                "pipeline_repeats",
+                *type(self).EXTRA_POSITIVE,
+            ),
             optional=(*self.OPTIONAL_COUNTS, *type(self).EXTRA_OPTIONAL),
             non_negative=type(self).EXTRA_NON_NEGATIVE,
         )
@@ -308,6 +321,7 @@ class TransformerOptions(nn.Module, kw_only=True):
             remat_policy=self.remat_policy,
             num_stages=self.num_stages,
             num_microbatches=self.pipeline_microbatches,
+            num_repeats=self.pipeline_repeats,
         )
 
     def block_config(self) -> BlockConfig:

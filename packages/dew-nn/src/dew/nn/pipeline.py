@@ -152,8 +152,9 @@ def pipeline(
     iterations = items + stages - 1
 
     chunk_params = jax.tree.map(
-        lambda p: p.reshape(repeats, stages, per_stage, *p.shape[1:]), layer_params
-    )  # [round, stage, layers / chunk, ...]: chunk r * S + s
+        lambda p: jnp.swapaxes(p.reshape(repeats, stages, per_stage, *p.shape[1:]), 0, 1),
+        layer_params,
+    )  # [stage, round, layers / chunk, ...]: chunk r * S + s
     micro = jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape(micro_rows, num_microbatches, *x.shape[1:]), 0, 1),
         inputs,
@@ -178,10 +179,13 @@ def pipeline(
         new_input = jax.tree.map(
             lambda m, o: jnp.where(t < num_microbatches, m[slot], o[slot]), micro, outputs
         )
-        rounds = jnp.clip((t - stage_index) // num_microbatches, 0, repeats - 1)  # [stage]
-        stage_params = jax.tree.map(
-            lambda p: p[rounds, stage_index], chunk_params
-        )  # [stage, layers / chunk, ...]
+        if repeats == 1:  # GPipe: each stage's one chunk, sliced statically
+            stage_params = jax.tree.map(lambda p: p[:, 0], chunk_params)
+        else:  # each stage's chunk of the round it works on (a slice on its own device)
+            rounds = jnp.clip((t - stage_index) // num_microbatches, 0, repeats - 1)  # [stage]
+            stage_params = jax.tree.map(
+                lambda p: jax.vmap(lambda q, r: q[r])(p, rounds), chunk_params
+            )  # [stage, layers / chunk, ...]
         state = jax.tree.map(
             lambda s, m: jnp.where(is_first.reshape(-1, *([1] * m.ndim)), m[None], s),
             state,

@@ -1,8 +1,9 @@
 """Every mesh axis gives the one-device run: five optax.sgd steps under each of
 data=8; fsdp=8; data=2,fsdp=2,tensor=2; data=4,sequence=2; data=4,stage=2 (a
-GPipe pipeline); data=4,expert=2 (a mixture of experts) and data=2,expert=4
-(routed: each device's tokens sent to their experts by all_to_all) match the
-same Trainer on a single device (the mixtures against the dense dispatch).
+GPipe pipeline); data=4,expert=2 (a mixture of experts, dense dispatch and
+routed) and data=2,expert=4 (routed: each device's tokens sent to their experts
+by all_to_all) match the same Trainer on a single device (the mixtures against
+the dense dispatch).
 
 Tolerance: float32 sums taken in another order across devices agree to a
 few units in the 7th digit; we allow rtol 1e-5 on losses and parameters
@@ -94,6 +95,11 @@ CASES = {
     "data=4,sequence=2": (TINY, MeshSpec(data=4, sequence=2), "dense"),
     "data=4,stage=2": (PIPELINE, MeshSpec(data=4, stage=2), "dense"),
     "data=4,expert=2": (MOE, MeshSpec(data=4, expert=2), "moe"),
+    "data=4,expert=2 routed": (
+        dict(MOE, moe_dispatch="capacity"),
+        MeshSpec(data=4, expert=2),
+        "moe",
+    ),
     "data=2,expert=4 routed": (
         dict(MOE, moe_dispatch="capacity"),
         MeshSpec(data=2, expert=4),

@@ -22,7 +22,7 @@ VALID = {
     "video_dit": dict(TINY_DIT, num_frames=2),
 }
 # Counts where 0 is a documented setting ("off", "none").
-ZERO_ALLOWED = {"num_experts", "num_classes", "context_features"}
+ZERO_ALLOWED = {"num_experts", "moe_shared_features", "num_classes", "context_features"}
 # Counts read only under another setting (experts_per_token: only with num_experts > 0).
 UNCHECKED = {"experts_per_token"}
 

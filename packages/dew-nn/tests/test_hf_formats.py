@@ -102,13 +102,7 @@ def hf_tensors(family, config, seed=0):
         out["lm_head.weight"] = draw(v, e)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out |= {
-            p + "input_layernorm.weight": norm(e),
-            p + "self_attn.q_proj.weight": draw(h * d, e),
-            p + "self_attn.k_proj.weight": draw(kv * d, e),
-            p + "self_attn.v_proj.weight": draw(kv * d, e),
-            p + "self_attn.o_proj.weight": draw(e, h * d),
-            p + "post_attention_layernorm.weight": norm(e),
+        out |= attention_tensors(p, draw, norm, e, h, kv, d) | {
             p + "mlp.gate_proj.weight": draw(m, e),
             p + "mlp.up_proj.weight": draw(m, e),
             p + "mlp.down_proj.weight": draw(e, m),
@@ -117,6 +111,18 @@ def hf_tensors(family, config, seed=0):
             for name, width in (("q", h * d), ("k", kv * d), ("v", kv * d)):
                 out[p + f"self_attn.{name}_proj.bias"] = draw(width)
     return out
+
+
+def attention_tensors(p, draw, norm, e, h, kv, d):
+    """Layer ``p``'s norms and attention projections in the Llama layout."""
+    return {
+        p + "input_layernorm.weight": norm(e),
+        p + "self_attn.q_proj.weight": draw(h * d, e),
+        p + "self_attn.k_proj.weight": draw(kv * d, e),
+        p + "self_attn.v_proj.weight": draw(kv * d, e),
+        p + "self_attn.o_proj.weight": draw(e, h * d),
+        p + "post_attention_layernorm.weight": norm(e),
+    }
 
 
 # ------------------------------------------- numpy forward in the HF layout
@@ -236,7 +242,11 @@ def test_hf_to_dew_to_hf_is_exact(family, use_scan):
     options = dict(options, use_scan=use_scan)
     tensors = hf_tensors(family, config, seed=2)
     params = fmt.params_from_hf(tensors, options)  # options work as well as a module
-    back = fmt.params_to_hf(params, options)
+    assert_same_tensors(fmt.params_to_hf(params, options), tensors)
+
+
+def assert_same_tensors(back, tensors):
+    """The same names, dtypes and values."""
     assert sorted(back) == sorted(tensors)
     for key, value in tensors.items():
         assert back[key].dtype == value.dtype
@@ -330,3 +340,163 @@ def test_config_errors_name_the_field():
     _, gpt2_options = hf.GPT2.config_to_dew(CONFIGS["gpt2"])
     with pytest.raises(ValueError, match=r"a llama checkpoint cannot hold this model: .*'rms'"):
         hf.LLAMA.config_from_dew(gpt2_options)
+
+
+# ------------------------------------------- mixtures of experts (Mixtral, Qwen MoE)
+MOE_SIZES = dict(SIZES, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
+MOE_CONFIGS = {
+    "mixtral": dict(
+        MOE_SIZES, model_type="mixtral", head_dim=None, num_local_experts=3, sliding_window=5
+    ),
+    "qwen2_moe": dict(
+        MOE_SIZES,
+        model_type="qwen2_moe",
+        num_experts=3,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        qkv_bias=True,
+    ),
+    "qwen3_moe": dict(
+        MOE_SIZES,
+        model_type="qwen3_moe",
+        head_dim=6,
+        num_local_experts=3,  # transformers 5's spelling; 4 wrote num_experts
+        moe_intermediate_size=8,
+        norm_topk_prob=True,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
+}
+
+
+def moe_tensors(family, config, seed=0):
+    """The hub's layout: one tensor per expert (Mixtral's w1/w3/w2, Qwen's
+    gate_proj/up_proj/down_proj), Qwen2-MoE's shared expert, Qwen3-MoE's q/k norms."""
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: (0.3 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+    e, v = config["hidden_size"], config["vocab_size"]
+    h, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or e // h
+    n = config.get("num_local_experts") or config["num_experts"]
+    f = config.get("moe_intermediate_size") or config["intermediate_size"]
+    out = {"model.embed_tokens.weight": draw(v, e), "model.norm.weight": draw(e)}
+    out["lm_head.weight"] = draw(v, e)
+    block = "block_sparse_moe." if family == "mixtral" else "mlp."
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out |= attention_tensors(p, draw, draw, e, h, kv, d)
+        out[p + block + "gate.weight"] = draw(n, e)
+        for j in range(n):
+            x = f"{p}{block}experts.{j}."
+            out |= {
+                x + f"{names[0]}.weight": draw(f, e),
+                x + f"{names[1]}.weight": draw(f, e),
+                x + f"{names[2]}.weight": draw(e, f),
+            }
+        if family == "qwen2_moe":
+            s = config["shared_expert_intermediate_size"]
+            out |= {
+                p + "mlp.shared_expert.gate_proj.weight": draw(s, e),
+                p + "mlp.shared_expert.up_proj.weight": draw(s, e),
+                p + "mlp.shared_expert.down_proj.weight": draw(e, s),
+                p + "mlp.shared_expert_gate.weight": draw(1, e),
+            }
+            for name, width in (("q", h * d), ("k", kv * d), ("v", kv * d)):
+                out[p + f"self_attn.{name}_proj.bias"] = draw(width)
+        if family == "qwen3_moe":
+            out |= {p + "self_attn.q_norm.weight": draw(d), p + "self_attn.k_norm.weight": draw(d)}
+    return out
+
+
+@pytest.mark.parametrize("use_scan", [True, False])
+@pytest.mark.parametrize("family", list(MOE_CONFIGS))
+def test_moe_checkpoints_round_trip_exactly_with_experts_stacked(family, use_scan):
+    config = MOE_CONFIGS[family]
+    fmt = hf.get(hf.family_of(config))
+    name, options = fmt.config_to_dew(config)
+    options = dict(options, use_scan=use_scan)
+    tensors = moe_tensors(family, config)
+    params = fmt.params_from_hf(tensors, options)
+    # expert j of Dew's [expert, in, out] is checkpoint expert j's [out, in], transposed
+    layer = params["layers"] if use_scan else params["layer_1"]
+    up = layer["mlp"]["up"][1] if use_scan else layer["mlp"]["up"]
+    block = "block_sparse_moe.experts.2.w3" if family == "mixtral" else "mlp.experts.2.up_proj"
+    np.testing.assert_array_equal(up[2], tensors[f"model.layers.1.{block}.weight"].T)
+    assert_same_tensors(fmt.params_to_hf(params, options), tensors)
+
+
+@pytest.mark.parametrize("family", list(MOE_CONFIGS))
+def test_moe_config_maps_to_the_routing_and_round_trips(family):
+    config = MOE_CONFIGS[family]
+    fmt = hf.get(family)
+    name, options = fmt.config_to_dew(config)
+    want = {
+        "mixtral": dict(num_experts=3, mlp_features=24, moe_norm_topk_prob=True, head_dim=None),
+        "qwen2_moe": dict(
+            num_experts=3, mlp_features=8, moe_norm_topk_prob=False, moe_shared_features=12
+        ),
+        "qwen3_moe": dict(num_experts=3, mlp_features=8, qk_norm=True, head_dim=6),
+    }[family]
+    assert {k: options[k] for k in want} == want
+    written = fmt.config_from_dew(options, base=dict(config, bos_token_id=7))
+    assert written["bos_token_id"] == 7 and written["model_type"] == family
+    assert fmt.config_to_dew(written) == (name, options)
+    assert fmt.config_to_dew(fmt.config_from_dew(options)) == (name, options)
+
+
+def test_moe_fused_expert_tensors_read_as_the_per_expert_ones():
+    """transformers 5 holds the experts fused (gate_up_proj [expert, 2 * moe, embed],
+    down_proj [expert, embed, moe]) under mlp.: the same parameters."""
+    config = MOE_CONFIGS["mixtral"]
+    fmt = hf.get("mixtral")
+    _, options = fmt.config_to_dew(config)
+    tensors = moe_tensors("mixtral", config)
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    fused = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in fused.items()}
+    for i in range(2):
+        x = f"model.layers.{i}.block_sparse_moe.experts.{{j}}.{{w}}.weight"
+        per = lambda w, x=x: np.stack([tensors[x.format(j=j, w=w)] for j in range(3)])  # noqa: E731
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate(
+            [per("w1"), per("w3")], axis=1
+        )
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = per("w2")
+    a, b = fmt.params_from_hf(tensors, options), fmt.params_from_hf(fused, options)
+    for path in ("router", "gate", "up", "down"):
+        np.testing.assert_array_equal(a["layers"]["mlp"][path], b["layers"]["mlp"][path])
+
+
+@pytest.mark.parametrize(
+    "family, change, match",
+    [
+        (
+            "qwen2_moe",
+            dict(mlp_only_layers=[0]),
+            r"mlp_only_layers=\[0\].*layers \[0\] use a dense",
+        ),
+        ("qwen3_moe", dict(decoder_sparse_step=2), r"decoder_sparse_step=2, so layers \[0\]"),
+        ("qwen2_moe", dict(scoring_func="sigmoid"), r"scoring_func='sigmoid'"),
+        ("mixtral", dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1"),
+        ("qwen3_moe", dict(n_group=4, topk_group=2), r"n_group=4"),
+        ("mixtral", dict(num_experts_per_tok=4), r"num_experts_per_tok=4, more than the 3"),
+        ("qwen3_moe", dict(num_experts=4), r"num_local_experts=3 and num_experts=4"),
+        ("qwen3_moe", dict(attention_bias=True), r"attention_bias=True"),
+    ],
+)
+def test_moe_routing_variants_dew_does_not_compute_name_the_field(family, change, match):
+    with pytest.raises(ValueError, match=match):
+        hf.get(family).config_to_dew(dict(MOE_CONFIGS[family], **change))
+
+
+def test_a_model_a_moe_family_cannot_hold_is_refused_naming_the_option():
+    _, options = hf.MIXTRAL.config_to_dew(MOE_CONFIGS["mixtral"])
+    one = dict(options, experts_per_token=1, moe_norm_topk_prob=None)  # p, not p / p = 1
+    with pytest.raises(ValueError, match=r"mixtral needs moe_norm_topk_prob=True"):
+        hf.MIXTRAL.config_from_dew(one)
+    with pytest.raises(ValueError, match=r"qwen2_moe needs moe_shared_features=> 0"):
+        hf.QWEN2_MOE.config_from_dew(options)
+    with pytest.raises(ValueError, match=r"llama needs num_experts=0"):
+        hf.LLAMA.config_from_dew(options)

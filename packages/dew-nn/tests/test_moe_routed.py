@@ -148,6 +148,21 @@ def test_capacity_drops_exactly_the_assignments_past_capacity():
         assert float(dropped) == pytest.approx((~kept).mean())
 
 
+def test_capacity_order_is_choice_first_then_token():
+    """Expert 0 is the second choice of tokens 0, 1, 4 and the first of tokens 2, 3:
+    with 2 slots it keeps the two first choices, though tokens 0 and 1 come earlier."""
+    from dew.nn._moe_dispatch import capacity_of, positions
+
+    chosen = jnp.array([[1, 0], [2, 0], [0, 1], [0, 2], [3, 0]])
+    rank = np.asarray(positions(chosen, 4))
+    np.testing.assert_array_equal(rank, [[0, 2], [0, 3], [0, 1], [1, 1], [0, 4]])
+    capacity = capacity_of(5, 2, 4, 0.8)  # ceil(0.8 * 5 * 2 / 4) = 2
+    kept = rank < capacity
+    assert capacity == 2
+    np.testing.assert_array_equal(kept[:, 1], [False, False, True, True, False])
+    assert kept[:, 0].all()
+
+
 def test_router_losses_against_closed_forms_and_in_float32():
     module = make("capacity", router_z_loss_weight=0.1, dtype=jnp.bfloat16)
     params = nn.unbox(module.init(jax.random.key(0), X)["params"])

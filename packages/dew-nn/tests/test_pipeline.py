@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer
-from dew.nn.pipeline import pipeline
+from dew.nn.pipeline import bubble_fraction, pipeline
 from dew.nn.testing import TINY_LM, TINY_MOE
 
 LAYERS, BATCH, WIDTH = 4, 8, 6
@@ -76,6 +76,41 @@ def test_pipeline_gradients_equal_the_sequential_gradients(stack):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), got, want)
 
 
+def test_circular_pipeline_equals_the_layers_in_sequence_and_gpipe(stack):
+    """2 stages x 2 rounds over 4 layers: chunk r * 2 + s on stage s, 4 microbatches (each
+    waits 2 iterations in the buffer between rounds); forward, aux and gradients as the
+    sequence (numpy) and as GPipe."""
+    params, x, scale = stack
+    microbatches = 4
+
+    def run(p, repeats):
+        return pipeline(
+            layer_fn,
+            p,
+            (x, scale),
+            num_stages=2,
+            num_microbatches=microbatches,
+            num_repeats=repeats,
+        )
+
+    (y, _), aux = jax.jit(lambda p: run(p, 2))(params)
+    want, want_aux = np_sequential(params, x, scale, microbatches)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
+    assert float(aux) == pytest.approx(want_aux, rel=1e-5, abs=1e-6)
+    loss = lambda repeats: jax.jit(  # noqa: E731
+        jax.grad(lambda p: jnp.sum(run(p, repeats)[0][0] ** 2))
+    )
+    circular, gpipe = loss(2)(params), loss(1)(params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), circular, gpipe
+    )
+
+
+def test_bubble_fraction_shrinks_with_rounds():
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)  # GPipe: (S - 1) / (M + S - 1)
+    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)  # circular: (S - 1) / (M R + S - 1)
+
+
 def test_layers_and_batch_must_divide(stack):
     params, x, scale = stack
     three = jax.tree.map(lambda a: a[:3], params)
@@ -83,6 +118,10 @@ def test_layers_and_batch_must_divide(stack):
         pipeline(layer_fn, three, (x, scale), num_stages=2, num_microbatches=2)
     with pytest.raises(ValueError, match="batch 8 does not divide into pipeline_microbatches 3"):
         pipeline(layer_fn, params, (x, scale), num_stages=2, num_microbatches=3)
+    with pytest.raises(ValueError, match=r"num_stages 2 x pipeline_repeats 4 = 8 pipeline"):
+        pipeline(layer_fn, params, (x, scale), num_stages=2, num_microbatches=2, num_repeats=4)
+    with pytest.raises(ValueError, match="needs at least as many microbatches as stages"):
+        pipeline(layer_fn, params, (x, scale), num_stages=2, num_microbatches=1, num_repeats=2)
 
 
 TINY = {**TINY_LM, "num_layers": 4}
@@ -127,3 +166,25 @@ def test_pipelined_experts_sow_the_per_row_balance_loss_of_the_plain_stack():
     (per_layer,) = want_sown["intermediates"]["layers"]["mlp"]["aux_loss"]  # [layers, batch]
     (aux,) = sown["intermediates"]["aux_loss"]  # [batch]
     np.testing.assert_allclose(np.asarray(aux), np.asarray(per_layer).mean(0), rtol=1e-5)
+
+
+def test_circular_transformer_equals_gpipe_on_a_stage_mesh():
+    """CausalTransformer(pipeline_repeats=2) on 8 devices (data=4 x stage=2, the layers
+    split over stage): the logits and gradients of GPipe's run, within 1e-5."""
+    tokens = jax.random.randint(jax.random.key(5), (8, 8), 0, 32)
+    gpipe = CausalTransformer(**TINY, num_stages=2, pipeline_microbatches=2)
+    circular = gpipe.clone(pipeline_repeats=2)
+    params = nn.unbox(CausalTransformer(**TINY).init(jax.random.key(0), tokens)["params"])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "stage"))
+    rules = [("batch", "data"), ("layers", "stage")]
+
+    def value_and_grad(model):
+        loss = lambda p: jnp.mean(model.apply({"params": p}, tokens) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        (want, want_grads), (got, grads) = value_and_grad(gpipe), value_and_grad(circular)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, want_grads
+    )

@@ -1,7 +1,9 @@
 """Every mesh axis gives the one-device run: five optax.sgd steps under each of
 data=8; fsdp=8; data=2,fsdp=2,tensor=2; data=4,sequence=2; data=4,stage=2 (a
-GPipe pipeline); data=4,expert=2 (a mixture of experts) match the same
-Trainer on a single device.
+GPipe pipeline); data=4,expert=2 (a mixture of experts, dense dispatch and
+routed) and data=2,expert=4 (routed: each device's tokens sent to their experts
+by all_to_all) match the same Trainer on a single device (the mixtures against
+the dense dispatch).
 
 Tolerance: float32 sums taken in another order across devices agree to a
 few units in the 7th digit; we allow rtol 1e-5 on losses and parameters
@@ -93,6 +95,16 @@ CASES = {
     "data=4,sequence=2": (TINY, MeshSpec(data=4, sequence=2), "dense"),
     "data=4,stage=2": (PIPELINE, MeshSpec(data=4, stage=2), "dense"),
     "data=4,expert=2": (MOE, MeshSpec(data=4, expert=2), "moe"),
+    "data=4,expert=2 routed": (
+        dict(MOE, moe_dispatch="capacity"),
+        MeshSpec(data=4, expert=2),
+        "moe",
+    ),
+    "data=2,expert=4 routed": (
+        dict(MOE, moe_dispatch="capacity"),
+        MeshSpec(data=2, expert=4),
+        "moe",
+    ),
 }
 
 
@@ -111,7 +123,8 @@ def test_mesh_matches_one_device(case, reference, tmp_path, capsys):
         lm_loss = metrics["nll"]
         assert metrics["loss"] == pytest.approx(lm_loss + 0.01 * metrics["aux_loss"], rel=1e-6)
         up = params["layers"]["mlp"]["up"]  # [layers, expert, embed, mlp]
-        assert {s.data.shape[1] for s in up.addressable_shards} == {2}  # 4 experts / expert=2
+        held = MOE["num_experts"] // sizes["expert"]
+        assert {s.data.shape[1] for s in up.addressable_shards} == {held}  # experts / device
 
 
 LONG = 128  # from here causal attention runs in query blocks on the CPU (dew.nn.attention)

@@ -90,3 +90,29 @@ def test_a_batch_that_does_not_divide_is_refused():
             mesh=MeshSpec(data=8),
             batch={"text": ((6, SEQ + 1), jnp.int32)},
         )
+
+
+def test_plan_names_the_pipeline_bubble_of_each_schedule():
+    """(S - 1) / (M R + S - 1): 2 stages, 4 microbatches: 1/5 for GPipe, 1/9 circular x 2;
+    printed by the report (nothing compiled here: the figure is the schedule's)."""
+    from dew.train.plan import Plan, pipeline_of
+
+    pipelined = dict(num_stages=2, pipeline_microbatches=4)
+    gpipe = pipeline_of(LMObjective(model(**pipelined), seq_len=SEQ))
+    circular_model = model(**pipelined).clone(num_layers=4, pipeline_repeats=2)
+    circular = pipeline_of(LMObjective(circular_model, seq_len=SEQ))
+    assert gpipe == (pytest.approx(1 / 5), "2 stages, 4 microbatches, GPipe")
+    assert circular == (pytest.approx(1 / 9), "2 stages, 4 microbatches, circular x 2")
+    assert pipeline_of(LMObjective(model(), seq_len=SEQ)) == (None, "")
+    figures = dict.fromkeys(
+        ("parameters", "parameter_bytes", "optimizer_bytes", "other_state_bytes"), 0
+    ) | dict(temporary_bytes=0, peak_bytes=0, flops=0.0, flops_per_device=0.0)
+    report = Plan(
+        mesh={"stage": 2},
+        compile_seconds=0.0,
+        pipeline_bubble=circular[0],
+        pipeline_schedule=circular[1],
+        **figures,
+    )
+    assert "pipeline bubble" in str(report)
+    assert "11.1% idle (2 stages, 4 microbatches, circular x 2)" in str(report)

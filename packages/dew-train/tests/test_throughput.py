@@ -113,6 +113,16 @@ def test_scanned_stack_counts_every_layer():
     assert counts[0] == counts[1] == closed_form_flops(TINY_LM, 2, SEQ)
 
 
+def test_a_shard_map_body_counts_once_per_device():
+    """A shard_map body sees one device's shapes: counted times its manual devices,
+    so expert-parallel MoE layers are not undercounted. 8 devices, each [2, 3] @ [3, 2]:
+    8 x 2 * 2 * 2 * 3 (the 'b' axis computes its rows twice: executed FLOPs)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    spec = jax.sharding.PartitionSpec("a", None)
+    body = jax.shard_map(lambda x: x @ x.T, mesh=mesh, in_specs=spec, out_specs=spec)
+    assert tp.program_flops(jax.make_jaxpr(body)(jnp.ones((8, 3)))) == 8 * 2 * 2 * 2 * 3
+
+
 def test_log_lines_carry_tokens_per_second_and_mfu(fitted):
     _, _, lines, records, _ = fitted
     train = [r for r in records if r["kind"] == "train"]

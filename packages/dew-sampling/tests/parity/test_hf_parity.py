@@ -57,6 +57,37 @@ FAMILIES = {
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(SIZES, sliding_window=4)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(SIZES, rope_theta=1000.0)),
+    # mixtures of experts: 4 experts, top 2 (Mixtral renormalises the top k; Qwen2-MoE
+    # does not and adds a sigmoid-gated shared expert; Qwen3-MoE renormalises here and
+    # norms q/k per head, head_dim 16 != hidden 32 / 4 heads)
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(SIZES, num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            SIZES,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            SIZES,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            head_dim=16,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -221,6 +252,25 @@ FRESH = {
         position_embedding="learned",
         use_bias=True,
         tie_embeddings=True,
+    ),
+    # mixtures of experts built in Dew (k=1 Mixtral: the renormalised gate is 1)
+    "mixtral": dict(
+        num_experts=4,
+        experts_per_token=1,
+        moe_norm_topk_prob=True,
+        sliding_window=5,
+        mlp_features=16,
+    ),
+    "qwen2_moe": dict(
+        num_experts=4,
+        experts_per_token=2,
+        moe_norm_topk_prob=False,
+        moe_shared_features=24,
+        use_qkv_bias=True,
+        mlp_features=16,
+    ),
+    "qwen3_moe": dict(
+        num_experts=3, experts_per_token=2, qk_norm=True, head_dim=12, mlp_features=16
     ),
 }
 

@@ -10,6 +10,7 @@ import numpy as np
 from dew.nn import axes
 from dew.nn.dense import token_rows
 from dew.nn.masks import MaskPolicy, attention_mask, causal, full
+from dew.nn.norms import RMSNorm
 from dew.nn.rope import RopeScaling, apply_axial_rope, apply_rope, inverse_frequencies
 from dew.nn.shards import shard_count
 
@@ -36,6 +37,11 @@ class Attention(nn.Module):
     On the CPU backend, causal self-attention over :data:`CAUSAL_BLOCKS_FROM`
     tokens or more runs in blocks of queries (:func:`attend_in_query_blocks`):
     the same values in less time.
+
+    ``qk_norm``: an RMSNorm over each head's features of the queries and keys,
+    after the projection and before the rotary embedding (Qwen3, OLMo 2);
+    parameters ``query_norm/scale`` and ``key_norm/scale`` ``[head_dim]``, epsilon
+    ``qk_norm_eps``.
     """
 
     num_heads: int
@@ -49,6 +55,8 @@ class Attention(nn.Module):
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
 
     def _param(self, name, init, shape, names):
         return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
@@ -116,6 +124,15 @@ class Attention(nn.Module):
         )  # [batch, length, heads, head_dim]
         k = self._project("key", x, self.num_kv_heads, axes.KV_HEADS)
         v = self._project("value", x, self.num_kv_heads, axes.KV_HEADS)
+        if self.qk_norm:
+            norm = dict(
+                eps=self.qk_norm_eps,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                axis=axes.HEAD_DIM,
+            )
+            q = RMSNorm(**norm, name="query_norm")(q)
+            k = RMSNorm(**norm, name="key_norm")(k)
         if self.rope_theta is not None and coordinates is not None:
             q = apply_axial_rope(q, coordinates, self.rope_theta)
             k = apply_axial_rope(k, coordinates, self.rope_theta)

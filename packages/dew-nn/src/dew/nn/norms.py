@@ -12,18 +12,20 @@ from dew.nn import axes
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich, 2019): ``x / rms(x) * scale``.
 
-    Computed in float32 whatever the input dtype, as Llama does.
+    Computed in float32 whatever the input dtype, as Llama does. ``axis``: the
+    logical axis of ``scale`` (``embed``; ``head_dim`` for a per-head q/k norm).
     """
 
     eps: float = 1e-6
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    axis: str = axes.EMBED
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param(
             "scale",
-            nn.with_logical_partitioning(nn.initializers.ones, (axes.EMBED,)),
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
             (x.shape[-1],),
             self.param_dtype,
         )

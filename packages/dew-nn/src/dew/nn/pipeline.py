@@ -1,4 +1,4 @@
-"""Pipeline parallelism for a stack of identical layers: a GPipe schedule.
+"""Pipeline parallelism for a stack of identical layers: GPipe and a circular schedule.
 
 The ``[layers, ...]`` parameters of a scanned stack are viewed as ``[stages,
 layers / stages, ...]``; the logical axis ``layers`` is split over the
@@ -23,6 +23,22 @@ a fraction ``(S - 1) / (M + S - 1)`` of the time), computing on zeros that
 are never read. The backward pass is the reverse schedule, derived by
 autodiff through the loop. (Huang et al., 2019, GPipe; the loop follows
 MaxText's ``pipeline.py``.)
+
+The circular schedule (``num_repeats = R > 1``, MaxText's
+``num_pipeline_repeats``; the interleaved stages of Narayanan et al., 2021)
+cuts the layers into ``S * R`` chunks of ``L / (S R)``: chunk ``r S + s``
+runs on stage ``s``, so a microbatch goes round the stages ``R`` times, and
+each iteration runs ``L / (S R)`` layers per stage instead of ``L / S``. Stage
+``s`` works on item ``w = t - s`` at iteration ``t`` (microbatch ``w mod M``,
+round ``w // M``); what the last stage finishes waits in a buffer
+``[microbatch, ...]`` until stage 0 takes it for the next round (``M >= S``:
+it is finished before it is needed). There are ``M R + S - 1`` iterations of
+``1 / R`` the work each, so the bubble is ``(S - 1) / (M R + S - 1)``
+(:func:`bubble_fraction`), about ``R`` times smaller than GPipe's at the same
+microbatches, for ``R`` times as many stage-to-stage transfers. The chunks
+of a stage are not contiguous layers: under a ``stage`` mesh axis that splits
+the ``[layers]`` parameters in contiguous blocks, the partitioner moves
+weights to their stage inside the step.
 """
 
 from __future__ import annotations
@@ -38,18 +54,40 @@ from dew.nn import axes
 from dew.nn.shards import check_divides
 
 
-def check_pipeline(num_layers: int, num_stages: int, batch: int, num_microbatches: int) -> None:
-    """Raise ``ValueError`` unless the layers split evenly into stages and the
-    batch into microbatches."""
-    if num_stages < 1 or num_microbatches < 1:
+def bubble_fraction(num_stages: int, num_microbatches: int, num_repeats: int = 1) -> float:
+    """The fraction of a pipelined step each stage is idle: ``(S - 1) / (M R + S - 1)``
+    (GPipe at ``num_repeats`` 1)."""
+    s, m, r = num_stages, num_microbatches, num_repeats
+    return (s - 1) / (m * r + s - 1)
+
+
+def check_pipeline(
+    num_layers: int, num_stages: int, batch: int, num_microbatches: int, num_repeats: int = 1
+) -> None:
+    """Raise ``ValueError`` unless the layers split evenly into stages (times
+    ``num_repeats`` chunks each) and the batch into microbatches; a circular
+    schedule also needs at least as many microbatches as stages."""
+    if num_stages < 1 or num_microbatches < 1 or num_repeats < 1:
         raise ValueError(
-            f"num_stages ({num_stages}) and pipeline_microbatches ({num_microbatches}) must be >= 1"
+            f"num_stages ({num_stages}), pipeline_microbatches ({num_microbatches}) and "
+            f"pipeline_repeats ({num_repeats}) must be >= 1"
         )
-    if num_layers % num_stages:
+    chunks = num_stages * num_repeats
+    if num_layers % chunks:
+        what = f"num_stages {num_stages}" + (
+            f" x pipeline_repeats {num_repeats}" if num_repeats > 1 else ""
+        )
         raise ValueError(
-            f"num_layers {num_layers} does not divide into num_stages {num_stages} pipeline "
-            f"stages; use a number of layers that is a multiple of {num_stages} or another "
-            f"num_stages"
+            f"num_layers {num_layers} does not divide into {what} = {chunks} pipeline "
+            f"chunks; use a number of layers that is a multiple of {chunks} or fewer "
+            f"stages or repeats"
+        )
+    if num_repeats > 1 and num_stages > 1 and num_microbatches < num_stages:
+        raise ValueError(
+            f"the circular pipeline (pipeline_repeats {num_repeats}) needs at least as many "
+            f"microbatches as stages ({num_stages}), got pipeline_microbatches "
+            f"{num_microbatches}: a microbatch must finish a round before stage 0 takes it "
+            f"again; use pipeline_microbatches >= {num_stages}"
         )
     if batch % num_microbatches:
         raise ValueError(
@@ -83,8 +121,10 @@ def pipeline(
     *,
     num_stages: int,
     num_microbatches: int,
+    num_repeats: int = 1,
 ) -> tuple[Any, jax.Array]:
-    """Run ``num_layers`` layers over ``inputs`` as a ``num_stages``-stage pipeline.
+    """Run ``num_layers`` layers over ``inputs`` as a ``num_stages``-stage pipeline:
+    GPipe (``num_repeats`` 1) or the circular schedule over ``num_repeats`` rounds.
 
     layer_fn: ``(params of one layer, carry) -> (carry, aux)``; ``carry`` is a
       tree of ``[rows, ...]`` arrays (activations, positions, masks) that the
@@ -100,18 +140,21 @@ def pipeline(
     """
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     batch = jax.tree.leaves(inputs)[0].shape[0]
-    check_pipeline(num_layers, num_stages, batch, num_microbatches)
-    stages, micro_rows, per_stage = num_stages, batch // num_microbatches, num_layers // num_stages
+    check_pipeline(num_layers, num_stages, batch, num_microbatches, num_repeats)
+    stages, micro_rows = num_stages, batch // num_microbatches
+    repeats, per_stage = num_repeats, num_layers // (num_stages * num_repeats)
     check_divides(
         micro_rows,
         axes.BATCH,
         f"pipeline microbatch (batch {batch} / {num_microbatches} microbatches)",
     )
-    iterations = num_microbatches + stages - 1
+    items = num_microbatches * repeats  # (microbatch, round) pairs each stage works on
+    iterations = items + stages - 1
 
-    stage_params = jax.tree.map(
-        lambda p: p.reshape(stages, per_stage, *p.shape[1:]), layer_params
-    )  # [stage, layers / stage, ...]
+    chunk_params = jax.tree.map(
+        lambda p: jnp.swapaxes(p.reshape(repeats, stages, per_stage, *p.shape[1:]), 0, 1),
+        layer_params,
+    )  # [stage, round, layers / chunk, ...]: chunk r * S + s
     micro = jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape(micro_rows, num_microbatches, *x.shape[1:]), 0, 1),
         inputs,
@@ -126,10 +169,23 @@ def pipeline(
         return jax.lax.scan(one_layer, carry, params)  # aux: [layers / stage]
 
     is_first = jnp.arange(stages) == 0  # [stage]
+    stage_index = jnp.arange(stages)
 
     def iteration(loop, t):
         state, outputs = loop
-        new_input = jax.tree.map(lambda m: m[t % num_microbatches], micro)
+        # stage 0 takes item t: microbatch t mod M, from the inputs in round 0,
+        # else from the buffer the last stage filled in the round before
+        slot = t % num_microbatches
+        new_input = jax.tree.map(
+            lambda m, o: jnp.where(t < num_microbatches, m[slot], o[slot]), micro, outputs
+        )
+        if repeats == 1:  # GPipe: each stage's one chunk, sliced statically
+            stage_params = jax.tree.map(lambda p: p[:, 0], chunk_params)
+        else:  # each stage's chunk of the round it works on (a slice on its own device)
+            rounds = jnp.clip((t - stage_index) // num_microbatches, 0, repeats - 1)  # [stage]
+            stage_params = jax.tree.map(
+                lambda p: jax.vmap(lambda q, r: q[r])(p, rounds), chunk_params
+            )  # [stage, layers / chunk, ...]
         state = jax.tree.map(
             lambda s, m: jnp.where(is_first.reshape(-1, *([1] * m.ndim)), m[None], s),
             state,
@@ -152,13 +208,13 @@ def pipeline(
         lambda o: jnp.swapaxes(o, 0, 1).reshape(batch, *o.shape[2:]), outputs
     )  # [batch, ...]
 
-    # Stage s works on microbatch m at iteration m + s; the bubble's idle
-    # iterations computed on zeros and are left out.
-    aux = aux.astype(jnp.float32)  # [iteration, stage, layers / stage, rows?]
-    stage_index = jnp.arange(stages)
-    iteration_index = jnp.arange(num_microbatches)[:, None] + stage_index[None, :]
-    aux = aux[iteration_index, stage_index[None, :]]  # [microbatch, stage, layers / stage, rows?]
-    aux = jnp.mean(aux, axis=(1, 2))  # [microbatch, rows?]
+    # Stage s works on microbatch m of round r at iteration r M + m + s; the
+    # bubble's idle iterations computed on zeros and are left out.
+    aux = aux.astype(jnp.float32)  # [iteration, stage, layers / chunk, rows?]
+    work = jnp.arange(items).reshape(repeats, num_microbatches).T  # [microbatch, round]
+    iteration_index = work[:, :, None] + stage_index  # [microbatch, round, stage]
+    aux = aux[iteration_index, stage_index]  # [microbatch, round, stage, layers / chunk, rows?]
+    aux = jnp.mean(aux, axis=(1, 2, 3))  # [microbatch, rows?]
     if aux.ndim == 1:
         return outputs, jnp.mean(aux)
     return outputs, jnp.swapaxes(aux, 0, 1).reshape(batch)  # [batch]

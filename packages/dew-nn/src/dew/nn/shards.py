@@ -42,6 +42,6 @@ def check_divides(size: int, logical_axis: str, what: str) -> None:
         names = "x".join(mesh_axes_of(logical_axis))
         raise ValueError(
             f"{what}: {logical_axis!r} of size {size} does not divide over mesh axis {names} "
-            f"of size {ways}; use a {logical_axis} that is a multiple of {ways} or a smaller "
-            f"MeshSpec.{names.split('x')[0]}"
+            f"of size {ways}; make that {logical_axis} size a multiple of {ways} or use a "
+            f"smaller MeshSpec.{names.split('x')[0]}"
         )

@@ -56,6 +56,10 @@ class LayerStack:
     num_stages: pipeline stages (GPipe); 1 = no pipeline. Needs ``use_scan``
       and ``num_layers`` a multiple of it.
     num_microbatches: microbatches of the pipeline; None = ``num_stages``.
+    num_repeats: rounds of the circular schedule (:mod:`dew.nn.pipeline`): each
+      stage holds ``num_repeats`` chunks of layers and a microbatch goes round
+      the stages that many times, for a bubble about ``num_repeats`` times
+      smaller; 1 = GPipe.
     name: where the scanned parameters live (``layers/...``).
     loop_name: where looped block ``i``'s parameters live: ``{loop_name}_{i}``
       (``layer_0/...``); a scanned stack's ``[layers, ...]`` parameters sliced
@@ -71,6 +75,7 @@ class LayerStack:
     remat_policy: str | None = None
     num_stages: int = 1
     num_microbatches: int | None = None
+    num_repeats: int = 1
     name: str = "layers"
     loop_name: str = "layer"
     unroll: int = 1
@@ -96,7 +101,9 @@ class LayerStack:
                 f"num_stages {self.num_stages} (a pipeline) needs use_scan=True: the pipeline "
                 f"splits the scanned [layers, ...] parameters into stages"
             )
-        check_pipeline(self.num_layers, self.num_stages, self.microbatches, self.microbatches)
+        check_pipeline(
+            self.num_layers, self.num_stages, self.microbatches, self.microbatches, self.num_repeats
+        )
 
     @property
     def microbatches(self) -> int:
@@ -182,6 +189,7 @@ class LayerStack:
             (x, *args),
             num_stages=self.num_stages,
             num_microbatches=self.microbatches,
+            num_repeats=self.num_repeats,
         )
         if any(sows_aux):
             # the mean over layers: [batch] when the block sows per-row values

@@ -37,8 +37,8 @@ class Pretrained:
     params: its parameter tree (unboxed; numpy or jax arrays).
     tokenizer: ``ByteTokenizer``, ``HFTokenizer`` or None.
     format: what :meth:`save` writes: ``'dew'`` or a Hugging Face family
-      (``'llama'``, ``'mistral'``, ``'qwen2'``, ``'gpt2'``, ``'ijepa'``, ``'vjepa2'``;
-      ``dew.nn.hf.names()``).
+      (``'llama'``, ``'mistral'``, ``'qwen2'``, ``'gpt2'``, ``'mixtral'``, ``'qwen2_moe'``,
+      ``'qwen3_moe'``, ``'ijepa'``, ``'vjepa2'``; ``dew.nn.hf.names()``).
     hf_config: the ``config.json`` a Hugging Face checkpoint came with; the
       fields Dew ignores (token ids, ...) are written back by :meth:`save`.
     end_ids: token ids that end a generation; None = the tokenizer's ``end_id``

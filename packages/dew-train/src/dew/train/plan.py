@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import optax
 
+from dew.nn.pipeline import bubble_fraction
 from dew.objectives import Objective
 from dew.train._programs import Programs
 from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, data_parallel_size, mesh_sizes
@@ -61,6 +62,12 @@ class Plan:
     flops_per_device: ``flops / devices``: the share of one device when the
       partitioner splits the work evenly.
     compile_seconds: wall time of lowering and compiling the step.
+    pipeline_bubble: the fraction of the step each pipeline stage is idle,
+      ``(stages - 1) / (microbatches * repeats + stages - 1)``
+      (:func:`dew.nn.pipeline.bubble_fraction`), for the most pipelined model
+      of the objective; None without a pipeline.
+    pipeline_schedule: how that pipeline runs, e.g. ``'2 stages, 4
+      microbatches, GPipe'`` or ``'..., circular x 2'``; empty without one.
     """
 
     mesh: dict[str, int]
@@ -73,6 +80,8 @@ class Plan:
     flops: float
     flops_per_device: float
     compile_seconds: float
+    pipeline_bubble: float | None = None
+    pipeline_schedule: str = ""
 
     @property
     def devices(self) -> int:
@@ -90,12 +99,30 @@ class Plan:
             ("step FLOPs (all devices)", f"{self.flops:.3e}"),
             ("step FLOPs / device", f"{self.flops_per_device:.3e}"),
         ]
+        if self.pipeline_bubble is not None:
+            bubble = f"{self.pipeline_bubble:.1%} idle ({self.pipeline_schedule})"
+            rows.append(("pipeline bubble", bubble))
         width = max(len(name) for name, _ in rows)
         lines = [
             f"plan on {self.devices} devices ({mesh}), compiled in {self.compile_seconds:.1f} s"
         ]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         return "\n".join(lines)
+
+
+def pipeline_of(objective: Objective) -> tuple[float | None, str]:
+    """``(bubble fraction, schedule)`` of the objective's most pipelined model
+    (the largest bubble), ``(None, '')`` when none is pipelined."""
+    found = []
+    for role in objective.roles():
+        layer_stack = getattr(role.module, "layer_stack", None)
+        stack = layer_stack() if callable(layer_stack) else None
+        if stack is None or stack.num_stages <= 1:
+            continue
+        s, m, r = stack.num_stages, stack.microbatches, stack.num_repeats
+        schedule = "GPipe" if r == 1 else f"circular x {r}"
+        found.append((bubble_fraction(s, m, r), f"{s} stages, {m} microbatches, {schedule}"))
+    return max(found) if found else (None, "")
 
 
 def _bytes(nbytes: int) -> str:
@@ -159,6 +186,7 @@ def plan(
     seconds = time.perf_counter() - start
     memory = compiled.program.memory_analysis()
     devices = device_mesh.devices.size
+    bubble, schedule = pipeline_of(objective)
     return Plan(
         mesh=mesh_sizes(device_mesh),
         parameters=sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.params)),
@@ -173,6 +201,8 @@ def plan(
         flops=compiled.flops,
         flops_per_device=compiled.flops / devices,
         compile_seconds=seconds,
+        pipeline_bubble=bubble,
+        pipeline_schedule=schedule,
     )
 
 

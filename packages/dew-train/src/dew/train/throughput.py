@@ -61,7 +61,8 @@ CACHE_NAME = "cpu_peak.json"
 def program_flops(jaxpr) -> float:
     """Matrix-product FLOPs of a (closed) jaxpr: ``2 * prod(output) * prod(contracted)``
     for every ``dot_general`` (a convolution: ``2 * prod(output) * in / groups x
-    window``), scan bodies times their length, other nested
+    window``), scan bodies times their length, a ``shard_map`` body (per-device
+    shapes) times the devices it runs on (its manual mesh axes), other nested
     programs (jit, remat, custom derivatives, the larger ``cond`` branch) once."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
@@ -81,6 +82,11 @@ def program_flops(jaxpr) -> float:
             continue
         if name == "scan":
             total += eqn.params["length"] * program_flops(eqn.params["jaxpr"])
+            continue
+        if name == "shard_map":
+            mesh, manual = eqn.params["mesh"], eqn.params.get("newly_manual_axes", ())
+            copies = math.prod(int(mesh.shape[a]) for a in manual) if manual else mesh.size
+            total += copies * program_flops(eqn.params["jaxpr"])
             continue
         if name == "cond":
             total += max(program_flops(b) for b in eqn.params["branches"])

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import axes, masks
+from dew.nn._moe_dispatch import GATINGS
 from dew.nn.keywords import is_whole_number
 from dew.nn.mlp import ACTIVATIONS
 from dew.nn.norms import NORMS, make_norm
@@ -54,8 +55,10 @@ COUNT_MEANINGS = {
     "out_features": "the output width; None = vocab_size",
     "sliding_window": "positions a query sees back; None = all",
     "num_experts": "mixture-of-experts experts; 0 = a dense MLP",
+    "moe_shared_features": "the width of the shared expert; 0 = none",
     "num_stages": "pipeline stages; 1 = no pipeline",
     "pipeline_microbatches": "microbatches of the pipeline; None = num_stages",
+    "pipeline_repeats": "rounds of the circular pipeline schedule; 1 = GPipe",
     "encoder_features": "the encoder's feature width",
     "image_size": "pixels along a side of an image",
     "patch_size": "pixels along a side of a patch",
@@ -128,6 +131,10 @@ class BlockConfig:
       ``num_experts > 0``.
     moe_dispatch, moe_capacity_factor: :class:`dew.nn.moe.MoE`'s ``dispatch``
       and ``capacity_factor``.
+    moe_gating, moe_norm_topk_prob, moe_shared_features, moe_shared_gate:
+      :class:`dew.nn.moe.MoE`'s ``gating``, ``norm_topk_prob``,
+      ``shared_features`` and ``shared_expert_gate``.
+    qk_norm: an RMSNorm over each head's queries and keys (:class:`dew.nn.Attention`).
     """
 
     num_heads: int
@@ -149,6 +156,11 @@ class BlockConfig:
     experts_per_token: int = 2
     moe_dispatch: str = "dense"
     moe_capacity_factor: float | None = None
+    moe_gating: str = "softmax_topk"
+    moe_norm_topk_prob: bool | None = None
+    moe_shared_features: int = 0
+    moe_shared_gate: bool = True
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.num_experts < 0:
@@ -158,6 +170,8 @@ class BlockConfig:
                 f"experts_per_token {self.experts_per_token} must be between 1 and "
                 f"num_experts {self.num_experts}"
             )
+        if self.num_experts and self.moe_gating not in GATINGS:
+            raise ValueError(f"unknown moe_gating {self.moe_gating!r}; use one of {GATINGS}")
 
 
 class TransformerOptions(nn.Module, kw_only=True):
@@ -199,6 +213,12 @@ class TransformerOptions(nn.Module, kw_only=True):
       pipeline_microbatches: microbatches the batch is cut into for the
         pipeline; None = ``num_stages``. More microbatches, a smaller bubble
         (``(stages - 1) / (microbatches + stages - 1)`` of the time idle).
+      pipeline_repeats: 1 = the GPipe schedule; ``R > 1`` = the circular one
+        (MaxText's ``num_pipeline_repeats``): each stage holds ``R`` chunks of
+        ``num_layers / (num_stages R)`` layers and every microbatch goes round
+        the stages ``R`` times, a bubble of ``(stages - 1) / (microbatches R +
+        stages - 1)``. Needs ``num_layers`` a multiple of ``num_stages R`` and
+        at least ``num_stages`` microbatches; the same parameters either way.
     """
 
     emb_features: int
@@ -224,6 +244,7 @@ class TransformerOptions(nn.Module, kw_only=True):
     init_std: float | None = None
     num_stages: int = 1
     pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
 
     config_decoders = {"rope_scaling": RopeScaling}
     # a backbone's own count fields (vocab_size, ...), checked with the shared ones
@@ -257,7 +278,12 @@ class TransformerOptions(nn.Module, kw_only=True):
         module is built)."""
         check_counts(
             self,
-            positive=(*self.POSITIVE_COUNTS, "num_stages", *type(self).EXTRA_POSITIVE),
+            positive=(
+                *self.POSITIVE_COUNTS,
+                "num_stages",
+                "pipeline_repeats",
+                *type(self).EXTRA_POSITIVE,
+            ),
             optional=(*self.OPTIONAL_COUNTS, *type(self).EXTRA_OPTIONAL),
             non_negative=type(self).EXTRA_NON_NEGATIVE,
         )
@@ -295,6 +321,7 @@ class TransformerOptions(nn.Module, kw_only=True):
             remat_policy=self.remat_policy,
             num_stages=self.num_stages,
             num_microbatches=self.pipeline_microbatches,
+            num_repeats=self.pipeline_repeats,
         )
 
     def block_config(self) -> BlockConfig:

@@ -58,6 +58,8 @@ class DecoderBlock(nn.Module):
             init_std=c.init_std,
             dtype=c.dtype,
             param_dtype=c.param_dtype,
+            qk_norm=c.qk_norm,
+            qk_norm_eps=c.norm_eps,
             name="attention",
         )(
             h,
@@ -84,6 +86,10 @@ class DecoderBlock(nn.Module):
                 experts_per_token=c.experts_per_token,
                 dispatch=c.moe_dispatch,
                 capacity_factor=c.moe_capacity_factor,
+                gating=c.moe_gating,
+                norm_topk_prob=c.moe_norm_topk_prob,
+                shared_features=c.moe_shared_features,
+                shared_expert_gate=c.moe_shared_gate,
                 **shared,
             )
         else:
@@ -111,6 +117,16 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         (:class:`dew.nn.moe.MoE`; docs/moe.md); the same parameters for all.
       moe_capacity_factor: None = dropless; a number > 0 = each expert's slots
         as ``ceil(factor * tokens * k / num_experts)``, the rest dropped.
+      moe_gating: 'softmax_topk' (softmax, then the k largest) or 'topk_softmax'
+        (the softmax of the k largest logits).
+      moe_norm_topk_prob: renormalise the k ``softmax_topk`` weights to sum 1
+        (Mixtral, Qwen3-MoE: True; Qwen2-MoE: False); None = when k > 1.
+      moe_shared_features: width of a shared expert every token also goes
+        through (Qwen2-MoE, DeepSeek-MoE); 0 = none.
+      moe_shared_gate: scale the shared expert by a learned per-token
+        ``sigmoid(x w)`` (Qwen2-MoE); False adds it ungated.
+      qk_norm: an RMSNorm (epsilon ``norm_eps``) over each head's queries and
+        keys before the rotary embedding (Qwen3, Qwen3-MoE).
 
     The rest (widths, heads, norms, positions, dtypes, the layer stack) are
     :class:`~dew.nn.backbones._options.TransformerOptions`' fields; decoding
@@ -125,10 +141,15 @@ class CausalTransformer(TransformerOptions, kw_only=True):
     experts_per_token: int = 2
     moe_dispatch: str = "dense"
     moe_capacity_factor: float | None = None
+    moe_gating: str = "softmax_topk"
+    moe_norm_topk_prob: bool | None = None
+    moe_shared_features: int = 0
+    moe_shared_gate: bool = True
+    qk_norm: bool = False
 
     EXTRA_POSITIVE = ("vocab_size",)
     EXTRA_OPTIONAL = ("sliding_window",)
-    EXTRA_NON_NEGATIVE = ("num_experts",)
+    EXTRA_NON_NEGATIVE = ("num_experts", "moe_shared_features")
 
     @property
     def mask(self) -> masks.MaskPolicy:
@@ -142,6 +163,11 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             experts_per_token=self.experts_per_token,
             moe_dispatch=self.moe_dispatch,
             moe_capacity_factor=self.moe_capacity_factor,
+            moe_gating=self.moe_gating,
+            moe_norm_topk_prob=self.moe_norm_topk_prob,
+            moe_shared_features=self.moe_shared_features,
+            moe_shared_gate=self.moe_shared_gate,
+            qk_norm=self.qk_norm,
         )
 
     @nn.compact

@@ -13,7 +13,8 @@ files (safetensors, sharded checkpoints, tokenizers) is
     >>> fmt.params_to_hf(params, model)              # {name: array} again
 
 Families: ``llama``, ``mistral``, ``qwen2`` (:mod:`dew.nn.hf.llama`) and
-``gpt2`` (:mod:`dew.nn.hf.gpt2`). A new family is one object that follows
+``gpt2`` (:mod:`dew.nn.hf.gpt2`); the mixtures of experts ``mixtral``,
+``qwen2_moe`` and ``qwen3_moe`` (:mod:`dew.nn.hf.moe_lm`). A new family is one object that follows
 :class:`HFFormat` (causal LMs subclass :class:`CausalLMFormat`), passed to
 :func:`register`.
 
@@ -34,9 +35,10 @@ from dew.nn.hf.format import HFFormat, family_of, get, names, param_shapes, regi
 from dew.nn.hf.gpt2 import GPT2
 from dew.nn.hf.ijepa import IJEPA
 from dew.nn.hf.llama import LLAMA, MISTRAL, QWEN2
+from dew.nn.hf.moe_lm import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from dew.nn.hf.vjepa2 import VJEPA2
 
-for _fmt in (LLAMA, MISTRAL, QWEN2, GPT2):
+for _fmt in (LLAMA, MISTRAL, QWEN2, GPT2, MIXTRAL, QWEN2_MOE, QWEN3_MOE):
     register(_fmt)
 del _fmt
 register(IJEPA)  # I-JEPA's image encoder, into dew.nn.ViT
@@ -50,7 +52,10 @@ __all__ = [
     "IJEPA",
     "LLAMA",
     "MISTRAL",
+    "MIXTRAL",
     "QWEN2",
+    "QWEN2_MOE",
+    "QWEN3_MOE",
     "VJEPA2",
     "CausalLMFormat",
     "ConfigFields",

@@ -26,14 +26,16 @@ class Tensor:
     """One checkpoint tensor and the Dew parameter(s) it holds.
 
     name: the Hugging Face name after the model prefix (relative to the layer
-      for layer tensors).
+      for layer tensors); a tuple of names when several checkpoint tensors make
+      the Dew parameter(s) (one file per expert: :func:`experts`).
     paths: Dew parameter paths, ``/``-joined (relative to the layer for layer tensors).
-    shape: the Hugging Face shape.
-    to_dew: checkpoint array -> tuple of Dew arrays, one per path.
-    to_hf: Dew arrays, one per path -> checkpoint array.
+    shape: the Hugging Face shape (of each named tensor).
+    to_dew: checkpoint array(s), one per name -> tuple of Dew arrays, one per path.
+    to_hf: Dew arrays, one per path -> checkpoint array (a tuple, one per name,
+      when ``name`` is a tuple).
     """
 
-    name: str
+    name: str | tuple[str, ...]
     paths: tuple[str, ...]
     shape: tuple[int, ...]
     to_dew: Callable[[np.ndarray], tuple[np.ndarray, ...]]
@@ -116,6 +118,33 @@ def fused_qkv(name: str, heads: int, head_dim: int, embed: int, *, bias: bool) -
     )
 
 
+def experts(name: str, path: str, num_experts: int, out_features: int, in_features: int) -> Tensor:
+    """One torch Linear ``[out, in]`` per expert, ``name`` with ``{j}`` for the
+    expert (``mlp.experts.{j}.up_proj.weight``) <-> Dew's ``[expert, in, out]``."""
+    return Tensor(
+        tuple(name.format(j=j) for j in range(num_experts)),
+        (path,),
+        (out_features, in_features),
+        lambda *ws: (np.stack([w.T for w in ws]),),
+        lambda k: tuple(np.ascontiguousarray(w.T) for w in k),
+    )
+
+
+def fused_experts(
+    name: str, paths: tuple[str, ...], num_experts: int, out_features: int, in_features: int
+) -> Tensor:
+    """transformers 5's in-memory expert tensor ``[expert, len(paths) * out, in]``
+    (``gate_up_proj``: gate then up; ``down_proj``) <-> Dew's ``[expert, in, out]`` per path."""
+    parts = len(paths)
+    return Tensor(
+        name,
+        paths,
+        (num_experts, parts * out_features, in_features),
+        lambda w: tuple(p.transpose(0, 2, 1) for p in np.split(w, parts, axis=1)),
+        lambda *ks: np.concatenate([k.transpose(0, 2, 1) for k in ks], axis=1),
+    )
+
+
 def patch_embedding(name: str, kernel: tuple[int, ...], channels: int, embed: int) -> Tensor:
     """``Conv2d`` / ``Conv3d`` weight ``[embed, channels, *kernel]`` (kernel = stride) <->
     dense kernel ``[prod(kernel) * channels, embed]`` over patches flattened as
@@ -185,7 +214,7 @@ def read_layout(
     flat: dict[str, np.ndarray] = {}
     dtype = np.dtype(dtype)
 
-    def load(tensor: Tensor, name: str) -> tuple[np.ndarray, ...]:
+    def one(tensor: Tensor, name: str) -> np.ndarray:
         if name not in names:
             raise ValueError(
                 f"{where}the checkpoint has no tensor {name!r} (the config needs it, with "
@@ -198,18 +227,23 @@ def read_layout(
                 f"{tensor.shape} (for Dew's {', '.join(tensor.paths)})"
             )
         used.add(name)
-        return tuple(np.asarray(a, dtype) for a in tensor.to_dew(value))
+        return value
+
+    def load(tensor: Tensor, start: str) -> tuple[np.ndarray, ...]:
+        parts = (tensor.name,) if isinstance(tensor.name, str) else tensor.name
+        values = [one(tensor, start + n) for n in parts]
+        return tuple(np.asarray(a, dtype) for a in tensor.to_dew(*values))
 
     for tensor in layout.globals:
-        flat.update(zip(tensor.paths, load(tensor, prefix + tensor.name)))
+        flat.update(zip(tensor.paths, load(tensor, prefix)))
     if layout.lm_head is not None:
-        flat.update(zip(layout.lm_head.paths, load(layout.lm_head, layout.lm_head.name)))
+        flat.update(zip(layout.lm_head.paths, load(layout.lm_head, "")))
     else:
         used.add("lm_head.weight")  # tied: a stored copy of the embedding is redundant
     for tensor in layout.per_layer:
         per_path: dict[str, list[np.ndarray]] = {p: [] for p in tensor.paths}
         for i in range(num_layers):
-            arrays = load(tensor, prefix + layout.layer.format(i=i) + tensor.name)
+            arrays = load(tensor, prefix + layout.layer.format(i=i))
             for path, value in zip(tensor.paths, arrays):
                 per_path[path].append(value)
         for path, values in per_path.items():
@@ -239,16 +273,23 @@ def write_layout(
     """The checkpoint's ``{name: array}`` from ``{'/'-joined Dew path: array}`` (same
     dtype); ``stacked`` and ``layer_prefix`` as in :func:`read_layout`."""
     out = {}
+
+    def put(tensor: Tensor, start: str, arrays) -> None:
+        value = tensor.to_hf(*arrays)
+        if isinstance(tensor.name, str):
+            out[start + tensor.name] = value
+        else:
+            out.update((start + n, v) for n, v in zip(tensor.name, value, strict=True))
+
     for tensor in layout.globals:
-        out[layout.prefix + tensor.name] = tensor.to_hf(*(flat[p] for p in tensor.paths))
+        put(tensor, layout.prefix, [flat[p] for p in tensor.paths])
     if layout.lm_head is not None:
-        head = layout.lm_head
-        out[head.name] = head.to_hf(*(flat[p] for p in head.paths))
+        put(layout.lm_head, "", [flat[p] for p in layout.lm_head.paths])
     for i in range(num_layers):
         for tensor in layout.per_layer:
             arrays = [
                 flat[f"{layer_prefix(0)}/{p}"][i] if stacked else flat[f"{layer_prefix(i)}/{p}"]
                 for p in tensor.paths
             ]
-            out[layout.prefix + layout.layer.format(i=i) + tensor.name] = tensor.to_hf(*arrays)
+            put(tensor, layout.prefix + layout.layer.format(i=i), arrays)
     return out

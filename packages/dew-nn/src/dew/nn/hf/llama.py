@@ -12,7 +12,16 @@ from typing import Any
 
 from dew.nn.hf.causal_lm import CausalLMFormat
 from dew.nn.hf.fields import ConfigFields, read_rope, write_rope
-from dew.nn.hf.layout import Layout, heads_bias, heads_in, heads_out, linear, lm_head, same
+from dew.nn.hf.layout import (
+    Layout,
+    Tensor,
+    heads_bias,
+    heads_in,
+    heads_out,
+    linear,
+    lm_head,
+    same,
+)
 
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
 
@@ -59,7 +68,7 @@ class LlamaFormat(CausalLMFormat):
             options["sliding_window"] = fields.get("sliding_window", 4096)
         if self.family == "qwen2":
             options["use_qkv_bias"] = True
-            options["sliding_window"] = _qwen2_window(fields, options["num_layers"])
+            options["sliding_window"] = qwen2_window(fields, options["num_layers"])
         return options
 
     def requirements(self, model) -> list[tuple[str, str, bool]]:
@@ -71,6 +80,7 @@ class LlamaFormat(CausalLMFormat):
             ("use_bias", "False", not model.use_bias),
             ("use_qkv_bias", str(qwen2), model.use_qkv_bias == qwen2),
             ("num_experts", "0", model.num_experts == 0),
+            ("qk_norm", "False", not model.qk_norm),
         ]
         if self.family == "llama":
             needs.append(("sliding_window", "None", model.sliding_window is None))
@@ -94,49 +104,58 @@ class LlamaFormat(CausalLMFormat):
         elif self.family == "mistral":
             config["sliding_window"] = model.sliding_window
         else:  # qwen2: one window over every layer, or none
-            window = model.sliding_window
-            config.update(
-                use_sliding_window=window is not None,
-                sliding_window=window,
-                max_window_layers=0 if window is not None else model.num_layers,
-                layer_types=["sliding_attention" if window is not None else "full_attention"]
-                * model.num_layers,
-            )
+            config.update(qwen2_window_fields(model.sliding_window, model.num_layers))
 
     def layout(self, model) -> Layout:
-        e, h, kv = model.emb_features, model.num_heads, model.kv_heads
-        d, m, v = model.head_dim or e // h, model.mlp_features, model.vocab_size
-        per_layer = [
-            same("input_layernorm.weight", "attention_norm/scale", (e,)),
-            heads_in("self_attn.q_proj.weight", "attention/query_kernel", h, d, e),
-            heads_in("self_attn.k_proj.weight", "attention/key_kernel", kv, d, e),
-            heads_in("self_attn.v_proj.weight", "attention/value_kernel", kv, d, e),
-            heads_out("self_attn.o_proj.weight", "attention/out_kernel", h, d, e, transposed=True),
-            same("post_attention_layernorm.weight", "mlp_norm/scale", (e,)),
+        e, m = model.emb_features, model.mlp_features
+        mlp = [
             linear("mlp.gate_proj.weight", "mlp/gate/kernel", m, e),
             linear("mlp.up_proj.weight", "mlp/up/kernel", m, e),
             linear("mlp.down_proj.weight", "mlp/down/kernel", e, m),
         ]
-        if self.family == "qwen2":
-            per_layer += [
-                heads_bias("self_attn.q_proj.bias", "attention/query_bias", h, d),
-                heads_bias("self_attn.k_proj.bias", "attention/key_bias", kv, d),
-                heads_bias("self_attn.v_proj.bias", "attention/value_bias", kv, d),
-            ]
-        return Layout(
-            prefix="model.",
-            layer="layers.{i}.",
-            globals=(
-                same("embed_tokens.weight", "embed/embedding", (v, e)),
-                same("norm.weight", "final_norm/scale", (e,)),
-            ),
-            per_layer=tuple(per_layer),
-            lm_head=lm_head(v, e, tied=model.tie_embeddings),
-            buffers=re.compile(r"\.rotary_emb\.inv_freq$"),
-        )
+        return llama_layout(model, mlp)
 
 
-def _qwen2_window(fields: ConfigFields, num_layers: int) -> int | None:
+def llama_layout(model, mlp: list[Tensor]) -> Layout:
+    """The Llama layout with the feed-forward tensors ``mlp`` (relative to the layer):
+    embeddings, norms, attention (q/k/v biases when ``use_qkv_bias``, q/k norms when
+    ``qk_norm``) and the untied head."""
+    e, h, kv = model.emb_features, model.num_heads, model.kv_heads
+    d, v = model.head_dim or e // h, model.vocab_size
+    per_layer = [
+        same("input_layernorm.weight", "attention_norm/scale", (e,)),
+        heads_in("self_attn.q_proj.weight", "attention/query_kernel", h, d, e),
+        heads_in("self_attn.k_proj.weight", "attention/key_kernel", kv, d, e),
+        heads_in("self_attn.v_proj.weight", "attention/value_kernel", kv, d, e),
+        heads_out("self_attn.o_proj.weight", "attention/out_kernel", h, d, e, transposed=True),
+        same("post_attention_layernorm.weight", "mlp_norm/scale", (e,)),
+        *mlp,
+    ]
+    if model.use_qkv_bias:
+        per_layer += [
+            heads_bias("self_attn.q_proj.bias", "attention/query_bias", h, d),
+            heads_bias("self_attn.k_proj.bias", "attention/key_bias", kv, d),
+            heads_bias("self_attn.v_proj.bias", "attention/value_bias", kv, d),
+        ]
+    if getattr(model, "qk_norm", False):
+        per_layer += [
+            same("self_attn.q_norm.weight", "attention/query_norm/scale", (d,)),
+            same("self_attn.k_norm.weight", "attention/key_norm/scale", (d,)),
+        ]
+    return Layout(
+        prefix="model.",
+        layer="layers.{i}.",
+        globals=(
+            same("embed_tokens.weight", "embed/embedding", (v, e)),
+            same("norm.weight", "final_norm/scale", (e,)),
+        ),
+        per_layer=tuple(per_layer),
+        lm_head=lm_head(v, e, tied=model.tie_embeddings),
+        buffers=re.compile(r"\.rotary_emb\.inv_freq$"),
+    )
+
+
+def qwen2_window(fields: ConfigFields, num_layers: int) -> int | None:
     """Qwen2 slides its window over layers >= max_window_layers when use_sliding_window."""
     window = fields.get("sliding_window", 4096)
     used = fields.get("use_sliding_window", False) and window is not None
@@ -155,6 +174,16 @@ def _qwen2_window(fields: ConfigFields, num_layers: int) -> int | None:
     raise ValueError(
         f"{fields.where}: config.json slides the attention window over only some layers "
         f"(layer_types {kinds}); Dew's CausalTransformer uses one window for all layers"
+    )
+
+
+def qwen2_window_fields(window: int | None, num_layers: int) -> dict[str, Any]:
+    """Qwen2's window fields for one window over every layer (None: none)."""
+    return dict(
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=0 if window is not None else num_layers,
+        layer_types=["sliding_attention" if window is not None else "full_attention"] * num_layers,
     )
 
 

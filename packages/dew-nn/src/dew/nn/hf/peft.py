@@ -64,6 +64,8 @@ def adapter_tensors(fmt, model, params: Mapping) -> tuple[dict[str, np.ndarray],
                 used.add(path)
                 add(tensor, name, path, None)
     for tensor in layout.per_layer:
+        if not isinstance(tensor.name, str):  # several tensors (experts): no PEFT module
+            continue
         for i in range(model.num_layers):
             for rel in tensor.paths:
                 path = f"{prefix_of(0 if stacked else i)}/{rel}"

@@ -222,6 +222,25 @@ def grad_of_total(weights, default):
     return jax.jit(jax.grad(fn, has_aux=True))
 
 
+def test_fused_chunk_gradients_equal_autodiff_of_the_full_logits(weights, grad_of_total):
+    """The gradient computed chunk by chunk in the forward pass (chunked_sums) against
+    plain autodiff of the divergence of both models' full logits."""
+    from dew.objectives.distillation import distillation_losses
+
+    def plain(params):
+        zs, zt = full_logits((params, weights[1]), BATCH)
+        terms = distillation_losses(zs, zt, BATCH["completion"], beta=0.5, temperature=1.0)
+        return jnp.sum(terms["divergence"] * BATCH["completion_mask"])
+
+    want = jax.jit(jax.grad(plain))(weights[0])
+    got, _ = grad_of_total(*weights, BATCH)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max()),
+        got,
+        want,
+    )
+
+
 def test_accumulation_over_unequal_microbatches_equals_one_batch(weights, grad_of_total):
     """Rows 0-3 (14 tokens) and 4-7 (12 tokens): the sum of the microbatches' totals
     over the sum of their weights is the full batch's mean, values and gradients."""

@@ -57,7 +57,7 @@ from dew.objectives.rollouts import prompt_fields, sample_completions
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import Sampling
 
-__all__ = ["DistillationObjective", "distillation_losses", "divergence"]
+__all__ = ["DistillationObjective", "chunked_sums", "distillation_losses", "divergence"]
 
 
 # ------------------------------------------------------------------ the losses
@@ -152,9 +152,10 @@ def _check_fraction(name: str, value, meaning: str) -> None:
 
 # -------------------------------------------------------------- output heads
 def output_head(module, params):
-    """``hidden [..., embed] -> logits [..., vocab]`` float32: the output projection of a
-    :class:`dew.nn.CausalTransformer` (its ``lm_head``, or the tied embedding), as the
-    module computes it; None for any other module (its full logits are used)."""
+    """``(kernel [embed, vocab], dtype)`` of a :class:`dew.nn.CausalTransformer`'s output
+    projection (its ``lm_head``, or the tied embedding transposed), which maps the
+    final hidden states to the logits as the module does; None for any other module
+    (its full logits are used)."""
     from dew.nn import CausalTransformer
     from dew.nn.lora import lora_of
 
@@ -165,24 +166,32 @@ def output_head(module, params):
         kernel = params["embed"]["embedding"].T  # [embed, vocab]
     else:
         kernel = params["lm_head"]["kernel"]  # [embed, vocab]
-    dtype = module.dtype or kernel.dtype
-
-    def head(hidden):
-        return jnp.dot(hidden.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
-
-    return head
+    return kernel, module.dtype or kernel.dtype
 
 
-def in_position_chunks(fn, chunk: int | None, *arrays):
-    """``fn(*arrays)`` over chunks of ``chunk`` positions (axis 1 of every array):
-    ``lax.map`` over the chunks of a ``jax.checkpoint``-ed ``fn``, so the backward
-    pass recomputes one chunk at a time instead of keeping every chunk's
-    intermediates. ``fn`` returns a dict of ``[rows, chunk]`` arrays; the result is
-    ``[rows, length]`` each. Positions padded to a whole chunk are cut off again.
-    chunk: None or >= length = one call on the whole arrays."""
-    length = arrays[0].shape[1]
-    if chunk is None or chunk >= length:
-        return fn(*arrays)
+def _project(hidden, kernel, dtype):
+    """Logits float32 from hidden states and a head kernel; ``dtype`` None = the
+    states are the logits already (a module without a known head)."""
+    if dtype is None:
+        return hidden.astype(jnp.float32)
+    return jnp.dot(hidden.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
+
+
+def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel, targets, weights):
+    """``(total, sums)`` of ``sums_fn`` over chunks of ``chunk`` positions (axis 1), with
+    the gradient of ``total`` in ``hidden`` and ``kernel`` computed chunk by chunk in the
+    forward pass (a ``lax.scan`` that accumulates the kernel's gradient; Liger's fused
+    linear cross-entropy does the same): the step holds one chunk's
+    ``[rows, chunk, vocab]`` logits of each model, and nothing is recomputed for the
+    backward pass (which only scales the stored gradients).
+
+    sums_fn: ``(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights) ->
+      (total, {name: sum})`` on one chunk; only ``total`` is differentiated (the sums
+      are metrics). The teacher's arguments get no gradient.
+    chunk: positions per chunk; None = one chunk of the whole length.
+    """
+    length = hidden.shape[1]
+    chunk = length if chunk is None else min(int(chunk), length)
     n = -(-length // chunk)
     pad = n * chunk - length
 
@@ -190,8 +199,48 @@ def in_position_chunks(fn, chunk: int | None, *arrays):
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(x.shape[0], n, chunk, *x.shape[2:]).swapaxes(0, 1)
 
-    out = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(a) for a in arrays))
-    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(y.shape[1], -1)[:, :length], out)
+    def run(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights):
+        grad = jax.value_and_grad(sums_fn, argnums=(0, 1), has_aux=True)
+
+        def body(carry, xs):
+            total, sums, d_kernel = carry
+            h, th, y, w = xs
+            (t, s), (d_h, d_k) = grad(h, kernel, th, teacher_kernel, y, w)
+            sums = jax.tree.map(jnp.add, sums, s)
+            return (total + t, sums, d_kernel + d_k.astype(jnp.float32)), d_h
+
+        xs = tuple(split(x) for x in (hidden, teacher_hidden, targets, weights))
+        shapes = jax.eval_shape(
+            sums_fn,
+            hidden[:, :chunk],
+            kernel,
+            teacher_hidden[:, :chunk],
+            teacher_kernel,
+            targets[:, :chunk],
+            weights[:, :chunk],
+        )[1]
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), shapes)
+        start = (jnp.zeros((), jnp.float32), zeros, jnp.zeros(kernel.shape, jnp.float32))
+        (total, sums, d_kernel), d_hidden = jax.lax.scan(body, start, xs)
+        d_hidden = d_hidden.swapaxes(0, 1).reshape(hidden.shape[0], n * chunk, *hidden.shape[2:])
+        return (total, sums), (d_hidden[:, :length].astype(hidden.dtype), d_kernel)
+
+    kernel_dtype = kernel.dtype
+
+    @jax.custom_vjp
+    def fused(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights):
+        return run(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights)[0]
+
+    def forward(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights):
+        return run(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights)
+
+    def backward(residuals, cotangents):
+        d_hidden, d_kernel = residuals
+        g = cotangents[0]  # d loss / d total; the sums are metrics
+        return (g * d_hidden, (g * d_kernel).astype(kernel_dtype), None, None, None, None)
+
+    fused.defvjp(forward, backward)
+    return fused(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights)
 
 
 # ------------------------------------------------------------------ objective
@@ -429,18 +478,21 @@ class DistillationObjective(Objective):
 
     # ------------------------------------------------------------------ loss
     def _hidden(self, module, params, tokens, extra, scored):
-        """The states the output head reads at the scored positions (``scored``: a
-        slice of axis 1) and the head, or the logits there and None."""
+        """``(states, kernel, dtype)``: the states the output head reads at the scored
+        positions (``scored``: a slice of axis 1) and the head, or the logits there,
+        a placeholder kernel and dtype None for a module without a known head."""
         head = output_head(module, params)
         variables = {"params": nn.meta.unbox(params)}
         if head is None:
-            return module.apply(variables, tokens, **extra)[:, scored], None
+            logits = module.apply(variables, tokens, **extra)[:, scored]
+            return logits, jnp.zeros((), jnp.float32), None
         _, hidden = module.apply(variables, tokens, return_hidden=True, **extra)
-        return hidden[:, scored], head
+        return hidden[:, scored], *head
 
-    def token_terms(self, variables, batch) -> tuple[dict[str, jax.Array], jax.Array]:
-        """Per-token terms ``[rows, scored]`` (:func:`distillation_losses`) and their
-        weights (0 on prompt and padding)."""
+    def token_sums(self, variables, batch):
+        """``(total, sums, tokens)``: the loss's weighted sum over the scored tokens
+        (differentiable), the weighted sums of :func:`distillation_losses`' terms
+        (metrics), and the token count (0 weight on prompt and padding)."""
         if self.text_key is not None:
             ids = batch[self.text_key]
             tokens, targets, extra = ids[:, :-1], ids[:, 1:], {}
@@ -459,41 +511,48 @@ class DistillationObjective(Objective):
             scored = slice(prompt_len - 1, prompt_len - 1 + new)
         if "example_mask" in batch:  # padded rows of a last validation batch
             weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
-        student, s_head = self._hidden(self.student, variables["params"], tokens, extra, scored)
+        student, kernel, s_dtype = self._hidden(
+            self.student, variables["params"], tokens, extra, scored
+        )
         teacher_params = jax.lax.stop_gradient(variables["teacher"]["params"])
-        teacher, t_head = self._hidden(self.teacher, teacher_params, tokens, extra, scored)
-        teacher = jax.lax.stop_gradient(teacher)
-        teacher_ids = None if self.teacher_ids is None else jnp.asarray(self.teacher_ids)
+        teacher, t_kernel, t_dtype = self._hidden(
+            self.teacher, teacher_params, tokens, extra, scored
+        )
+        teacher_ids = None if self.teacher_ids is None else np.asarray(self.teacher_ids)
+        scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
 
-        def chunk(hs, ht, y):
-            zs = hs if s_head is None else s_head(hs)  # [rows, chunk, vocab] float32
-            zt = ht if t_head is None else t_head(ht)
+        def sums(hs, k, ht, tk, y, w):
+            zs = _project(hs, k, s_dtype)  # [rows, chunk, vocab] float32
+            zt = _project(jax.lax.stop_gradient(ht), jax.lax.stop_gradient(tk), t_dtype)
             if teacher_ids is not None:
-                zt = jnp.take(zt, teacher_ids, axis=-1)
-            return distillation_losses(zs, zt, y, beta=self.beta, temperature=self.temperature)
+                zt = jnp.take(zt, jnp.asarray(teacher_ids), axis=-1)
+            terms = distillation_losses(zs, zt, y, beta=self.beta, temperature=self.temperature)
+            per_token = scale * terms["divergence"]
+            if alpha:
+                per_token = per_token + alpha * terms["nll"]
+            out = {k: jax.lax.stop_gradient(jnp.sum(v * w)) for k, v in terms.items()}
+            return jnp.sum(per_token * w), out
 
-        return in_position_chunks(chunk, self.chunk_size, student, teacher, targets), weights
+        total, sums_ = chunked_sums(
+            sums, self.chunk_size, student, kernel, teacher, t_kernel, targets, weights
+        )
+        return total, sums_, jnp.sum(weights)
 
-    def _metrics(self, terms, weights):
-        tokens = jnp.sum(weights)
-        out = {k: Weighted(total=jnp.sum(v * weights), weight=tokens) for k, v in terms.items()}
+    def _metrics(self, sums, tokens):
+        out = {k: Weighted(total=v, weight=tokens) for k, v in sums.items()}
         out["tokens"] = Summed(tokens)
         return out
 
     def loss(self, variables, batch, step: Step):
-        terms, weights = self.token_terms(variables, batch)
-        t2 = self.temperature**2
-        per_token = (1.0 - self.alpha) * t2 * terms["divergence"]
-        if self.alpha:
-            per_token = per_token + self.alpha * terms["nll"]
-        loss = Weighted(total=jnp.sum(per_token * weights), weight=jnp.sum(weights))
-        metrics = self._metrics(terms, weights)
+        total, sums, tokens = self.token_sums(variables, batch)
+        metrics = self._metrics(sums, tokens)
         if "on_policy" in batch:
             metrics["on_policy"] = Weighted.mean(batch["on_policy"])
-        return loss, metrics
+        return Weighted(total=total, weight=tokens), metrics
 
     def evaluate(self, variables, batch, step: Step):
-        return self._metrics(*self.token_terms(variables, batch))
+        _, sums, tokens = self.token_sums(variables, batch)
+        return self._metrics(sums, tokens)
 
     # ------------------------------------------------------ checks, export
     def check_batch(self, batch):

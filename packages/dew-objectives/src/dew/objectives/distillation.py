@@ -25,9 +25,11 @@ across ``T``), a :class:`~dew.objectives.Weighted` mean over the scored tokens
 (prompt and padding never counted), so accumulation and devices divide once by
 the global token count (trl #4719). Everything is float32 whatever the models'
 dtype, and it is computed over chunks of ``chunk_size`` positions
-(``lax.map`` of a ``jax.checkpoint``-ed body): from the final hidden states for
-:class:`dew.nn.CausalTransformer` (the output projections run per chunk), so the
-step never holds ``[batch, length, vocab]`` float32 logits of either model.
+(:func:`chunked_sums`: a ``lax.scan`` that computes each chunk's loss and its
+gradient in the forward pass, so nothing is recomputed): from the final hidden
+states for :class:`dew.nn.CausalTransformer` (the output projections run per
+chunk), so the step never holds ``[batch, length, vocab]`` float32 logits of
+either model.
 
 Sequences (``lmbda``, ``seq_kd``): with probability ``lmbda`` a batch's
 completions are sampled from the student with its current weights in the
@@ -84,8 +86,15 @@ def divergence(student_logps: jax.Array, teacher_logps: jax.Array, *, beta: floa
         return _sum_p_times(s, s - t)
     log_b, log_1mb = math.log(beta), math.log1p(-beta)  # float64, then float32 constants
     d = t - s  # [..., vocab] log p_T - log p_S
-    m_minus_s = jnp.logaddexp(log_1mb, log_b + d)  # log M - log p_S
-    m_minus_t = jnp.logaddexp(log_1mb - d, log_b)  # log M - log p_T
+    # One logaddexp, the other difference from it: the one computed directly is the one
+    # the small weight divides (KL(p_S || M) / beta for beta < 1/2), so its rounding
+    # stays relative to it; the derived one is divided by at most 2.
+    if beta < 0.5:
+        m_minus_s = jnp.logaddexp(log_1mb, log_b + d)  # log M - log p_S
+        m_minus_t = m_minus_s - d  # log M - log p_T
+    else:
+        m_minus_t = jnp.logaddexp(log_1mb - d, log_b)
+        m_minus_s = m_minus_t + d
     kl_teacher = -_sum_p_times(t, m_minus_t)  # KL(p_T || M)
     kl_student = -_sum_p_times(s, m_minus_s)  # KL(p_S || M)
     return kl_teacher / (1.0 - beta) + kl_student / beta
@@ -117,9 +126,13 @@ def distillation_losses(
     out["agreement"] = agree.astype(jnp.float32)
     if targets is not None:
         ids = targets[..., None].astype(jnp.int32)
-        out["nll"] = -jnp.take_along_axis(jax.nn.log_softmax(zs, axis=-1), ids, axis=-1)[..., 0]
-        t1 = jax.nn.log_softmax(zt, axis=-1)
-        out["teacher_nll"] = -jnp.take_along_axis(t1, ids, axis=-1)[..., 0]
+
+        def nll(z, logp):  # at temperature 1: logsumexp(z) - z[y], one pass when T != 1
+            if temperature == 1.0:
+                return -jnp.take_along_axis(logp, ids, axis=-1)[..., 0]
+            return jax.nn.logsumexp(z, axis=-1) - jnp.take_along_axis(z, ids, axis=-1)[..., 0]
+
+        out["nll"], out["teacher_nll"] = nll(zs, s), nll(zt, t)
     return out
 
 

@@ -32,6 +32,7 @@ RUNS = {
     "quickstart.py": ([], "dew trains jax"),
     "dpo.py": (["--steps", "2"], "share of token 3 in samples: reference "),
     "grpo_arithmetic.py": (["--iterations", "4"], "greedy accuracy after: "),
+    "distill_pretrained.py": (["--steps", "4"], "wrote the student to "),
     "jepa_waves.py": (["--steps", "20"], "features of 4 images: (4, 64)"),
     "jepa_digits.py": (["--steps", "4"], "k-NN accuracy (k=20, 1400 labels): "),
     "diffusion_digits.py": (

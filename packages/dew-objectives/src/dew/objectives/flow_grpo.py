@@ -101,7 +101,7 @@ class ImageReward:
 
     fn: ``fn(images, batch) -> float[rows]``; ``images`` uint8 ``[rows, H, W, C]``
       (``pixels=True``) or the float32 samples as drawn (latents, points); ``batch``
-      the data batch's other keys, each row repeated per group sample.
+      every key of the data batch (the label too), each row repeated per group sample.
     weight: its coefficient in the summed reward.
     name: the metric name (``reward/<name>``); "" = ``fn.__name__``.
     pixels: give ``fn`` uint8 pixels (True) or the float samples (False).
@@ -126,7 +126,7 @@ class HostImageReward(ImageReward):
     rollout batch between the compiled rollout and the compiled advantages.
 
     fn: ``fn(images: np.ndarray, **columns) -> sequence of rows floats``; ``images``
-      as :class:`ImageReward`'s (numpy); ``columns`` the data batch's other keys,
+      as :class:`ImageReward`'s (numpy); ``columns`` every key of the data batch,
       numpy rows repeated per group sample (those ``fn``'s signature names, all with
       ``**kwargs``).
     """
@@ -557,11 +557,8 @@ class FlowGRPOObjective(Objective):
         else:  # a subset of steps per row, drawn from the row's own key
             keys = jax.vmap(lambda r: jax.random.fold_in(k_select, r))(index.astype(jnp.uint32))
             chosen = jax.vmap(lambda key: jax.random.permutation(key, window)[:k])(keys)
-        data = {
-            k: repeat_rows(jnp.asarray(v), self.group_size)
-            for k, v in batch.items()
-            if k not in CONDITION_KEYS
-        }
+        # every key of the data batch (the conditions included), per sample, for the rewards
+        data = {k: repeat_rows(jnp.asarray(v), self.group_size) for k, v in batch.items()}
         out.update(conditions)
         out["train_steps"] = chosen.astype(jnp.int32)
         out["compiled_rewards"] = self.reward_set.compiled_values(out["samples"], data)
@@ -696,8 +693,7 @@ class FlowGRPOObjective(Objective):
             key=step.key,
             shape=(rows, *self.example_shape()),
         )
-        data = {k: v for k, v in batch.items() if k not in CONDITION_KEYS}
-        values = self.reward_set.compiled_values(samples, data)
+        values = self.reward_set.compiled_values(samples, dict(batch))
         out = {}
         for i, r in enumerate(self.reward_set.compiled):
             out[f"reward/{r.label}"] = Weighted.mean(values[:, i])
@@ -749,10 +745,11 @@ class FlowGRPOObjective(Objective):
         )
         if self.num_classes:
             label = np.asarray(batch["label"])
-            if label.size and (label.min() < 0 or label.max() >= self.num_classes):
+            if label.size and (label.min() < 0 or label.max() > self.num_classes):
                 raise ValueError(
                     f"batch['label'] holds {label.min()}..{label.max()}; the model has "
-                    f"num_classes={self.num_classes} (labels 0..{self.num_classes - 1})"
+                    f"num_classes={self.num_classes} (labels 0..{self.num_classes - 1}, and "
+                    f"{self.num_classes} the null class: unconditional samples)"
                 )
         if self.context_features and "context" not in batch:
             raise KeyError(f"{what}: the model reads text contexts; the batch needs 'context'")

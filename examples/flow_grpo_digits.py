@@ -14,7 +14,7 @@ noise). A few minutes on two CPU cores.
 From the repository root (``uv run`` installs what it needs: the workspace's dev
 group holds ``dew-jax[examples]``):
 
-    uv run --locked python examples/flow_grpo_digits.py [--pretrain-steps 1500] [--iterations 100] [--digit 3]
+    uv run --locked python examples/flow_grpo_digits.py [--pretrain-steps 1500] [--iterations 100]
 """
 
 import argparse
@@ -106,8 +106,10 @@ def evaluate(params, name):
     reward = float(np.mean(digit_probability(jnp.asarray(pixels), None)))
     grid = sample_grid(pixels, columns=10)[..., 0]
     Image.fromarray(grid).resize((320, 128), Image.Resampling.NEAREST).save(out / f"{name}.png")
-    print(f"{name}: reward {reward:.3f}, pixel mean {pixels.mean() / 255:.3f} std "
-          f"{pixels.std() / 255:.3f} (data {images.mean() / 255:.3f}, {images.std() / 255:.3f})")  # fmt: skip
+    mean, std = pixels.mean() / 255, pixels.std() / 255
+    data_mean, data_std = images.mean() / 255, images.std() / 255
+    print(f"{name}: reward {reward:.3f}, pixel mean {mean:.3f} std {std:.3f} "
+          f"(data {data_mean:.3f}, {data_std:.3f})")  # fmt: skip
 
 
 evaluate(pipe.params, "before")

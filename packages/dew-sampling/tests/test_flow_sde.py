@@ -61,12 +61,16 @@ def sample():
     return call
 
 
+@pytest.fixture(scope="module")
+def ode(sample):
+    return np.asarray(sample(FlowSDE(num_steps=40, noise_level=0.0)).samples, np.float64)
+
+
 @pytest.mark.parametrize("kind", ["sde", "cps"])
-def test_sde_has_the_ode_marginal_on_the_ring(sample, kind):
+def test_sde_has_the_ode_marginal_on_the_ring(sample, ode, kind):
     rng = np.random.default_rng(0)
-    ode = sample(FlowSDE(num_steps=40, noise_level=0.0))
     sde = sample(FlowSDE(num_steps=40, noise_level=0.7, kind=kind), key=3)
-    ode, sde = (np.asarray(x.samples, np.float64) for x in (ode, sde))
+    sde = np.asarray(sde.samples, np.float64)
     baseline = mmd(ring(rng, 2000), ring(rng, 2000))
     gap = mmd(sde, ode)
     print(kind, "MMD(SDE, ODE)", gap, "data-vs-data", baseline)

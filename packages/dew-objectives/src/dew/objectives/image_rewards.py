@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.rewards import RewardError, _accepted, _check_reward
+from dew.objectives.rewards import RewardError, _accepted, _check_reward, gather_rewards
 from dew.sampling.diffusion_pipelines import to_pixels
 
 __all__ = ["HostImageReward", "ImageReward", "ImageRewards", "pixels_of"]
@@ -106,29 +106,15 @@ class ImageRewards:
     def of(cls, rewards) -> ImageRewards:
         """From ``rewards=[...]``: :class:`ImageReward`, :class:`HostImageReward` or plain
         callables (host rewards of weight 1)."""
-        if callable(rewards) or isinstance(rewards, ImageReward):
-            rewards = [rewards]
-        items = []
-        for r in rewards:
-            if isinstance(r, ImageReward):
-                items.append(r)
-            elif callable(r):
-                items.append(HostImageReward(fn=r))
-            else:
-                raise TypeError(
-                    f"a reward must be an ImageReward, a HostImageReward or a callable (a host "
-                    f"reward), got {type(r).__name__} {r!r:.60}"
-                )
-        if not items:
-            raise ValueError(
-                "no rewards given; pass rewards=[ImageReward(fn=...)] (jittable) or "
-                "[HostImageReward(fn=...)] (host Python; a plain callable is one)"
+        return cls(
+            gather_rewards(
+                rewards,
+                (ImageReward,),
+                HostImageReward,
+                hint="rewards=[ImageReward(fn=...)] (jittable) or [HostImageReward(fn=...)] "
+                "(host Python; a plain callable is one)",
             )
-        names = [r.label for r in items]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"reward names {twice} appear more than once ({names}); name each")
-        return cls(tuple(items))
+        )
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -9,7 +9,8 @@ Then ``FlowGRPOObjective`` fine-tunes the DiT on groups of 8 SDE samples of the 
 label (10 steps, a = 0.7), one update per rollout batch, and the ODE samples before
 and after are written as ``before.png`` and ``after.png``, with the mean reward and the
 samples' pixel mean and std (which should stay near the data's: no reward hacking into
-noise). A few minutes on two CPU cores.
+noise). Measured with the defaults: reward 0.067 -> 0.942, pixel mean / std 0.296 /
+0.353 -> 0.278 / 0.348 (data 0.305 / 0.376). About 9 minutes on two busy CPU cores.
 
 From the repository root (``uv run`` installs what it needs: the workspace's dev
 group holds ``dew-jax[examples]``):

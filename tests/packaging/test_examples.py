@@ -35,6 +35,10 @@ RUNS = {
     "distill_pretrained.py": (["--steps", "4"], "wrote the student to "),
     "jepa_waves.py": (["--steps", "20"], "features of 4 images: (4, 64)"),
     "jepa_digits.py": (["--steps", "4"], "k-NN accuracy (k=20, 1400 labels): "),
+    "flow_grpo_digits.py": (
+        ["--pretrain-steps", "8", "--iterations", "2"],
+        "wrote runs/flow_grpo_digits/before.png and runs/flow_grpo_digits/after.png",
+    ),
     "diffusion_digits.py": (
         ["--steps", "8"],
         "wrote runs/diffusion_digits/samples.png and the pipeline runs/diffusion_digits/pipeline",

@@ -111,6 +111,36 @@ def _check_reward(reward) -> None:
         )
 
 
+def gather_rewards(rewards, kinds: tuple[type, ...], plain: type, *, hint: str) -> tuple:
+    """``rewards=[...]`` (or one reward) as a tuple of ``kinds`` instances, a plain
+    callable wrapped as ``plain(fn=...)``; none, another type or a repeated name is an
+    error (``hint``: what to pass)."""
+    if callable(rewards) or isinstance(rewards, kinds):
+        rewards = [rewards]
+    items = []
+    for r in rewards:
+        if isinstance(r, kinds):
+            items.append(r)
+        elif callable(r):
+            items.append(plain(fn=r))
+        else:
+            names = " or ".join(k.__name__ for k in kinds)
+            raise TypeError(
+                f"a reward must be a {names} or a callable (a {plain.__name__}), got "
+                f"{type(r).__name__} {r!r:.60}"
+            )
+    if not items:
+        raise ValueError(f"no rewards given; pass {hint}")
+    names = [r.label for r in items]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"reward names {twice} appear more than once ({names}); give each its own "
+            f"name=... (they are metric names)"
+        )
+    return tuple(items)
+
+
 def where(row: int, group_size: int) -> str:
     """``"completion r (prompt b, sample g of its group of G)"`` for row ``r``."""
     b, g = divmod(row, group_size)
@@ -128,32 +158,15 @@ class Rewards:
     def of(cls, rewards: Sequence[Any]) -> Rewards:
         """From ``rewards=[...]``: :class:`TokenReward`, :class:`TextReward`, or plain
         callables (text rewards of weight 1)."""
-        if callable(rewards) or isinstance(rewards, TokenReward | TextReward):
-            rewards = [rewards]
-        items = []
-        for r in rewards:
-            if isinstance(r, TokenReward | TextReward):
-                items.append(r)
-            elif callable(r):
-                items.append(TextReward(fn=r))
-            else:
-                raise TypeError(
-                    f"a reward must be a TokenReward, a TextReward or a callable (a text "
-                    f"reward), got {type(r).__name__} {r!r:.60}"
-                )
-        if not items:
-            raise ValueError(
-                "no rewards given; pass rewards=[TokenReward(fn=...)] or [TextReward(fn=...)] "
-                "(a plain callable is a text reward)"
+        return cls(
+            gather_rewards(
+                rewards,
+                (TokenReward, TextReward),
+                TextReward,
+                hint="rewards=[TokenReward(fn=...)] or [TextReward(fn=...)] (a plain callable "
+                "is a text reward)",
             )
-        names = [r.label for r in items]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(
-                f"reward names {twice} appear more than once ({names}); give each its own "
-                f"name=... (they are metric names)"
-            )
-        return cls(tuple(items))
+        )
 
     @property
     def names(self) -> tuple[str, ...]:

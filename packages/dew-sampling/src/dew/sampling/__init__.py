@@ -24,6 +24,7 @@ from dew.sampling.diffusion_samplers import (
 )
 from dew.sampling.diffusion_targets import TARGETS, predictions_of, target_of
 from dew.sampling.features import FeatureExtractor
+from dew.sampling.flow_sde import FlowSDE, Trajectory, sample_flow_sde
 from dew.sampling.generate import decode, generate
 from dew.sampling.noise_schedules import DDPMSchedule, EDMSchedule, FlowSchedule
 from dew.sampling.pipelines import TextGeneration
@@ -54,6 +55,8 @@ __all__ = [
     "FlowEuler",
     "FlowHeun",
     "FlowSchedule",
+    "FlowSDE",
+    "Trajectory",
     "TARGETS",
     "FeatureExtractor",
     "Generation",
@@ -71,6 +74,7 @@ __all__ = [
     "pad_prompts",
     "predictions_of",
     "sample_diffusion",
+    "sample_flow_sde",
     "sample_logits",
     "target_of",
 ]

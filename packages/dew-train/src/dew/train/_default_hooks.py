@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from dew.objectives import weighted as wt
-from dew.train._run import ROLLOUT_TOKENS, NonFiniteError, Saver
+from dew.train._run import ROLLOUT_SAMPLES, ROLLOUT_TOKENS, NonFiniteError, Saver
 from dew.train.goodput import Goodput
 from dew.train.hooks import EarlyStopping, EarlyStoppingState, StepInfo
 from dew.train.logs import MetricsLog, format_value
@@ -336,4 +336,8 @@ class Interval:
             # first epoch): exact when log_every is a multiple of the updates per batch
             rollout = float(self.weighted[ROLLOUT_TOKENS].total)
             out["rollout_tokens_per_second"] = rollout / self.prepare_seconds
+        if self.prepare_seconds > 0 and self.weighted and ROLLOUT_SAMPLES in self.weighted:
+            # images (Flow-GRPO) a rollout drew, counted once per prepared batch likewise
+            rollout = float(self.weighted[ROLLOUT_SAMPLES].total)
+            out["rollout_samples_per_second"] = rollout / self.prepare_seconds
         return out

@@ -16,6 +16,9 @@ from dew.train.hooks import FitResult, Hook, Installed, StepInfo
 ROLLOUT_TOKENS = "rollout_tokens"
 """The ``Summed`` metric of tokens an objective's prepare phase generated; with
 it the log shows ``rollout_tokens_per_second`` (over the prepare time)."""
+ROLLOUT_SAMPLES = "rollout_samples"
+"""The ``Summed`` metric of samples (images) a prepare phase drew (Flow-GRPO); with it
+the log shows ``rollout_samples_per_second``."""
 
 
 class NonFiniteError(RuntimeError):

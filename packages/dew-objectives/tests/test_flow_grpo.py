@@ -1,0 +1,271 @@
+"""FlowGRPOObjective's prepare and loss, called directly on a tiny class-conditional
+flow MLP (2-D samples) with classifier-free guidance 2.
+
+- The log-prob the loss recomputes for a stored transition equals the sampler's within
+  1e-6 whether the 24-row rollout (3 conditions x 8) is drawn 1 row at a time or all at
+  once, and both draw the same samples (draws are fold_in(key, global row index)); the
+  first update's ratio is 1 (max |rho - 1| <= 1e-6).
+- The loss on moved weights against a float64 numpy transcription: the velocity from the
+  network, the SDE step's mean and Gaussian log-prob, global-std group advantages
+  (clipped), the clipped ratio and the KL with either Delta t convention.
+- Rewards (compiled and host) weighted and summed, each one's metric; a reward of the
+  wrong shape, NaN or raising names the function and the sample.
+- The bad-input list of the issue, refused before compiling.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dew.nn.backbones.dit import timestep_embedding
+from dew.objectives import Step, Updates
+from dew.objectives.flow_grpo import FlowGRPOObjective, HostImageReward, ImageReward
+from dew.objectives.rewards import RewardError
+from dew.sampling import DDPMSchedule, FlowSDE
+
+CLASSES, G, CONDITIONS = 3, 8, 3
+ROWS = CONDITIONS * G
+
+
+class CondMLP(nn.Module):
+    """2-D flow velocity of ``[x, time features, label embedding]`` (label 3 = null)."""
+
+    num_classes: int = CLASSES
+
+    @nn.compact
+    def __call__(self, x, t, label=None, context=None):
+        h = jnp.concatenate(
+            [x, timestep_embedding(t, 16), nn.Embed(self.num_classes + 1, 8)(label)], -1
+        )
+        h = nn.silu(nn.Dense(32)(h))
+        return nn.Dense(2)(nn.silu(nn.Dense(32)(h)))
+
+
+def far_right(x, batch):
+    """The sample's first coordinate (float samples)."""
+    return x[:, 0]
+
+
+def objective(**options):
+    base = dict(
+        rewards=[ImageReward(fn=far_right, pixels=False)],
+        group_size=G,
+        sample_shape=(2,),
+        sampler=FlowSDE(num_steps=4),
+        guidance=2.0,
+        timestep_fraction=1.0,
+        epsilon=0.2,
+    )
+    return FlowGRPOObjective(CondMLP(), **{**base, **options})
+
+
+BATCH = {"label": np.asarray([0, 1, 2], np.int32)}
+
+
+def prepared_batch(obj, variables, key=0):
+    step = Step(index=jnp.int32(0), key=jax.random.key(key))
+    rollout = jax.jit(obj.prepare)(variables, BATCH, step)
+    host = obj.prepare_host(jax.device_get(rollout))
+    return rollout, jax.jit(obj.prepare_finish)(variables, {**rollout, **host}, step)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    obj = objective()
+    variables = obj.init(jax.random.key(0))
+    variables = nn.unbox(variables)
+    return obj, variables
+
+
+def test_recomputed_log_probs_equal_the_samplers_at_rollout_rows_1_and_24(setup):
+    obj, variables = setup
+    one = objective(rollout_rows=1)
+    whole, batch = prepared_batch(obj, variables)
+    single, batch_one = prepared_batch(one, variables)
+    np.testing.assert_allclose(single["latents"], whole["latents"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(single["old_logps"], whole["old_logps"], rtol=0, atol=1e-6)
+    assert batch["latents"].shape == (ROWS, 5, 2) and batch["old_logps"].shape == (ROWS, 4)
+    for o, b in ((obj, batch), (one, batch_one)):
+        logps, _ = jax.jit(o.step_log_probs)(variables["params"], b)
+        np.testing.assert_allclose(logps, b["old_logps"], rtol=1e-6, atol=1e-6)
+        _, metrics = jax.jit(o.loss)(variables, b, Step(index=jnp.int32(0), key=jax.random.key(1)))
+        assert abs(float(metrics["ratio"].value) - 1) <= 1e-6
+        assert float(metrics["kl"].value) == 0.0  # the reference is the initial model
+    # the groups differ inside and rows of one condition share its label
+    assert np.all(np.asarray(batch["label"]) == np.repeat([0, 1, 2], G))
+    assert np.std(np.asarray(whole["samples"])[:G, 0]) > 0.05
+
+
+def reference_loss(obj, variables, batch, params):
+    """The loss in float64 numpy from the network's raw velocities."""
+    table = {k: np.asarray(v, np.float64) for k, v in obj.sampler.table().items()}
+    lat = np.asarray(batch["latents"], np.float64)
+    steps = np.asarray(batch["train_steps"])
+    labels = np.asarray(batch["label"])
+    rows, k = steps.shape
+    w = obj.guidance
+
+    null = np.full_like(labels, CLASSES)
+
+    def velocity(p, x, t):
+        def net(lbl):
+            out = obj.model.apply(
+                {"params": p},
+                jnp.asarray(x, jnp.float32),
+                jnp.full((len(x),), 1000.0 * t, jnp.float32),
+                label=jnp.asarray(lbl),
+            )
+            return np.asarray(out, np.float64)
+
+        return net(null) + w * (net(labels) - net(null))
+
+    total = np.asarray(batch["rewards"], np.float64) @ np.asarray([1.0])
+    groups = total.reshape(-1, G)
+    adv = ((groups - groups.mean(1, keepdims=True)) / (total.std(ddof=1) + 1e-4)).reshape(-1)
+    adv = np.clip(adv, -5, 5)
+    losses, kls = np.zeros((rows, k)), np.zeros((rows, k))
+    for j in range(k):
+        i = steps[:, j]
+        assert np.all(i == j)
+        x, x_next = lat[np.arange(rows), i], lat[np.arange(rows), i + 1]
+        t = table["t"][j]
+        mean = table["c_x"][j] * x + table["c_v"][j] * velocity(params, x, t)
+        ref = table["c_x"][j] * x + table["c_v"][j] * velocity(variables["params"], x, t)
+        std = table["std"][j]
+        logp = (
+            -((x_next - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+        ).mean(1)
+        ratio = np.exp(logp - np.asarray(batch["old_logps"], np.float64)[:, j])
+        losses[:, j] = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+        var = table["sigma"][j] ** 2 if obj.kl_convention == "reference" else std**2
+        kls[:, j] = ((mean - ref) ** 2 / (2 * var)).mean(1)
+    return (losses + obj.beta * kls).mean(), kls.mean()
+
+
+@pytest.mark.parametrize("convention", ["reference", "exact"])
+def test_loss_on_moved_weights_matches_numpy(setup, convention):
+    obj, variables = setup
+    obj = objective(kl_convention=convention, beta=0.5)
+    _, batch = prepared_batch(obj, variables)
+    moved = jax.tree.map(
+        lambda p: p + 0.05 * jax.random.normal(jax.random.key(3), p.shape), variables["params"]
+    )
+    loss, metrics = jax.jit(obj.loss)(
+        {**variables, "params": moved}, batch, Step(index=jnp.int32(1), key=jax.random.key(1))
+    )
+    want, kl = reference_loss(obj, variables, batch, moved)
+    np.testing.assert_allclose(float(loss.value), want, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["kl"].value), kl, rtol=2e-5)
+    assert float(metrics["kl"].value) > 0 and abs(float(metrics["ratio"].value) - 1) > 1e-4
+
+
+def test_timestep_fraction_draws_a_subset_per_row(setup):
+    _, variables = setup
+    obj = objective(timestep_fraction=0.5)
+    _, batch = prepared_batch(obj, variables)
+    steps = np.asarray(batch["train_steps"])
+    assert obj.train_steps == 2 and steps.shape == (ROWS, 2)
+    assert all(len(set(r)) == 2 and set(r) <= {0, 1, 2, 3} for r in steps.tolist())
+    assert len({tuple(r) for r in steps.tolist()}) > 1  # rows draw their own subsets
+
+
+def test_rewards_are_weighted_and_each_is_logged(setup):
+    _, variables = setup
+
+    def up(x, batch):
+        return x[:, 1]
+
+    seen = []
+
+    def host_up(images, label):
+        seen.append(label)
+        return np.asarray(images)[:, 1] * 0 + label
+
+    obj = objective(
+        rewards=[
+            ImageReward(fn=far_right, pixels=False, weight=2.0),
+            HostImageReward(fn=host_up, pixels=False, weight=-1.0),
+            ImageReward(fn=up, pixels=False, weight=0.0),
+        ]
+    )
+    rollout, batch = prepared_batch(obj, variables)
+    samples = np.asarray(rollout["samples"], np.float64)
+    labels = np.repeat([0, 1, 2], G)
+    np.testing.assert_allclose(
+        batch["rewards"], np.stack([samples[:, 0], labels, samples[:, 1]], 1), rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(batch["reward"], 2 * samples[:, 0] - labels, rtol=1e-5, atol=1e-5)
+    _, metrics = jax.jit(obj.loss)(
+        variables, batch, Step(index=jnp.int32(0), key=jax.random.key(1))
+    )
+    for name, want in (("far_right", samples[:, 0]), ("host_up", labels), ("up", samples[:, 1])):
+        np.testing.assert_allclose(
+            float(metrics[f"reward/{name}"].value), want.mean(), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_bad_rewards_name_the_function_and_the_sample(setup):
+    _, variables = setup
+
+    def nan_at_5(images):
+        out = np.zeros(len(images))
+        out[5] = np.nan
+        return out
+
+    def raises_at_9(images):
+        if len(images) == 1 and images[0, 0] == RAISE[0]:
+            raise RuntimeError("detector crashed")
+        if len(images) > 1:
+            RAISE[:] = [np.asarray(images)[9, 0]]
+            raise RuntimeError("detector crashed")
+        return np.zeros(len(images))
+
+    RAISE = [None]
+    cases = [
+        (HostImageReward(fn=nan_at_5, pixels=False), r"nan_at_5.*nan for sample 5 \(condition 0"),
+        (
+            HostImageReward(fn=raises_at_9, pixels=False),
+            r"raises_at_9.*RuntimeError.*sample 9 \(condition 1",
+        ),
+        (
+            HostImageReward(fn=lambda images: np.zeros(3), name="short", pixels=False),
+            r"'short' returned shape \(3,\)",
+        ),
+    ]
+    for reward, message in cases:
+        obj = objective(rewards=[reward])
+        with pytest.raises(RewardError, match=message):
+            prepared_batch(obj, variables)
+    obj = objective(rewards=[ImageReward(fn=lambda x, b: x, name="whole", pixels=False)])
+    with pytest.raises(RewardError, match=r"'whole' returned shape \(24, 2\)"):
+        prepared_batch(obj, variables)
+
+
+def test_bad_input_is_refused_before_compiling():
+    with pytest.raises(ValueError, match="noise_level"):
+        FlowSDE(noise_level=-0.5)
+    with pytest.raises(ValueError, match="num_steps >= 2"):
+        FlowSDE(num_steps=1)
+    with pytest.raises(ValueError, match="window"):
+        FlowSDE(num_steps=10, window=(8, 12))
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        objective(group_size=1)
+    with pytest.raises(ValueError, match="DDPMSchedule"):
+        objective(schedule=DDPMSchedule(), target="eps")
+    with pytest.raises(ValueError, match="no stochastic step"):
+        objective(sampler=FlowSDE(noise_level=0.0))
+    with pytest.raises(ValueError, match="kl_convention"):
+        objective(kl_convention="paper")
+    with pytest.raises(ValueError, match="no rewards"):
+        objective(rewards=[])
+    obj = objective(prepared_updates=Updates(minibatches=5))
+    with pytest.raises(
+        ValueError, match=r"24 rows \(3 conditions x group_size 8\) does not split into 5"
+    ):
+        obj.check_batch(BATCH)
+    with pytest.raises(ValueError, match="num_classes=3"):
+        objective().check_batch({"label": np.asarray([0, 7, 0, 1], np.int32)})

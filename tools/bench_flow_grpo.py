@@ -1,0 +1,210 @@
+"""Flow-GRPO's rollout and update against hand-written jax/flax/optax code.
+
+Two speed ratios, hand-written time / Dew time (1.0 = as fast, above 1 = Dew faster):
+
+- rollout: ``FlowGRPOObjective.prepare`` compiled (the SDE sampler with per-step
+  log-probs of ``dew.sampling.flow_sde``, per-row draws, the window's states, the
+  compiled reward) against a hand-written ``lax.fori_loop`` Euler-Maruyama sampler on
+  the same DiT with the same guidance, writing the states and log-probs into buffers,
+  and the same reward, in one ``jax.jit``;
+- update: one Adam update of the Flow-GRPO loss over the rollout (``jax.grad`` of
+  ``FlowGRPOObjective.loss`` + optax) against a hand-written loss (the step's mean, the
+  Gaussian log-prob, the clipped ratio, the KL to the reference) + optax.
+
+The two sides alternate (``--repeats`` rounds, median of each). A last line runs
+``Trainer.fit`` for a few iterations and prints its rollout images per second
+(rollout samples / prepare seconds, from the log).
+
+    python tools/bench_flow_grpo.py [--repeats 7] [--groups 8] [--group-size 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dew.data import Dataset
+from dew.nn.backbones import DiT
+from dew.objectives import Step
+from dew.objectives.flow_grpo import FlowGRPOObjective, ImageReward
+from dew.sampling import FlowSDE
+from dew.train import MeshSpec, Trainer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--repeats", type=int, default=7)
+parser.add_argument("--groups", type=int, default=8)
+parser.add_argument("--group-size", type=int, default=8)
+parser.add_argument("--steps", type=int, default=10)
+args = parser.parse_args()
+
+GUIDANCE, SHAPE = 2.0, (8, 8, 1)
+model = DiT(sample_size=8, patch_size=2, in_channels=1, emb_features=64, num_layers=2,
+            num_heads=4, mlp_features=128, num_classes=10)  # fmt: skip
+
+
+def brightness(pixels, batch):
+    return jnp.mean(pixels.astype(jnp.float32), axis=(1, 2, 3)) / 255.0
+
+
+sampler = FlowSDE(num_steps=args.steps)
+objective = FlowGRPOObjective(
+    model,
+    rewards=[ImageReward(fn=brightness)],
+    group_size=args.group_size,
+    sampler=sampler,
+    guidance=GUIDANCE,
+    timestep_fraction=1.0,
+    epsilon=0.2,
+)
+variables = nn.unbox(objective.init(jax.random.key(0)))
+labels = np.arange(args.groups, dtype=np.int32) % 10
+batch = {"label": labels}
+rows = args.groups * args.group_size
+step = Step(index=jnp.int32(0), key=jax.random.key(1))
+
+# ------------------------------------------------------------------ rollout
+dew_rollout = jax.jit(objective.prepare)
+table = {k: jnp.asarray(v, jnp.float32) for k, v in sampler.table().items()}
+
+
+def guided_velocity(params, x, t, label):
+    both = jnp.concatenate([label, jnp.full_like(label, 10)])
+    out = model.apply(
+        {"params": params}, jnp.concatenate([x, x]), jnp.full((2 * x.shape[0],), 1000.0 * t),
+        label=both,
+    )  # fmt: skip
+    cond, uncond = jnp.split(out.astype(jnp.float32), 2)
+    return uncond + GUIDANCE * (cond - uncond)
+
+
+@jax.jit
+def hand_rollout(params, label, key):
+    label = jnp.repeat(label, args.group_size)
+    k0, k1 = jax.random.split(key)
+    x = jax.random.normal(k0, (rows, *SHAPE))
+    states = jnp.zeros((args.steps + 1, rows, *SHAPE)).at[0].set(x)
+    logps = jnp.zeros((args.steps, rows))
+
+    def body(i, carry):
+        x, states, logps = carry
+        v = guided_velocity(params, x, table["t"][i], label)
+        mean = table["c_x"][i] * x + table["c_v"][i] * v
+        std = table["std"][i]
+        x = mean + std * jax.random.normal(jax.random.fold_in(k1, i), x.shape)
+        lp = -((x - mean) ** 2) / (2 * std**2) - jnp.log(std) - 0.5 * math.log(2 * math.pi)
+        return x, states.at[i + 1].set(x), logps.at[i].set(jnp.mean(lp, axis=(1, 2, 3)))
+
+    x, states, logps = jax.lax.fori_loop(0, args.steps, body, (x, states, logps))
+    pixels = jnp.clip(jnp.round((x + 1) * 127.5), 0, 255).astype(jnp.uint8)
+    return states, logps, brightness(pixels, None)
+
+
+# ------------------------------------------------------------------- update
+rollout = dew_rollout(variables, batch, step)
+host = objective.prepare_host(jax.device_get(rollout))
+train_batch = jax.jit(objective.prepare_finish)(variables, {**rollout, **host}, step)
+optimizer = optax.adam(1e-4)
+params = variables["params"]
+opt_state = optimizer.init(params)
+
+
+@jax.jit
+def dew_update(params, opt_state, train_batch):
+    def loss_of(p):
+        return objective.loss({**variables, "params": p}, train_batch, step)[0].value
+
+    grads = jax.grad(loss_of)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+@jax.jit
+def hand_update(params, opt_state, lat, old, adv, label):
+    n = args.steps
+    x = lat[:, :-1].reshape(rows * n, *SHAPE)
+    x_next = lat[:, 1:].reshape(rows * n, *SHAPE)
+    lbl = jnp.repeat(label, n)
+    t = jnp.tile(table["t"], rows)
+    c_x, c_v = (jnp.tile(table[k], rows)[:, None, None, None] for k in ("c_x", "c_v"))
+    std = jnp.tile(table["std"], rows)[:, None, None, None]
+    sigma = jnp.tile(table["sigma"], rows)[:, None, None, None]
+    adv = jnp.clip(jnp.repeat(adv, n), -5, 5)
+
+    def velocity(p):
+        both = jnp.concatenate([lbl, jnp.full_like(lbl, 10)])
+        out = model.apply({"params": p}, jnp.concatenate([x, x]),
+                          jnp.concatenate([1000.0 * t, 1000.0 * t]), label=both)  # fmt: skip
+        cond, uncond = jnp.split(out.astype(jnp.float32), 2)
+        return uncond + GUIDANCE * (cond - uncond)
+
+    ref_mean = jax.lax.stop_gradient(c_x * x + c_v * velocity(variables["reference"]["params"]))
+
+    def loss_of(p):
+        mean = c_x * x + c_v * velocity(p)
+        lp = -((x_next - mean) ** 2) / (2 * std**2) - jnp.log(std) - 0.5 * math.log(2 * math.pi)
+        ratio = jnp.exp(jnp.mean(lp, axis=(1, 2, 3)) - old.reshape(-1))
+        pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 0.8, 1.2))
+        kl = jnp.mean((mean - ref_mean) ** 2 / (2 * sigma**2), axis=(1, 2, 3))
+        return jnp.mean(pg + objective.beta * kl)
+
+    grads = jax.grad(loss_of)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def timed(fn, *a):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*a))
+    return time.perf_counter() - start
+
+
+hand_args = (
+    train_batch["latents"],
+    train_batch["old_logps"],
+    train_batch["advantages"],
+    train_batch["label"],
+)
+programs = {
+    "dew rollout": lambda: dew_rollout(variables, batch, step),
+    "hand rollout": lambda: hand_rollout(params, labels, jax.random.key(1)),
+    "dew update": lambda: dew_update(params, opt_state, train_batch),
+    "hand update": lambda: hand_update(params, opt_state, *hand_args),
+}
+for fn in programs.values():  # compile
+    jax.block_until_ready(fn())
+times = {name: [] for name in programs}
+for _ in range(args.repeats):
+    for name, fn in programs.items():
+        times[name].append(timed(fn))
+median = {name: statistics.median(t) for name, t in times.items()}
+result = {
+    "rows": rows,
+    "steps": args.steps,
+    **{f"{k} ms": round(1e3 * v, 2) for k, v in median.items()},
+    "rollout ratio (hand / dew)": round(median["hand rollout"] / median["dew rollout"], 3),
+    "update ratio (hand / dew)": round(median["hand update"] / median["dew update"], 3),
+    "dew rollout images/s": round(rows / median["dew rollout"], 1),
+}
+
+# ---------------------------------------------------- through Trainer.fit
+with tempfile.TemporaryDirectory() as run_dir:
+    stream = lambda partition: iter(lambda: batch, None)  # noqa: E731
+    data = Dataset(train=stream, val=None, records=0, batch=args.groups)
+    trainer = Trainer(objective, optimizer, key=jax.random.key(0), run_dir=run_dir,
+                      mesh=MeshSpec(data=1, devices=jax.devices()[:1]), progress=False)  # fmt: skip
+    trainer.fit(data, steps=6, log_every=2)
+    logs = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl")]
+    train = [r for r in logs if r.get("kind") == "train"][1:]  # after the compiling interval
+    rates = [r["rollout_samples"] / r["prepare_seconds"] for r in train if r.get("prepare_seconds")]
+    result["fit rollout images/s"] = round(statistics.median(rates), 1) if rates else None
+print(json.dumps(result, indent=1))

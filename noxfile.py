@@ -107,7 +107,9 @@ ENV = {
     "UV_COMPILE_BYTECODE": "1",
     "PYTHONDONTWRITEBYTECODE": "",
 }
-PYTEST = ["pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider", "--durations=15"]
+# --durations: each session's 15 slowest tests in the CI log (the CI-time budget)
+PYTEST = ["pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
+          "--durations=15"]  # fmt: skip
 
 
 def sync(session: nox.Session, *args: str) -> None:

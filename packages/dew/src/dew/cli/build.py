@@ -118,8 +118,18 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
         config = dict(section.config)
         if "vocab_size" in {f.name for f in dataclasses.fields(cls)} and "vocab_size" not in config:
             config["vocab_size"] = tokenizer.vocab_size
-        config = checked_arguments(cls, config, f"{where}.config")
-        module = models.build(section.name, **config)
+        # a saved config's encoded values ({"__dtype__": ...}) are read by models.build
+        encoded = {
+            k: v
+            for k, v in config.items()
+            if isinstance(v, dict) and ({"__dtype__", "__dataclass__"} & set(v))
+        }
+        plain_config = {k: v for k, v in config.items() if k not in encoded}
+        config = {**checked_arguments(cls, plain_config, f"{where}.config"), **encoded}
+        try:
+            module = models.build(section.name, **config)
+        except (TypeError, ValueError) as error:
+            raise RecipeError(f"{where}.config: {error}") from None
         resolved = {"name": section.name, "config": plain(models.config_of(module)[1])}
     if section.lora:
         from dew.nn.lora import LoRA
@@ -142,7 +152,9 @@ def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
                 f"objective.models.{role}: {cls.__name__} has no model field {role!r} "
                 f"(its fields: {', '.join(fields)})"
             )
-        module, _, resolved_models[role] = build_model(section, tokenizer, f"objective.models.{role}")
+        module, _, resolved_models[role] = build_model(
+            section, tokenizer, f"objective.models.{role}"
+        )
         supplied[role] = module
     if "tokenizer" in fields:
         supplied["tokenizer"] = tokenizer
@@ -157,7 +169,9 @@ def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
     if recipe.trainer.ema is not None:
         if "ema" not in fields:
             raise RecipeError(f"trainer.ema: {cls.__name__} keeps no moving average")
-        supplied["ema"] = EMA(decay=recipe.trainer.ema, warmup_steps=recipe.trainer.ema_warmup_steps)
+        supplied["ema"] = EMA(
+            decay=recipe.trainer.ema, warmup_steps=recipe.trainer.ema_warmup_steps
+        )
     if "planned_updates" in fields and "planned_updates" not in args:
         args["planned_updates"] = recipe.trainer.steps
     kwargs = checked_arguments(cls, args, "objective.args", supplied=supplied)
@@ -166,8 +180,13 @@ def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
     except (TypeError, ValueError) as error:
         raise RecipeError(f"objective {recipe.objective.name!r}: {error}") from None
     shown = {k: plain(v) for k, v in kwargs.items() if k not in supplied}
-    shown.update({k: _reward_record(recipe.objective.args[k]) for k in ("rewards", "reward")
-                  if k in recipe.objective.args})
+    shown.update(
+        {
+            k: _reward_record(recipe.objective.args[k])
+            for k in ("rewards", "reward")
+            if k in recipe.objective.args
+        }
+    )
     return objective, {k: v for k, v in shown.items() if v is not None}
 
 
@@ -186,7 +205,9 @@ def _reward(spec, where):
     if isinstance(spec, str):
         spec = {"fn": spec}
     if not isinstance(spec, dict) or "fn" not in spec:
-        raise RecipeError(f"{where}: a reward is {{fn: module:function, weight, kind}}, got {spec!r}")
+        raise RecipeError(
+            f"{where}: a reward is {{fn: module:function, weight, kind}}, got {spec!r}"
+        )
     spec = dict(spec)
     kind = spec.pop("kind", "text")
     fn = resolve(spec.pop("fn"), {}, "reward function")
@@ -218,8 +239,7 @@ def build_optimizer(recipe: Recipe):
     if not callable(fn) or section.name.startswith("_"):
         known = [n for n in ("adam", "adamw", "sgd", "lion", "adafactor", "lamb", "rmsprop")]
         raise RecipeError(
-            f"unknown optimizer {section.name!r}: not a function of optax (e.g. "
-            f"{', '.join(known)})"
+            f"unknown optimizer {section.name!r}: not a function of optax (e.g. {', '.join(known)})"
         )
     schedule = _schedule(section, recipe.trainer.steps)
     args = checked_arguments(
@@ -230,7 +250,9 @@ def build_optimizer(recipe: Recipe):
         optimizer = optax.chain(optax.clip_by_global_norm(section.clip_norm), optimizer)
     resolved = plain(section)
     resolved["args"] = {k: plain(v) for k, v in args.items() if k != "learning_rate"}
-    resolved["args"] = {k: v for k, v in resolved["args"].items() if v is not None or k in section.args}
+    resolved["args"] = {
+        k: v for k, v in resolved["args"].items() if v is not None or k in section.args
+    }
     return optimizer, schedule, resolved
 
 
@@ -240,7 +262,9 @@ def _schedule(section, steps: int):
     s = section.schedule
     lr = section.learning_rate
     if s.name not in SCHEDULES:
-        raise RecipeError(f"optimizer.schedule.name {s.name!r} is not one of {', '.join(SCHEDULES)}")
+        raise RecipeError(
+            f"optimizer.schedule.name {s.name!r} is not one of {', '.join(SCHEDULES)}"
+        )
     decay = (s.decay_steps or steps) - s.warmup_steps
     if decay < 1 and s.name != "constant":
         raise RecipeError(

@@ -162,7 +162,7 @@ def _check_against_run(run_dir: str, resolved: dict) -> None:
 
 
 PATH_KEYS = {
-    "data": ("paths", "source", "val_paths", "val_source", "path_or_name"),
+    "data": ("paths", "path", "source", "val_paths", "val_source", "path_or_name"),
     "tokenizer": ("files", "path"),
     "model": ("pretrained",),
 }
@@ -271,6 +271,8 @@ def _train(raw: dict, args) -> int:
     except (TypeError, ValueError) as error:
         raise RecipeError(f"trainer: {error}") from None
     write_status(run_dir, "running", steps=t.steps)
+    stepped = []
+    trainer.add_hook(lambda info: stepped.append(True) if not stepped else None, name="dew")
     try:
         with _output(args):
             trainer.fit(
@@ -284,6 +286,13 @@ def _train(raw: dict, args) -> int:
     except NonFiniteError as error:
         write_status(run_dir, "non_finite", detail=str(error)[:500])
         raise
+    except (TypeError, ValueError) as error:
+        if stepped:
+            write_status(run_dir, "failed", detail=f"{type(error).__name__}: {str(error)[:500]}")
+            raise
+        # refused before the first step (fit's checks, tracing): a configuration error
+        write_status(run_dir, "bad_config", detail=str(error)[:500])
+        raise RecipeError(str(error)) from None
     except BaseException as error:
         write_status(run_dir, "failed", detail=f"{type(error).__name__}: {str(error)[:500]}")
         raise
@@ -388,7 +397,8 @@ def plan(args) -> int:
         print(result)
         if fits is not None:
             verdict = "fits" if fits else "does NOT fit"
-            print(f"  peak {result.peak_bytes / 2**30:.3f} GiB {verdict} a {args.device_memory} device")
+            peak = result.peak_bytes / 2**30
+            print(f"  peak {peak:.3f} GiB {verdict} a {args.device_memory} device")
     return EXIT["finished"]
 
 
@@ -450,7 +460,8 @@ def runs(args) -> int:
         found = [directory]
     elif os.path.isdir(directory):
         found = sorted(
-            os.path.join(directory, d) for d in os.listdir(directory)
+            os.path.join(directory, d)
+            for d in os.listdir(directory)
             if is_run(os.path.join(directory, d))
         )
     else:
@@ -464,7 +475,9 @@ def runs(args) -> int:
         print(f"no Dew runs under {directory}")
     for s in summaries:
         loss = "-" if s["loss"] is None else f"{s['loss']:.4g}"
-        evals = ", ".join(f"{k} {v:.4g}" for k, v in s["eval"].items() if isinstance(v, int | float))
+        evals = ", ".join(
+            f"{k} {v:.4g}" for k, v in s["eval"].items() if isinstance(v, int | float)
+        )
         total = f"/{s['steps']}" if s["steps"] else ""
         print(
             f"{s['run_dir']}: {s['status']}, step {s['step']}{total}, loss {loss}"
@@ -510,12 +523,15 @@ def sample(args) -> int:
     if args.labels is not None:
         objective = built.objective
         if not hasattr(objective, "sample"):
-            raise RecipeError(f"--labels: objective {recipe.objective.name!r} does not sample images")
+            raise RecipeError(
+                f"--labels: objective {recipe.objective.name!r} does not sample images"
+            )
         images = objective.sample(
             {"params": params}, key=jax.random.key(args.seed), labels=np.asarray(args.labels)
         )
-        from dew.train.previews import as_pixels  # noqa: F401  (pillow check)
         from PIL import Image
+
+        from dew.train.previews import as_pixels  # noqa: F401  (pillow check)
 
         out = args.out or os.path.join(args.run_dir, "samples")
         os.makedirs(out, exist_ok=True)
@@ -608,13 +624,20 @@ def launch(args) -> int:
     for i in range(args.processes):
         env = dict(os.environ)
         if args.devices_per_process:
-            env["XLA_FLAGS"] = (
-                f"--xla_force_host_platform_device_count={args.devices_per_process}"
-            )
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_process}"
         command = [
-            sys.executable, "-m", "dew", "train", args.recipe, *args.overrides,
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(args.processes),
-            "--process-id", str(i),
+            sys.executable,
+            "-m",
+            "dew",
+            "train",
+            args.recipe,
+            *args.overrides,
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            str(args.processes),
+            "--process-id",
+            str(i),
         ]
         procs.append(subprocess.Popen(command, env=env))
     codes = [p.wait() for p in procs]

@@ -395,7 +395,8 @@ def checked_arguments(
     except Exception as error:
         text = str(error).strip().replace("the following arguments are required:", "missing:")
         raise RecipeError(f"{where}: {text}") from None
-    values = {k: v for k, v in values.items() if k != "__default_config__"}
+    # jsonargparse prefixes names a Namespace method has (keys, items) with U+200B
+    values = {k.lstrip("\u200b"): v for k, v in values.items() if k != "__default_config__"}
     # leave out what the recipe did not set: the target's own default applies
     out = {k: v for k, v in values.items() if k in given or params[k][1] is _REQUIRED}
     return {**out, **loose, **supplied}
@@ -452,8 +453,10 @@ def plain(value: Any) -> Any:
     a file cannot hold (functions)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {}
+        names = {f.name for f in dataclasses.fields(value)}
+        flax = {"parent", "name"} if "parent" in names else set()  # a linen module's own
         for field in dataclasses.fields(value):
-            if field.init and field.name not in ("parent", "name"):
+            if field.init and field.name not in flax:
                 fields[field.name] = plain(getattr(value, field.name))
         return {k: v for k, v in fields.items() if v is not _UNREADABLE}
     if isinstance(value, Mapping):

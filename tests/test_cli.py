@@ -95,13 +95,13 @@ BAD = [
     (["data.name=tokens"], "did you mean 'token_windows'"),
     (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
     (["data.args.seq_len=null"], "seq_len"),
-    (["trainer.eval_every=3", "data.args.val_fraction=0"], "no validation data"),
+    (["trainer.accumulate=3"], "accumulate"),
 ]
 
 
 @pytest.mark.parametrize("overrides, says", BAD, ids=[b[0][0] for b in BAD])
 def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
-    code = main(["train", LM, *overrides, f"run_dir={tmp_path}/run", "trainer.steps=2"])
+    code = main(["train", LM, *TOY, *overrides, f"run_dir={tmp_path}/run", "trainer.steps=2"])
     err = capsys.readouterr().err
     assert code == EXIT["bad_config"] == 2, err
     assert says in err and "Traceback" not in err, err

@@ -179,7 +179,7 @@ def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
         objective = cls(**kwargs)
     except (TypeError, ValueError) as error:
         raise RecipeError(f"objective {recipe.objective.name!r}: {error}") from None
-    shown = {k: plain(v) for k, v in kwargs.items() if k not in supplied}
+    shown = {k: plain(v, tag=True) for k, v in kwargs.items() if k not in supplied}
     shown.update(
         {
             k: _reward_record(recipe.objective.args[k])
@@ -226,7 +226,7 @@ def _data(recipe: Recipe, tokenizer):
         data = cls(**kwargs).load(batch=recipe.data.batch)
     except (FileNotFoundError, TypeError, ValueError) as error:
         raise RecipeError(f"data ({recipe.data.name}): {error}") from None
-    shown = {k: plain(v) for k, v in kwargs.items() if k not in supplied}
+    shown = {k: plain(v, tag=True) for k, v in kwargs.items() if k not in supplied}
     return data, shown
 
 

@@ -361,8 +361,10 @@ def checked_arguments(
       a recipe may not set them. Parameters whose type cannot be read from a
       file (modules, callables) are passed through as given.
     """
-    from jsonargparse import ArgumentParser
+    from jsonargparse import ArgumentParser, set_parsing_settings
 
+    # a class_path given where any value is accepted stays data (v5's behaviour)
+    set_parsing_settings(instantiate_subclass_spec_in_any=False)
     supplied = dict(supplied)
     params = _parameters(target)
     if not isinstance(given, Mapping):
@@ -447,23 +449,28 @@ def _file_readable(hint) -> bool:
 # ------------------------------------------------------------------ dumping
 
 
-def plain(value: Any) -> Any:
-    """``value`` as YAML-ready data: a dataclass as its fields (tagged with
-    ``class_path`` / ``init_args`` when ``tag``), tuples as lists; None for what
-    a file cannot hold (functions)."""
+def plain(value: Any, *, tag: bool = False) -> Any:
+    """``value`` as YAML-ready data: a dataclass as its fields, tagged with
+    ``class_path`` / ``init_args`` when ``tag`` (so a reload builds the same class
+    where a field takes several: ``FlowSchedule`` vs ``DDPMSchedule``), tuples as
+    lists; what a file cannot hold (functions) is left out, so its default applies."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {}
         names = {f.name for f in dataclasses.fields(value)}
         flax = {"parent", "name"} if "parent" in names else set()  # a linen module's own
         for field in dataclasses.fields(value):
             if field.init and field.name not in flax:
-                fields[field.name] = plain(getattr(value, field.name))
-        return {k: v for k, v in fields.items() if v is not _UNREADABLE}
+                fields[field.name] = plain(getattr(value, field.name), tag=tag)
+        fields = {k: v for k, v in fields.items() if v is not _UNREADABLE}
+        if tag:
+            cls = type(value)
+            return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": fields}
+        return fields
     if isinstance(value, Mapping):
-        out = {str(k): plain(v) for k, v in value.items()}
+        out = {str(k): plain(v, tag=tag) for k, v in value.items()}
         return {k: v for k, v in out.items() if v is not _UNREADABLE}
     if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
+        return [plain(v, tag=tag) for v in value]
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return _UNREADABLE

@@ -237,8 +237,14 @@ FAMILIES = {
         "trainer.steps=2",
         "trainer.eval_every=0",
         "optimizer.schedule.warmup_steps=1",
+        "model.config.num_layers=1",
     ],
-    "jepa.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
+    "jepa.yaml": [
+        "trainer.steps=2",
+        "optimizer.schedule.warmup_steps=1",
+        "model.config.num_layers=1",
+        "objective.models.predictor.config.num_layers=1",
+    ],
     "lm_lora.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
 }
 

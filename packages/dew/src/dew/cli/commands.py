@@ -527,7 +527,9 @@ def sample(args) -> int:
                 f"--labels: objective {recipe.objective.name!r} does not sample images"
             )
         images = objective.sample(
-            {"params": params}, key=jax.random.key(args.seed), labels=np.asarray(args.labels)
+            {"params": params},
+            jax.random.key(args.seed),
+            label=np.asarray(args.labels, np.int32),
         )
         from PIL import Image
 
@@ -579,7 +581,7 @@ def export(args) -> int:
     from dew.sampling import Pretrained
 
     recipe, built, model, params, averaged = _trained(args.run_dir, args.live)
-    formats = {"dew": "dew", "diffusers": "dew"}
+    formats = {"dew": "dew", "diffusers": "dit"}  # diffusers' DiT (dew.nn.hf "dit")
     if args.to == "hf":
         from dew.nn import models
 

@@ -268,3 +268,34 @@ def test_python_dash_m_dew(tmp_path):
         [sys.executable, "-m", "dew", "runs", str(tmp_path)], capture_output=True, text=True
     )
     assert run.returncode == 0 and "no Dew runs" in run.stdout, run.stderr
+
+
+def test_launch_two_processes_equals_one(lm_runs):
+    """`dew launch --processes 2` (2 x 4 CPU devices, gloo) trains the same steps as
+    the 1-process, 8-device run b of the shared fixture (a constant learning rate: its
+    first steps are those of any run of the recipe)."""
+    root, _, b = lm_runs
+    run_dir = str(root / "two")
+    command = [
+        sys.executable,
+        "-m",
+        "dew",
+        "--quiet",
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        LM,
+        *TOY,
+        "trainer.steps=3",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        f"run_dir={run_dir}",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    two, one = metrics(run_dir), metrics(b)
+    np.testing.assert_allclose(
+        [two[s]["loss"] for s in (1, 2, 3)], [one[s]["loss"] for s in (1, 2, 3)], rtol=1e-5
+    )

@@ -96,6 +96,9 @@ def _distributed(args) -> None:
     import jax
 
     coordinator = getattr(args, "coordinator", None)
+    if coordinator or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # CPU processes reduce over gloo (accelerators use their own collectives)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if coordinator:
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -103,6 +106,8 @@ def _distributed(args) -> None:
             process_id=args.process_id,
         )
     elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("DEW_DISTRIBUTED"):
+        if os.environ.get("DEW_DISTRIBUTED"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize()
 
 

@@ -536,9 +536,12 @@ def sample(args) -> int:
             jax.random.key(args.seed),
             label=np.asarray(args.labels, np.int32),
         )
-        from PIL import Image
-
-        from dew.train.previews import as_pixels  # noqa: F401  (pillow check)
+        try:
+            from PIL import Image
+        except ImportError:
+            raise RecipeError(
+                "dew sample --labels writes PNGs with pillow: pip install 'dew-train[images]'"
+            ) from None
 
         out = args.out or os.path.join(args.run_dir, "samples")
         os.makedirs(out, exist_ok=True)
@@ -632,10 +635,12 @@ def launch(args) -> int:
         env = dict(os.environ)
         if args.devices_per_process:
             env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_process}"
+        flags = [f for f in ("--quiet", "--json", "--debug") if getattr(args, f[2:])]
         command = [
             sys.executable,
             "-m",
             "dew",
+            *flags,
             "train",
             args.recipe,
             *args.overrides,

@@ -79,7 +79,10 @@ def _trained_bpe(section, run_dir: str | None):
         show_progress=False,
     )
     tokenizer.train(list(section.files), trainer)
-    directory = directory or os.path.join(os.getcwd(), "tokenizer")
+    if directory is None:  # no run (dew plan): a throwaway folder, not the working directory
+        import tempfile
+
+        directory = os.path.join(tempfile.mkdtemp(prefix="dew-bpe-"), "tokenizer")
     os.makedirs(directory, exist_ok=True)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     import json

@@ -294,8 +294,9 @@ def test_launch_two_processes_equals_one(lm_runs):
         f"run_dir={run_dir}",
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
     two, one = metrics(run_dir), metrics(b)
+    assert sorted(two) == [1, 2, 3], (two, run.stderr[-3000:])
     np.testing.assert_allclose(
         [two[s]["loss"] for s in (1, 2, 3)], [one[s]["loss"] for s in (1, 2, 3)], rtol=1e-5
     )

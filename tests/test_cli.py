@@ -300,3 +300,18 @@ def test_launch_two_processes_equals_one(lm_runs):
     np.testing.assert_allclose(
         [two[s]["loss"] for s in (1, 2, 3)], [one[s]["loss"] for s in (1, 2, 3)], rtol=1e-5
     )
+
+
+def test_non_finite_steps_exit_3(tmp_path, capsys):
+    run_dir = str(tmp_path / "nan")
+    overrides = [
+        *TOY,
+        "optimizer.learning_rate=1e30",
+        "optimizer.clip_norm=null",
+        "trainer.max_rejected=0",
+        "trainer.steps=6",
+        "trainer.log_every=1",
+    ]
+    assert main(["--quiet", "train", LM, *overrides, f"run_dir={run_dir}"]) == 3
+    assert "NonFiniteError" in capsys.readouterr().err
+    assert json.load(open(os.path.join(run_dir, "status.json")))["status"] == "non_finite"

@@ -1,0 +1,331 @@
+"""A checked :class:`~dew.cli.recipe.Recipe` as the objects of a run: the
+tokenizer, the model, the objective, the dataset, the optax optimizer, the
+mesh, the checkpoints and the trackers (Dew's public API only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from dew.cli.recipe import (
+    OBJECTIVES,
+    READERS,
+    SCHEDULES,
+    ModelSection,
+    Recipe,
+    RecipeError,
+    checked_arguments,
+    plain,
+    resolve,
+)
+
+__all__ = ["Built", "build", "build_model", "build_optimizer", "build_tokenizer"]
+
+
+@dataclasses.dataclass
+class Built:
+    model: Any
+    init_params: Any
+    tokenizer: Any
+    objective: Any
+    data: Any
+    optimizer: Any
+    learning_rate: Any
+    mesh: Any
+    resolved: dict  # the recipe with every checked argument filled in
+
+
+def build_tokenizer(recipe: Recipe, run_dir: str | None):
+    from dew.data import ByteTokenizer, HFTokenizer
+
+    section = recipe.tokenizer
+    if section.kind == "bytes":
+        return ByteTokenizer()
+    if section.kind == "hf":
+        if not section.path:
+            raise RecipeError("tokenizer.kind=hf needs tokenizer.path (a tokenizer.json)")
+        return HFTokenizer(section.path)
+    if section.kind == "bpe":
+        return _trained_bpe(section, run_dir)
+    raise RecipeError(
+        f"tokenizer.kind {section.kind!r} is not one of 'bytes', 'hf' (a tokenizer.json "
+        f"at tokenizer.path), 'bpe' (trained from tokenizer.files)"
+    )
+
+
+def _trained_bpe(section, run_dir: str | None):
+    """A byte-level BPE trained from ``section.files`` (``tokenizers``), kept in
+    ``RUN_DIR/tokenizer`` so a resumed run reads the same one."""
+    from dew.data import HFTokenizer
+
+    if not section.files:
+        raise RecipeError("tokenizer.kind=bpe needs tokenizer.files (text files to train it on)")
+    missing = [f for f in section.files if not os.path.exists(f)]
+    if missing:
+        raise RecipeError(f"tokenizer.files: no such file {missing[0]!r}")
+    directory = os.path.join(run_dir, "tokenizer") if run_dir else None
+    if directory and os.path.exists(os.path.join(directory, "tokenizer.json")):
+        return HFTokenizer(directory, add_special_tokens=False)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=section.vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(list(section.files), trainer)
+    if directory is None:  # no run (dew plan): a throwaway folder, not the working directory
+        import tempfile
+
+        directory = os.path.join(tempfile.mkdtemp(prefix="dew-bpe-"), "tokenizer")
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    import json
+
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>"}, f)
+    return HFTokenizer(directory, add_special_tokens=False)
+
+
+def build_model(section: ModelSection, tokenizer, where: str = "model"):
+    """``(module, params or None, resolved config)``: a registered model from its
+    config, or a checkpoint directory (``pretrained``) with optional LoRA."""
+    from dew.nn import models
+
+    params = None
+    if section.pretrained:
+        from dew.sampling import Pretrained
+
+        if section.name or section.config:
+            raise RecipeError(
+                f"{where}: give either pretrained (a checkpoint directory) or name + config"
+            )
+        try:
+            pre = Pretrained.load(section.pretrained)
+        except (FileNotFoundError, ValueError) as error:
+            raise RecipeError(f"{where}.pretrained: {error}") from None
+        module, params = pre.model, pre.params
+        resolved = {"pretrained": section.pretrained}
+    else:
+        if section.name not in models.names():
+            raise RecipeError(
+                f"unknown model {section.name!r}; the registered models are "
+                f"{', '.join(models.names())} (dew.nn.models.names())"
+            )
+        cls = models.get(section.name)
+        config = dict(section.config)
+        if "vocab_size" in {f.name for f in dataclasses.fields(cls)} and "vocab_size" not in config:
+            config["vocab_size"] = tokenizer.vocab_size
+        # a saved config's encoded values ({"__dtype__": ...}) are read by models.build
+        encoded = {
+            k: v
+            for k, v in config.items()
+            if isinstance(v, dict) and ({"__dtype__", "__dataclass__"} & set(v))
+        }
+        plain_config = {k: v for k, v in config.items() if k not in encoded}
+        config = {**checked_arguments(cls, plain_config, f"{where}.config"), **encoded}
+        try:
+            module = models.build(section.name, **config)
+        except (TypeError, ValueError) as error:
+            raise RecipeError(f"{where}.config: {error}") from None
+        resolved = {"name": section.name, "config": plain(models.config_of(module)[1])}
+    if section.lora:
+        from dew.nn.lora import LoRA
+
+        lora = LoRA(**checked_arguments(LoRA, section.lora, f"{where}.lora"))
+        module = lora.apply(module)
+        resolved["lora"] = plain(lora)
+    return module, params, resolved
+
+
+def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
+    from dew.objectives.base import EMA
+
+    cls = resolve(recipe.objective.name, OBJECTIVES, "objective")
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    supplied: dict[str, Any] = {fields[0]: model}
+    for role, section in recipe.objective.models.items():
+        if role not in fields:
+            raise RecipeError(
+                f"objective.models.{role}: {cls.__name__} has no model field {role!r} "
+                f"(its fields: {', '.join(fields)})"
+            )
+        module, _, resolved_models[role] = build_model(
+            section, tokenizer, f"objective.models.{role}"
+        )
+        supplied[role] = module
+    if "tokenizer" in fields:
+        supplied["tokenizer"] = tokenizer
+    if params is not None and "init_params" in fields:
+        supplied["init_params"] = params
+    args = dict(recipe.objective.args)
+    for key in ("rewards", "reward"):
+        if key in args and key in fields:
+            specs = args.pop(key)
+            rewards = [_reward(s, f"objective.args.{key}") for s in _listed(specs)]
+            supplied[key] = rewards if key == "rewards" else rewards[0]
+    if recipe.trainer.ema is not None:
+        if "ema" not in fields:
+            raise RecipeError(f"trainer.ema: {cls.__name__} keeps no moving average")
+        supplied["ema"] = EMA(
+            decay=recipe.trainer.ema, warmup_steps=recipe.trainer.ema_warmup_steps
+        )
+    if "planned_updates" in fields and "planned_updates" not in args:
+        args["planned_updates"] = recipe.trainer.steps
+    kwargs = checked_arguments(cls, args, "objective.args", supplied=supplied)
+    try:
+        objective = cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"objective {recipe.objective.name!r}: {error}") from None
+    shown = {k: plain(v, tag=True) for k, v in kwargs.items() if k not in supplied}
+    shown.update(
+        {
+            k: _reward_record(recipe.objective.args[k])
+            for k in ("rewards", "reward")
+            if k in recipe.objective.args
+        }
+    )
+    return objective, {k: v for k, v in shown.items() if v is not None}
+
+
+def _listed(specs):
+    return specs if isinstance(specs, list) else [specs]
+
+
+def _reward_record(specs):
+    return specs
+
+
+def _reward(spec, where):
+    """``{fn: module:function, weight: 1.0, kind: text | token, name: ''}``."""
+    from dew.objectives.rewards import TextReward, TokenReward
+
+    if isinstance(spec, str):
+        spec = {"fn": spec}
+    if not isinstance(spec, dict) or "fn" not in spec:
+        raise RecipeError(
+            f"{where}: a reward is {{fn: module:function, weight, kind}}, got {spec!r}"
+        )
+    spec = dict(spec)
+    kind = spec.pop("kind", "text")
+    fn = resolve(spec.pop("fn"), {}, "reward function")
+    cls = {"text": TextReward, "token": TokenReward}.get(kind)
+    if cls is None:
+        raise RecipeError(f"{where}.kind {kind!r}: use 'text' (host, decoded) or 'token' (jitted)")
+    return cls(**checked_arguments(cls, spec, where, supplied={"fn": fn}))
+
+
+def _data(recipe: Recipe, tokenizer):
+    cls = resolve(recipe.data.name, READERS, "reader")
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    supplied = {"tokenizer": tokenizer} if "tokenizer" in fields else {}
+    kwargs = checked_arguments(cls, recipe.data.args, "data.args", supplied=supplied)
+    try:
+        data = cls(**kwargs).load(batch=recipe.data.batch)
+    except (FileNotFoundError, TypeError, ValueError) as error:
+        raise RecipeError(f"data ({recipe.data.name}): {error}") from None
+    shown = {k: plain(v, tag=True) for k, v in kwargs.items() if k not in supplied}
+    return data, shown
+
+
+def build_optimizer(recipe: Recipe):
+    """``(optax transformation, learning-rate schedule, resolved section)``."""
+    import optax
+
+    section = recipe.optimizer
+    fn = getattr(optax, section.name, None)
+    if not callable(fn) or section.name.startswith("_"):
+        known = [n for n in ("adam", "adamw", "sgd", "lion", "adafactor", "lamb", "rmsprop")]
+        raise RecipeError(
+            f"unknown optimizer {section.name!r}: not a function of optax (e.g. {', '.join(known)})"
+        )
+    schedule = _schedule(section, recipe.trainer.steps)
+    args = checked_arguments(
+        fn, section.args, "optimizer.args", supplied={"learning_rate": schedule}
+    )
+    optimizer = fn(**args)
+    if section.clip_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(section.clip_norm), optimizer)
+    resolved = plain(section)
+    resolved["args"] = {k: plain(v) for k, v in args.items() if k != "learning_rate"}
+    resolved["args"] = {
+        k: v for k, v in resolved["args"].items() if v is not None or k in section.args
+    }
+    return optimizer, schedule, resolved
+
+
+def _schedule(section, steps: int):
+    import optax
+
+    s = section.schedule
+    lr = section.learning_rate
+    if s.name not in SCHEDULES:
+        raise RecipeError(
+            f"optimizer.schedule.name {s.name!r} is not one of {', '.join(SCHEDULES)}"
+        )
+    decay = (s.decay_steps or steps) - s.warmup_steps
+    if decay < 1 and s.name != "constant":
+        raise RecipeError(
+            f"optimizer.schedule: warmup_steps={s.warmup_steps} leaves no steps to decay over "
+            f"(decay_steps={s.decay_steps or steps})"
+        )
+    if s.name == "constant" and s.warmup_steps == 0:
+        return lr
+    if s.name in ("constant", "warmup_constant"):
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, s.warmup_steps), optax.constant_schedule(lr)],
+            [s.warmup_steps],
+        )
+    if s.name in ("cosine", "warmup_cosine"):
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, s.warmup_steps, s.warmup_steps + decay, end_value=lr * s.end_factor
+        )
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, lr, s.warmup_steps),
+            optax.linear_schedule(lr, lr * s.end_factor, decay),
+        ],
+        [s.warmup_steps],
+    )
+
+
+def build_mesh(recipe: Recipe):
+    from dew.train import MeshSpec
+
+    try:
+        return MeshSpec(**dataclasses.asdict(recipe.mesh))
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"mesh: {error}") from None
+
+
+def build(recipe: Recipe, run_dir: str | None, *, with_data: bool = True) -> Built:
+    tokenizer = build_tokenizer(recipe, run_dir)
+    model, params, resolved_model = build_model(recipe.model, tokenizer)
+    extra: dict = {}
+    objective, objective_args = _objective(recipe, model, params, tokenizer, extra)
+    data, data_args = _data(recipe, tokenizer) if with_data else (None, dict(recipe.data.args))
+    optimizer, schedule, resolved_optimizer = build_optimizer(recipe)
+    mesh = build_mesh(recipe)
+    resolved = plain(recipe)
+    resolved["model"] = resolved_model
+    resolved["objective"] = {"name": recipe.objective.name, "args": objective_args}
+    if extra:
+        resolved["objective"]["models"] = extra
+    resolved["data"] = {"name": recipe.data.name, "batch": recipe.data.batch, "args": data_args}
+    resolved["optimizer"] = resolved_optimizer
+    return Built(
+        model=model,
+        init_params=params,
+        tokenizer=tokenizer,
+        objective=objective,
+        data=data,
+        optimizer=optimizer,
+        learning_rate=schedule,
+        mesh=mesh,
+        resolved=resolved,
+    )

@@ -1,0 +1,656 @@
+"""The subcommands of ``dew`` (each ``fn(args) -> exit code``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+
+import yaml
+
+from dew.cli import EXIT, print_json
+from dew.cli.recipe import RecipeError, apply_overrides, load_recipe, parse_recipe
+
+RECIPE_FILE = "recipe.yaml"
+STATUS_FILE = "status.json"
+CHECKPOINTS = "checkpoints"
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def exit_code_of(error: BaseException) -> int:
+    from dew.train import (
+        CheckpointMismatchError,
+        NonFiniteError,
+        NoUsableCheckpointError,
+        OptimizerMismatchError,
+    )
+
+    if isinstance(error, NonFiniteError):
+        return EXIT["non_finite"]
+    if isinstance(
+        error, CheckpointMismatchError | OptimizerMismatchError | NoUsableCheckpointError
+    ):
+        return EXIT["bad_config"]
+    return EXIT["failed"]
+
+
+def _output(args):
+    """Where the trainer's lines go: stdout, stderr (``--json``: stdout holds
+    only JSON) or nowhere (``--quiet``)."""
+    if args.quiet:
+        return contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
+    if args.json:
+        return contextlib.redirect_stdout(sys.stderr)
+    return contextlib.nullcontext()
+
+
+class JsonLines:
+    """A tracker: one JSON object per record on the command's real stdout."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def log(self, step, values, kind):
+        from dew.train.trackers import scalars
+
+        row = {"step": int(step), "kind": kind, **scalars(values, kind="")}
+        row = {k.lstrip("/"): v for k, v in row.items()}
+        self.stream.write(json.dumps(row) + "\n")
+        self.stream.flush()
+
+    def close(self):
+        pass
+
+
+def compilation_cache(setting: str) -> str | None:
+    """JAX's persistent compilation cache: on by default for the command.
+    ``off`` (recipe ``compilation_cache: off`` or ``DEW_COMPILATION_CACHE=off``)
+    turns it off; a path moves it. A cache the environment already names
+    (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the directory in use."""
+    import jax
+
+    env = os.environ.get("DEW_COMPILATION_CACHE")
+    setting = env or setting
+    if setting == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    if setting == "default":
+        current = jax.config.jax_compilation_cache_dir
+        if current:
+            return current
+        setting = os.path.expanduser("~/.cache/dew/jax")
+    jax.config.update("jax_compilation_cache_dir", setting)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    return setting
+
+
+def _distributed(args) -> None:
+    """``jax.distributed`` from ``--coordinator/--num-processes/--process-id``, or
+    from the environment where JAX detects a cluster (SLURM with more than one
+    task, Kubernetes / JobSet, TPU VMs: ``DEW_DISTRIBUTED=1`` asks for detection)."""
+    import jax
+
+    coordinator = getattr(args, "coordinator", None)
+    if coordinator or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # CPU processes reduce over gloo (accelerators use their own collectives)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("DEW_DISTRIBUTED"):
+        if os.environ.get("DEW_DISTRIBUTED"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize()
+
+
+def is_run(run_dir: str) -> bool:
+    return os.path.isfile(os.path.join(run_dir, RECIPE_FILE))
+
+
+def _not_a_run(run_dir: str) -> RecipeError:
+    if not os.path.isdir(run_dir):
+        return RecipeError(f"{run_dir} is not a directory (give a run directory `dew train` made)")
+    return RecipeError(
+        f"{run_dir} is not a Dew run: it has no {RECIPE_FILE} (a run directory `dew train` "
+        f"made holds {RECIPE_FILE}, {STATUS_FILE}, metrics.jsonl and {CHECKPOINTS}/)"
+    )
+
+
+def write_status(run_dir: str, status: str, **extra) -> None:
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    row = {"status": status, "pid": os.getpid(), "time": time.time(), **extra}
+    path = os.path.join(run_dir, STATUS_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(row, f)
+    os.replace(path + ".tmp", path)
+
+
+def _check_against_run(run_dir: str, resolved: dict) -> None:
+    """A recipe whose model differs from the one the run directory's checkpoints
+    hold: the fields that differ, before anything in the directory changes."""
+    from dew.nn import models
+    from dew.train import Checkpoints
+
+    saved_file = os.path.join(run_dir, RECIPE_FILE)
+    if not os.path.exists(saved_file):
+        return
+    if not Checkpoints(os.path.join(run_dir, CHECKPOINTS)).steps():
+        return
+    saved = load_recipe(saved_file).get("model", {})
+    current = resolved["model"]
+    if "name" in saved and "name" in current:
+        lines = models.config_differences(
+            saved, current, saved_label="the run's checkpoints", current_label="this recipe"
+        )
+    else:
+        lines = [] if saved == current else [f"model: {saved} in the run, {current} here"]
+    if lines:
+        raise RecipeError(
+            f"{run_dir} holds checkpoints of another model; nothing was changed. The fields "
+            f"that differ: {'; '.join(lines)}. Use another run_dir, or the run's own "
+            f"recipe (dew resume {run_dir})"
+        )
+
+
+# ------------------------------------------------------------------ train
+
+
+PATH_KEYS = {
+    "data": ("paths", "path", "source", "val_paths", "val_source", "path_or_name"),
+    "tokenizer": ("files", "path"),
+    "model": ("pretrained",),
+}
+
+
+def anchored(raw: dict, base: str) -> dict:
+    """Relative paths of a recipe file that exist from its folder, made absolute
+    (so a recipe runs from any directory and the saved recipe from any other)."""
+
+    def fix(value):
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if isinstance(value, str) and not os.path.isabs(value):
+            candidate = os.path.join(base, value)
+            if os.path.exists(candidate):
+                return os.path.abspath(candidate)
+        return value
+
+    for section, keys in PATH_KEYS.items():
+        node = raw.get(section)
+        if isinstance(node, dict):
+            node = node.get("args", node) if section == "data" else node
+            for key in keys:
+                if isinstance(node, dict) and key in node:
+                    node[key] = fix(node[key])
+    return raw
+
+
+def read_recipe(path: str, overrides) -> dict:
+    raw = apply_overrides(load_recipe(path), overrides)
+    return anchored(raw, os.path.dirname(os.path.abspath(path)))
+
+
+def train(args) -> int:
+    raw = read_recipe(args.recipe, args.overrides)
+    if not raw.get("run_dir"):
+        raw["run_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(args.recipe))[0])
+    return _train(raw, args)
+
+
+def resume(args) -> int:
+    if not is_run(args.run_dir):
+        raise _not_a_run(args.run_dir)
+    raw = load_recipe(os.path.join(args.run_dir, RECIPE_FILE))
+    raw["run_dir"] = args.run_dir
+    raw = apply_overrides(raw, args.overrides)
+    return _train(raw, args)
+
+
+def prepared(raw: dict, *, with_data: bool = True):
+    """``(recipe, built)`` of a raw recipe dict."""
+    from dew.cli.build import build
+
+    recipe = parse_recipe(raw)
+    compilation_cache(recipe.compilation_cache)
+    return recipe, build(recipe, recipe.run_dir, with_data=with_data)
+
+
+def _train(raw: dict, args) -> int:
+    import jax
+
+    from dew.train import Checkpoints, NonFiniteError, Trainer
+
+    _distributed(args)
+    run_dir = os.path.abspath(raw["run_dir"])
+    raw["run_dir"] = run_dir
+    recipe = parse_recipe(raw)
+    compilation_cache(recipe.compilation_cache)
+    os.makedirs(run_dir, exist_ok=True) if recipe.tokenizer.kind == "bpe" else None
+    from dew.cli.build import build
+
+    built = build(recipe, run_dir)
+    _check_against_run(run_dir, built.resolved)
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
+            yaml.safe_dump(built.resolved, f, sort_keys=False)
+    trackers = _trackers(recipe, built.resolved, args)
+    c = recipe.checkpoints
+    try:
+        checkpoints = Checkpoints(
+            os.path.join(run_dir, CHECKPOINTS),
+            keep=c.keep,
+            keep_best=c.keep_best,
+            best_metric=c.best_metric,
+            best_mode=c.best_mode,
+            use_async=c.use_async,
+        )
+    except ValueError as error:
+        raise RecipeError(f"checkpoints: {error}") from None
+    t = recipe.trainer
+    try:
+        trainer = Trainer(
+            built.objective,
+            built.optimizer,
+            key=jax.random.key(t.seed),
+            mesh=built.mesh,
+            accumulate=t.accumulate,
+            max_rejected=t.max_rejected,
+            run_dir=run_dir,
+            checkpoints=checkpoints,
+            trackers=trackers,
+            learning_rate=built.learning_rate,
+            progress=False if (args.quiet or args.json) else None,
+        )
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"trainer: {error}") from None
+    write_status(run_dir, "running", steps=t.steps)
+    stepped = []
+    trainer.add_hook(lambda info: stepped.append(True) if not stepped else None, name="dew")
+    try:
+        with _output(args):
+            trainer.fit(
+                built.data,
+                steps=t.steps,
+                log_every=t.log_every,
+                eval_every=t.eval_every,
+                eval_batches=t.eval_batches,
+                checkpoint_every=t.checkpoint_every,
+            )
+    except NonFiniteError as error:
+        write_status(run_dir, "non_finite", detail=str(error)[:500])
+        raise
+    except (TypeError, ValueError) as error:
+        if stepped:
+            write_status(run_dir, "failed", detail=f"{type(error).__name__}: {str(error)[:500]}")
+            raise
+        # refused before the first step (fit's checks, tracing): a configuration error
+        write_status(run_dir, "bad_config", detail=str(error)[:500])
+        raise RecipeError(str(error)) from None
+    except BaseException as error:
+        write_status(run_dir, "failed", detail=f"{type(error).__name__}: {str(error)[:500]}")
+        raise
+    result = trainer.result
+    status = "preempted" if result.reason == "interrupted" else "finished"
+    write_status(run_dir, status, step=result.step, reason=result.reason, steps=t.steps)
+    if args.json:
+        print_json({"status": status, "step": result.step, "run_dir": run_dir})
+    elif not args.quiet:
+        print(f"dew: run {status} at step {result.step} in {run_dir}")
+    return EXIT[status]
+
+
+def _trackers(recipe, resolved: dict, args) -> list:
+    from dew.train import trackers as tracking
+
+    out = []
+    if args.json:
+        out.append(JsonLines(sys.stdout))
+    flat = _flatten(resolved)
+    for section in recipe.trackers:
+        kwargs = dict(section.args)
+        if section.name == "wandb":
+            kwargs.setdefault("config", resolved)
+            out.append(tracking.WandbTracker(**kwargs))
+        elif section.name == "mlflow":
+            out.append(_MLflowWithParams(tracking.MLflowTracker(**kwargs), flat))
+        else:
+            raise RecipeError(f"trackers: unknown tracker {section.name!r}; use wandb or mlflow")
+    return out
+
+
+class _MLflowWithParams:
+    """An MLflowTracker whose run also gets the resolved recipe as parameters."""
+
+    def __init__(self, tracker, params: dict):
+        self.tracker, self.params, self.sent = tracker, params, False
+
+    def log(self, step, values, kind):
+        self.tracker.log(step, values, kind)
+        if not self.sent and getattr(self.tracker, "run_id", None):
+            client = self.tracker.client
+            for key, value in list(self.params.items())[:500]:
+                client.log_param(self.tracker.run_id, key, str(value)[:500])
+            self.sent = True
+
+    def close(self):
+        self.tracker.close()
+
+
+def _flatten(tree, prefix="") -> dict:
+    out = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+# ------------------------------------------------------------------ plan
+
+
+def _bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)i?B?\s*", text, re.I)
+    if not match:
+        raise RecipeError(f"--device-memory {text!r}: give a size such as 80GiB or 16GB")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2).upper()]
+    return int(float(match.group(1)) * scale)
+
+
+def plan(args) -> int:
+    import jax
+
+    from dew.train import plan as compile_plan
+
+    raw = read_recipe(args.recipe, args.overrides)
+    recipe, built = prepared(raw)
+    rows = recipe.data.batch
+    batch = {
+        key: ((rows, *field.shape), field.dtype) for key, field in (built.data.spec or {}).items()
+    }
+    if not batch:
+        raise RecipeError(f"reader {recipe.data.name!r} states no batch spec to plan with")
+    try:
+        result = compile_plan(
+            built.objective,
+            built.optimizer,
+            mesh=built.mesh,
+            batch={k: jax.ShapeDtypeStruct(*v) for k, v in batch.items()},
+            accumulate=recipe.trainer.accumulate,
+        )
+    except ValueError as error:
+        raise RecipeError(f"plan: {error}") from None
+    fits = None
+    if args.device_memory:
+        fits = result.peak_bytes <= _bytes(args.device_memory)
+    if args.json:
+        import dataclasses
+
+        print_json({**dataclasses.asdict(result), "fits": fits})
+    else:
+        print(result)
+        if fits is not None:
+            verdict = "fits" if fits else "does NOT fit"
+            peak = result.peak_bytes / 2**30
+            print(f"  peak {peak:.3f} GiB {verdict} a {args.device_memory} device")
+    return EXIT["finished"]
+
+
+# ------------------------------------------------------------------ runs
+
+
+def run_summary(run_dir: str) -> dict:
+    """step, last loss and evaluation, status and checkpoint steps of one run."""
+    from dew.train import Checkpoints
+
+    status = {}
+    path = os.path.join(run_dir, STATUS_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            status = json.load(f)
+    state = status.get("status", "unknown")
+    if state == "running" and not _alive(status.get("pid")):
+        state = "failed"  # the process is gone without saying how it ended
+    last_train, last_eval = {}, {}
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("kind") == "train":
+                    last_train = row
+                elif row.get("kind") == "eval":
+                    last_eval = row
+    steps = Checkpoints(os.path.join(run_dir, CHECKPOINTS)).steps()
+    return {
+        "run_dir": run_dir,
+        "status": state,
+        "step": max([last_train.get("step", 0), *steps, status.get("step", 0) or 0]),
+        "steps": status.get("steps"),
+        "loss": last_train.get("loss"),
+        "eval": {k: v for k, v in last_eval.items() if k not in ("step", "kind", "time", "ema")},
+        "checkpoints": steps,
+    }
+
+
+def _alive(pid) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def runs(args) -> int:
+    directory = args.directory
+    if is_run(directory):
+        found = [directory]
+    elif os.path.isdir(directory):
+        found = sorted(
+            os.path.join(directory, d)
+            for d in os.listdir(directory)
+            if is_run(os.path.join(directory, d))
+        )
+    else:
+        raise RecipeError(f"{directory} is not a directory of runs")
+    summaries = [run_summary(d) for d in found]
+    if args.json:
+        for summary in summaries:
+            print_json(summary)
+        return EXIT["finished"]
+    if not summaries:
+        print(f"no Dew runs under {directory}")
+    for s in summaries:
+        loss = "-" if s["loss"] is None else f"{s['loss']:.4g}"
+        evals = ", ".join(
+            f"{k} {v:.4g}" for k, v in s["eval"].items() if isinstance(v, int | float)
+        )
+        total = f"/{s['steps']}" if s["steps"] else ""
+        print(
+            f"{s['run_dir']}: {s['status']}, step {s['step']}{total}, loss {loss}"
+            + (f", eval {evals}" if evals else "")
+            + f", checkpoints {s['checkpoints'] or 'none'}"
+        )
+    return EXIT["finished"]
+
+
+# ------------------------------------------------------------ sample / export
+
+
+def _trained(run_dir: str, live: bool):
+    """``(recipe, built, model, params, averaged)`` of a run's newest checkpoint."""
+    from dew.train import Checkpoints, load_model
+
+    if not is_run(run_dir):
+        raise _not_a_run(run_dir)
+    directory = os.path.join(run_dir, CHECKPOINTS)
+    if not Checkpoints(directory).steps():
+        raise RecipeError(f"{run_dir} has no checkpoint yet (train it: dew resume {run_dir})")
+    raw = load_recipe(os.path.join(run_dir, RECIPE_FILE))
+    raw["run_dir"] = run_dir
+    recipe, built = prepared(raw, with_data=False)
+    averaged = False
+    if not live:
+        try:
+            model, params = load_model(directory, averaged=True)
+            averaged = True
+        except (ValueError, KeyError, FileNotFoundError):
+            model, params = load_model(directory)
+    else:
+        model, params = load_model(directory)
+    return recipe, built, model, params, averaged
+
+
+def sample(args) -> int:
+    import jax
+    import numpy as np
+
+    recipe, built, model, params, averaged = _trained(args.run_dir, args.live)
+    weights = "EMA" if averaged else "live"
+    if args.labels is not None:
+        objective = built.objective
+        if not hasattr(objective, "sample"):
+            raise RecipeError(
+                f"--labels: objective {recipe.objective.name!r} does not sample images"
+            )
+        images = objective.sample(
+            {"params": params},
+            jax.random.key(args.seed),
+            label=np.asarray(args.labels, np.int32),
+        )
+        try:
+            from PIL import Image
+        except ImportError:
+            raise RecipeError(
+                "dew sample --labels writes PNGs with pillow: pip install 'dew-train[images]'"
+            ) from None
+
+        out = args.out or os.path.join(args.run_dir, "samples")
+        os.makedirs(out, exist_ok=True)
+        pixels = np.asarray(images)
+        if pixels.dtype != np.uint8:
+            pixels = np.clip((pixels + 1) * 127.5, 0, 255).astype(np.uint8)
+        paths = []
+        for i, (label, image) in enumerate(zip(args.labels, pixels, strict=False)):
+            path = os.path.join(out, f"sample_{i:03d}_label_{label}.png")
+            Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(path)
+            paths.append(path)
+        _result(args, {"images": paths, "weights": weights}, "\n".join(paths))
+        return EXIT["finished"]
+    if not args.prompt:
+        raise RecipeError("dew sample: give --prompt TEXT (a language model) or --labels N ...")
+    from dew.sampling import Sampling, generate
+
+    tokenizer = built.tokenizer
+    texts = []
+    for prompt in args.prompt:
+        ids = tokenizer.encode(prompt)
+        out = generate(
+            model,
+            params,
+            [ids],
+            max_new_tokens=args.max_new_tokens,
+            key=jax.random.key(args.seed),
+            sampling=Sampling(temperature=args.temperature),
+        )
+        texts.append(tokenizer.decode(np.asarray(out.tokens[0]).tolist()))
+    _result(args, {"samples": texts, "weights": weights}, "\n".join(texts))
+    return EXIT["finished"]
+
+
+def _result(args, value: dict, text: str) -> None:
+    if args.json:
+        print_json(value)
+    elif not args.quiet:
+        print(text)
+
+
+def export(args) -> int:
+    import dataclasses
+
+    from dew.sampling import Pretrained
+
+    recipe, built, model, params, averaged = _trained(args.run_dir, args.live)
+    formats = {"dew": "dew", "diffusers": "dit"}  # diffusers' DiT (dew.nn.hf "dit")
+    if args.to == "hf":
+        from dew.nn import models
+
+        name = models.config_of(model)[0] if not recipe.model.pretrained else None
+        fmt = {"causal_transformer": "llama", "dit": "dit"}.get(name, "llama")
+        if recipe.model.pretrained:
+            fmt = Pretrained.load(recipe.model.pretrained).format
+    else:
+        fmt = formats[args.to]
+    pretrained = Pretrained(model=model, params=params, tokenizer=built.tokenizer)
+    if recipe.model.lora:
+        from dew.nn.lora import LoRA
+
+        pretrained = dataclasses.replace(pretrained, lora=LoRA(**recipe.model.lora))
+    try:
+        path = pretrained.save(args.out, format=fmt)
+    except (ValueError, TypeError) as error:
+        raise RecipeError(f"export --to {args.to}: {error}") from None
+    _result(args, {"path": str(path), "format": fmt, "averaged": averaged}, str(path))
+    return EXIT["finished"]
+
+
+def report(args) -> int:
+    from dew.cli.report import write_report
+
+    if not is_run(args.run_dir):
+        raise _not_a_run(args.run_dir)
+    path = write_report(args.run_dir, args.out)
+    _result(args, {"report": path}, path)
+    return EXIT["finished"]
+
+
+def launch(args) -> int:
+    """N local processes of ``dew train`` (a coordinator on localhost)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(args.processes):
+        env = dict(os.environ)
+        if args.devices_per_process:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_process}"
+        flags = [f for f in ("--quiet", "--json", "--debug") if getattr(args, f[2:])]
+        command = [
+            sys.executable,
+            "-m",
+            "dew",
+            *flags,
+            "train",
+            args.recipe,
+            *args.overrides,
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            str(args.processes),
+            "--process-id",
+            str(i),
+        ]
+        procs.append(subprocess.Popen(command, env=env))
+    codes = [p.wait() for p in procs]
+    return max(codes, key=lambda c: (c != 0, c))

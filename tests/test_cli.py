@@ -1,0 +1,317 @@
+"""The ``dew`` command (dew.cli) run in this process through ``main(argv)``, on the
+shipped recipes at toy size: recipes parse, build and round-trip; bad input is one
+line and the bad-configuration exit code; a resumed run equals the uninterrupted
+one; SIGTERM exits 75 with a checkpoint and the same command continues; runs,
+sample, export, plan, report; every family's recipe trains a few steps."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dew.cli import EXIT, main
+from dew.cli.build import build
+from dew.cli.commands import anchored
+from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+LM = str(RECIPES / "lm_scratch.yaml")
+# a constant learning rate: a run stopped at step 6 and resumed to 12 is the same run as
+# one of 12 steps (a decaying schedule stretches with trainer.steps)
+TOY = ["optimizer.schedule.name=constant", "optimizer.schedule.warmup_steps=0"]
+
+
+def metrics(run_dir, kind="train") -> dict[int, dict]:
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r for r in rows if r["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A Hugging Face Llama directory with a BPE tokenizer, for the LoRA recipe."""
+    import jax
+    import jax.numpy as jnp
+
+    from dew.cli.build import _trained_bpe
+    from dew.cli.recipe import TokenizerSection
+    from dew.nn import CausalTransformer
+    from dew.sampling import Pretrained
+
+    out = tmp_path_factory.mktemp("llama")
+    tokenizer = _trained_bpe(
+        TokenizerSection(kind="bpe", files=[str(RECIPES / "data/tiny.txt")], vocab_size=300),
+        str(out),
+    )
+    model = CausalTransformer(
+        vocab_size=tokenizer.vocab_size,
+        emb_features=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        mlp_features=64,
+        max_seq_len=64,
+    )
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    Pretrained(model=model, params=params, tokenizer=tokenizer, format="llama").save(out / "hf")
+    return str(out / "hf")
+
+
+def recipe_of(name, overrides=(), tiny_llama=None):
+    raw = load_recipe(str(RECIPES / name))
+    if tiny_llama is not None and name == "lm_lora.yaml":
+        overrides = [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}", *overrides]
+    return anchored(apply_overrides(raw, list(overrides)), str(RECIPES))
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_recipe_builds_and_its_saved_form_rebuilds_the_same(name, tiny_llama, tmp_path):
+    """Every shipped recipe is checked against the real signatures and builds its
+    objects (nothing compiled); the resolved recipe a run saves parses to itself."""
+    raw = recipe_of(name, [f"run_dir={tmp_path}"], tiny_llama)
+    built = build(parse_recipe(raw), str(tmp_path))
+    again = build(parse_recipe(json.loads(json.dumps(built.resolved))), str(tmp_path))
+    assert again.resolved == built.resolved
+    assert type(again.objective) is type(built.objective)
+    assert again.data.spec == built.data.spec
+
+
+BAD = [
+    (["trainer.stepz=3"], "trainer has no key 'stepz'; did you mean 'steps'"),
+    (
+        ["model.config.num_layerz=1"],
+        "model.config has no argument 'num_layerz'; did you mean 'num_layers'",
+    ),
+    (["model.config.num_layers=two"], "num_layers"),
+    (["model.name=gpt9"], "unknown model 'gpt9'; the registered models are causal_transformer"),
+    (["objective.name=dpoo"], "did you mean 'dpo'"),
+    (["data.name=tokens"], "did you mean 'token_windows'"),
+    (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
+    (["data.args.seq_len=null"], "seq_len"),
+    (["trainer.accumulate=3"], "accumulate"),
+]
+
+
+@pytest.mark.parametrize("overrides, says", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
+    code = main(["train", LM, *TOY, *overrides, f"run_dir={tmp_path}/run", "trainer.steps=2"])
+    err = capsys.readouterr().err
+    assert code == EXIT["bad_config"] == 2, err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_missing_required_key_and_not_a_run(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: causal_transformer}\nobjective: {name: lm}\n")
+    assert main(["train", str(recipe)]) == 2
+    assert "the recipe is missing the required key 'data'" in capsys.readouterr().err
+    assert main(["resume", str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a Dew run: it has no recipe.yaml" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def lm_runs(tmp_path_factory):
+    """run a: 6 steps then `dew resume a trainer.steps=12`; run b: 12 steps at once."""
+    root = tmp_path_factory.mktemp("lm")
+    common = [*TOY, "trainer.log_every=1", "trainer.eval_every=6", "trainer.checkpoint_every=3"]
+    a, b = str(root / "a"), str(root / "b")
+    assert main(["--quiet", "train", LM, *common, "trainer.steps=6", f"run_dir={a}"]) == 0
+    assert main(["--quiet", "resume", a, "trainer.steps=12"]) == 0
+    assert main(["--quiet", "train", LM, *common, "trainer.steps=12", f"run_dir={b}"]) == 0
+    return root, a, b
+
+
+def test_resumed_run_equals_the_uninterrupted_one(lm_runs):
+    _, a, b = lm_runs
+    resumed, straight = metrics(a), metrics(b)
+    assert sorted(resumed) == sorted(straight) == list(range(1, 13))
+    np.testing.assert_allclose(
+        [resumed[s]["loss"] for s in range(7, 13)],
+        [straight[s]["loss"] for s in range(7, 13)],
+        rtol=1e-6,
+    )
+    # the saved recipe says everything the run was built from, and `resume` read it back
+    saved = load_recipe(os.path.join(a, "recipe.yaml"))
+    assert saved["trainer"]["steps"] == 12 and saved["model"]["config"]["num_layers"] == 2
+    assert saved["optimizer"]["args"]["weight_decay"] == 0.01
+
+
+def test_recipe_of_another_model_changes_nothing(lm_runs, capsys):
+    _, a, _ = lm_runs
+    before = {p: p.stat().st_mtime_ns for p in pathlib.Path(a).rglob("*")}
+    assert main(["train", LM, *TOY, "model.config.num_layers=1", f"run_dir={a}"]) == 2
+    err = capsys.readouterr().err
+    assert "num_layers: 2 in the run's checkpoints, 1 in this recipe" in err, err
+    assert {p: p.stat().st_mtime_ns for p in pathlib.Path(a).rglob("*")} == before
+
+
+def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
+    from dew.sampling import Pretrained
+    from dew.train import load_model
+
+    root, a, _ = lm_runs
+    capsys.readouterr()
+    assert main(["--json", "runs", str(root)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    row = next(r for r in rows if r["run_dir"].endswith("/a"))
+    assert row["status"] == "finished" and row["step"] == 12
+    assert row["checkpoints"][-1] == 12
+    assert row["loss"] == pytest.approx(metrics(a)[12]["loss"])
+    assert "loss" in row["eval"]
+
+    assert main(["--json", "sample", a, "--prompt", "Dew", "--max-new-tokens", "4"]) == 0
+    sampled = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert sampled["weights"] == "EMA" and sampled["samples"][0].startswith("Dew")
+
+    out = tmp_path / "hf"
+    assert main(["--quiet", "export", a, "--to", "hf", str(out)]) == 0
+    exported = Pretrained.load(out)
+    _, ema = load_model(os.path.join(a, "checkpoints"), averaged=True)
+    np.testing.assert_array_equal(
+        exported.params["embed"]["embedding"], np.asarray(ema["embed"]["embedding"])
+    )
+
+    assert main(["--quiet", "report", a]) == 0
+    page = pathlib.Path(a, "report.html").read_text()
+    assert page.count("<img") >= 2 and "loss" in page
+
+
+def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_path):
+    run_dir = str(tmp_path / "p")
+    command = [
+        "--quiet",
+        "train",
+        LM,
+        *TOY,
+        "trainer.steps=3000",
+        "trainer.log_every=1",
+        f"run_dir={run_dir}",
+    ]
+    log = pathlib.Path(run_dir, "metrics.jsonl")
+
+    def stop_after_first_step():
+        while not (log.exists() and '"kind": "train"' in log.read_text()):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_after_first_step, daemon=True).start()
+    assert main(command) == EXIT["preempted"] == 75
+    status = json.load(open(os.path.join(run_dir, "status.json")))
+    assert status["status"] == "preempted" and 0 < status["step"] < 3000
+    from dew.train import Checkpoints
+
+    assert Checkpoints(os.path.join(run_dir, "checkpoints")).steps() == [status["step"]]
+    # rerunning the same command continues from there (to a nearer end for the test)
+    assert main([*command, f"trainer.steps={status['step'] + 2}"]) == 0
+    assert sorted(metrics(run_dir))[-1] == status["step"] + 2
+
+
+def test_plan_reports_the_step_and_whether_it_fits(capsys):
+    import jax
+
+    assert main(["--json", "plan", LM, *TOY, "mesh.fsdp=2", "--device-memory", "1KiB"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["mesh"]["fsdp"] == 2 and result["fits"] is False
+    assert result["peak_bytes"] > 1024
+    # the parameter count from the model alone (its abstract init)
+    from dew.nn import models
+
+    raw = recipe_of("lm_scratch.yaml")
+    model = models.build(raw["model"]["name"], **raw["model"]["config"], vocab_size=320)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), "int32"))
+    assert result["parameters"] == sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+FAMILIES = {
+    "dpo.yaml": ["trainer.steps=2"],
+    "grpo.yaml": ["trainer.steps=1"],
+    "ppo.yaml": ["trainer.steps=4"],
+    "diffusion.yaml": [
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        "optimizer.schedule.warmup_steps=1",
+        "model.config.num_layers=1",
+    ],
+    "jepa.yaml": [
+        "trainer.steps=2",
+        "optimizer.schedule.warmup_steps=1",
+        "model.config.num_layers=1",
+        "objective.models.predictor.config.num_layers=1",
+    ],
+    "lm_lora.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, capsys):
+    overrides = FAMILIES[name] + ["trainer.log_every=1", f"run_dir={tmp_path}"]
+    if name == "lm_lora.yaml":
+        overrides += [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
+    assert main(["--json", "train", str(RECIPES / name), *overrides]) == 0, capsys.readouterr().err
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    steps = int(FAMILIES[name][0].split("=")[1])
+    trained = [x for x in lines if x.get("kind") == "train"]
+    assert [x["step"] for x in trained] == list(range(1, steps + 1))
+    assert all(np.isfinite(x["loss"]) for x in trained)
+    assert lines[-1] == {"status": "finished", "step": steps, "run_dir": str(tmp_path)}
+
+
+def test_python_dash_m_dew(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "dew", "runs", str(tmp_path)], capture_output=True, text=True
+    )
+    assert run.returncode == 0 and "no Dew runs" in run.stdout, run.stderr
+
+
+def test_launch_two_processes_equals_one(lm_runs):
+    """`dew launch --processes 2` (2 x 4 CPU devices, gloo) trains the same steps as
+    the 1-process, 8-device run b of the shared fixture (a constant learning rate: its
+    first steps are those of any run of the recipe)."""
+    root, _, b = lm_runs
+    run_dir = str(root / "two")
+    command = [
+        sys.executable,
+        "-m",
+        "dew",
+        "--quiet",
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "4",
+        LM,
+        *TOY,
+        "trainer.steps=3",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        f"run_dir={run_dir}",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    two, one = metrics(run_dir), metrics(b)
+    assert sorted(two) == [1, 2, 3], (two, run.stderr[-3000:])
+    np.testing.assert_allclose(
+        [two[s]["loss"] for s in (1, 2, 3)], [one[s]["loss"] for s in (1, 2, 3)], rtol=1e-5
+    )
+
+
+def test_non_finite_steps_exit_3(tmp_path, capsys):
+    run_dir = str(tmp_path / "nan")
+    overrides = [
+        *TOY,
+        "optimizer.learning_rate=1e30",
+        "optimizer.clip_norm=null",
+        "trainer.max_rejected=0",
+        "trainer.steps=6",
+        "trainer.log_every=1",
+    ]
+    assert main(["--quiet", "train", LM, *overrides, f"run_dir={run_dir}"]) == 3
+    assert "NonFiniteError" in capsys.readouterr().err
+    assert json.load(open(os.path.join(run_dir, "status.json")))["status"] == "non_finite"

@@ -33,6 +33,10 @@ RUNS = {
     "grpo_arithmetic.py": (["--iterations", "4"], "greedy accuracy after: "),
     "jepa_waves.py": (["--steps", "20"], "features of 4 images: (4, 64)"),
     "jepa_digits.py": (["--steps", "4"], "k-NN accuracy (k=20, 1400 labels): "),
+    "masked_diffusion.py": (
+        ["--steps", "2", "--seq-len", "16", "--blocks", "4", "--batch", "8"],
+        "trained 3 models for 2 steps on ",
+    ),
     "diffusion_digits.py": (
         ["--steps", "8"],
         "wrote runs/diffusion_digits/samples.png and the pipeline runs/diffusion_digits/pipeline",

@@ -86,13 +86,17 @@ def test_block_size_L_is_mdlm_and_block_size_1_is_the_lm_loss(params):
     got = bd3(L).token_terms(params, {"text": X}, t, noise)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
-    # block_size 1, t = 1: every token masked, seeing the clean tokens before it only
+    # block_size 1, t = 1: every token masked, seeing the clean tokens before it only: a
+    # causal LM over [x_0 .. x_{l-1}, mask] read at the mask, one forward pass per position
     terms, valid, masked, _ = bd3(1).token_terms(params, {"text": X}, t, noise)
     assert float(jnp.min(masked)) == 1.0
     nll = []
     for pos in range(L):
         tokens = np.concatenate([X[:, :pos], np.full((3, 1), MASK)], axis=1)
-        logits = np.asarray(MODEL.apply({"params": params}, tokens), np.float64)[:, -1]
+        slots = np.arange(pos + 1)[None]
+        causal = masks.causal().allows(slots, slots)
+        logits = MODEL.apply({"params": params}, tokens, query_key_mask=causal)
+        logits = np.asarray(logits, np.float64)[:, -1]
         logits[:, MASK] = -1e6
         logits -= logits.max(-1, keepdims=True)
         log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -114,7 +118,7 @@ def test_times_per_row_and_block_are_antithetic_and_clipped():
 
 
 def test_evaluation_reports_the_bound_and_the_least_variance_clip(params):
-    obj = bd3(4, eval_times=4, clip_search=((0.0, 1.0), (0.45, 0.55)))
+    obj = bd3(4, eval_times=2, clip_search=((0.0, 1.0), (0.45, 0.55)))
     evaluate = jax.jit(lambda p, b: obj.evaluate({"params": p}, b, STEP))
     rows = np.concatenate([X, X[::-1]])
     whole = evaluate(params, {"text": rows})

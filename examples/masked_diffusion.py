@@ -10,7 +10,8 @@ model (generative perplexity) beside their unigram entropy.
     uv run --locked python examples/masked_diffusion.py [--text FILE] [--steps 400] [--blocks 4,16]
 
 Options: ``--text`` a .txt file; ``--steps`` training steps per model; ``--seq-len``
-ids per window (a multiple of every block size); ``--blocks`` BD3-LM block sizes.
+ids per window (a multiple of every block size); ``--blocks`` BD3-LM block sizes;
+``--batch`` rows per step; ``--eval-times`` points of the evaluation's time grid.
 Prints one table row per model (docs/token-diffusion.md shows a run's table).
 """
 
@@ -51,6 +52,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--blocks", default="4,16")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--eval-times", type=int, default=8)
     args = parser.parse_args()
     tokenizer = ByteTokenizer()
     length = args.seq_len  # ids per window: the AR model reads length - 1 and scores them
@@ -65,11 +67,11 @@ def main():
     )
     objectives = {
         "AR": LMObjective(CausalTransformer(vocab_size=vocab, max_seq_len=length, **size)),
-        "MDLM": MaskedDiffusionObjective(denoiser, seq_len=length, eval_times=8),
+        "MDLM": MaskedDiffusionObjective(denoiser, seq_len=length, eval_times=args.eval_times),
     }
     for block in (int(b) for b in args.blocks.split(",") if b):
         objectives[f"BD3-LM {block}"] = BlockDiffusionObjective(
-            denoiser, seq_len=length, block_size=block, eval_times=8, clip_search=()
+            denoiser, seq_len=length, block_size=block, eval_times=args.eval_times, clip_search=()
         )
     states, rows = {}, []
     for name, objective in objectives.items():

@@ -34,7 +34,7 @@ RUNS = {
     "jepa_waves.py": (["--steps", "20"], "features of 4 images: (4, 64)"),
     "jepa_digits.py": (["--steps", "4"], "k-NN accuracy (k=20, 1400 labels): "),
     "masked_diffusion.py": (
-        ["--steps", "2", "--seq-len", "16", "--blocks", "4", "--batch", "8"],
+        ["--steps", "2", "--seq-len", "8", "--blocks", "4", "--batch", "4", "--eval-times", "2"],
         "trained 3 models for 2 steps on ",
     ),
     "diffusion_digits.py": (

@@ -39,6 +39,10 @@ RUNS = {
         ["--pretrain-steps", "8", "--iterations", "2"],
         "wrote runs/flow_grpo_digits/before.png and runs/flow_grpo_digits/after.png",
     ),
+    "masked_diffusion.py": (
+        ["--steps", "2", "--seq-len", "8", "--blocks", "4", "--batch", "4", "--eval-times", "2"],
+        "trained 3 models for 2 steps on ",
+    ),
     "diffusion_digits.py": (
         ["--steps", "8"],
         "wrote runs/diffusion_digits/samples.png and the pipeline runs/diffusion_digits/pipeline",

@@ -220,3 +220,20 @@ def test_a_batch_larger_than_the_training_windows_gives_both_numbers(tmp_path):
     assert reader.load(batch=4).records == 4
     with pytest.raises(ValueError, match=r"batch of 5 examples is larger than the 4 training"):
         reader.load(batch=5)
+
+
+def test_mask_ids_of_the_tokenizers(tmp_path):
+    """The byte tokenizer's mask id is an unused id below its vocab_size; a Hugging Face
+    tokenizer without one gains ``mask_token`` as the next id, encodes it to that id,
+    saves it, and fingerprints differently; without ``mask_token`` it has none."""
+    assert ByteTokenizer.mask_id == 258 < ByteTokenizer.vocab_size
+    assert 258 not in ByteTokenizer().encode("any text \u00ff\u20ac")
+    plain = make_hf_tokenizer(tmp_path / "tok")
+    assert plain.mask_id is None and plain.vocab_size == 7
+    masked = HFTokenizer(tmp_path / "tok", mask_token="[MASK]")
+    assert (masked.mask_id, masked.vocab_size) == (7, 8)
+    assert masked.encode("the [MASK] a") == [3, 7, 6]
+    assert masked.fingerprint() != plain.fingerprint()
+    masked.save(tmp_path / "saved")
+    again = HFTokenizer(tmp_path / "saved")
+    assert (again.mask_id, again.vocab_size) == (7, 8)

@@ -125,3 +125,20 @@ def test_bad_policies_and_masks_are_refused():
         masks.attention_mask(*args, query_key_mask=jnp.ones((1, 4), bool))
     with pytest.raises(ValueError, match="give both query_segments and key_segments"):
         masks.attention_mask(*args, query_segments=pos)
+
+
+@pytest.mark.parametrize("length,block_size", [(8, 2), (8, 4), (8, 8), (6, 1)])
+def test_block_diffusion_mask_is_bd3lms_block_diff_mask(length, block_size):
+    """Against a transcription of kuleshov-group/bd3lms models/dit.py::block_diff_mask."""
+    q = np.arange(2 * length)[:, None]
+    k = np.arange(2 * length)[None, :]
+    x0_q, x0_k = q >= length, k >= length
+    block_q = np.where(x0_q, (q - length) // block_size, q // block_size)
+    block_k = np.where(x0_k, (k - length) // block_size, k // block_size)
+    diagonal = (block_q == block_k) & (x0_q == x0_k)
+    offset = (block_q > block_k) & x0_k & ~x0_q
+    causal = (block_q >= block_k) & x0_k & x0_q
+    want = diagonal | offset | causal
+    np.testing.assert_array_equal(masks.block_diffusion_mask(length, block_size)[0], want)
+    with pytest.raises(ValueError, match=r"length 8, block_size 3"):
+        masks.block_diffusion_mask(8, 3)

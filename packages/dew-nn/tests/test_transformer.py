@@ -164,3 +164,33 @@ def test_pipelined_encoder_equals_the_plain_stack(encoder):
     want = jax.jit(lambda p: model.apply({"params": p}, tokens, attention_mask=padding))(params)
     got = jax.jit(lambda p: piped.apply({"params": p}, tokens, attention_mask=padding))(params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_time_conditioning_is_off_by_default_and_reads_row_or_token_times():
+    """Off: no time parameters and a time input refused. On: a [batch] time equals the
+    same time per token, and the output moves with the time only through the added
+    embedding (the time MLP's output layer zeroed gives the unconditioned model)."""
+    plain = Transformer(**TINY_ENCODER)
+    timed = Transformer(**TINY_ENCODER, time_conditioning=True, time_features=8)
+    params = nn.unbox(plain.init(jax.random.key(0), jnp.asarray(TOKENS)))["params"]
+    with pytest.raises(ValueError, match=r"time_conditioning=False\) was called with time"):
+        plain.apply({"params": params}, TOKENS, time=jnp.zeros(2))
+    t = jnp.asarray([0.2, 0.9])
+    timed_params = nn.unbox(timed.init(jax.random.key(0), jnp.asarray(TOKENS), time=t))["params"]
+    assert set(timed_params) - set(params) == {"time_in", "time_out"}
+    rows = timed.apply({"params": timed_params}, TOKENS, time=t)
+    tokens = timed.apply({"params": timed_params}, TOKENS, time=jnp.repeat(t[:, None], 8, 1))
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(tokens), rtol=1e-6)
+    assert (
+        np.abs(np.asarray(rows - timed.apply({"params": timed_params}, TOKENS, time=1 - t))).max()
+        > 1e-4
+    )
+    zeroed = jax.tree.map(jnp.zeros_like, timed_params["time_out"])
+    same = {**timed_params, "time_out": zeroed}
+    shared = {k: v for k, v in same.items() if k in params}
+    np.testing.assert_allclose(
+        np.asarray(timed.apply({"params": same}, TOKENS, time=t)),
+        np.asarray(plain.apply({"params": shared}, TOKENS)),
+        rtol=1e-6,
+        atol=1e-6,
+    )

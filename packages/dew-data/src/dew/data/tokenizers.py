@@ -10,14 +10,17 @@ from dew.data._extra import hf_import
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, plus an end-of-document id and a padding id.
+    """UTF-8 bytes as ids 0..255, plus an end-of-document id, a padding id and a mask id.
 
-    ``vocab_size`` is 264: 256 bytes, ``end_id`` 256, ``pad_id`` 257, and
-    unused ids up to a multiple of 8 so the vocab axis shards evenly.
+    ``vocab_size`` is 264: 256 bytes, ``end_id`` 256, ``pad_id`` 257, ``mask_id``
+    258 (the absorbing state of masked diffusion, :mod:`dew.objectives.masked_diffusion`;
+    never produced by ``encode``), and unused ids up to a multiple of 8 so the vocab
+    axis shards evenly.
     """
 
     end_id = 256
     pad_id = 257
+    mask_id = 258
     vocab_size = 264
 
     def encode(self, text: str) -> list[int]:
@@ -60,9 +63,20 @@ class HFTokenizer:
     path: a ``tokenizer.json`` file, or a directory holding one (with an
       optional ``tokenizer_config.json`` naming the end-of-sequence token).
     add_special_tokens: whether ``encode`` adds the tokenizer's own specials (BOS).
+    mask_token: the mask token of masked diffusion (``mask_id``). None = the
+      tokenizer's own (``mask_token`` of ``tokenizer_config.json``), if any; a string
+      = that token, added to the vocabulary as a special token (the next id,
+      ``vocab_size`` grows by one) when the tokenizer lacks it. Build the model with
+      ``vocab_size >= tokenizer.vocab_size``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, add_special_tokens: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        add_special_tokens: bool = True,
+        mask_token: str | None = None,
+    ):
         Tokenizer = hf_import("tokenizers", needed_by="HFTokenizer").Tokenizer
 
         path = os.fspath(path)
@@ -100,6 +114,15 @@ class HFTokenizer:
                 )
         self.end_id = self._special_id("eos_token")
         self.pad_id = self._special_id("pad_token")
+        self.mask_token = mask_token
+        if mask_token is None:
+            self.mask_id = self._special_id("mask_token")
+        else:
+            if self._tokenizer.token_to_id(mask_token) is None:
+                AddedToken = hf_import("tokenizers", needed_by="HFTokenizer").AddedToken
+                self._tokenizer.add_special_tokens([AddedToken(mask_token, special=True)])
+            self.mask_id = self._tokenizer.token_to_id(mask_token)
+            self.config = {**self.config, "mask_token": mask_token}
 
     def _special_id(self, key: str) -> int | None:
         token = self.config.get(key)
@@ -150,4 +173,6 @@ class HFTokenizer:
         with open(self.path, "rb") as f:
             digest.update(f.read())
         digest.update(b"|add_special_tokens=%d" % self.add_special_tokens)
+        if self.mask_token is not None:
+            digest.update(b"|mask_token=" + self.mask_token.encode("utf-8"))
         return "hf-" + digest.hexdigest()[:16]

@@ -12,6 +12,10 @@ frozen value describes a backbone's attention and serialises with its config:
                               earlier one (block diffusion; Arriola et al., 2025)
 ============================  ==========================================================
 
+Block diffusion's vectorised training pass reads ``[noisy | clean]`` rows whose two
+halves share positions; :func:`block_diffusion_mask` is its ``[2L, 2L]`` mask: the
+``block_causal`` policy over those positions AND which half each slot is in.
+
 At call time :func:`attention_mask` ANDs the policy with what varies per
 batch: padding (``key_valid``), packed-sequence segments (a query sees only
 keys of its own segment) and an arbitrary boolean ``[batch, query, key]``
@@ -115,6 +119,37 @@ def block_causal(block_size: int, window: int | None = None) -> MaskPolicy:
     """Keys in the query's block of ``block_size`` positions (both directions) or
     in an earlier block: block diffusion's attention (Arriola et al., 2025, BD3-LM)."""
     return MaskPolicy(kind="block_causal", block_size=block_size, window=window)
+
+
+def block_diffusion_mask(length: int, block_size: int) -> np.ndarray:
+    """Boolean ``[1, 2 length, 2 length]``: BD3-LM's mask over ``[noisy | clean]``
+    (Arriola et al., 2025, ``models/dit.py::block_diff_mask``), for ``query_key_mask``.
+
+    Slots ``0..length-1`` hold the noisy ``z_t`` and ``length..2 length-1`` the clean
+    ``x0``, both at positions ``0..length-1``; ``b(i)`` is slot ``i``'s block of
+    ``block_size`` positions. A noisy query sees the noisy keys of its own block
+    (block-diagonal) and the clean keys of earlier blocks (offset block-causal); a
+    clean query sees the clean keys of its block and earlier ones (block-causal)::
+
+        M = (b_q == b_k & half_q == half_k) | (b_q > b_k & clean_k & noisy_q)
+            | (b_q >= b_k & clean_k & clean_q)
+
+    Every allowed pair is allowed by ``block_causal(block_size)`` over the positions,
+    so the mask is that policy AND the halves' rule (a numpy constant).
+    """
+    if length < 1 or block_size < 1 or length % block_size:
+        raise ValueError(
+            f"block diffusion needs a length that is a multiple of block_size: length "
+            f"{length}, block_size {block_size}; use rows of k * {block_size} tokens"
+        )
+    positions = np.concatenate([np.arange(length), np.arange(length)])[None]  # [1, 2L]
+    allowed = block_causal(block_size).allows(positions, positions)  # [1, 2L, 2L]
+    clean = np.arange(2 * length) >= length
+    block = positions[0] // block_size
+    same_block = block[:, None] == block[None, :]
+    cq, ck = clean[:, None], clean[None, :]
+    halves = (same_block & (cq == ck)) | (ck & ~cq & (block[:, None] > block[None, :])) | (cq & ck)
+    return allowed & halves[None]
 
 
 def attention_mask(

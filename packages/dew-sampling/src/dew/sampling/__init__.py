@@ -1,5 +1,6 @@
-"""dew.sampling: generation with a KV cache, beam search, inference pipelines and
-pretrained checkpoints (Hugging Face and Dew formats)."""
+"""dew.sampling: generation with a KV cache, beam search, diffusion samplers (images,
+video, and tokens: masked and block diffusion), inference pipelines and pretrained
+checkpoints (Hugging Face and Dew formats)."""
 
 from dew.nn.allocator import configure_allocator
 from dew.sampling.beam import beam_decode, beam_search
@@ -32,6 +33,16 @@ from dew.sampling.pretrained import Pretrained
 from dew.sampling.prompts import pad_prompts
 from dew.sampling.sampling import Sampling, filter_logits, sample_logits
 from dew.sampling.text_encoders import TextEncoder
+from dew.sampling.token_diffusion import (
+    MaskedSampler,
+    MaskSchedule,
+    TokenDiffusionGeneration,
+    sample_blocks,
+    sample_categorical,
+    sample_entropy,
+    sample_masked,
+    subs_log_probs,
+)
 
 # glibc malloc tuned for XLA's large buffers before any is allocated
 # (dew.nn.allocator; DEW_ALLOCATOR=system opts out)
@@ -60,6 +71,9 @@ __all__ = [
     "TARGETS",
     "FeatureExtractor",
     "Generation",
+    "MaskSchedule",
+    "MaskedSampler",
+    "TokenDiffusionGeneration",
     "Pretrained",
     "Sampling",
     "TextGeneration",
@@ -73,8 +87,13 @@ __all__ = [
     "model_denoiser",
     "pad_prompts",
     "predictions_of",
+    "sample_blocks",
+    "sample_categorical",
     "sample_diffusion",
     "sample_flow_sde",
+    "sample_entropy",
+    "sample_masked",
     "sample_logits",
+    "subs_log_probs",
     "target_of",
 ]

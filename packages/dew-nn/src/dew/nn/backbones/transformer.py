@@ -6,6 +6,12 @@ policy differs: every token sees every other (``masks.full()``) unless
 another policy is given (a sliding window, block-causal for block diffusion).
 That is the encoder of BERT (Devlin et al., 2019) in pre-norm form, and the
 backbone of masked-diffusion language models and JEPA predictors.
+
+Time conditioning (``time_conditioning=True``, off by default as in MDLM, whose
+SUBS denoiser needs no time): a diffusion time ``t`` in ``[0, 1]`` per row or per
+token, embedded as DiT's sinusoid of ``1000 t`` through a two-layer MLP and added to
+the token embeddings. ``decode=True`` reads and writes a KV cache as
+:class:`CausalTransformer` does (block diffusion's cache of clean blocks).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax.numpy as jnp
 from dew.nn import axes, masks, models
 from dew.nn.backbones._options import TransformerOptions, positions_and_valid
 from dew.nn.backbones.causal import DecoderBlock
+from dew.nn.backbones.dit import timestep_embedding
 from dew.nn.shards import check_divides
 
 
@@ -32,6 +39,11 @@ class Transformer(TransformerOptions, kw_only=True):
         final-normed residual stream, ``emb_features`` wide).
       mask: which keys each query sees (:mod:`dew.nn.masks`); default
         ``masks.full()``, bidirectional.
+      time_conditioning: the call takes ``time`` (``[batch]`` or ``[batch, length]``
+        in ``[0, 1]``) and adds its embedding to every token's; False = no time
+        input (MDLM's default) and no time parameters.
+      time_features: width of the sinusoidal time embedding (with
+        ``time_conditioning``).
 
     The rest (widths, heads, norms, positions, dtypes, the layer stack) are
     :class:`~dew.nn.backbones._options.TransformerOptions`' fields, as in
@@ -41,9 +53,12 @@ class Transformer(TransformerOptions, kw_only=True):
     vocab_size: int | None = None
     out_features: int | None = None
     mask: masks.MaskPolicy = masks.full()
+    time_conditioning: bool = False
+    time_features: int = 128
 
     config_decoders = {**TransformerOptions.config_decoders, "mask": masks.MaskPolicy}
     EXTRA_OPTIONAL = ("vocab_size", "out_features")
+    EXTRA_POSITIVE = ("time_features",)
 
     @property
     def head_features(self) -> int | None:
@@ -72,6 +87,8 @@ class Transformer(TransformerOptions, kw_only=True):
         attention_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         query_key_mask: jax.Array | None = None,
+        time: jax.Array | None = None,
+        decode: bool = False,
     ) -> jax.Array:
         """``[batch, length, out]`` for token ids ``[batch, length]`` (with
         ``vocab_size``) or vectors ``[batch, length, features]`` (without).
@@ -79,8 +96,19 @@ class Transformer(TransformerOptions, kw_only=True):
         positions: ``[batch, length]`` (default 0..length-1).
         attention_mask: ``[batch, length]``, False marks padding: no token sees it.
         segment_ids: ``[batch, length]`` ids of sequences packed in a row.
-        query_key_mask: boolean ``[batch, length, length]`` ANDed with ``mask``.
+        query_key_mask: boolean ``[batch, length, keys]`` ANDed with ``mask``
+          (``keys`` = the cache length when decoding).
+        time: ``[batch]`` or ``[batch, length]`` diffusion times; required with
+          ``time_conditioning`` and refused without it.
+        decode: read and append to the ``cache`` collection (:class:`dew.nn.Attention`);
+          give ``positions``.
         """
+        if (time is not None) != self.time_conditioning:
+            raise ValueError(
+                f"Transformer(time_conditioning={self.time_conditioning}) was called "
+                f"{'with' if time is not None else 'without'} time; pass time=[batch] or "
+                f"[batch, length] exactly when time_conditioning=True"
+            )
         is_tokens = self.vocab_size is not None
         if inputs.ndim != (2 if is_tokens else 3):
             raise ValueError(
@@ -93,26 +121,39 @@ class Transformer(TransformerOptions, kw_only=True):
                 )
             )
         batch, length = inputs.shape[:2]
-        check_divides(length, axes.LENGTH, "Transformer inputs [batch, length, ...]")
+        if not decode:
+            check_divides(length, axes.LENGTH, "Transformer inputs [batch, length, ...]")
         positions, valid = positions_and_valid(batch, length, positions, attention_mask)
         if is_tokens:
             _, x = self.embed_tokens(self.vocab_size, inputs)  # [batch, length, embed]
         else:
             x = self._dense(self.emb_features, None, axes.EMBED, "input_projection")(inputs)
         x = self.add_positions(x, positions)
+        if time is not None:
+            x = x + self._time_embedding(time, batch, length)
 
         x = self.layer_stack()(
             self,
             DecoderBlock,
-            dict(config=self.block_config()),
+            dict(config=self.block_config(), decode=decode),
             x,
             positions,
             valid,
             segment_ids,
             query_key_mask,
+            use_pipeline=not decode,
         )
         x = self.norm_output(x)
         if self.head_features is not None:
             out_axis = axes.VOCAB if self.head_features == self.vocab_size else None
             x = self._dense(self.head_features, axes.EMBED, out_axis, "head")(x)
         return x.astype(jnp.float32)  # [batch, length, out]
+
+    def _time_embedding(self, time: jax.Array, batch: int, length: int) -> jax.Array:
+        """``[batch, length, embed]``: ``MLP(sinusoid(1000 t))`` of each token's time."""
+        time = jnp.asarray(time, jnp.float32)
+        time = jnp.broadcast_to(time[:, None] if time.ndim == 1 else time, (batch, length))
+        h = timestep_embedding(1000.0 * time.reshape(-1), self.time_features)
+        h = self._dense(self.emb_features, None, axes.EMBED, "time_in")(h.astype(self.dtype))
+        h = self._dense(self.emb_features, axes.EMBED, None, "time_out")(nn.silu(h))
+        return h.reshape(batch, length, -1)

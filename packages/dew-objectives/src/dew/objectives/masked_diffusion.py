@@ -1,0 +1,366 @@
+"""Masked diffusion language modelling (MDLM: Sahoo et al., NeurIPS 2024, arXiv 2406.07524).
+
+Absorbing process: each token of ``x [batch, length]`` is replaced by the mask id
+with probability ``1 - alpha_t`` (:class:`dew.sampling.token_diffusion.MaskSchedule`,
+log-linear by default), ``z_t ~ q(z_t | x)``. The denoiser is a bidirectional
+:class:`dew.nn.Transformer` read in the SUBS parameterisation
+(:func:`~dew.sampling.token_diffusion.subs_log_probs`: the mask logit -1e6 in
+float32, unmasked tokens carried over). The loss is the continuous-time negative
+ELBO, Rao-Blackwellised (kuleshov-group/mdlm ``diffusion.py``)::
+
+    NELBO(x) = E_{t ~ U[eps, 1]} E_{z_t} [ sum_l 1[z_t^l = m] (-alpha'_t / (1 - alpha_t))
+                                          (-log p_theta(x^l | z_t)) ]
+
+(``1 / t`` times the masked tokens' NLL for the log-linear schedule), with
+antithetic times over the batch (``t_i = eps + (1 - eps) ((u + i / n) mod 1)``);
+``num_timesteps = T`` gives the discrete ``T``-step bound instead. Under SUBS an
+unmasked position's NLL is exactly 0, so the sum runs over every position.
+
+The loss is a :class:`~dew.objectives.Weighted` per-token mean: the sum over the
+rows of the weighted NLLs over the number of real (unpadded) tokens, so
+accumulation and data parallelism divide once by the global token count.
+
+:meth:`MaskedDiffusionObjective.evaluate` is a reproducible likelihood bound: the
+NELBO per token on a fixed grid of ``eval_times`` times (shifted once by a draw from
+``eval_seed``) and, per row, a masking drawn from a key of ``eval_seed``, the grid
+index and a hash of the row's ids, so the figure depends neither on the batch size
+nor on the device count; :meth:`summarize` adds ``perplexity_bound = exp(nelbo)``
+(an upper bound on the perplexity, up to the Monte-Carlo error of the masking).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.nn.keywords import is_whole_number
+from dew.objectives.base import EMA, Objective, Step, with_initial_values
+from dew.objectives.batch import IDS, MASK, BatchField, check_token_ids, first_row
+from dew.objectives.diffusion import default_ema
+from dew.objectives.weighted import Summed, Weighted
+from dew.sampling.token_diffusion import (
+    MaskedSampler,
+    MaskSchedule,
+    TokenDiffusionGeneration,
+    subs_log_probs,
+)
+
+# odd multipliers of a row hash (uint32 arithmetic wraps): a row's evaluation masking
+# is a function of its ids, not of where it sits in a batch
+_HASH_MULTIPLIER = 2654435761
+
+
+def row_hashes(ids: jax.Array) -> jax.Array:
+    """``[batch]`` uint32: a hash of each row of ``ids [batch, length]``."""
+    length = ids.shape[1]
+    multipliers = (np.arange(length, dtype=np.uint64) * _HASH_MULTIPLIER + 97531) % 2**32
+    weights = jnp.asarray(multipliers.astype(np.uint32))
+    return jnp.sum((ids.astype(jnp.uint32) + 1) * weights[None], axis=1, dtype=jnp.uint32)
+
+
+def row_uniforms(key: jax.Array, ids: jax.Array) -> jax.Array:
+    """``[batch, length]`` uniforms, row ``r``'s from ``fold_in(key, hash(ids[r]))``."""
+    keys = jax.vmap(lambda h: jax.random.fold_in(key, h))(row_hashes(ids))
+    return jax.vmap(lambda k: jax.random.uniform(k, ids.shape[1:]))(keys)
+
+
+def antithetic_uniforms(key: jax.Array, count: int) -> jax.Array:
+    """``(u + i / count) mod 1`` for ``i < count``, one ``u ~ U[0, 1)``: low-variance
+    times covering ``[0, 1)`` evenly (MDLM ``_sample_t``)."""
+    u = jax.random.uniform(key, ())
+    return jnp.mod(u + jnp.arange(count, dtype=jnp.float32) / count, 1.0)
+
+
+def resolve_mask_id(mask_id, tokenizer, model, *, what: str) -> int:
+    """The mask id: ``mask_id``, else the tokenizer's; it must lie inside the model's
+    vocabulary. Errors name the values and what to do."""
+    if mask_id is None:
+        mask_id = getattr(tokenizer, "mask_id", None)
+        if mask_id is None:
+            raise ValueError(
+                f"{what}: the tokenizer {type(tokenizer).__name__} has no mask id "
+                f"(mask_id None) and its vocabulary is fixed; masked diffusion needs an "
+                f"absorbing [MASK] id: pass mask_id=<an id the data never uses>, or load "
+                f"the tokenizer with HFTokenizer(path, mask_token='[MASK]'), which adds one"
+            )
+    if not is_whole_number(mask_id) or mask_id < 0:
+        raise ValueError(f"{what}: mask_id={mask_id!r} must be a token id >= 0")
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is None:
+        raise ValueError(
+            f"{what}: the model has no vocab_size; masked diffusion needs a token model "
+            f"(dew.nn.Transformer(vocab_size=...))"
+        )
+    if mask_id >= vocab:
+        raise ValueError(
+            f"{what}: mask_id {mask_id} is outside the model's vocabulary (vocab_size "
+            f"{vocab}); build the model with vocab_size >= {mask_id + 1} (the tokenizer's "
+            f"vocab_size counts its mask id)"
+        )
+    return int(mask_id)
+
+
+@dataclasses.dataclass(eq=False)
+class MaskedDiffusionObjective(Objective):
+    """MDLM training of a bidirectional token denoiser (module docstring).
+
+    model: a :class:`dew.nn.Transformer` over token ids (``vocab_size`` counts the mask
+      id); ``time_conditioning=True`` makes it read ``t`` (off by default, as MDLM).
+    mask_id: the absorbing state; None = the tokenizer's ``mask_id``.
+    tokenizer: ``encode`` / ``decode``; None = ``ByteTokenizer()`` (mask id 258).
+    schedule: the masking schedule (``'loglinear'``, ``'linear'``, ``'cosine'``).
+    num_timesteps: 0 = the continuous-time NELBO; ``T`` >= 1 = the discrete ``T``-step
+      bound (times ``i / T``).
+    time_eps: training times are drawn from ``[time_eps, 1]`` (MDLM's sampling_eps).
+    antithetic: antithetic times over the rows of a batch; False = independent.
+    text_key: the batch key of the rows of ids ``[rows, length]``; every id is
+      modelled (``TokenWindows`` rows of ``seq_len + 1`` ids are ``seq_len + 1`` tokens).
+    attention_mask_key: optional batch key of a 0/1 ``[rows, length]`` mask; 0 marks
+      padding, never masked, never attended to, never counted. None = every id is real.
+    seq_len: ids per row; None = from the data's batch spec.
+    ema: the moving average (default 0.9999 with warm-up); evaluation and export use it.
+    eval_times: points of the fixed time grid of :meth:`evaluate` (one forward pass each).
+    eval_seed: the seed of the grid's shift and of evaluation's masking.
+    sampler: the :class:`~dew.sampling.token_diffusion.MaskedSampler` of the exported
+      pipeline (steps, first-hitting, cache, top-p).
+    init_params: start from these parameters instead of a fresh initialisation.
+    """
+
+    model: Any
+    mask_id: int | None = None
+    tokenizer: Any = None
+    schedule: MaskSchedule = MaskSchedule()
+    num_timesteps: int = 0
+    time_eps: float = 1e-3
+    antithetic: bool = True
+    text_key: str = "text"
+    attention_mask_key: str | None = None
+    seq_len: int | None = None
+    ema: EMA | None = dataclasses.field(default_factory=default_ema)
+    eval_times: int = 16
+    eval_seed: int = 0
+    sampler: MaskedSampler = MaskedSampler()
+    init_params: Any = None
+
+    headline_metrics = ("nll_masked", "masked")
+    what = "MaskedDiffusionObjective"
+
+    def __post_init__(self):
+        if self.tokenizer is None:
+            from dew.data import ByteTokenizer
+
+            self.tokenizer = ByteTokenizer()
+        self.mask_id = resolve_mask_id(self.mask_id, self.tokenizer, self.model, what=self.what)
+        if not isinstance(self.schedule, MaskSchedule):
+            raise TypeError(
+                f"{self.what}: schedule must be a dew.sampling.token_diffusion.MaskSchedule, "
+                f"got {type(self.schedule).__name__}"
+            )
+        if not is_whole_number(self.num_timesteps) or self.num_timesteps < 0:
+            raise ValueError(
+                f"{self.what}: num_timesteps={self.num_timesteps!r} must be 0 (continuous "
+                f"time) or a whole number >= 1 (the discrete T-step bound)"
+            )
+        if not 0.0 < self.time_eps < 1.0:
+            raise ValueError(f"{self.what}: time_eps must be in (0, 1), got {self.time_eps}")
+        if not is_whole_number(self.eval_times) or self.eval_times < 1:
+            raise ValueError(
+                f"{self.what}: eval_times={self.eval_times!r} must be a whole number >= 1 "
+                f"(grid points of the evaluation)"
+            )
+        if self.seq_len is not None:
+            self._check_length(self.seq_len)
+
+    @property
+    def is_timed(self) -> bool:
+        return bool(getattr(self.model, "time_conditioning", False))
+
+    def _check_length(self, length: int) -> None:
+        max_len = getattr(self.model, "max_seq_len", None)
+        if max_len is not None and self.model_positions(length) > max_len:
+            raise ValueError(
+                f"{self.what}: rows of {length} ids need {self.model_positions(length)} "
+                f"positions, more than the model's max_seq_len {max_len}; use shorter rows "
+                f"or a model with a larger max_seq_len"
+            )
+
+    def model_positions(self, length: int) -> int:
+        """Positions the model reads for rows of ``length`` ids."""
+        return length
+
+    # ------------------------------------------------------------------ batch
+    def batch_fields(self):
+        length = "length" if self.seq_len is None else self.seq_len
+        fields = [BatchField(self.text_key, (length,), IDS)]
+        if self.attention_mask_key is not None:
+            fields.append(BatchField(self.attention_mask_key, (length,), MASK))
+        return tuple(fields)
+
+    def length_of(self, spec=None) -> int:
+        if self.seq_len is not None:
+            return self.seq_len
+        if spec is None or self.text_key not in spec:
+            raise ValueError(
+                f"{self.what} has no seq_len and the data declares no {self.text_key!r} "
+                f"field (Dataset.spec); pass seq_len=... or a Dataset with a spec"
+            )
+        length = int(tuple(spec[self.text_key].shape)[0])
+        self._check_length(length)
+        return length
+
+    def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
+        super().check_batch(batch)
+        ids = np.asarray(batch[self.text_key])
+        self._check_length(ids.shape[1])
+        check_token_ids(ids, getattr(self.model, "vocab_size", None), key=self.text_key,
+                        what=f"{self.what}'s model")  # fmt: skip
+        found = first_row((ids == self.mask_id).any(axis=1))
+        if found is not None:
+            row, count = found
+            raise ValueError(
+                f"{self.what}: batch[{self.text_key!r}] holds the mask id {self.mask_id} as "
+                f"data (row {row}, {count} rows in all); the mask id is the absorbing state "
+                f"and must never occur in the data: use a tokenizer whose mask id is unused "
+                f"(ByteTokenizer's {258}, HFTokenizer(mask_token=...)) or drop it in the reader"
+            )
+
+    # ------------------------------------------------------------------- init
+    def init(self, key, spec=None):
+        length = self.model_positions(self.length_of(spec))
+        inputs = jnp.zeros((1, length), jnp.int32)
+        extra = {"time": jnp.zeros((1,), jnp.float32)} if self.is_timed else {}
+        variables = self.model.init(key, inputs, **extra)
+        if self.init_params is None:
+            return variables
+        params = with_initial_values(
+            variables["params"], self.init_params, what=f"{self.what} init_params"
+        )
+        return {"params": params}
+
+    # ---------------------------------------------------------------- the loss
+    def _valid(self, batch, ids) -> jax.Array:
+        valid = jnp.ones(ids.shape, jnp.float32)
+        if self.attention_mask_key is not None:
+            valid = valid * jnp.asarray(batch[self.attention_mask_key], jnp.float32)
+        if "example_mask" in batch:  # padded rows of a last validation batch
+            valid = valid * jnp.asarray(batch["example_mask"], jnp.float32)[:, None]
+        return valid
+
+    def token_times(self, times: jax.Array, length: int) -> jax.Array:
+        """``[rows, length]``: each token's time, from the drawn ``times`` (one per row)."""
+        return jnp.broadcast_to(times[:, None], (times.shape[0], length))
+
+    def draw_times(self, key: jax.Array, rows: int, length: int) -> jax.Array:
+        """The times of one training batch, per row ``[rows]`` (antithetic by default)."""
+        u = antithetic_uniforms(key, rows) if self.antithetic else jax.random.uniform(key, (rows,))
+        return self.time_eps + (1.0 - self.time_eps) * u
+
+    def weights_at(self, t: jax.Array) -> jax.Array:
+        """The NELBO weight of a masked token at time ``t`` (continuous, or discrete T)."""
+        if self.num_timesteps:
+            return self.schedule.discrete_weight(t, self.num_timesteps)
+        return self.schedule.weight(t)
+
+    def discretised(self, t: jax.Array) -> jax.Array:
+        """``t`` itself (continuous time) or ``ceil(t T) / T`` (the discrete bound)."""
+        if not self.num_timesteps:
+            return t
+        T = self.num_timesteps
+        return jnp.clip(jnp.ceil(t * T), 1, T) / T
+
+    def denoiser_log_probs(self, params, z, x, valid, t_tokens, times) -> jax.Array:
+        """``log p(x | z)`` ``[rows, length, vocab]`` of the noisy rows ``z``."""
+        extra = {"time": times} if self.is_timed else {}
+        if self.attention_mask_key is not None:
+            extra["attention_mask"] = valid > 0
+        logits = self.model.apply({"params": params}, z, **extra)
+        return subs_log_probs(logits, z, self.mask_id)
+
+    def token_terms(self, params, batch, t_tokens, noise, times=None):
+        """Per token ``[rows, length]``: ``(weighted NLL, valid, masked, NLL)`` at token
+        times ``t_tokens`` and masking uniforms ``noise`` (a token is masked when its
+        uniform is below ``1 - alpha_t``): the draws given, for tests and evaluation."""
+        x = jnp.asarray(batch[self.text_key], jnp.int32)
+        valid = self._valid(batch, x)
+        t_tokens = self.discretised(t_tokens)
+        masked = (noise < self.schedule.mask_chance(t_tokens)) & (valid > 0)
+        z = jnp.where(masked, self.mask_id, x)
+        if times is None:
+            times = t_tokens[:, 0]
+        log_probs = self.denoiser_log_probs(params, z, x, valid, t_tokens, times)
+        nll = -jnp.take_along_axis(log_probs, x[..., None], axis=-1)[..., 0]  # [rows, length]
+        weighted = self.weights_at(t_tokens) * nll * valid
+        return weighted, valid, masked.astype(jnp.float32), nll * valid
+
+    def loss(self, variables, batch, step: Step):
+        x = batch[self.text_key]
+        rows, length = x.shape
+        k_time, k_mask = jax.random.split(step.key)
+        times = self.draw_times(k_time, rows, length)
+        noise = jax.random.uniform(k_mask, (rows, length))
+        weighted, valid, masked, nll = self.token_terms(
+            variables["params"], batch, self.token_times(times, length), noise
+        )
+        nelbo = Weighted(total=jnp.sum(weighted), weight=jnp.sum(valid))
+        return nelbo, {
+            "nelbo": nelbo,
+            "nll_masked": Weighted(total=jnp.sum(nll * masked), weight=jnp.sum(masked)),
+            "masked": Weighted(total=jnp.sum(masked), weight=jnp.sum(valid)),
+            "tokens": Summed(jnp.sum(valid)),
+        }
+
+    # ------------------------------------------------------------- evaluation
+    def eval_grid(self) -> np.ndarray:
+        """The fixed times of :meth:`evaluate` (float32 ``[eval_times]``): evenly spaced
+        points of ``[time_eps, 1]`` shifted by one uniform of
+        ``numpy.random.default_rng(eval_seed)`` (antithetic draws, fixed)."""
+        shift = np.random.default_rng(self.eval_seed).random()
+        k = np.arange(self.eval_times)
+        grid = self.time_eps + (1.0 - self.time_eps) * (k + shift) / self.eval_times
+        return grid.astype(np.float32)
+
+    def evaluate(self, variables, batch, step: Step):
+        """The NELBO per token (``nelbo``) averaged over the fixed grid, each row's
+        masking a function of ``eval_seed``, the grid point and the row's ids only."""
+        x = jnp.asarray(batch[self.text_key], jnp.int32)
+        rows, length = x.shape
+        root = jax.random.key(self.eval_seed)
+        total, valid = 0.0, None
+        for i, t in enumerate(self.eval_grid()):
+            noise = row_uniforms(jax.random.fold_in(root, i + 1), x)
+            times = jnp.full((rows,), t, jnp.float32)
+            weighted, valid, _, _ = self.token_terms(
+                variables["params"], batch, self.token_times(times, length), noise
+            )
+            total = total + jnp.sum(weighted)
+        return {
+            "nelbo": Weighted(total=total / self.eval_times, weight=jnp.sum(valid)),
+            "tokens": Summed(jnp.sum(valid)),
+        }
+
+    def summarize(self, results: Mapping[str, float]) -> dict[str, float]:
+        out = dict(results)
+        out["perplexity_bound"] = float(np.exp(min(results["nelbo"], 80.0)))
+        return out
+
+    # ----------------------------------------------------------------- export
+    def export(self, variables, *, length: int | None = None, **options):
+        """A :class:`~dew.sampling.token_diffusion.TokenDiffusionGeneration` of these
+        weights (``objective.pipeline(state)`` passes the EMA ones): ``length`` tokens
+        per sample (None = ``seq_len``, else the model's ``max_seq_len``)."""
+        length = length or self.seq_len or getattr(self.model, "max_seq_len", None)
+        return TokenDiffusionGeneration(
+            model=self.model,
+            params=variables["params"],
+            tokenizer=self.tokenizer,
+            mask_id=self.mask_id,
+            schedule=self.schedule,
+            length=length,
+            sampler=options.pop("sampler", self.sampler),
+            **options,
+        )

@@ -1,0 +1,186 @@
+"""Token-diffusion benchmarks, in one process (medians of ``--repeats`` runs, the sides
+alternating, the same allocator setting for all):
+
+1. **train**: an MDLM training step, Dew's ``Trainer.fit`` with
+   ``MaskedDiffusionObjective`` against a hand-written jax + optax loop doing the same
+   work (masking, SUBS, 1/t-weighted NLL) on the same model. Ratio = hand / Dew (goal
+   >= 0.97).
+2. **bd3**: a BD3-LM step (block 4: the ``2L`` pass under the block-diffusion mask)
+   against the MDLM step at the same length, both through ``Trainer.fit``. Ratio =
+   BD3 / MDLM (the reference pays 1.70-1.85x, bd3lms #5; goal <= 1.7).
+3. **cache**: MDLM ancestral sampling of one row (16 L steps, where most steps
+   unmask nothing, as MDLM's T = 5000 over 1024 tokens) with the caching update against
+   without; BD3-LM block sampling of ``--sample-length`` tokens with the clean-block
+   KV cache against recomputing the prefix. Ratios = without / with (goal >= 3 for
+   the KV cache at 256 tokens).
+
+    python tools/bench_token_diffusion.py --repeats 3
+    python tools/bench_token_diffusion.py --parts cache --sample-length 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+from dew.nn.allocator import configure_allocator  # noqa: E402
+
+configure_allocator()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _timing import fit_seconds, loop_seconds  # noqa: E402 (tools/, after the allocator)
+
+from dew import Dataset, Trainer  # noqa: E402
+from dew.nn import Transformer  # noqa: E402
+from dew.objectives.block_diffusion import BlockDiffusionObjective  # noqa: E402
+from dew.objectives.masked_diffusion import MaskedDiffusionObjective  # noqa: E402
+from dew.sampling.token_diffusion import (  # noqa: E402
+    MaskedSampler,
+    MaskSchedule,
+    sample_blocks,
+    sample_masked,
+)
+from dew.train import MeshSpec  # noqa: E402
+
+VOCAB, MASK = 264, 258
+ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+
+
+def model(length: int) -> Transformer:
+    return Transformer(
+        vocab_size=VOCAB,
+        emb_features=128,
+        num_layers=2,
+        num_heads=4,
+        mlp_features=512,
+        max_seq_len=length,
+        position_embedding="learned",
+    )
+
+
+def data(length: int, batch: int) -> Dataset:
+    rows = np.random.default_rng(0).integers(0, 256, (batch, length)).astype(np.int32)
+    return Dataset(train=lambda p: itertools.repeat({"text": rows}), val=None, records=batch,
+                   batch=batch)  # fmt: skip
+
+
+def dew_step(objective, length, batch, steps) -> float:
+    trainer = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), mesh=ONE,
+                      progress=False)  # fmt: skip
+    return fit_seconds(trainer, data(length, batch), steps)[1]
+
+
+def hand_step(length, batch, steps) -> float:
+    """MDLM's step written out: antithetic t, masking, SUBS, 1/t NLL, adamw."""
+    start = time.perf_counter()
+    net = model(length)
+    params = net.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
+                          is_leaf=lambda x: hasattr(x, "unbox"))  # fmt: skip
+    opt = optax.adamw(1e-3)
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 256, (batch, length)), jnp.int32)
+
+    @jax.jit
+    def step(carry, key):
+        p, s = carry
+        k_t, k_m = jax.random.split(key)
+        u = jnp.mod(jax.random.uniform(k_t, ()) + jnp.arange(batch) / batch, 1.0)
+        t = 1e-3 + (1 - 1e-3) * u
+        masked = jax.random.uniform(k_m, rows.shape) < (1 - 1e-3) * t[:, None]
+        z = jnp.where(masked, MASK, rows)
+
+        def loss(p):
+            logits = net.apply({"params": p}, z).at[..., MASK].set(-1e6)
+            lp = jax.nn.log_softmax(logits, -1)
+            nll = -jnp.take_along_axis(lp, rows[..., None], -1)[..., 0]
+            return jnp.sum(jnp.where(masked, nll / t[:, None], 0.0)) / rows.size
+
+        g = jax.grad(loss)(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    state = (params, opt.init(params))
+    keys = jax.random.split(jax.random.key(1), steps)
+    return loop_seconds(start, lambda c, i: step(c, keys[i]), state, steps)[1]
+
+
+def sampler_seconds(fn, params, repeats=2) -> float:
+    jax.block_until_ready(fn(params, jax.random.key(0)))
+    times = []
+    for r in range(repeats):
+        begin = time.perf_counter()
+        jax.block_until_ready(fn(params, jax.random.key(r + 1)))
+        times.append(time.perf_counter() - begin)
+    return min(times)
+
+
+def cache_part(length: int, sample_length: int):
+    net = model(max(length, sample_length))
+    params = net.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
+                          is_leaf=lambda x: hasattr(x, "unbox"))  # fmt: skip
+    schedule = MaskSchedule()
+
+    def mdlm(use_cache):
+        sampler = MaskedSampler(num_steps=16 * length, use_cache=use_cache)
+        return jax.jit(lambda p, k: sample_masked(
+            lambda z, t: net.apply({"params": p}, z), jnp.full((1, length), MASK, jnp.int32),
+            key=k, mask_id=MASK, schedule=schedule, sampler=sampler)[0])  # fmt: skip
+
+    def bd3(use_kv_cache):
+        sampler = MaskedSampler(num_steps=4, first_hitting=True)
+        return jax.jit(lambda p, k: sample_blocks(
+            net, p, jnp.zeros((8, 0), jnp.int32), key=k, mask_id=MASK, block_size=4,
+            length=sample_length, schedule=schedule, sampler=sampler,
+            use_kv_cache=use_kv_cache)[0])  # fmt: skip
+
+    with_cache, without = sampler_seconds(mdlm(True), params), sampler_seconds(mdlm(False), params)
+    print(f"MDLM sampling, {length} tokens, {16 * length} steps, 1 row: caching update "
+          f"{with_cache:.3f} s, without {without:.3f} s: {without / with_cache:.2f}x")  # fmt: skip
+    kv, plain = sampler_seconds(bd3(True), params, 1), sampler_seconds(bd3(False), params, 1)
+    print(f"BD3-LM block sampling, {sample_length} tokens, block 4, 8 rows: KV cache "
+          f"{kv:.3f} s, recomputing {plain:.3f} s: {plain / kv:.2f}x")  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["train", "bd3", "cache"])
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sample-length", type=int, default=256)
+    args = parser.parse_args()
+    L, B, S = args.length, args.batch, args.steps
+
+    def mdlm():
+        return MaskedDiffusionObjective(model(L), mask_id=MASK, seq_len=L)
+
+    if "train" in args.parts:
+        dew, hand = [], []
+        for _ in range(args.repeats):
+            dew.append(dew_step(mdlm(), L, B, S))
+            hand.append(hand_step(L, B, S))
+        d, h = statistics.median(dew), statistics.median(hand)
+        print(f"MDLM train step ({L} tokens x {B} rows): Dew {d * 1e3:.1f} ms, hand-written "
+              f"{h * 1e3:.1f} ms: ratio {h / d:.3f}")  # fmt: skip
+    if "bd3" in args.parts:
+        bd3, plain = [], []
+        for _ in range(args.repeats):
+            bd3.append(dew_step(BlockDiffusionObjective(model(L), mask_id=MASK, seq_len=L,
+                                                        block_size=4), L, B, S))  # fmt: skip
+            plain.append(dew_step(mdlm(), L, B, S))
+        b, m = statistics.median(bd3), statistics.median(plain)
+        print(f"BD3-LM (block 4) train step {b * 1e3:.1f} ms vs MDLM {m * 1e3:.1f} ms at "
+              f"{L} tokens: {b / m:.2f}x")  # fmt: skip
+    if "cache" in args.parts:
+        cache_part(L, args.sample_length)
+
+
+if __name__ == "__main__":
+    main()

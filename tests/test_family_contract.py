@@ -1,9 +1,10 @@
 """One contract for every family, through ``Trainer.fit`` (issue 24, item 7).
 
-For each family (LM, diffusion, JEPA, DPO, GRPO, PPO; the next ones join ``FAMILIES``
-as they land), at a tiny size, on rows that carry unequal weights (masked LM rows of
-8 and 1 targets, diffusion rows weighted 1..8, DPO completions of different lengths,
-rollouts of different lengths):
+For each family (LM, diffusion, JEPA, DPO, GRPO, PPO, masked and block diffusion;
+the next ones join ``FAMILIES`` as they land), at a tiny size, on rows that carry
+unequal weights (masked LM rows of 8 and 1 targets, diffusion rows weighted 1..8, DPO
+completions of different lengths, rollouts of different lengths, token-diffusion rows
+of 1..8 real tokens):
 
 - init, loss, evaluation and export run, and the export holds the weights
   ``state.variables()`` gives (the moving average where the objective keeps one);
@@ -184,7 +185,43 @@ def ppo() -> Case:
     return Case(objective, _prompts(5), atol=1e-4)
 
 
-FAMILIES = {f.__name__: f for f in (lm, diffusion, jepa, dpo, grpo, ppo)}
+def _token_rows(seed: int) -> list:
+    """Text rows of 8 and 1..8 real tokens (``mask``), ids below the mask id 7."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(STEPS):
+        mask = (np.arange(8)[None] < (1 + np.arange(ROWS) % 8)[:, None]).astype(np.int32)
+        batches.append({"text": rng.integers(0, 7, (ROWS, 8)).astype(np.int32), "mask": mask})
+    return batches
+
+
+def _encoder():
+    from dew.nn import Transformer
+
+    return Transformer(
+        vocab_size=8, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8
+    )
+
+
+def mdlm() -> Case:
+    from dew.objectives.masked_diffusion import MaskedDiffusionObjective
+
+    objective = MaskedDiffusionObjective(
+        _encoder(), mask_id=7, seq_len=8, attention_mask_key="mask", ema=None
+    )
+    return Case(objective, _token_rows(6))
+
+
+def bd3() -> Case:
+    from dew.objectives.block_diffusion import BlockDiffusionObjective
+
+    objective = BlockDiffusionObjective(
+        _encoder(), mask_id=7, seq_len=8, block_size=2, attention_mask_key="mask", ema=None
+    )
+    return Case(objective, _token_rows(7))
+
+
+FAMILIES = {f.__name__: f for f in (lm, diffusion, jepa, dpo, grpo, ppo, mdlm, bd3)}
 
 
 def fit(case: Case, mesh=ONE, accumulate=1, steps=STEPS, checkpoints=None, val=False):

@@ -1,8 +1,10 @@
 """MDLM and BD3-LM trained through the Trainer: five optax.sgd steps on
 data=2,fsdp=2,tensor=2 (8 devices) give the one-device run's losses and parameters.
 
-Every draw (times per row or per (row, block), masking uniforms) is taken from the
-step key with the whole batch's shape, so the draws agree however the batch is split.
+Every draw (times per row or per (row, block), masking uniforms) is a function of the
+step and the row's index in the whole batch (``Step.row_keys``, antithetic offsets over
+the whole batch), so the draws agree however the batch is split (tests/
+test_family_contract.py checks accumulate 2 and 4 as well).
 Tolerance: float32 sums in another order across devices, rtol 1e-5 (atol 1e-6 for
 parameters near zero).
 """

@@ -78,9 +78,7 @@ def test_loss_is_the_weighted_nelbo_and_unmasked_positions_give_exactly_zero(par
 
     # loss() is the same sum over the token count, with its own draws from the step key
     loss, metrics = obj.loss({"params": params}, {"text": x}, STEP)
-    k_time, k_mask = jax.random.split(STEP.key)
-    t = np.asarray(obj.draw_times(k_time, 6, L))
-    noise = np.asarray(jax.random.uniform(k_mask, (6, L)))
+    t, noise = (np.asarray(a) for a in obj.draws(STEP, 6, L))
     want, want_masked = numpy_terms(params, x, valid, t, noise, obj.schedule)
     assert float(loss.weight) == 6 * L
     assert float(loss.value) == pytest.approx(want.sum() / (6 * L), rel=1e-5)
@@ -172,7 +170,8 @@ def test_schedules_weights_and_the_discrete_bound():
 
 @pytest.fixture(scope="module")
 def trained(params):
-    """600 AdamW steps on the 4 patterns (batch 64), compiled as one scan."""
+    """800 AdamW steps on the 4 patterns (batch 64), compiled as one scan (600 left a
+    NELBO of 1.21x or 1.44x the optimum depending on the draws: OBJECTIVES.md section 3)."""
     obj = objective(ema=None)
     opt = optax.adamw(1e-3, weight_decay=0.0)
 
@@ -191,7 +190,7 @@ def trained(params):
             u, s = opt.update(g, s, p)
             return (optax.apply_updates(p, u), s), loss
 
-        (p, _), losses = jax.lax.scan(step, (p, opt.init(p)), jnp.arange(600))
+        (p, _), losses = jax.lax.scan(step, (p, opt.init(p)), jnp.arange(800))
         return p, losses
 
     return obj, *jax.jit(train)(params, jax.random.key(1))

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from dew.nn import masks
 from dew.objectives.masked_diffusion import (
     MaskedDiffusionObjective,
-    antithetic_uniforms,
+    antithetic_at,
     row_uniforms,
+    uniforms_at,
 )
 from dew.objectives.weighted import Weighted
 from dew.sampling.token_diffusion import MaskSchedule, TokenDiffusionGeneration, subs_log_probs
@@ -113,17 +114,20 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
     def _time_range(self) -> tuple[float, float]:
         return self.clip if self.clip is not None else (self.time_eps, 1.0)
 
-    def draw_times(self, key, rows, length):
-        """Per (row, block) ``[rows, blocks]``: antithetic over all ``rows * blocks``
-        draws, in ``U[beta, omega]``; all 1 for ``block_size = 1``."""
+    def draw_times(self, key, rows, length, index=None, total=None):
+        """Per (row, block) ``[rows, blocks]``: antithetic over all ``total * blocks``
+        draws of the step's whole batch (rows ``index`` of it, default ``arange(rows)``),
+        in ``U[beta, omega]``; all 1 for ``block_size = 1``."""
         blocks = length // self.block_size
         if self.block_size == 1:
             return jnp.ones((rows, blocks), jnp.float32)
-        count = rows * blocks
+        index = jnp.arange(rows) if index is None else index
+        total = rows if total is None else total
+        cells = (index[:, None] * blocks + jnp.arange(blocks)[None]).reshape(-1)
         u = (
-            antithetic_uniforms(key, count)
+            antithetic_at(key, cells, total * blocks)
             if self.antithetic
-            else jax.random.uniform(key, (count,))
+            else uniforms_at(key, cells)
         )
         beta, omega = self._time_range()
         return (beta + (omega - beta) * u).reshape(rows, blocks)

@@ -72,8 +72,27 @@ def row_uniforms(key: jax.Array, ids: jax.Array) -> jax.Array:
 def antithetic_uniforms(key: jax.Array, count: int) -> jax.Array:
     """``(u + i / count) mod 1`` for ``i < count``, one ``u ~ U[0, 1)``: low-variance
     times covering ``[0, 1)`` evenly (MDLM ``_sample_t``)."""
+    return antithetic_at(key, jnp.arange(count), count)
+
+
+def antithetic_at(key: jax.Array, index: jax.Array, count: int) -> jax.Array:
+    """Entries ``index`` of :func:`antithetic_uniforms` ``(key, count)``: a microbatch's
+    share of the whole batch's antithetic draws (the same ``u`` for every share)."""
     u = jax.random.uniform(key, ())
-    return jnp.mod(u + jnp.arange(count, dtype=jnp.float32) / count, 1.0)
+    return jnp.mod(u + index.astype(jnp.float32) / count, 1.0)
+
+
+def uniforms_at(key: jax.Array, index: jax.Array) -> jax.Array:
+    """Independent ``U[0, 1)`` draws ``fold_in(key, i)`` for each ``i`` in ``index``."""
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i), ()))(index)
+
+
+def batch_rows(step: Step, rows: int) -> tuple[jax.Array, int]:
+    """``(index, total)``: this (micro)batch's rows' indices in the step's whole batch
+    and its row count (``Step.rows``; ``arange(rows)`` and ``rows`` outside the trainer)."""
+    if step.rows is None:
+        return jnp.arange(rows), rows
+    return step.rows, step.batch_rows
 
 
 def resolve_mask_id(mask_id, tokenizer, model, *, what: str) -> int:
@@ -255,10 +274,25 @@ class MaskedDiffusionObjective(Objective):
         """``[rows, length]``: each token's time, from the drawn ``times`` (one per row)."""
         return jnp.broadcast_to(times[:, None], (times.shape[0], length))
 
-    def draw_times(self, key: jax.Array, rows: int, length: int) -> jax.Array:
-        """The times of one training batch, per row ``[rows]`` (antithetic by default)."""
-        u = antithetic_uniforms(key, rows) if self.antithetic else jax.random.uniform(key, (rows,))
+    def draw_times(self, key: jax.Array, rows: int, length: int, index=None, total=None):
+        """The times of one training batch, per row ``[rows]`` (antithetic by default):
+        rows ``index`` (default ``arange(rows)``) of a whole batch of ``total`` rows."""
+        index = jnp.arange(rows) if index is None else index
+        total = rows if total is None else total
+        u = antithetic_at(key, index, total) if self.antithetic else uniforms_at(key, index)
         return self.time_eps + (1.0 - self.time_eps) * u
+
+    def draws(self, step: Step, rows: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """``(times, noise)`` of one training (micro)batch: the times antithetic over the
+        step's whole batch (one uniform a step, shifted by the row's index over the
+        batch's rows) and each row's masking uniforms from its own key
+        (:meth:`Step.row_keys`), so ``accumulate=k`` and any device count draw what one
+        full batch on one device draws."""
+        index, total = batch_rows(step, rows)
+        shared = step.row_key if step.row_key is not None else step.key
+        times = self.draw_times(jax.random.fold_in(shared, 1), rows, length, index, total)
+        noise = jax.vmap(lambda k: jax.random.uniform(k, (length,)))(step.row_keys(rows))
+        return times, noise
 
     def weights_at(self, t: jax.Array) -> jax.Array:
         """The NELBO weight of a masked token at time ``t`` (continuous, or discrete T)."""
@@ -300,9 +334,7 @@ class MaskedDiffusionObjective(Objective):
     def loss(self, variables, batch, step: Step):
         x = batch[self.text_key]
         rows, length = x.shape
-        k_time, k_mask = jax.random.split(step.key)
-        times = self.draw_times(k_time, rows, length)
-        noise = jax.random.uniform(k_mask, (rows, length))
+        times, noise = self.draws(step, rows, length)
         weighted, valid, masked, nll = self.token_terms(
             variables["params"], batch, self.token_times(times, length), noise
         )

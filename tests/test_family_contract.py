@@ -1,10 +1,10 @@
 """One contract for every family, through ``Trainer.fit`` (issue 24, item 7).
 
-For each family (LM, diffusion, JEPA, DPO, GRPO, PPO, masked and block diffusion;
-the next ones join ``FAMILIES`` as they land), at a tiny size, on rows that carry
-unequal weights (masked LM rows of 8 and 1 targets, diffusion rows weighted 1..8, DPO
-completions of different lengths, rollouts of different lengths, token-diffusion rows
-of 1..8 real tokens):
+For each family (LM, diffusion, JEPA, DPO, GRPO, PPO, masked and block diffusion,
+distillation with on-policy batches, Flow-GRPO; new ones join ``FAMILIES``), at a tiny
+size, on rows that carry unequal weights (masked LM rows of 8 and 1 targets, diffusion
+rows weighted 1..8, DPO completions of different lengths, rollouts of different
+lengths, token-diffusion rows of 1..8 real tokens):
 
 - init, loss, evaluation and export run, and the export holds the weights
   ``state.variables()`` gives (the moving average where the objective keeps one);
@@ -221,7 +221,73 @@ def bd3() -> Case:
     return Case(objective, _token_rows(7))
 
 
-FAMILIES = {f.__name__: f for f in (lm, diffusion, jepa, dpo, grpo, ppo, mdlm, bd3)}
+def distill() -> Case:
+    import flax.linen as nn
+
+    from dew.objectives.distillation import DistillationObjective
+    from dew.sampling import Sampling
+
+    rng = np.random.default_rng(8)
+    batches = []
+    for _ in range(STEPS):
+        lengths = 1 + np.arange(ROWS) % 5  # completions of 1..5 tokens
+        mask = np.arange(5)[None] < lengths[:, None]
+        batches.append(
+            dict(
+                prompt=rng.integers(1, 32, (ROWS, 3)).astype(np.int32),
+                prompt_mask=np.ones((ROWS, 3), bool),
+                completion=np.where(mask, rng.integers(1, 32, (ROWS, 5)), 0).astype(np.int32),
+                completion_mask=mask,
+            )
+        )
+    teacher = CausalTransformer(**{**TINY_LM, "emb_features": 32, "mlp_features": 48})
+    teacher_params = nn.unbox(teacher.init(jax.random.key(2), jnp.zeros((1, 8), jnp.int32)))
+    objective = DistillationObjective(
+        CausalTransformer(**TINY_LM),
+        teacher=teacher,
+        teacher_params=jax.device_get(teacher_params["params"]),
+        sampling=Sampling(temperature=1.0),
+        lmbda=0.5,  # half the steps sample the student in prepare
+        chunk_size=2,
+    )
+    return Case(objective, batches, atol=1e-4)
+
+
+def flow_grpo() -> Case:
+    import flax.linen as nn
+
+    from dew.nn.backbones.dit import timestep_embedding
+    from dew.objectives import Updates
+    from dew.objectives.flow_grpo import FlowGRPOObjective, ImageReward
+    from dew.sampling import FlowSDE
+
+    class Velocity(nn.Module):  # a 2-D class-conditional flow velocity
+        num_classes: int = 3
+
+        @nn.compact
+        def __call__(self, x, t, label=None, context=None):
+            embed = nn.Embed(self.num_classes + 1, 4)(label)  # + the dropped-label class
+            flat = x.reshape(x.shape[0], -1)  # 2 x 2 x 1 "images"
+            h = jnp.concatenate([flat, timestep_embedding(t, 16), embed], -1)
+            return nn.Dense(flat.shape[1])(nn.silu(nn.Dense(16)(h))).reshape(x.shape)
+
+    objective = FlowGRPOObjective(
+        Velocity(),
+        rewards=[ImageReward(fn=lambda x, b: x[:, 0, 0, 0], name="left", pixels=False)],
+        group_size=2,
+        sample_shape=(2, 2, 1),
+        sampler=FlowSDE(num_steps=3),
+        prepared_updates=Updates(epochs=1),
+    )
+    batches = [
+        {"index": np.arange(ROWS, dtype=np.int32), "label": np.arange(ROWS, dtype=np.int32) % 3}
+    ] * STEPS
+    return Case(objective, batches, atol=1e-4)
+
+
+FAMILIES = {
+    f.__name__: f for f in (lm, diffusion, jepa, dpo, grpo, ppo, mdlm, bd3, distill, flow_grpo)
+}
 
 
 def fit(case: Case, mesh=ONE, accumulate=1, steps=STEPS, checkpoints=None, val=False):

@@ -5,8 +5,9 @@ Every draw (times per row or per (row, block), masking uniforms) is a function o
 step and the row's index in the whole batch (``Step.row_keys``, antithetic offsets over
 the whole batch), so the draws agree however the batch is split (tests/
 test_family_contract.py checks accumulate 2 and 4 as well).
-Tolerance: float32 sums in another order across devices, rtol 1e-5 (atol 1e-6 for
-parameters near zero).
+Tolerance: float32 sums in another order across devices, rtol 1e-5 (and 1e-5 of each
+array's largest entry for parameters near zero: one entry of -0.0018 in an array of
+scale 0.65 differed by 1.02e-6 with the per-row draws).
 """
 
 import itertools
@@ -60,4 +61,9 @@ def test_eight_devices_train_as_one(make, tmp_path):
     got_losses, got = run(make(), MeshSpec(data=2, fsdp=2, tensor=2), tmp_path / "eight")
     assert all(np.isfinite(want_losses)) and want_losses[0] > 0
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    # an entry near zero moves by float32 ulps of its array's scale, not of itself
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+        got,
+        want,
+    )

@@ -68,6 +68,12 @@ def recipe_of(name, overrides=(), tiny_llama=None):
     raw = load_recipe(str(RECIPES / name))
     if tiny_llama is not None and name == "lm_lora.yaml":
         overrides = [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}", *overrides]
+    if tiny_llama is not None and name == "distillation.yaml":  # the Llama is the teacher
+        overrides = [
+            f"objective.models.teacher.pretrained={tiny_llama}",
+            f"tokenizer.path={tiny_llama}",
+            *overrides,
+        ]
     return anchored(apply_overrides(raw, list(overrides)), str(RECIPES))
 
 
@@ -246,6 +252,25 @@ FAMILIES = {
         "objective.models.predictor.config.num_layers=1",
     ],
     "lm_lora.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
+    "masked_diffusion.yaml": [
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        "optimizer.schedule.warmup_steps=1",
+        "model.config.num_layers=1",
+    ],
+    "block_diffusion.yaml": [
+        "trainer.steps=2",
+        "trainer.eval_every=0",
+        "optimizer.schedule.warmup_steps=1",
+        "model.config.num_layers=1",
+    ],
+    "distillation.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
+    "flow_grpo.yaml": [
+        "trainer.steps=1",
+        "trainer.eval_every=0",
+        "model.config.num_layers=1",
+        "objective.args.group_size=2",
+    ],
 }
 
 
@@ -254,6 +279,8 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
     overrides = FAMILIES[name] + ["trainer.log_every=1", f"run_dir={tmp_path}"]
     if name == "lm_lora.yaml":
         overrides += [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
+    if name == "distillation.yaml":
+        overrides += [f"objective.models.teacher.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
     assert main(["--json", "train", str(RECIPES / name), *overrides]) == 0, capsys.readouterr().err
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     steps = int(FAMILIES[name][0].split("=")[1])
@@ -261,6 +288,23 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
     assert [x["step"] for x in trained] == list(range(1, steps + 1))
     assert all(np.isfinite(x["loss"]) for x in trained)
     assert lines[-1] == {"status": "finished", "step": steps, "run_dir": str(tmp_path)}
+    if name in ("masked_diffusion.yaml", "block_diffusion.yaml"):
+        # `dew sample` continues a prompt with the objective's own sampler (its export:
+        # masked or block denoising, not causal decoding) and the EMA weights
+        import jax
+
+        from dew.cli.commands import _trained
+        from dew.train import load_model
+
+        args = ["--json", "sample", str(tmp_path), "--prompt", "Dew", "--max-new-tokens", "5"]
+        assert main(args) == 0, capsys.readouterr().err
+        said = json.loads(capsys.readouterr().out.splitlines()[-1])
+        _, built, _, _, _ = _trained(str(tmp_path), False)
+        _, ema = load_model(os.path.join(tmp_path, "checkpoints"), averaged=True)
+        pipe = built.objective.export({"params": ema}, length=8)
+        want = pipe("Dew", key=jax.random.fold_in(jax.random.key(0), 0))
+        assert said == {"samples": [want], "weights": "EMA"}
+        assert want.startswith("Dew") and len(want) > 3
 
 
 def test_python_dash_m_dew(tmp_path):

@@ -112,6 +112,11 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
         module, params = pre.model, pre.params
         resolved = {"pretrained": section.pretrained}
     else:
+        if not section.name:
+            raise RecipeError(
+                f"{where}: give pretrained (a checkpoint directory: {where}.pretrained=DIR) "
+                f"or name + config (the registered models: {', '.join(models.names())})"
+            )
         if section.name not in models.names():
             raise RecipeError(
                 f"unknown model {section.name!r}; the registered models are "
@@ -155,10 +160,13 @@ def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
                 f"objective.models.{role}: {cls.__name__} has no model field {role!r} "
                 f"(its fields: {', '.join(fields)})"
             )
-        module, _, resolved_models[role] = build_model(
+        module, weights, resolved_models[role] = build_model(
             section, tokenizer, f"objective.models.{role}"
         )
         supplied[role] = module
+        if weights is not None and f"{role}_params" in fields:
+            # a checkpoint's weights for a frozen model (distillation's teacher_params)
+            supplied[f"{role}_params"] = weights
     if "tokenizer" in fields:
         supplied["tokenizer"] = tokenizer
     if params is not None and "init_params" in fields:
@@ -202,7 +210,10 @@ def _reward_record(specs):
 
 
 def _reward(spec, where):
-    """``{fn: module:function, weight: 1.0, kind: text | token, name: ''}``."""
+    """``{fn: module:function, weight: 1.0, kind: text | token | image | host_image,
+    name: ''}``: a host reward of decoded text, a jitted one of token ids (the LM
+    families), a jitted or host one of uint8 images (Flow-GRPO)."""
+    from dew.objectives.image_rewards import HostImageReward, ImageReward
     from dew.objectives.rewards import TextReward, TokenReward
 
     if isinstance(spec, str):
@@ -214,9 +225,18 @@ def _reward(spec, where):
     spec = dict(spec)
     kind = spec.pop("kind", "text")
     fn = resolve(spec.pop("fn"), {}, "reward function")
-    cls = {"text": TextReward, "token": TokenReward}.get(kind)
+    kinds = {
+        "text": TextReward,
+        "token": TokenReward,
+        "image": ImageReward,
+        "host_image": HostImageReward,
+    }
+    cls = kinds.get(kind)
     if cls is None:
-        raise RecipeError(f"{where}.kind {kind!r}: use 'text' (host, decoded) or 'token' (jitted)")
+        raise RecipeError(
+            f"{where}.kind {kind!r}: use 'text' (host, decoded text), 'token' (jitted, token "
+            f"ids), 'image' (jitted, uint8 images) or 'host_image' (host, uint8 images)"
+        )
     return cls(**checked_arguments(cls, spec, where, supplied={"fn": fn}))
 
 

@@ -560,6 +560,10 @@ def sample(args) -> int:
     from dew.sampling import Sampling, generate
 
     tokenizer = built.tokenizer
+    if recipe.objective.name in TOKEN_DIFFUSION:
+        texts = _token_diffusion_samples(built.objective, params, args)
+        _result(args, {"samples": texts, "weights": weights}, "\n".join(texts))
+        return EXIT["finished"]
     texts = []
     for prompt in args.prompt:
         ids = tokenizer.encode(prompt)
@@ -574,6 +578,27 @@ def sample(args) -> int:
         texts.append(tokenizer.decode(np.asarray(out.tokens[0]).tolist()))
     _result(args, {"samples": texts, "weights": weights}, "\n".join(texts))
     return EXIT["finished"]
+
+
+TOKEN_DIFFUSION = ("masked_diffusion", "block_diffusion")
+
+
+def _token_diffusion_samples(objective, params, args) -> list[str]:
+    """Each prompt continued by the objective's own sampler (``objective.export``: a
+    :class:`~dew.sampling.token_diffusion.TokenDiffusionGeneration`) to prompt +
+    ``--max-new-tokens`` tokens, at most the model's ``max_seq_len`` (for block
+    diffusion, whole blocks)."""
+    import jax
+
+    block = getattr(objective, "block_size", None) or 1
+    longest = objective.model.max_seq_len // block * block
+    texts = []
+    for i, prompt in enumerate(args.prompt):
+        wanted = len(objective.tokenizer.encode(prompt)) + args.max_new_tokens
+        length = min(longest, -(-wanted // block) * block)
+        pipe = objective.export({"params": params}, length=length)
+        texts.append(pipe(prompt, key=jax.random.fold_in(jax.random.key(args.seed), i)))
+    return texts
 
 
 def _result(args, value: dict, text: str) -> None:

@@ -60,6 +60,10 @@ OBJECTIVES = {
     "ppo": "dew.objectives.ppo:PPOObjective",
     "diffusion": "dew.objectives.diffusion:DiffusionObjective",
     "jepa": "dew.objectives.jepa:JepaObjective",
+    "masked_diffusion": "dew.objectives.masked_diffusion:MaskedDiffusionObjective",
+    "block_diffusion": "dew.objectives.block_diffusion:BlockDiffusionObjective",
+    "distillation": "dew.objectives.distillation:DistillationObjective",
+    "flow_grpo": "dew.objectives.flow_grpo:FlowGRPOObjective",
 }
 READERS = {
     "token_windows": "dew.data:TokenWindows",

@@ -3,7 +3,7 @@ dew.cli.rewards:exact_answer}]``); a recipe may name any ``module:function`` of 
 
 from __future__ import annotations
 
-__all__ = ["exact_answer", "answer_prefix"]
+__all__ = ["answer_prefix", "brightness", "exact_answer"]
 
 
 def exact_answer(prompts, completions, answer):
@@ -23,3 +23,9 @@ def answer_prefix(prompts, completions, answer):
             same += 1
         out.append(same / max(1, len(a)))
     return out
+
+
+def brightness(images, batch):
+    """The mean pixel of each uint8 image, in [0, 1]: a jittable toy reward for
+    Flow-GRPO recipes (``kind: image``); any ``fn(images, batch) -> [rows]`` works."""
+    return images.astype("float32").mean(axis=tuple(range(1, images.ndim))) / 255.0

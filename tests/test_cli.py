@@ -4,6 +4,7 @@ line and the bad-configuration exit code; a resumed run equals the uninterrupted
 one; SIGTERM exits 75 with a checkpoint and the same command continues; runs,
 sample, export, plan, report; every family's recipe trains a few steps."""
 
+import html
 import json
 import os
 import pathlib
@@ -187,6 +188,11 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     assert main(["--quiet", "report", a]) == 0
     page = pathlib.Path(a, "report.html").read_text()
     assert page.count("<img") >= 2 and "loss" in page
+    # the text previews (evaluation at steps 6 and 12) are in the run and on the page
+    previews = sorted(pathlib.Path(a, "previews").glob("*.txt"))
+    assert [p.name for p in previews] == ["step_00000006.txt", "step_00000012.txt"]
+    latest = previews[-1].read_text()
+    assert latest.startswith("Dew") and f"<pre>{html.escape(latest)}</pre>" in page
 
 
 def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_path):

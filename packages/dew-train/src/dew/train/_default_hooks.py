@@ -186,6 +186,8 @@ class Evaluation:
             shape = "x".join(map(str, pixels.shape))
             self.log.print(f"preview step {step}: uint8 {shape}" + (f", {path}" if path else ""))
         elif sample is not None:
+            if isinstance(sample, str):
+                self.log.text(step, "preview", sample)
             self.log.print(
                 f"preview step {step}: {sample!r}"
                 if isinstance(sample, str)

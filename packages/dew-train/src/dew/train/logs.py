@@ -234,6 +234,20 @@ class MetricsLog:
         self._tb.flush()
         return path
 
+    def text(self, step: int, name: str, text: str) -> str | None:
+        """Write a text preview into the run directory and TensorBoard (as ``{name}``);
+        returns the file's path, None without a run directory or off the main process."""
+        if not self.is_main or self.run_dir is None:
+            return None
+        from dew.train.previews import write_text_preview
+
+        path = write_text_preview(self.run_dir, step, text)
+        if self._tb is None:
+            self._open_tensorboard(None)
+        self._tb.add_text(name, text, step)
+        self._tb.flush()
+        return path
+
     def close(self) -> None:
         if self.is_main:
             for tracker in self.trackers:

@@ -9,6 +9,9 @@ one image) or ``uint8 [frames, height, width, channels]`` (a video), with 1
 256 colours a frame (pillow's adaptive palette), so more colourful frames are
 quantized. TensorBoard gets the image, or a video's frames side by side. Writing needs
 pillow, the ``[images]`` extra (``pip install "dew-train[images]"``).
+
+A preview that is text (a language model's sample) is written as
+``previews/step_{step:08d}.txt`` (UTF-8) and logged to TensorBoard as text.
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ def write_preview(run_dir: str, step: int, pixels: np.ndarray) -> str:
         optimize=False,
         disposal=1,
     )
+    return path
+
+
+def write_text_preview(run_dir: str, step: int, text: str) -> str:
+    """Write a text preview under ``run_dir``; returns the path."""
+    directory = os.path.join(run_dir, DIRECTORY)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"step_{step:08d}.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
     return path
 
 

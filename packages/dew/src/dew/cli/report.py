@@ -1,6 +1,6 @@
 """``dew report RUN_DIR``: one self-contained HTML page (and the PNGs beside it)
 of a run's training and evaluation curves, learning rate, throughput, the goodput
-breakdown and the latest previews, drawn with matplotlib (``pip install
+breakdown and the latest previews (images, and text samples as written), drawn with matplotlib (``pip install
 'dew-jax[report]'``); the images are embedded, so the page opens anywhere."""
 
 from __future__ import annotations
@@ -98,7 +98,18 @@ def write_report(run_dir: str, out: str | None = None) -> str:
         parts.append(f'<figure><img alt="{name}" src="data:image/png;base64,{data}"></figure>')
     previews = os.path.join(run_dir, "previews")
     if os.path.isdir(previews):
-        latest = sorted(os.listdir(previews))[-4:]
+        names = sorted(os.listdir(previews))
+        texts = [n for n in names if n.endswith(".txt")][-4:]
+        if texts:
+            parts.append("<h2>text previews</h2>")
+        for name in texts:
+            with open(os.path.join(previews, name), encoding="utf-8", errors="replace") as f:
+                sample = f.read()
+            parts.append(
+                f'<figure class="text-preview"><pre>{html.escape(sample)}</pre>'
+                f"<figcaption>{html.escape(name)}</figcaption></figure>"
+            )
+        latest = [n for n in names if n.endswith((".png", ".gif"))][-4:]
         for name in latest:
             with open(os.path.join(previews, name), "rb") as f:
                 data = base64.b64encode(f.read()).decode()

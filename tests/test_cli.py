@@ -286,7 +286,10 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
     if name == "lm_lora.yaml":
         overrides += [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
     if name == "distillation.yaml":
-        overrides += [f"objective.models.teacher.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
+        overrides += [
+            f"objective.models.teacher.pretrained={tiny_llama}",
+            f"tokenizer.path={tiny_llama}",
+        ]
     assert main(["--json", "train", str(RECIPES / name), *overrides]) == 0, capsys.readouterr().err
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     steps = int(FAMILIES[name][0].split("=")[1])
@@ -350,6 +353,53 @@ def test_launch_two_processes_equals_one(lm_runs):
     np.testing.assert_allclose(
         [two[s]["loss"] for s in (1, 2, 3)], [one[s]["loss"] for s in (1, 2, 3)], rtol=1e-5
     )
+
+
+def test_two_slurm_tasks_equal_one_process(lm_runs, tmp_path):
+    """`dew train` run as 2 SLURM tasks (the variables `srun` sets; JAX's cluster
+    detection finds the coordinator, the process count and id) trains the same steps
+    as the 1-process, 8-device run b (docs/clusters.md's batch script, without SLURM)."""
+    import socket
+
+    _, _, b = lm_runs
+    ephemeral = 65535 - 2**12 + 1  # JAX's SLURM port: job id % 4096 + this
+    with socket.socket() as probe:
+        for port in range(ephemeral + 1000, 65535):
+            try:
+                probe.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+    run_dir = str(tmp_path / "slurm")
+    command = [sys.executable, "-m", "dew", "train", LM, *TOY, "trainer.steps=2"]
+    command += ["trainer.log_every=1", "trainer.eval_every=0", f"run_dir={run_dir}"]
+    procs = []
+    for task in range(2):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            "SLURM_JOB_ID": str(100_000 * 4096 + port - ephemeral),
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(task),
+            "SLURM_LOCALID": str(task),
+        }
+        procs.append(
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outputs]
+    # one run of 2 processes over 2 x 4 devices, not two runs of one
+    assert "{'data': 8, " in outputs[0][0] and "(2 process(es))" in outputs[0][0], outputs[0][0]
+    two, one = metrics(run_dir), metrics(b)
+    assert sorted(two) == [1, 2]
+    np.testing.assert_allclose(
+        [two[s]["loss"] for s in (1, 2)], [one[s]["loss"] for s in (1, 2)], rtol=1e-5
+    )
+    assert json.load(open(os.path.join(run_dir, "status.json")))["status"] == "finished"
 
 
 def test_non_finite_steps_exit_3(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """``dew report RUN_DIR``: one self-contained HTML page (and the PNGs beside it)
 of a run's training and evaluation curves, learning rate, throughput, the goodput
-breakdown and the latest previews (images, and text samples as written), drawn with matplotlib (``pip install
-'dew-jax[report]'``); the images are embedded, so the page opens anywhere."""
+breakdown and the latest previews (images, and text samples as written), drawn
+with matplotlib (``pip install 'dew-jax[report]'``); the images are embedded, so
+the page opens anywhere."""
 
 from __future__ import annotations
 

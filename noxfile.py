@@ -84,6 +84,7 @@ nox.options.sessions = [
     "lint",
     "wheels",
     "parity",
+    "browser",
 ]
 
 PACKAGES = {
@@ -182,7 +183,25 @@ def integration(session: nox.Session) -> None:
     # loadscope: a module's functions on one worker (as loadfile), and each docs page,
     # a class of tests/test_docs.py, a unit of its own
     pytest = ["loadscope" if a == "loadfile" else a for a in PYTEST]
-    session.run(*pytest, "tests", "--ignore=tests/packaging", *session.posargs, env=ENV)
+    session.run(*pytest, "tests", "--ignore=tests/packaging", "--ignore=tests/browser",
+                *session.posargs, env=ENV)  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def browser(session: nox.Session) -> None:
+    """`dew report`'s page in a real headless browser: Qt WebEngine (Chromium's engine,
+    the PyQt6-WebEngine wheel from PyPI, offscreen; no system browser needed)."""
+    sync(session, "--package", "dew-jax", "--extra", "report")
+    session.run_install(
+        "uv",
+        "pip",
+        "install",
+        "-q",
+        "PyQt6-WebEngine==6.11.0",
+        env={"VIRTUAL_ENV": session.virtualenv.location},
+        silent=True,
+    )
+    session.run(*PYTEST[:2], "-p", "no:cacheprovider", "tests/browser", *session.posargs, env=ENV)
 
 
 @nox.session(python=PYTHON, default=False)

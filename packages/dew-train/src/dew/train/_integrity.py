@@ -251,12 +251,12 @@ def host_shards(tree) -> list[tuple[str, str, np.ndarray]]:
     return out
 
 
-# Threads sharing the sums of a restore (xxhash, numpy and zlib release the GIL). A
-# save computes its sums on Orbax's commit thread alone: they are background
-# work, and more threads would take cores from the training step (one run of
-# tools/bench_checkpoints.py on 2 shared cores: `save` returned after 59 ms with
-# the sums on 2 threads, 42 ms on 1, 34 ms without sums).
-WORKERS = min(4, os.cpu_count() or 1)
+# Threads sharing the sums of a restore (xxhash, numpy and zlib release the GIL).
+# One: XXH3 sums the medium state's 52 MB in 1.6 ms of one core, and a pool of 2
+# threads only added its start-up (tools/bench_checkpoints.py on 2 shared cores:
+# restore 1.36x the time without sums on 2 threads, 1.07x on 1). A save computes
+# its sums on Orbax's commit thread alone: they are background work.
+WORKERS = 1
 
 
 def _sums(items: list[tuple[str, np.ndarray]], workers: int) -> list:

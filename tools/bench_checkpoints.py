@@ -12,10 +12,10 @@ round), each into a fresh directory through ``CheckpointSession.save``
 items with an empty checksum record and skips the verification, so a
 difference from it is the sums themselves (taking the shards: ``save``
 returns; computing and writing them: the commit waits for them; recomputing
-them on restore); ``wsum64-v1`` (what Dew records; a save sums on Orbax's
-commit thread, a restore on ``_integrity.WORKERS`` threads) and the same with
-the restore on 1 thread; ``crc32`` (what Dew recorded before, ``zlib.crc32``,
-threaded as ``wsum64-v1``).
+them on restore); ``xxh3-128-v1`` (what Dew records; a save sums on Orbax's
+commit thread, a restore on ``_integrity.WORKERS`` (1) thread) and the same with
+the restore on 2 threads; ``wsum64-v1`` and ``crc32`` (what Dew recorded before,
+threaded the same way).
 
 Reported, medians over the rounds: ``save`` (until ``save`` returns: what a
 training step waits for), ``save+commit`` (until the checkpoint is on disk),
@@ -48,13 +48,19 @@ from dew.train import _integrity  # noqa: E402
 SIZE = dict(emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, max_seq_len=256)
 
 
-VARIANTS = ("none", "wsum64-v1", "wsum64-v1, 1 thread", "crc32")  # 1 thread: restore
+VARIANTS = (
+    "none",
+    "xxh3-128-v1",
+    "xxh3-128-v1, 2 threads",
+    "wsum64-v1",
+    "crc32",
+)  # 2 threads: restore
 
 
 def use(variant: str) -> None:
     """Save and verify as ``variant`` does (see the docstring)."""
-    _integrity.ALGORITHM = "crc32" if variant == "crc32" else "wsum64-v1"
-    _integrity.WORKERS = 1 if "1 thread" in variant else DEFAULT_WORKERS
+    _integrity.ALGORITHM = variant.split(",")[0] if variant != "none" else DEFAULT_ALGORITHM
+    _integrity.WORKERS = 2 if "2 threads" in variant else DEFAULT_WORKERS
     if variant == "none":
         checkpoints.checksums_save_args = lambda tree, **kw: _integrity.save_args({}, **kw)
         checkpoints.verify = lambda tree, recorded: 0
@@ -64,6 +70,7 @@ def use(variant: str) -> None:
 
 
 DEFAULT_WORKERS = _integrity.WORKERS
+DEFAULT_ALGORITHM = _integrity.ALGORITHM
 
 
 def timed(fn):
@@ -95,7 +102,7 @@ def one(trainer, state, abstract, shardings, variant: str) -> list[float]:
         _, *restored = timed(restore)
         session.close()
     finally:
-        use("wsum64-v1")
+        use(DEFAULT_ALGORITHM)
         shutil.rmtree(directory, ignore_errors=True)
     return [returned[0], committed[0], restored[0], returned[1], committed[1], restored[1]]
 

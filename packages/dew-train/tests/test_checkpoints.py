@@ -577,15 +577,12 @@ def big_state(seed: int) -> TrainState:
     )
 
 
-def numpy_wsum64(array) -> str:
-    """wsum64-v1 of an array's bytes, with whole-array numpy temporaries (the
-    definition and its check in Python integers: test_integrity.py)."""
-    data = np.ascontiguousarray(array).tobytes()
-    words = np.frombuffer(data + bytes(-len(data) % 8), "<u8").astype(np.uint64)
-    k = np.arange(1, words.size + 1, dtype=np.uint64)
-    upper = words >> np.uint64(32)
-    sums = (words.sum(), (words * k).sum(), upper.sum(), (upper * k).sum())
-    return "".join(f"{int(s):016x}" for s in sums)
+def xxh3_of(array) -> str:
+    """xxh3-128-v1 of an array's bytes: xxhash on numpy's C-order copy (what the
+    algorithm is; dew.train._integrity cuts the shards and computes it)."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(array).tobytes())
 
 
 def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_path):
@@ -619,8 +616,8 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
     )
     assert lines == [
         f"Skipping checkpoint {tmp_path}/2: it is damaged: array 'params/w' (shard [0:8192]) "
-        f"does not match the checksum saved with it (wsum64-v1 {numpy_wsum64(saved)} saved, "
-        f"{numpy_wsum64(read)} read back); kept as {tmp_path}/2.unusable, nothing deleted"
+        f"does not match the checksum saved with it (xxh3-128-v1 {xxh3_of(saved)} saved, "
+        f"{xxh3_of(read)} read back); kept as {tmp_path}/2.unusable, nothing deleted"
     ]
     assert restored.step == 1
     assert_same_state(restored.state, states[1])
@@ -629,7 +626,7 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
 @pytest.mark.parametrize("use_async", [True, False])
 def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path, use_async):
     """An asynchronous save sums in the background once ``save`` has returned,
-    a synchronous one at once; both record wsum64-v1 of the array, and the
+    a synchronous one at once; both record xxh3-128-v1 of the array, and the
     restore verifies it (a changed record sets the checkpoint aside)."""
     state = big_state(3)
     session = Checkpoints(tmp_path, use_async=use_async).open(print_fn=lambda line: None)
@@ -637,7 +634,7 @@ def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path
     session.close()
     path = tmp_path / "3" / "checksums" / "process_0-of-1.json"
     record = json.loads(path.read_text())
-    assert record["arrays"]["params/w"] == {"[0:8192]": numpy_wsum64(state.params["w"])}
+    assert record["arrays"]["params/w"] == {"[0:8192]": xxh3_of(state.params["w"])}
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.eval_shape(lambda: state)
     shardings = jax.tree.map(lambda _: device, abstract)
@@ -647,7 +644,7 @@ def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path
         .restore(abstract, shardings, root_key=jax.random.key(0))
     )
     assert_same_state(restored.state, state)
-    record["arrays"]["params/w"]["[0:8192]"] = "0" * 64
+    record["arrays"]["params/w"]["[0:8192]"] = "0" * 32
     path.write_text(json.dumps(record))
     lines = []
     with pytest.raises(NoUsableCheckpointError):
@@ -658,15 +655,15 @@ def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path
 
 
 def test_checksums_match_an_independent_reference(run, tmp_path):
-    """The saved sums are wsum64-v1 of each shard's bytes in C order, for
-    every array of the state, checked against numpy_wsum64 of the final
+    """The saved sums are xxh3-128-v1 of each shard's bytes in C order, for
+    every array of the state, checked against xxh3_of of the final
     state; a checkpoint written without them restores, with a note."""
     import re
 
     from dew.train.checkpoints import to_saved
 
     record = json.load(open(run.reference / "6" / "checksums" / "process_0-of-1.json"))
-    assert record["algorithm"] == "wsum64-v1"
+    assert record["algorithm"] == "xxh3-128-v1"
     flat = {
         "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in p): x
         for p, x in jax.tree_util.tree_flatten_with_path(to_saved(run.final))[0]
@@ -676,7 +673,7 @@ def test_checksums_match_an_independent_reference(run, tmp_path):
         whole = np.asarray(flat[name])
         for index, saved in shards.items():
             cut = tuple(slice(int(a), int(b)) for a, b in re.findall(r"(\d+):(\d+)", index))
-            assert saved == numpy_wsum64(whole[cut]), name
+            assert saved == xxh3_of(whole[cut]), name
     # written without checksums (an earlier version of Dew): restored, unverified, said so
     shutil.copytree(run.reference / "6", tmp_path / "6")
     shutil.rmtree(tmp_path / "6" / "checksums")

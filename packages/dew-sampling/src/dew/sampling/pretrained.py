@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from dew.nn.keywords import is_whole_number
 from dew.nn.lora import base_module, fold, lora_of
 from dew.sampling import checkpoint_formats as formats
-from dew.sampling import diffusion_pipelines
+from dew.sampling import diffusion_pipelines, token_diffusion
 from dew.sampling.pipelines import TextGeneration
 from dew.sampling.prompts import end_id_tuple
 
@@ -164,6 +164,13 @@ class Pretrained:
           bytes plus ``model.safetensors.index.json``; None = one file.
         """
         format = format or self.format
+        if token_diffusion.is_token_diffusion(self.diffusion):
+            if format != "dew":
+                raise ValueError(
+                    f"a token-diffusion checkpoint is saved in Dew's format (its sampling "
+                    f"setup has no Hugging Face form), not {format!r}; use format='dew'"
+                )
+            return self.pipeline().save(path)
         if self._is_diffusion:
             return self.pipeline().save(path, format=format)
         return formats.write(
@@ -225,7 +232,11 @@ class Pretrained:
         ``ClassToImage`` / ``ClassToVideo`` / ``TextToImage`` / ``TextToVideo`` its
         ``diffusion`` section describes (a diffusers DiT: ``ClassToImage`` as DiT was
         trained, :func:`dew.sampling.diffusion_pipelines.default_description`).
-        ``options`` override pipeline fields (``num_steps=``, ``guidance=``, ...)."""
+        ``options`` override pipeline fields (``num_steps=``, ``guidance=``, ...).
+        A masked or block diffusion language model (``diffusion`` task
+        ``'token_diffusion'``): its :class:`dew.sampling.TokenDiffusionGeneration`."""
+        if token_diffusion.is_token_diffusion(self.diffusion):
+            return token_diffusion.TokenDiffusionGeneration.from_pretrained(self, **options)
         if self._is_diffusion:
             description = self.diffusion or diffusion_pipelines.default_description(self.model)
             options = {**(self.pipeline_parts or {}), **options}

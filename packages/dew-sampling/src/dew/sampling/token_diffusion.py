@@ -517,7 +517,9 @@ class TokenDiffusionGeneration:
             "length": int(self.length),
             "num_steps": int(self.sampler.num_steps),
             "first_hitting": bool(self.sampler.first_hitting),
+            "use_cache": bool(self.sampler.use_cache),
             "block_size": self.block_size,
+            "use_kv_cache": bool(self.use_kv_cache),
         }
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
@@ -536,16 +538,28 @@ class TokenDiffusionGeneration:
 
     @classmethod
     def load(cls, path: str | os.PathLike, **overrides) -> TokenDiffusionGeneration:
-        """The task :meth:`save` wrote; ``overrides`` replace fields (``length=``, ...)."""
+        """The task :meth:`save` wrote; ``overrides`` replace fields (``length=``, ...).
+        ``dew.sampling.Pretrained.load(path).pipeline()`` gives the same task."""
         from dew.sampling.pretrained import Pretrained
 
         loaded = Pretrained.load(path)
-        described = loaded.diffusion or {}
-        if described.get("task") != "token_diffusion":
+        if not is_token_diffusion(loaded.diffusion):
             raise ValueError(
                 f"{path} is not a token-diffusion checkpoint (its diffusion section is "
-                f"{described or 'absent'}); load it with dew.sampling.Pretrained"
+                f"{loaded.diffusion or 'absent'}); load it with dew.sampling.Pretrained"
             )
+        return cls.from_pretrained(loaded, **overrides)
+
+    @classmethod
+    def from_pretrained(cls, loaded, **overrides) -> TokenDiffusionGeneration:
+        """The task a loaded :class:`dew.sampling.Pretrained` describes (its
+        ``diffusion`` section, as :meth:`save` wrote it)."""
+        described = loaded.diffusion
+        sampler = MaskedSampler(
+            num_steps=described["num_steps"],
+            first_hitting=described["first_hitting"],
+            use_cache=described.get("use_cache", True),
+        )
         fields = dict(
             model=loaded.model,
             params=loaded.params,
@@ -553,10 +567,15 @@ class TokenDiffusionGeneration:
             mask_id=described["mask_id"],
             schedule=MaskSchedule(**described["schedule"]),
             length=described["length"],
-            sampler=MaskedSampler(
-                num_steps=described["num_steps"], first_hitting=described["first_hitting"]
-            ),
+            sampler=sampler,
             block_size=described["block_size"],
+            use_kv_cache=described.get("use_kv_cache", True),
             end_id=loaded.end_ids[0] if loaded.end_ids else None,
         )
         return cls(**{**fields, **overrides})
+
+
+def is_token_diffusion(description: dict[str, Any] | None) -> bool:
+    """Whether a checkpoint's ``"diffusion"`` section describes a
+    :class:`TokenDiffusionGeneration`."""
+    return bool(description) and description.get("task") == "token_diffusion"

@@ -96,6 +96,7 @@ for _old, _new in MOVED.items():
     sys.modules[f"{__name__}.{_old}"] = _module
     if _old not in globals():  # a public name (generate) keeps its object
         globals()[_old] = _module
+del _old, _new, _module
 
 # glibc malloc tuned for XLA's large buffers before any is allocated
 # (dew.nn.allocator; DEW_ALLOCATOR=system opts out)

@@ -1,5 +1,6 @@
 """MDLM and BD3-LM trained through the Trainer: five optax.sgd steps on
-data=2,fsdp=2,tensor=2 (8 devices) give the one-device run's losses and parameters.
+data=2,fsdp=2,tensor=2 (8 devices), and BD3-LM on data=4,sequence=2 (its block mask
+under sequence sharding), give the one-device run's losses and parameters.
 
 Every draw (times per row or per (row, block), masking uniforms) is a function of the
 step and the row's index in the whole batch (``Step.row_keys``, antithetic offsets over
@@ -47,18 +48,36 @@ def run(objective, mesh, run_dir):
     return [r["loss"] for r in records if r["kind"] == "train"], jax.device_get(state.params)
 
 
+MAKE = {
+    "mdlm": lambda: MaskedDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, ema=None),
+    "bd3": lambda: BlockDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None),
+}
+_ONE_DEVICE = {}
+
+
+def one_device(kind, tmp_path):
+    """The one-device run of ``kind``, shared by the meshes compared with it."""
+    if kind not in _ONE_DEVICE:
+        mesh = MeshSpec(data=1, devices=jax.devices()[:1])
+        _ONE_DEVICE[kind] = run(MAKE[kind](), mesh, tmp_path / "one")
+    return _ONE_DEVICE[kind]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "make",
+    "kind, mesh",
     [
-        lambda: MaskedDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, ema=None),
-        lambda: BlockDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None),
+        ("mdlm", dict(data=2, fsdp=2, tensor=2)),
+        ("bd3", dict(data=2, fsdp=2, tensor=2)),
+        # the [noisy | clean] rows of 2L tokens split over sequence=2: the halves sit
+        # on different devices, and attention takes the dense block-diffusion mask
+        ("bd3", dict(data=4, sequence=2)),
     ],
-    ids=["mdlm", "bd3"],
+    ids=["mdlm", "bd3", "bd3-sequence"],
 )
-def test_eight_devices_train_as_one(make, tmp_path):
-    want_losses, want = run(make(), MeshSpec(data=1, devices=jax.devices()[:1]), tmp_path / "one")
-    got_losses, got = run(make(), MeshSpec(data=2, fsdp=2, tensor=2), tmp_path / "eight")
+def test_eight_devices_train_as_one(kind, mesh, tmp_path):
+    want_losses, want = one_device(kind, tmp_path)
+    got_losses, got = run(MAKE[kind](), MeshSpec(**mesh), tmp_path / "eight")
     assert all(np.isfinite(want_losses)) and want_losses[0] > 0
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     # an entry near zero moves by float32 ulps of its array's scale, not of itself

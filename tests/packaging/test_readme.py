@@ -66,7 +66,7 @@ for info in pkgutil.iter_modules(dew.objectives.__path__):
             if inspect.isclass(c) and issubclass(c, Objective) and c is not Objective
             and c.__module__ == module.__name__
         )
-samplers = ("dew.sampling.diffusion_samplers", "dew.sampling.noise_schedules")
+samplers = ("dew.sampling.diffusion.samplers", "dew.sampling.diffusion.schedules")
 print(json.dumps({
     "umbrella": dew.__all__,
     "models": models.names(),

@@ -126,3 +126,52 @@ def test_causal_transformer_in_blocks_equals_one_product(monkeypatch, reference)
     for (path, got), want in zip(jax.tree.leaves_with_path(blocked), jax.tree.leaves(one),
                                  strict=True):  # fmt: skip
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+def test_block_diffusion_pieces_equal_the_dense_mask_and_numpy():
+    """BD3-LM's [noisy | clean] attention computed in pieces (the clean half over the
+    clean keys, the noisy half over its own block and the clean keys) against the
+    dense 2L x 2L mask and float64 numpy, with GQA and padding: values and gradients;
+    the Transformer takes the structure as query_key_mask and gives the dense logits
+    (and with output_length=L the noisy half's alone)."""
+    length, block, policy = 8, 2, masks.block_causal(2)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 2 * length, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2 * length, 2, 8)).astype(np.float32) for _ in range(2))
+    valid = np.ones((2, 2 * length), bool)
+    valid[1, length - 3 : length] = valid[1, -3:] = False  # row 1's last 3 tokens: padding
+    positions = np.tile(np.arange(length), 2)[None].repeat(2, 0)
+    slots = np.arange(2 * length)
+    structure = masks.BlockDiffusionMask(length, block)
+    visible = masks.attention_mask(
+        policy, positions, positions, valid, slots, slots, query_key_mask=structure
+    )
+    np.testing.assert_array_equal(visible[0, 0], masks.block_diffusion_mask(length, block)[0])
+    pieces = jax.jit(lambda q, k, v: attention.attend_block_diffusion(q, k, v, visible, block))
+    dense = jax.jit(lambda q, k, v: attention.attend(q, k, v, visible))
+    np.testing.assert_allclose(pieces(q, k, v), dense(q, k, v), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(pieces(q, k, v), np_attention(q, k, v, visible), atol=1e-5)
+    w = rng.standard_normal(q.shape).astype(np.float32)
+    grads = [
+        jax.grad(lambda *a, f=f: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)
+        for f in (pieces, dense)
+    ]
+    for got, want in zip(*grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    from dew.nn import Transformer
+
+    model = Transformer(vocab_size=11, emb_features=16, num_layers=1, num_heads=2,
+                        mlp_features=32, max_seq_len=length, mask=policy)  # fmt: skip
+    tokens = rng.integers(0, 11, (2, 2 * length)).astype(np.int32)
+    params = model.init(jax.random.key(0), tokens[:, :length])
+
+    def logits(mask, **kw):
+        return model.apply(params, tokens, positions=positions, attention_mask=valid,
+                           query_key_mask=mask, **kw)  # fmt: skip
+
+    dense_logits = logits(masks.block_diffusion_mask(length, block))
+    np.testing.assert_allclose(logits(structure), dense_logits, atol=2e-6)
+    # the head over the noisy half only (what block diffusion reads)
+    noisy = logits(structure, output_length=length)
+    np.testing.assert_allclose(noisy, dense_logits[:, :length], atol=2e-6)

@@ -142,3 +142,24 @@ def test_bad_input_is_refused_before_compiling():
         bd3(2, clip_search=((-0.1, 0.9),))
     with pytest.raises(ValueError, match=r"must be a pair"):
         bd3(2, clip=0.5)
+    # the sampling side: the pipeline, the block sampler, the mask structure, the head
+    from dew.sampling.token_diffusion import MaskedSampler, TokenDiffusionGeneration, sample_blocks
+
+    with pytest.raises(ValueError, match=r"length 8 is not a multiple of block_size 3"):
+        TokenDiffusionGeneration(model=MODEL, params=None, tokenizer=None, mask_id=MASK,
+                                 length=L, block_size=3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"length 6 is not a multiple of block_size 4"):
+        sample_blocks(MODEL, None, np.zeros((1, 0), np.int32), key=jax.random.key(0),
+                      mask_id=MASK, block_size=4, length=6, schedule=MaskSchedule(),
+                      sampler=MaskedSampler())  # fmt: skip
+    with pytest.raises(ValueError, match=r"the prompt has 9 tokens but the sample is 8"):
+        sample_blocks(MODEL, None, np.zeros((1, 9), np.int32), key=jax.random.key(0),
+                      mask_id=MASK, block_size=4, length=8, schedule=MaskSchedule(),
+                      sampler=MaskedSampler())  # fmt: skip
+    pipe = bd3(4).export({"params": None}, sampler=MaskedSampler(num_steps=2, first_hitting=True))
+    with pytest.raises(ValueError, match=r"num_steps=2 cannot unmask 4 masked tokens of a block"):
+        pipe.sample_ids(np.zeros((1, 0), np.int32), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"multiple of block_size: length 8, block_size 3"):
+        masks.BlockDiffusionMask(8, 3)
+    with pytest.raises(ValueError, match=r"output_length 9 must be in \[1, 8\]"):
+        MODEL.init(jax.random.key(0), jnp.zeros((1, L), jnp.int32), output_length=9)

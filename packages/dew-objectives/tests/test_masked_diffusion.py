@@ -16,7 +16,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dew.data import ByteTokenizer
 from dew.nn import Transformer
 from dew.objectives import Step, weighted
+from dew.objectives.block_diffusion import BlockDiffusionObjective
 from dew.objectives.masked_diffusion import MaskedDiffusionObjective, row_hashes
+from dew.sampling import Pretrained
 from dew.sampling.token_diffusion import (
     MaskedSampler,
     MaskSchedule,
@@ -168,14 +170,11 @@ def test_schedules_weights_and_the_discrete_bound():
     )
 
 
-@pytest.fixture(scope="module")
-def trained(params):
-    """800 AdamW steps on the 4 patterns (batch 64), compiled as one scan (600 left a
-    NELBO of 1.21x or 1.44x the optimum depending on the draws: OBJECTIVES.md section 3)."""
-    obj = objective(ema=None)
+def train(obj, params, steps: int, seed: int = 1):
+    """``steps`` AdamW steps of ``obj`` on the 4 patterns (batch 64), one scan."""
     opt = optax.adamw(1e-3, weight_decay=0.0)
 
-    def train(p, key):
+    def run(p, key):
         def step(carry, i):
             p, s = carry
             rows = jax.random.randint(jax.random.fold_in(key, -1 - i), (64,), 0, 4)
@@ -190,10 +189,26 @@ def trained(params):
             u, s = opt.update(g, s, p)
             return (optax.apply_updates(p, u), s), loss
 
-        (p, _), losses = jax.lax.scan(step, (p, opt.init(p)), jnp.arange(800))
+        (p, _), losses = jax.lax.scan(step, (p, opt.init(p)), jnp.arange(steps))
         return p, losses
 
-    return obj, *jax.jit(train)(params, jax.random.key(1))
+    return jax.jit(run)(params, jax.random.key(seed))
+
+
+@pytest.fixture(scope="module")
+def trained(params):
+    """800 AdamW steps on the 4 patterns (batch 64), compiled as one scan (600 left a
+    NELBO of 1.21x or 1.44x the optimum depending on the draws: OBJECTIVES.md section 3)."""
+    obj = objective(ema=None)
+    return obj, *train(obj, params, 800)
+
+
+@pytest.fixture(scope="module")
+def trained_bd3(trained):
+    """BD3-LM (block 2) fine-tuned from the MDLM toy's weights, as BD3-LM fine-tunes an
+    MDLM checkpoint (block_size = L is MDLM): 300 AdamW steps on the same patterns."""
+    obj = BlockDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None)
+    return obj, *train(obj, trained[1], 300, seed=4)
 
 
 @pytest.mark.slow
@@ -224,6 +239,30 @@ def test_four_patterns_nelbo_near_optimum_and_samples_exact(trained):
     assert exact.sum(0).min() >= 10  # every pattern is drawn, not one mode
 
 
+@pytest.mark.slow
+def test_four_patterns_block_diffusion_nelbo_and_samples_exact(trained_bd3, tmp_path):
+    obj, params, losses = trained_bd3
+    batch = {"text": np.repeat(PATTERNS, 8, 0)}
+    bound = dataclasses.replace(obj, clip_search=())  # the bound alone (16 grid times)
+    nelbo = float(
+        jax.jit(lambda p: bound.evaluate({"params": p}, batch, STEP))(params)["nelbo"].value
+    )
+    assert nelbo <= 1.3 * np.log(4) / L and nelbo < 0.25 * np.log(V), nelbo
+    # the exported task: block after block, 8 ancestral steps a block, KV cache of clean
+    # blocks; saved, Pretrained.load recognises it and samples the same
+    pipe = obj.export({"params": params}, sampler=MaskedSampler(num_steps=8))
+    assert (pipe.block_size, pipe.use_kv_cache, pipe.length) == (2, True, L)
+    key = jax.random.key(2)
+    tokens = pipe.sample_ids(np.zeros((128, 0), np.int32), key)
+    exact = (tokens[:, None] == PATTERNS[None]).all(-1)
+    assert exact.any(-1).mean() >= 0.75, exact.any(-1).mean()
+    assert exact.sum(0).min() >= 10  # every pattern is drawn, not one mode
+    pipe.save(tmp_path / "bd3")
+    again = Pretrained.load(tmp_path / "bd3").pipeline()
+    assert (again.block_size, again.use_kv_cache, again.sampler) == (2, True, pipe.sampler)
+    np.testing.assert_array_equal(again.sample_ids(np.zeros((128, 0), np.int32), key), tokens)
+
+
 def test_export_samples_and_round_trips(trained, tmp_path):
     obj, params, _ = trained
     tokenizer = _Digits()
@@ -241,6 +280,15 @@ def test_export_samples_and_round_trips(trained, tmp_path):
     again = TokenDiffusionGeneration.load(tmp_path / "mdlm", tokenizer=tokenizer)
     np.testing.assert_array_equal(again.sample_ids(PATTERNS[:2, :3], key), ids)
     assert (again.mask_id, again.length, again.block_size) == (MASK, L, None)
+    # Pretrained.load recognises it; its save writes it back as it came
+    loaded = Pretrained.load(tmp_path / "mdlm")
+    loaded.save(tmp_path / "copy")
+    for path in (tmp_path / "mdlm", tmp_path / "copy"):
+        pipe = Pretrained.load(path).pipeline(tokenizer=tokenizer)
+        assert isinstance(pipe, TokenDiffusionGeneration)
+        np.testing.assert_array_equal(pipe.sample_ids(PATTERNS[:2, :3], key), ids)
+    with pytest.raises(ValueError, match=r"saved in Dew's format .* not 'llama'"):
+        loaded.save(tmp_path / "hf", format="llama")
 
 
 class _Digits:

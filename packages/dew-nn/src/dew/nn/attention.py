@@ -9,7 +9,7 @@ import numpy as np
 
 from dew.nn import axes
 from dew.nn.dense import token_rows
-from dew.nn.masks import MaskPolicy, attention_mask, causal, full
+from dew.nn.masks import BlockDiffusionMask, MaskPolicy, attention_mask, causal, full
 from dew.nn.norms import RMSNorm
 from dew.nn.rope import RopeScaling, apply_axial_rope, apply_rope, inverse_frequencies
 from dew.nn.shards import shard_count
@@ -163,6 +163,9 @@ class Attention(nn.Module):
                 (((2,), (0,)), ((), ())),
             )
         else:
+            halves = query_key_mask if isinstance(query_key_mask, BlockDiffusionMask) else None
+            if halves is not None and (visible is not None or shard_count(axes.LENGTH) > 1):
+                halves = None  # a precomputed mask, or halves split over devices: dense
             if visible is None:
                 index = jnp.arange(length)
                 visible = attention_mask(
@@ -177,7 +180,9 @@ class Attention(nn.Module):
                     query_key_mask=query_key_mask,
                 )  # [batch, 1, query, key]
             block = causal_query_block(length) if self.mask.is_causal else None
-            if block is None:
+            if halves is not None:
+                out = attend_block_diffusion(q, k, v, visible, halves.block_size)
+            elif block is None:
                 out = attend(q, k, v, visible)  # [batch, length, heads, head_dim]
             else:
                 out = attend_in_query_blocks(q, k, v, visible, block)
@@ -340,3 +345,49 @@ def attend_in_query_blocks(q, k, v, visible, block: int):
         hi = min(lo + block, length)
         outs.append(attend(q[:, lo:hi], k[:, :hi], v[:, :hi], visible[:, :, lo:hi, :hi]))
     return jnp.concatenate(outs, axis=1)  # [batch, length, heads, head_dim]
+
+
+def attend_block_diffusion(q, k, v, visible, block_size: int):
+    """:func:`attend` under a mask within BD3-LM's (:func:`dew.nn.masks.block_diffusion_mask`
+    AND anything else), computing only the pieces it can make visible: of ``2L`` slots
+    ``[noisy | clean]``, a clean query attends to the ``L`` clean keys, a noisy one to
+    the ``block_size`` noisy keys of its own block and the ``L`` clean keys (one
+    softmax over both). ``2 L^2 + L block_size`` scores per head instead of ``4 L^2``;
+    the same values (a hidden key adds ``exp(min - max) = 0`` to a softmax).
+
+    q, k, v: as :func:`attend`, ``2L`` slots each; visible: broadcastable to
+    ``[batch, 1, 2L, 2L]``.
+    """
+    batch, slots, heads, head_dim = q.shape
+    length, kv_heads = slots // 2, k.shape[2]
+    groups, blocks = heads // kv_heads, length // block_size
+    xp = np if isinstance(visible, np.ndarray) else jnp  # a constant mask stays one
+    visible = xp.broadcast_to(visible, (*visible.shape[:2], slots, slots))
+    clean = attend(q[:, length:], k[:, length:], v[:, length:], visible[:, :, length:, length:])
+
+    q_noisy = q[:, :length].reshape(batch, blocks, block_size, kv_heads, groups, head_dim)
+    k_own = k[:, :length].reshape(batch, blocks, block_size, kv_heads, head_dim)
+    v_own = v[:, :length].reshape(batch, blocks, block_size, kv_heads, head_dim)
+    k_clean, v_clean = k[:, length:], v[:, length:]
+    scale = jnp.float32(head_dim**-0.5)
+    own = jnp.einsum("bnqkgd,bnskd->bkgnqs", q_noisy, k_own, preferred_element_type=jnp.float32)
+    seen = jnp.einsum("bnqkgd,bskd->bkgnqs", q_noisy, k_clean, preferred_element_type=jnp.float32)
+    # the mask's pieces: noisy -> own block's noisy keys (the diagonal blocks), -> clean
+    diagonal = np.arange(blocks)
+    noisy = visible[:, :, :length, :length].reshape(-1, blocks, block_size, blocks, block_size)
+    own_visible = xp.moveaxis(noisy[:, diagonal, :, diagonal, :], 0, 1)  # [b, n, q, s]
+    seen_visible = visible[:, :, :length, length:].reshape(-1, blocks, block_size, length)
+    minimum = jnp.finfo(jnp.float32).min
+    scores = jnp.concatenate(
+        [
+            jnp.where(own_visible[:, None, None], own * scale, minimum),
+            jnp.where(seen_visible[:, None, None], seen * scale, minimum),
+        ],
+        axis=-1,
+    )  # [batch, kv_heads, groups, blocks, block, block + length]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgnqs,bnskd->bnqkgd", probs[..., :block_size], v_own) + jnp.einsum(
+        "bkgnqs,bskd->bnqkgd", probs[..., block_size:], v_clean
+    )
+    noisy_out = out.reshape(batch, length, heads, head_dim)
+    return jnp.concatenate([noisy_out, clean], axis=1)  # [batch, 2L, heads, head_dim]

@@ -14,7 +14,9 @@ frozen value describes a backbone's attention and serialises with its config:
 
 Block diffusion's vectorised training pass reads ``[noisy | clean]`` rows whose two
 halves share positions; :func:`block_diffusion_mask` is its ``[2L, 2L]`` mask: the
-``block_causal`` policy over those positions AND which half each slot is in.
+``block_causal`` policy over those positions AND which half each slot is in
+(:class:`BlockDiffusionMask`, the same mask as a structure, lets attention skip its
+empty blocks).
 
 At call time :func:`attention_mask` ANDs the policy with what varies per
 batch: padding (``key_valid``), packed-sequence segments (a query sees only
@@ -152,6 +154,33 @@ def block_diffusion_mask(length: int, block_size: int) -> np.ndarray:
     return allowed & halves[None]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockDiffusionMask:
+    """:func:`block_diffusion_mask` ``(length, block_size)`` as a structure, for
+    ``query_key_mask``: :class:`dew.nn.Attention` then computes only its non-empty
+    pieces (:func:`dew.nn.attention.attend_block_diffusion`: the clean half
+    block-causal over ``length`` keys, the noisy half over its own block and the clean
+    keys) instead of the dense ``[2 length, 2 length]`` scores; the same values.
+    A static pytree (no leaves), so it passes through ``jit`` and ``nn.scan``."""
+
+    length: int
+    block_size: int
+
+    def __post_init__(self):
+        block_diffusion_mask(self.length, self.block_size)  # validates
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (1, 2 * self.length, 2 * self.length)
+
+    def dense(self) -> np.ndarray:
+        """The boolean ``[1, 2 length, 2 length]`` mask."""
+        return block_diffusion_mask(self.length, self.block_size)
+
+
+jax.tree_util.register_static(BlockDiffusionMask)
+
+
 def attention_mask(
     policy: MaskPolicy,
     query_positions: jax.Array,
@@ -179,6 +208,8 @@ def attention_mask(
     A query that would see no key at all (a padding token before the first real
     one) sees its own slot, so no softmax is empty and no NaN appears.
     """
+    if isinstance(query_key_mask, BlockDiffusionMask):
+        query_key_mask = query_key_mask.dense()
     xp = _namespace(
         query_positions, key_positions, key_valid, query_index, key_index,
         query_segments, key_segments, query_key_mask,

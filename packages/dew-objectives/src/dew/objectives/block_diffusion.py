@@ -14,7 +14,8 @@ them, from the clipped range ``U[beta, omega]`` (``clip``). For ``block_size = 1
 Vectorised training (kuleshov-group/bd3lms ``diffusion.py``, ``models/dit.py``): one
 forward pass of ``[z_t | x0]`` (``2L`` tokens, both halves at positions ``0..L-1``)
 under :func:`dew.nn.masks.block_diffusion_mask` (block-diagonal, offset block-causal,
-block-causal) gives every block's logits at once; the logits of the noisy half are
+block-causal; given as :class:`dew.nn.masks.BlockDiffusionMask`, so attention computes
+its non-empty pieces only) gives every block's logits at once; the logits of the noisy half are
 read in the SUBS parameterisation, as :mod:`dew.objectives.masked_diffusion`.
 
 Evaluation reports the NELBO per token over the full range ``t in [time_eps, 1]``
@@ -42,7 +43,7 @@ from dew.objectives.masked_diffusion import (
     uniforms_at,
 )
 from dew.objectives.weighted import Weighted
-from dew.sampling.token_diffusion import MaskSchedule, TokenDiffusionGeneration, subs_log_probs
+from dew.sampling.token_diffusion import MaskSchedule, subs_log_probs
 
 
 def check_clip(clip, *, what: str) -> tuple[float, float]:
@@ -140,6 +141,12 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         return jnp.repeat(times, self.block_size, axis=1)
 
     # ------------------------------------------------------------- forward
+    def attention_structure(self, length: int):
+        """The ``[noisy | clean]`` mask as :class:`dew.nn.masks.BlockDiffusionMask`:
+        attention computes its non-empty pieces only (the dense
+        :func:`~dew.nn.masks.block_diffusion_mask` gives the same values)."""
+        return masks.BlockDiffusionMask(length, self.block_size)
+
     def denoiser_log_probs(self, params, z, x, valid, t_tokens, times):
         """The vectorised pass: ``[z | x]`` under the BD3 mask, logits of ``z``'s half."""
         rows, length = z.shape
@@ -151,10 +158,11 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
             {"params": params},
             jnp.concatenate([z, x], axis=1),  # [rows, 2 length]
             positions=jnp.concatenate([positions, positions], axis=1),
-            query_key_mask=masks.block_diffusion_mask(length, self.block_size),
+            query_key_mask=self.attention_structure(length),
+            output_length=length,  # the head reads the noisy half only
             **extra,
-        )
-        return subs_log_probs(logits[:, :length], z, self.mask_id)
+        )  # [rows, length, vocab]
+        return subs_log_probs(logits, z, self.mask_id)
 
     def token_terms(self, params, batch, t_tokens, noise, times=None):
         if self.block_size == 1:  # t = 1: every token masked (an AR model)
@@ -204,16 +212,8 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
 
     # --------------------------------------------------------------- export
     def export(self, variables, *, length=None, **options):
-        length = length or self.seq_len or getattr(self.model, "max_seq_len", None)
-        return TokenDiffusionGeneration(
-            model=self.model,
-            params=variables["params"],
-            tokenizer=self.tokenizer,
-            mask_id=self.mask_id,
-            schedule=self.schedule,
-            length=length,
-            sampler=options.pop("sampler", self.sampler),
-            block_size=self.block_size,
-            use_kv_cache=options.pop("use_kv_cache", self.use_kv_cache),
-            **options,
-        )
+        """MDLM's export, sampling block after block (``block_size``) with the
+        clean-block KV cache (``use_kv_cache``)."""
+        options.setdefault("block_size", self.block_size)
+        options.setdefault("use_kv_cache", self.use_kv_cache)
+        return super().export(variables, length=length, **options)

@@ -64,6 +64,7 @@ from dew.objectives.base import EMA, Objective, Step
 from dew.objectives.batch import FLOATS, IDS, PIXELS, BatchField
 from dew.objectives.text_conditioning import TextConditioning
 from dew.objectives.weighted import Weighted
+from dew.sampling.diffusion.schedules import DDPMSchedule, Schedule, per_row
 from dew.sampling.diffusion_pipelines import (
     ClassToImage,
     ClassToVideo,
@@ -77,7 +78,6 @@ from dew.sampling.diffusion_samplers import (
     sample_diffusion,
 )
 from dew.sampling.diffusion_targets import predictions_of, target_of
-from dew.sampling.noise_schedules import DDPMSchedule, Schedule, _rows
 
 DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
 EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -366,7 +366,7 @@ class DiffusionObjective(TextConditioning, Objective):
         x0 = self._data(batch)
         if self.train_text_encoder:  # c = E_phi(ids), in the graph
             batch = self.with_encoded_text(params, batch)
-        alpha, sigma = (_rows(c, x0) for c in self.schedule.coefficients(time))
+        alpha, sigma = (per_row(c, x0) for c in self.schedule.coefficients(time))
         x_t = alpha * x0 + sigma * noise
         x_in, model_t = self.schedule.model_input(x_t, time)
         raw = self.model.apply(
@@ -400,9 +400,9 @@ class DiffusionObjective(TextConditioning, Objective):
             k: jnp.asarray(v, jnp.float32)[time] for k, v in posterior_tables(self.schedule).items()
         }
         c0, ct, log_var, log_beta = (
-            _rows(tables[k], x0) for k in ("c0", "ct", "log_var", "log_beta")
+            per_row(tables[k], x0) for k in ("c0", "ct", "log_var", "log_beta")
         )
-        alpha, sigma = (_rows(c, x0) for c in self.schedule.coefficients(time))
+        alpha, sigma = (per_row(c, x0) for c in self.schedule.coefficients(time))
         x0_hat, _ = predictions_of(self.target, prediction, x_t, alpha, sigma)
         true_mean = c0 * x0 + ct * x_t
         model_mean = c0 * x0_hat + ct * x_t

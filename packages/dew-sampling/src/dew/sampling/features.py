@@ -32,7 +32,7 @@ import numpy as np
 from flax import traverse_util
 
 from dew.nn import models
-from dew.sampling.checkpoint_files import TensorReader, read_json_object, write_tensors
+from dew.sampling.checkpoint_io.files import TensorReader, read_json_object, write_tensors
 
 CONFIG = "features.json"
 POOLINGS = ("mean", "none")

@@ -89,6 +89,7 @@ class Transformer(TransformerOptions, kw_only=True):
         query_key_mask: jax.Array | None = None,
         time: jax.Array | None = None,
         decode: bool = False,
+        output_length: int | None = None,
     ) -> jax.Array:
         """``[batch, length, out]`` for token ids ``[batch, length]`` (with
         ``vocab_size``) or vectors ``[batch, length, features]`` (without).
@@ -102,6 +103,9 @@ class Transformer(TransformerOptions, kw_only=True):
           ``time_conditioning`` and refused without it.
         decode: read and append to the ``cache`` collection (:class:`dew.nn.Attention`);
           give ``positions``.
+        output_length: only the first ``output_length`` slots are output (the final
+          norm and the head run on them alone: block diffusion's ``[noisy | clean]``
+          pass reads the noisy half); None = every slot.
         """
         if (time is not None) != self.time_conditioning:
             raise ValueError(
@@ -143,6 +147,13 @@ class Transformer(TransformerOptions, kw_only=True):
             query_key_mask,
             use_pipeline=not decode,
         )
+        if output_length is not None:
+            if not 1 <= output_length <= length:
+                raise ValueError(
+                    f"output_length {output_length} must be in [1, {length}] (the input's "
+                    f"length); use None for every slot"
+                )
+            x = x[:, :output_length]
         x = self.norm_output(x)
         if self.head_features is not None:
             out_axis = axes.VOCAB if self.head_features == self.vocab_size else None

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.sampling import checkpoint_formats
+from dew.sampling.checkpoint_io import formats as checkpoint_formats
 
 
 def encode_tokens(module: nn.Module, params: Any, ids: jax.Array) -> jax.Array:

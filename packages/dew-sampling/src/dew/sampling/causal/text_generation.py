@@ -9,9 +9,9 @@ from typing import Any
 import jax
 
 from dew.nn.keywords import is_whole_number
-from dew.sampling import checkpoint_formats
-from dew.sampling.generate import generate
-from dew.sampling.sampling import Sampling
+from dew.sampling.causal.generate import generate
+from dew.sampling.causal.sampling import Sampling
+from dew.sampling.checkpoint_io import formats as checkpoint_formats
 
 
 @dataclasses.dataclass

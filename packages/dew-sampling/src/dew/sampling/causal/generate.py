@@ -23,16 +23,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from dew.nn.keywords import is_whole_number
-from dew.sampling.beam import beam_search
-from dew.sampling.decoding import Generation, decode_step, prefill, unrolled
-from dew.sampling.prompts import (
+from dew.sampling.causal.beam import beam_search
+from dew.sampling.causal.decoding import Generation, decode_step, prefill, unrolled
+from dew.sampling.causal.prompts import (
     PROMPT_BUCKET,
     check_prompts,
     end_id_tuple,
     pad_prompts,
     row_multiple,
 )
-from dew.sampling.sampling import Sampling, sample_logits
+from dew.sampling.causal.sampling import Sampling, sample_logits
 
 
 @struct.dataclass

@@ -38,8 +38,8 @@ from flax import traverse_util
 from dew.data import ByteTokenizer, HFTokenizer
 from dew.nn import hf, models
 from dew.nn.keywords import is_whole_number
-from dew.sampling.byte_level import save_byte_tokenizer
-from dew.sampling.checkpoint_files import (
+from dew.sampling.checkpoint_io.byte_level import save_byte_tokenizer
+from dew.sampling.checkpoint_io.files import (
     TensorReader,
     read_json_object,
     write_tensors,
@@ -217,7 +217,7 @@ def write(
     hf_config: the ``config.json`` the weights came from, when ``format`` is
       that same family: the fields Dew ignores (token ids, ...) are kept.
     diffusion: a Dew checkpoint's ``"diffusion"`` section (how a diffusion model
-      samples, :mod:`dew.sampling.diffusion_pipelines`); None = none.
+      samples, :mod:`dew.sampling.diffusion.pipelines`); None = none.
     generation_config: a Hugging Face checkpoint's ``generation_config.json``, written
       back beside ``config.json``; None = none.
     """

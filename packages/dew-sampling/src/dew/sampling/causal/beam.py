@@ -33,8 +33,8 @@ import numpy as np
 from flax import struct
 
 from dew.nn.keywords import is_whole_number
-from dew.sampling.decoding import Generation, decode_step, init_cache, prefill, unrolled
-from dew.sampling.prompts import (
+from dew.sampling.causal.decoding import Generation, decode_step, init_cache, prefill, unrolled
+from dew.sampling.causal.prompts import (
     PROMPT_BUCKET,
     check_prompts,
     end_id_tuple,

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.sampling.diffusion_samplers import DenoiseFn, _check_steps, flow_times
+from dew.sampling.diffusion.samplers import DenoiseFn, _check_steps, flow_times
 
 KINDS = ("sde", "cps")
 REDUCTIONS = ("mean", "sum")

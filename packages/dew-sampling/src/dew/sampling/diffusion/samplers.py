@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.sampling.diffusion_targets import as_float32, check_target, eps_from_x0, predictions_of
-from dew.sampling.noise_schedules import DDPMSchedule, EDMSchedule, FlowSchedule, Schedule, _rows
+from dew.sampling.diffusion.schedules import DDPMSchedule, EDMSchedule, FlowSchedule, Schedule
+from dew.sampling.diffusion.schedules import per_row as _rows
+from dew.sampling.diffusion.targets import as_float32, check_target, eps_from_x0, predictions_of
 
 
 class Denoised(NamedTuple):

@@ -6,9 +6,9 @@
   :class:`dew.sampling.TextEncoder` into the context the model cross-attends to.
 
 Each holds the denoiser (its EMA weights when the objective kept them), how it
-was trained (a schedule of :mod:`dew.sampling.noise_schedules` and a prediction
+was trained (a schedule of :mod:`dew.sampling.diffusion.schedules` and a prediction
 target) and sampling defaults; a call draws ``x_T`` from ``seed`` and runs one
-compiled sampler of :mod:`dew.sampling.diffusion_samplers` (DDPM, DDIM, flow
+compiled sampler of :mod:`dew.sampling.diffusion.samplers` (DDPM, DDIM, flow
 Euler / Heun, EDM Heun) with classifier-free guidance
 ``x0 = x0_u + w (x0_c - x0_u)`` (Ho & Salimans 2022). Samples in ``[-1, 1]``
 become pixels ``round((x + 1) * 127.5)`` clipped to ``0..255``.
@@ -45,17 +45,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.sampling import checkpoint_formats
-from dew.sampling.checkpoint_files import TensorReader, write_tensors
-from dew.sampling.diffusion_samplers import (
+from dew.sampling.checkpoint_io import formats as checkpoint_formats
+from dew.sampling.checkpoint_io.files import TensorReader, write_tensors
+from dew.sampling.diffusion.samplers import (
     SAMPLERS,
     check_target_for,
     make_sampler,
     model_denoiser,
     sample_diffusion,
 )
-from dew.sampling.noise_schedules import DDPMSchedule, EDMSchedule, FlowSchedule
-from dew.sampling.text_encoders import TextEncoder
+from dew.sampling.diffusion.schedules import DDPMSchedule, EDMSchedule, FlowSchedule
+from dew.sampling.diffusion.text_encoders import TextEncoder
 
 SCHEDULES = {"ddpm": DDPMSchedule, "flow": FlowSchedule, "edm": EDMSchedule}
 TEXT_ENCODER_DIRECTORY = "text_encoder"

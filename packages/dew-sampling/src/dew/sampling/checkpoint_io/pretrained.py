@@ -1,7 +1,7 @@
 """Pretrained checkpoints: load a model, its weights and its tokenizer; save them back.
 
 Two formats, told apart by the file that describes the model (see
-:mod:`dew.sampling.checkpoint_formats`): a Hugging Face checkpoint
+:mod:`dew.sampling.checkpoint_io.formats`): a Hugging Face checkpoint
 (``config.json``; the families of :mod:`dew.nn.hf`) and Dew's own
 (``dew_config.json``). ``save`` writes the format a checkpoint came in, so a
 Hugging Face checkpoint stays one.
@@ -19,10 +19,11 @@ import jax.numpy as jnp
 
 from dew.nn.keywords import is_whole_number
 from dew.nn.lora import base_module, fold, lora_of
-from dew.sampling import checkpoint_formats as formats
-from dew.sampling import diffusion_pipelines
-from dew.sampling.pipelines import TextGeneration
-from dew.sampling.prompts import end_id_tuple
+from dew.sampling import token_diffusion
+from dew.sampling.causal.prompts import end_id_tuple
+from dew.sampling.causal.text_generation import TextGeneration
+from dew.sampling.checkpoint_io import formats
+from dew.sampling.diffusion import pipelines as diffusion_pipelines
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,7 @@ class Pretrained:
     generation_config: the ``generation_config.json`` a Hugging Face checkpoint came
       with (its token ids and generation defaults); written back by :meth:`save`.
     diffusion: a diffusion model's sampling setup (a Dew checkpoint's ``"diffusion"``
-      section, :mod:`dew.sampling.diffusion_pipelines`); None = none, or a denoiser
+      section, :mod:`dew.sampling.diffusion.pipelines`); None = none, or a denoiser
       (``DiT``) sampled as DiT was trained.
     pipeline_parts: pipeline fields read beside a diffusion model (a text-conditioned
       one's ``text_encoder`` and ``null_context``); None = none.
@@ -164,6 +165,13 @@ class Pretrained:
           bytes plus ``model.safetensors.index.json``; None = one file.
         """
         format = format or self.format
+        if token_diffusion.is_token_diffusion(self.diffusion):
+            if format != "dew":
+                raise ValueError(
+                    f"a token-diffusion checkpoint is saved in Dew's format (its sampling "
+                    f"setup has no Hugging Face form), not {format!r}; use format='dew'"
+                )
+            return self.pipeline().save(path)
         if self._is_diffusion:
             return self.pipeline().save(path, format=format)
         return formats.write(
@@ -225,7 +233,11 @@ class Pretrained:
         ``ClassToImage`` / ``ClassToVideo`` / ``TextToImage`` / ``TextToVideo`` its
         ``diffusion`` section describes (a diffusers DiT: ``ClassToImage`` as DiT was
         trained, :func:`dew.sampling.diffusion_pipelines.default_description`).
-        ``options`` override pipeline fields (``num_steps=``, ``guidance=``, ...)."""
+        ``options`` override pipeline fields (``num_steps=``, ``guidance=``, ...).
+        A masked or block diffusion language model (``diffusion`` task
+        ``'token_diffusion'``): its :class:`dew.sampling.TokenDiffusionGeneration`."""
+        if token_diffusion.is_token_diffusion(self.diffusion):
+            return token_diffusion.TokenDiffusionGeneration.from_pretrained(self, **options)
         if self._is_diffusion:
             description = self.diffusion or diffusion_pipelines.default_description(self.model)
             options = {**(self.pipeline_parts or {}), **options}

@@ -1,7 +1,7 @@
 """What a diffusion network predicts, and the conversions between the four choices.
 
 On a Gaussian path ``x = alpha x0 + sigma eps`` (any schedule of
-:mod:`dew.sampling.noise_schedules`) the network may predict
+:mod:`dew.sampling.diffusion.schedules`) the network may predict
 
 - ``'eps'``: the noise ``eps`` (DDPM, Ho et al. 2020);
 - ``'x0'``: the data ``x0`` (EDM's denoiser ``D`` is one);

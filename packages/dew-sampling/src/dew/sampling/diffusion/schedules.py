@@ -273,18 +273,19 @@ class EDMSchedule:
     def model_input(self, x: jax.Array, time: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(c_in x, c_noise)``; ``time`` is sigma, one per row ``[batch]``."""
         _, _, c_in, c_noise = self.precondition(time)
-        return x * _rows(c_in, x), c_noise
+        return x * per_row(c_in, x), c_noise
 
     def network_output(self, raw: jax.Array, x: jax.Array, time: jax.Array) -> jax.Array:
         """``D = c_skip x + c_out F``: the x0 prediction."""
         c_skip, c_out, _, _ = self.precondition(time)
-        return _rows(c_skip, x) * x + _rows(c_out, x) * raw
+        return per_row(c_skip, x) * x + per_row(c_out, x) * raw
 
 
 Schedule = DDPMSchedule | FlowSchedule | EDMSchedule
 
 
-def _rows(value: jax.Array, like: jax.Array) -> jax.Array:
-    """A per-row ``[batch]`` (or scalar) value broadcast against ``like [batch, ...]``."""
+def per_row(value: jax.Array, like: jax.Array) -> jax.Array:
+    """A per-row ``[batch]`` (or scalar) value broadcast against ``like [batch, ...]``
+    (a schedule's coefficients at each row's time, against the rows' samples)."""
     value = jnp.asarray(value)
     return value.reshape(value.shape + (1,) * (like.ndim - value.ndim))

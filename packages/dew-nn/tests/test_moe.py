@@ -159,8 +159,10 @@ def test_dense_and_expert_layers_mix_unrolled():
         (dict(moe_layers=(1,), num_experts=0), r"lists expert layers but num_experts is 0"),
         (dict(moe_layers=(1,), num_stages=2), r"num_stages 2 \(a pipeline\) needs every layer"),
         (dict(moe_layers=(1,), dense_mlp_features=0), r"dense_mlp_features=0"),
+        (dict(moe_capacity_factor=0.0), r"moe_capacity_factor must be > 0 .* got 0.0"),
+        (dict(moe_dispatch="sparse"), r"unknown moe_dispatch 'sparse'; use one of"),
     ],
 )
-def test_bad_expert_layer_options_are_refused_when_built(options, message):
+def test_bad_expert_options_are_refused_when_built(options, message):
     with pytest.raises(ValueError, match=message):
         CausalTransformer(**{**TINY_MOE, **options})

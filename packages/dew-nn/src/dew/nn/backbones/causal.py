@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes, masks, models
+from dew.nn._moe_dispatch import DISPATCHES
 from dew.nn.attention import Attention
 from dew.nn.backbones._options import (
     ACTIVATION_AXES,
@@ -172,6 +173,19 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         if isinstance(self.moe_layers, list):  # from a saved (JSON) config
             object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
         super().__post_init__()
+
+    def check(self) -> None:
+        super().check()
+        if not self.num_experts:
+            return
+        if self.moe_dispatch not in DISPATCHES:
+            raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; use one of {DISPATCHES}")
+        factor = self.moe_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(
+                f"moe_capacity_factor must be > 0 (slots per expert as a multiple of the "
+                f"balanced load) or None for dropless routing, got {factor}"
+            )
 
     @property
     def is_mixed(self) -> bool:

@@ -9,21 +9,27 @@ parameters (a SwiGLU MLP of width ``k * features``) as the bar:
 - ``ragged``: ``jax.lax.ragged_dot`` (XLA:CPU lowers it to a dense masked product).
 
 ``--mode layer`` (the default) times one MoE layer's jitted step (forward and
-backward) on one row of ``--tokens`` tokens; ``--mode lm`` the whole training
+backward to its weights and its input, as inside a network) on one row of
+``--tokens`` tokens; ``--mode lm`` the whole training
 step (loss, gradients) of the medium LM (emb 256, 4 layers, 8 heads, seq 256,
 batch 16) with an MoE in every layer, against the same LM with a dense MLP of
 width ``k * features``. The runs are interleaved (one step group of each, then
 the next round), and each figure is the median over ``--repeats`` rounds of
 groups of 3 steps, in wall and in this process's CPU time (every thread), with
-XLA's cost analysis of each program (FLOPs, bytes accessed); the load average
+each program's matrix-product FLOPs and XLA's bytes accessed; the load average
 is printed before and after. ``--phases`` (layer mode) times the parts of the
 routed capacity layer on their own, forward and forward + backward: the
 router (logits, top-k, balance loss), the layout (one sort of the assignments
 and the index maps), the dispatch gather, the experts' batched matmuls and the
 combine.
 
+``--against REV`` (layer mode) adds the same MoE runs with ``dew.nn.moe`` and
+its dispatch module as they were at git revision ``REV``, interleaved with
+today's: a before/after in one process.
+
     python tools/bench_moe.py
     python tools/bench_moe.py --experts 32 --features 128 --phases
+    python tools/bench_moe.py --experts 32 --features 128 --runs capacity blocked --against b117c06
     python tools/bench_moe.py --mode lm --experts 32 --features 512 --runs capacity
 """
 
@@ -31,9 +37,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
+import subprocess
 import sys
 import time
+import types
 
 RUNS = ("dense", "capacity_dropless", "capacity", "blocked", "ragged")
 LM = dict(emb_features=256, num_layers=4, num_heads=8, max_seq_len=256)  # the medium LM
@@ -54,21 +63,49 @@ def parse(argv):
         "--runs", nargs="+", choices=RUNS, default=list(RUNS), help="the MoE runs (with the bar)"
     )
     parser.add_argument("--phases", action="store_true", help="layer mode: time the parts too")
+    parser.add_argument("--against", help="layer mode: also the MoE of this git revision")
     args = parser.parse_args(argv)
     if min(args.tokens, args.embed, args.features, args.experts, args.k, args.repeats) < 1:
         parser.error("--tokens, --embed, --features, --experts, --k and --repeats must be >= 1")
     if args.k > args.experts or args.capacity_factor <= 0:
         parser.error(f"need 1 <= --k ({args.k}) <= --experts ({args.experts}) and a factor > 0")
-    if args.phases and args.mode != "layer":
-        parser.error("--phases is for --mode layer")
+    if (args.phases or args.against) and args.mode != "layer":
+        parser.error("--phases and --against are for --mode layer")
     return args
 
 
-def cost(compiled) -> tuple[float, float]:
-    """XLA's ``(flops, bytes accessed)`` of a compiled program."""
-    analysis = compiled.cost_analysis()
+def cost(fn, arguments) -> tuple[float, float]:
+    """``(matmul FLOPs, bytes accessed)`` of a program: the FLOPs counted on its
+    jaxpr (:func:`dew.train.throughput.program_flops`: XLA:CPU's cost analysis
+    leaves out some of the dots it hands to YNNPACK), the bytes by XLA."""
+    import jax
+
+    from dew.train.throughput import program_flops
+
+    analysis = fn.lower(*arguments).compile().cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    return float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    flops = program_flops(jax.make_jaxpr(fn)(*arguments))
+    return flops, float(analysis.get("bytes accessed", 0.0))
+
+
+def moe_at(revision: str):
+    """The ``MoE`` class of ``dew.nn.moe`` at git ``revision``, with that revision's
+    dispatch module (``dew.nn._moe_dispatch``) beside it; the rest is today's."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    src = "packages/dew-nn/src/dew/nn"
+
+    def source(name):
+        return subprocess.check_output(["git", "show", f"{revision}:{src}/{name}"], cwd=root)
+
+    dispatch = types.ModuleType(f"moe_dispatch_{revision}")
+    exec(compile(source("_moe_dispatch.py"), f"{revision}:_moe_dispatch.py", "exec"),
+         dispatch.__dict__)  # fmt: skip
+    text = source("moe.py").decode().replace("from dew.nn import _moe_dispatch as dispatches\n", "")
+    moe = types.ModuleType(f"moe_{revision}")
+    moe.__dict__["dispatches"] = dispatch
+    sys.modules[moe.__name__] = moe
+    exec(compile(text, f"{revision}:moe.py", "exec"), moe.__dict__)
+    return moe.MoE
 
 
 def programs(args):
@@ -99,6 +136,11 @@ def programs(args):
         modules = {"dense MLP, same active params": MLP(features=args.k * args.features)}
         for run in args.runs:
             modules[labels[run]] = MoE(features=args.features, **moe, **kinds[run])
+            if args.against:
+                before = moe_at(args.against)
+                modules[f"{labels[run]} @{args.against}"] = before(
+                    features=args.features, **moe, **kinds[run]
+                )
     else:
         x = jax.random.randint(jax.random.key(0), (LM_BATCH, LM["max_seq_len"]), 0, LM_VOCAB)
         base = dict(vocab_size=LM_VOCAB, **LM)
@@ -123,7 +165,9 @@ def programs(args):
                 y = jnp.take_along_axis(logp, x[:, 1:, None], axis=-1)
             return jnp.mean(y**2), sown
 
-        out[name] = (jax.jit(jax.value_and_grad(loss, has_aux=True)), (params, x))
+        # the layer's input gradient too, as inside a network (not of the LM's token ids)
+        argnums = (0, 1) if args.mode == "layer" else 0
+        out[name] = (jax.jit(jax.value_and_grad(loss, argnums, has_aux=True)), (params, x))
     return out
 
 
@@ -206,7 +250,7 @@ def main(argv=None) -> None:
     entries = programs(args)
     if args.phases:
         entries |= phases(args)
-    costs = {n: cost(fn.lower(*a).compile()) for n, (fn, a) in entries.items()}
+    costs = {n: cost(fn, a) for n, (fn, a) in entries.items()}
     load = os.getloadavg()[0]
     times = interleaved(entries, args.repeats)
     print(f"load average {load:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn import CausalTransformer, MoE, axes
+from dew.nn import CausalTransformer, MoE, axes, models
 from dew.nn.moe import load_balancing_loss
 from dew.nn.testing import TINY_MOE
 
@@ -128,6 +128,8 @@ def test_dense_and_expert_layers_mix_unrolled():
     one = dict(TINY_MOE, num_experts=1, experts_per_token=1, use_scan=False)
     mixed = CausalTransformer(**dict(one, moe_layers=[1], dense_mlp_features=one["mlp_features"]))
     assert mixed.moe_layers == (1,) and mixed.is_mixed  # a JSON list becomes a tuple
+    name, config = models.config_of(mixed)
+    assert models.build(name, **config) == mixed  # a saved run rebuilds it
     params = nn.unbox(mixed.init(jax.random.key(0), tokens)["params"])
     assert set(params["layer_0"]["mlp"]) == {"gate", "up", "down"}  # Dense modules
     assert params["layer_1"]["mlp"]["up"].shape == (1, one["emb_features"], one["mlp_features"])

@@ -170,7 +170,8 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         return masks.causal(window=self.sliding_window)
 
     def __post_init__(self):
-        if isinstance(self.moe_layers, list):  # from a saved (JSON) config
+        if self.moe_layers is not None and not isinstance(self.moe_layers, tuple):
+            # a list from a saved (JSON) config, a range: a tuple (hashable, compares equal)
             object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
         super().__post_init__()
 

@@ -1,5 +1,5 @@
 """How :class:`dew.nn.moe.MoE` sends tokens to its experts: the routing, the
-capacity order, and the three dispatches over one weight layout.
+capacity order, and the routed dispatches over one weight layout.
 
 All functions here are pure (no flax): tokens come flattened, ``x [tokens,
 embed]``, with the router's choice ``chosen [tokens, k]`` (expert ids) and
@@ -13,6 +13,12 @@ every token's first choice before any token's second choice, and within
 one choice the earlier token first. An assignment past its expert's
 capacity is dropped (its weight is zero, the token keeps its residual).
 Every dispatch drops the same set, so they agree exactly.
+
+The routed dispatches place the assignments with one stable sort by expert
+(:func:`layout`) and move token rows with gathers only (:func:`gather_rows`,
+whose gradient is the inverse gather, not a scatter-add). The dense
+reference ranks them independently (:func:`positions`: a one-hot running
+count), so the tests that compare the two check the sort's ranks too.
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ def capacity_of(tokens: int, k: int, num_experts: int, capacity_factor: float | 
 
 def positions(chosen, num_experts: int):
     """Each assignment's rank in its expert's queue, ``[tokens, k]`` (0-based),
-    in the capacity order (choice first, then token)."""
+    in the capacity order (choice first, then token), by a running count over a
+    one-hot ``[tokens * k, expert]`` (the dense dispatch's; the routed ones take
+    theirs from :func:`layout`'s sort)."""
     tokens, k = chosen.shape
     by_choice = jax.nn.one_hot(chosen.T.reshape(-1), num_experts, dtype=jnp.int32)  # [k*T, E]
     rank = jnp.sum((jnp.cumsum(by_choice, axis=0) - 1) * by_choice, axis=-1)

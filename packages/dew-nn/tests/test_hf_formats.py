@@ -372,9 +372,10 @@ MOE_CONFIGS = {
 }
 
 
-def moe_tensors(family, config, seed=0):
+def moe_tensors(family, config, seed=0, dense=()):
     """The hub's layout: one tensor per expert (Mixtral's w1/w3/w2, Qwen's
-    gate_proj/up_proj/down_proj), Qwen2-MoE's shared expert, Qwen3-MoE's q/k norms."""
+    gate_proj/up_proj/down_proj), Qwen2-MoE's shared expert, Qwen3-MoE's q/k norms;
+    the layers in ``dense`` hold a dense MLP of width ``intermediate_size`` instead."""
     rng = np.random.default_rng(seed)
     draw = lambda *shape: (0.3 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
     e, v = config["hidden_size"], config["vocab_size"]
@@ -389,15 +390,23 @@ def moe_tensors(family, config, seed=0):
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out |= attention_tensors(p, draw, draw, e, h, kv, d)
-        out[p + block + "gate.weight"] = draw(n, e)
-        for j in range(n):
+        if i in dense:
+            m = config["intermediate_size"]
+            out |= {
+                p + "mlp.gate_proj.weight": draw(m, e),
+                p + "mlp.up_proj.weight": draw(m, e),
+                p + "mlp.down_proj.weight": draw(e, m),
+            }
+        else:
+            out[p + block + "gate.weight"] = draw(n, e)
+        for j in range(0 if i in dense else n):
             x = f"{p}{block}experts.{j}."
             out |= {
                 x + f"{names[0]}.weight": draw(f, e),
                 x + f"{names[1]}.weight": draw(f, e),
                 x + f"{names[2]}.weight": draw(e, f),
             }
-        if family == "qwen2_moe":
+        if family == "qwen2_moe" and i not in dense:
             s = config["shared_expert_intermediate_size"]
             out |= {
                 p + "mlp.shared_expert.gate_proj.weight": draw(s, e),
@@ -405,6 +414,7 @@ def moe_tensors(family, config, seed=0):
                 p + "mlp.shared_expert.down_proj.weight": draw(e, s),
                 p + "mlp.shared_expert_gate.weight": draw(1, e),
             }
+        if family == "qwen2_moe":
             for name, width in (("q", h * d), ("k", kv * d), ("v", kv * d)):
                 out[p + f"self_attn.{name}_proj.bias"] = draw(width)
         if family == "qwen3_moe":
@@ -448,6 +458,41 @@ def test_moe_config_maps_to_the_routing_and_round_trips(family):
     assert fmt.config_to_dew(fmt.config_from_dew(options)) == (name, options)
 
 
+@pytest.mark.parametrize(
+    "family, change, sparse",
+    [
+        ("qwen2_moe", dict(mlp_only_layers=[0]), (1, 2)),
+        ("qwen3_moe", dict(decoder_sparse_step=2), (1,)),
+    ],
+)
+def test_moe_checkpoints_with_dense_layers_between_round_trip(family, change, sparse):
+    """Qwen's mlp_only_layers / decoder_sparse_step: dense MLPs of width
+    intermediate_size in the other layers, which run unrolled (layer_{i})."""
+    config = dict(MOE_CONFIGS[family], num_hidden_layers=3, **change)
+    fmt = hf.get(family)
+    name, options = fmt.config_to_dew(config)
+    assert options["moe_layers"] == sparse and options["dense_mlp_features"] == 24
+    dense = [i for i in range(3) if i not in sparse]
+    tensors = moe_tensors(family, config, dense=dense)
+    params = fmt.params_from_hf(tensors, options)  # use_scan=True: unrolled all the same
+    assert set(params) == {"embed", "final_norm", "lm_head", "layer_0", "layer_1", "layer_2"}
+    np.testing.assert_array_equal(
+        params[f"layer_{dense[0]}"]["mlp"]["up"]["kernel"],
+        tensors[f"model.layers.{dense[0]}.mlp.up_proj.weight"].T,
+    )
+    np.testing.assert_array_equal(
+        params[f"layer_{sparse[0]}"]["mlp"]["up"][2],
+        tensors[f"model.layers.{sparse[0]}.mlp.experts.2.up_proj.weight"].T,
+    )
+    assert_same_tensors(fmt.params_to_hf(params, options), tensors)
+    written = fmt.config_from_dew(options)
+    assert written["mlp_only_layers"] == dense and written["decoder_sparse_step"] == 1
+    assert written["intermediate_size"] == 24
+    assert fmt.config_to_dew(written) == (name, options)
+    with pytest.raises(ValueError, match=r"moe_layers=None \(experts in every layer\)"):
+        hf.MIXTRAL.config_from_dew(dict(options, moe_shared_features=0, qk_norm=False))
+
+
 def test_moe_fused_expert_tensors_read_as_the_per_expert_ones():
     """transformers 5 holds the experts fused (gate_up_proj [expert, 2 * moe, embed],
     down_proj [expert, embed, moe]) under mlp.: the same parameters."""
@@ -472,12 +517,10 @@ def test_moe_fused_expert_tensors_read_as_the_per_expert_ones():
 @pytest.mark.parametrize(
     "family, change, match",
     [
-        (
-            "qwen2_moe",
-            dict(mlp_only_layers=[0]),
-            r"mlp_only_layers=\[0\].*layers \[0\] use a dense",
-        ),
-        ("qwen3_moe", dict(decoder_sparse_step=2), r"decoder_sparse_step=2, so layers \[0\]"),
+        ("qwen2_moe", dict(mlp_only_layers=[5]), r"mlp_only_layers=\[5\]; it must list layer"),
+        ("qwen3_moe", dict(decoder_sparse_step=3), r"decoder_sparse_step=3, which leave no expert"),
+        ("mixtral", dict(decoder_sparse_step=2), r"dense layers between the expert ones"),
+        ("qwen2_moe", dict(mlp_only_layers=[0], intermediate_size=None), r"no intermediate_size"),
         ("qwen2_moe", dict(scoring_func="sigmoid"), r"scoring_func='sigmoid'"),
         ("mixtral", dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1"),
         ("qwen3_moe", dict(n_group=4, topk_group=2), r"n_group=4"),

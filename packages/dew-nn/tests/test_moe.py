@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn import CausalTransformer, MoE, axes
+from dew.nn import CausalTransformer, MoE, axes, models
 from dew.nn.moe import load_balancing_loss
 from dew.nn.testing import TINY_MOE
 
@@ -117,3 +117,54 @@ def test_bad_expert_options_are_refused():
         CausalTransformer(**{**TINY_MOE, "num_experts": 2, "experts_per_token": 3}).init(
             jax.random.key(0), jnp.zeros((1, 8), int)
         )
+
+
+def test_dense_and_expert_layers_mix_unrolled():
+    """moe_layers=(1,): layer 0 a dense MLP of width dense_mlp_features, layer 1
+    the MoE. One expert, top-1, is that expert's MLP exactly (its gate is
+    softmax over one logit = 1), so the mixed model equals a model with one
+    expert in every layer whose layer-0 expert holds the dense weights."""
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    one = dict(TINY_MOE, num_experts=1, experts_per_token=1, use_scan=False)
+    mixed = CausalTransformer(**dict(one, moe_layers=[1], dense_mlp_features=one["mlp_features"]))
+    assert mixed.moe_layers == (1,) and mixed.is_mixed  # a JSON list becomes a tuple
+    name, config = models.config_of(mixed)
+    assert models.build(name, **config) == mixed  # a saved run rebuilds it
+    params = nn.unbox(mixed.init(jax.random.key(0), tokens)["params"])
+    assert set(params["layer_0"]["mlp"]) == {"gate", "up", "down"}  # Dense modules
+    assert params["layer_1"]["mlp"]["up"].shape == (1, one["emb_features"], one["mlp_features"])
+    logits, sown = jax.jit(lambda p: mixed.apply({"params": p}, tokens, mutable="intermediates"))(
+        params
+    )
+    assert list(sown["intermediates"]) == ["layer_1"]  # only the MoE layer sows its losses
+    uniform = CausalTransformer(**one)
+    moved = dict(params, layer_0=dict(params["layer_0"]))
+    moved["layer_0"]["mlp"] = dict(
+        jax.tree.map(
+            lambda a: a[None], {n: v["kernel"] for n, v in params["layer_0"]["mlp"].items()}
+        ),
+        router=jnp.zeros((one["emb_features"], 1)),
+    )
+    want = jax.jit(uniform.apply)({"params": moved}, tokens)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # every layer listed: the plain scanned stack, the same parameters as moe_layers=None
+    every = CausalTransformer(**dict(TINY_MOE, moe_layers=(0, 1)))
+    assert not every.is_mixed and every.layer_stack().use_scan
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(moe_layers=(2,)), r"moe_layers=\[2\] must be distinct layer indices in 0...1"),
+        (dict(moe_layers=(1, 1)), r"moe_layers=\[1, 1\] must be distinct"),
+        (dict(moe_layers=()), r"at least one"),
+        (dict(moe_layers=(1,), num_experts=0), r"lists expert layers but num_experts is 0"),
+        (dict(moe_layers=(1,), num_stages=2), r"num_stages 2 \(a pipeline\) needs every layer"),
+        (dict(moe_layers=(1,), dense_mlp_features=0), r"dense_mlp_features=0"),
+        (dict(moe_capacity_factor=0.0), r"moe_capacity_factor must be > 0 .* got 0.0"),
+        (dict(moe_dispatch="sparse"), r"unknown moe_dispatch 'sparse'; use one of"),
+    ],
+)
+def test_bad_expert_options_are_refused_when_built(options, message):
+    with pytest.raises(ValueError, match=message):
+        CausalTransformer(**{**TINY_MOE, **options})

@@ -88,6 +88,20 @@ FAMILIES = {
             head_dim=16,
         ),
     ),
+    # a dense MLP (intermediate_size) in layer 0, the experts in layer 1: Dew's
+    # moe_layers=(1,), dense_mlp_features=64, its layers unrolled
+    "qwen2_moe_dense_layer": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            SIZES,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -282,6 +296,24 @@ def test_dew_model_saved_as_hf_reads_in_transformers(tiny, fmt, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, attn_implementation="eager"
     ).eval()
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 20))
+    ours = model.apply({"params": params}, jnp.asarray(tokens, jnp.int32))
+    np.testing.assert_allclose(np.asarray(ours), hf_logits(hf, tokens), atol=TOLERANCE, rtol=0)
+
+
+def test_dew_model_with_dense_layers_saved_as_qwen3_moe_reads_in_transformers(tiny, tmp_path):
+    """Experts in layers 0 and 2, a dense MLP of width 20 in layer 1: written as
+    mlp_only_layers=[1] (decoder_sparse_step 1), which transformers builds the same."""
+    options = dict(FRESH["qwen3_moe"], num_layers=3, moe_layers=(0, 2), dense_mlp_features=20)
+    model, params = tiny("llama", **{"num_kv_heads": None, **options})
+    assert set(params["layer_1"]["mlp"]) == {"gate", "up", "down"}
+    Pretrained(model=model, params=params, format="qwen3_moe").save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["mlp_only_layers"] == [1] and config["intermediate_size"] == 20
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    ).eval()
+    assert type(hf.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
     tokens = np.random.default_rng(2).integers(0, 64, (2, 20))
     ours = model.apply({"params": params}, jnp.asarray(tokens, jnp.int32))
     np.testing.assert_allclose(np.asarray(ours), hf_logits(hf, tokens), atol=TOLERANCE, rtol=0)

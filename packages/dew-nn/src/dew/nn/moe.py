@@ -339,16 +339,12 @@ class MoE(nn.Module):
                     tensor_axes=tensor_axes,
                 )
                 return out.reshape(b, n, embed), kept.reshape(b, n, k)
-            rank = dispatches.positions(c, num)
-            kept = rank < capacity
-            if how == "ragged":
-                out = dispatches.ragged_dispatch(rows, c, w, kept, gate, up, down, activation)
-            elif how == "blocked":
-                out = dispatches.blocked_dispatch(rows, c, w, kept, gate, up, down, activation)
-            else:
-                out = dispatches.capacity_dispatch(
-                    rows, c, w, kept, rank, gate, up, down, activation, capacity
-                )
+            routed = {
+                "ragged": dispatches.ragged_dispatch,
+                "blocked": dispatches.blocked_dispatch,
+                "capacity": dispatches.capacity_dispatch,
+            }[how]
+            out, kept = routed(rows, c, w, gate, up, down, activation, capacity)
             if tensor_axes:
                 out = jax.lax.psum(out, tensor_axes)
             return out.reshape(b, n, embed), kept.reshape(b, n, k)

@@ -134,11 +134,18 @@ class LayerStack:
         length, embed] -> [batch, length, embed]``.
 
         parent: the calling module (the blocks become its children).
-        block, block_kwargs: the block class and its attributes.
+        block, block_kwargs: the block class and its attributes; a list of one
+          dict a layer when the layers differ (``use_scan=False`` only).
         args: passed to every block after ``x``; arrays or None.
         use_pipeline: False runs the plain stack even when ``num_stages > 1``
           (decoding, whose cache the pipeline does not thread).
         """
+        per_layer = isinstance(block_kwargs, (list, tuple))
+        if per_layer and (self.use_scan or len(block_kwargs) != self.num_layers):
+            raise ValueError(
+                f"per-layer block options ({len(block_kwargs)}) need use_scan=False and one "
+                f"dict for each of the {self.num_layers} layers"
+            )
         if self.num_stages > 1 and use_pipeline and not parent.is_initializing():
             return self._pipelined(parent, block, block_kwargs, x, args)
 
@@ -160,7 +167,8 @@ class LayerStack:
             x, _ = scanned(block(**block_kwargs, name=self.name), x, *args)
             return x
         for i in range(self.num_layers):
-            x, _ = body(block(**block_kwargs, name=self.layer_name(i)), x, *args)
+            kwargs = block_kwargs[i] if per_layer else block_kwargs
+            x, _ = body(block(**kwargs, name=self.layer_name(i)), x, *args)
         return x
 
     def _pipelined(self, parent, block, block_kwargs, x, args):

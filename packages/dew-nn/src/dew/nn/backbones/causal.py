@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import axes, masks, models
+from dew.nn._moe_dispatch import DISPATCHES
 from dew.nn.attention import Attention
 from dew.nn.backbones._options import (
     ACTIVATION_AXES,
@@ -26,10 +27,12 @@ from dew.nn.backbones._options import (
     positions_and_valid,
 )
 from dew.nn.dense import token_rows
+from dew.nn.keywords import is_whole_number
 from dew.nn.mlp import MLP
 from dew.nn.moe import MoE
 from dew.nn.norms import make_norm
 from dew.nn.shards import check_divides
+from dew.nn.stack import LayerStack
 
 
 class DecoderBlock(nn.Module):
@@ -127,6 +130,14 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         ``sigmoid(x w)`` (Qwen2-MoE); False adds it ungated.
       qk_norm: an RMSNorm (epsilon ``norm_eps``) over each head's queries and
         keys before the rotary embedding (Qwen3, Qwen3-MoE).
+      moe_layers: the layers (0-based, ascending) whose feed-forward block is
+        the MoE, the others a dense MLP of width ``dense_mlp_features``
+        (Qwen2/3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``,
+        DeepSeek-MoE's first dense layers); None = every layer. A stack that
+        mixes both runs its layers unrolled (``layer_{i}`` parameters, no scan,
+        no pipeline): they differ.
+      dense_mlp_features: the hidden width of the dense layers' MLP when
+        ``moe_layers`` leaves some out; None = ``mlp_features``.
 
     The rest (widths, heads, norms, positions, dtypes, the layer stack) are
     :class:`~dew.nn.backbones._options.TransformerOptions`' fields; decoding
@@ -146,15 +157,84 @@ class CausalTransformer(TransformerOptions, kw_only=True):
     moe_shared_features: int = 0
     moe_shared_gate: bool = True
     qk_norm: bool = False
+    moe_layers: tuple[int, ...] | None = None
+    dense_mlp_features: int | None = None
 
     EXTRA_POSITIVE = ("vocab_size",)
-    EXTRA_OPTIONAL = ("sliding_window",)
+    EXTRA_OPTIONAL = ("sliding_window", "dense_mlp_features")
     EXTRA_NON_NEGATIVE = ("num_experts", "moe_shared_features")
 
     @property
     def mask(self) -> masks.MaskPolicy:
         """Causal, within ``sliding_window`` positions when one is set."""
         return masks.causal(window=self.sliding_window)
+
+    def __post_init__(self):
+        if self.moe_layers is not None and not isinstance(self.moe_layers, tuple):
+            # a list from a saved (JSON) config, a range: a tuple (hashable, compares equal)
+            object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        super().__post_init__()
+
+    def check(self) -> None:
+        super().check()
+        if not self.num_experts:
+            return
+        if self.moe_dispatch not in DISPATCHES:
+            raise ValueError(f"unknown moe_dispatch {self.moe_dispatch!r}; use one of {DISPATCHES}")
+        factor = self.moe_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(
+                f"moe_capacity_factor must be > 0 (slots per expert as a multiple of the "
+                f"balanced load) or None for dropless routing, got {factor}"
+            )
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether some layers run the MoE and others a dense MLP (``moe_layers``)."""
+        return (
+            bool(self.num_experts)
+            and self.moe_layers is not None
+            and (tuple(self.moe_layers) != tuple(range(self.num_layers)))
+        )
+
+    def layer_stack(self) -> LayerStack:
+        """The stack; unrolled (``layer_{i}``) when the layers mix MoE and dense blocks."""
+        stack = super().layer_stack()
+        layers = self.moe_layers
+        if layers is None:
+            return stack
+        if not self.num_experts:
+            raise ValueError(
+                f"moe_layers={list(layers)} lists expert layers but num_experts is 0; set "
+                "num_experts or leave moe_layers None"
+            )
+        wrong = [i for i in layers if not is_whole_number(i) or not 0 <= i < self.num_layers]
+        if wrong or not layers or list(layers) != sorted(set(layers)):
+            raise ValueError(
+                f"moe_layers={list(layers)} must be distinct layer indices in 0..."
+                f"{self.num_layers - 1}, ascending, at least one (out of range or repeated: "
+                f"{wrong or 'none'}); use None for experts in every layer, or num_experts=0 "
+                "for none"
+            )
+        if not self.is_mixed:
+            return stack
+        if self.num_stages > 1:
+            raise ValueError(
+                f"num_stages {self.num_stages} (a pipeline) needs every layer alike, but "
+                f"moe_layers={list(layers)} mixes MoE and dense layers; use num_stages=1 or "
+                "experts in every layer"
+            )
+        return dataclasses.replace(stack, use_scan=False, unroll=1)
+
+    def layer_configs(self) -> list[BlockConfig]:
+        """Each layer's :class:`BlockConfig` (all the same unless ``is_mixed``)."""
+        config = self.block_config()
+        if not self.is_mixed:
+            return [config] * self.num_layers
+        dense = dataclasses.replace(
+            config, num_experts=0, mlp_features=self.dense_mlp_features or self.mlp_features
+        )
+        return [config if i in self.moe_layers else dense for i in range(self.num_layers)]
 
     def block_config(self) -> BlockConfig:
         return dataclasses.replace(
@@ -225,7 +305,9 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         x = stack(
             self,
             DecoderBlock,
-            dict(config=self.block_config(), decode=decode),
+            [dict(config=c, decode=decode) for c in self.layer_configs()]
+            if self.is_mixed
+            else dict(config=self.block_config(), decode=decode),
             x,
             positions,
             valid,

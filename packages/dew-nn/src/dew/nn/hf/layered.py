@@ -116,7 +116,7 @@ class LayeredFormat:
             self.read_layout_of(model, tensors),
             tensors,
             num_layers=model.num_layers,
-            stacked=model.use_scan,
+            stacked=model.layer_stack().use_scan,
             dtype=model.param_dtype,
             family=self.family,
             where=where,
@@ -139,7 +139,7 @@ class LayeredFormat:
             self.layout(model),
             flat,
             num_layers=model.num_layers,
-            stacked=model.use_scan,
+            stacked=model.layer_stack().use_scan,
             layer_prefix=self.layer_prefix(model),
         )
         self.after_write(out, flat, model)

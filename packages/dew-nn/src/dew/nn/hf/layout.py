@@ -172,6 +172,9 @@ class Layout:
 
     buffers: names of stored tensors that are not parameters (old checkpoints
       saved rotary tables and attention masks); they are skipped.
+    layer_tensors: layer ``i``'s tensors when the layers differ (dense and
+      expert feed-forward blocks in one model; read and written unstacked,
+      ``layer_{i}``); None = ``per_layer`` for every layer.
     """
 
     prefix: str
@@ -180,6 +183,7 @@ class Layout:
     per_layer: tuple[Tensor, ...]
     lm_head: Tensor | None
     buffers: re.Pattern
+    layer_tensors: Callable[[int], tuple[Tensor, ...]] | None = None
 
 
 def loop_prefix(i: int) -> str:
@@ -240,7 +244,14 @@ def read_layout(
         flat.update(zip(layout.lm_head.paths, load(layout.lm_head, "")))
     else:
         used.add("lm_head.weight")  # tied: a stored copy of the embedding is redundant
-    for tensor in layout.per_layer:
+    if layout.layer_tensors is not None:  # layers that differ: one at a time, unstacked
+        if stacked:
+            raise ValueError(f"{where}layers that differ cannot be read into a scanned stack")
+        for i in range(num_layers):
+            for tensor in layout.layer_tensors(i):
+                arrays = load(tensor, prefix + layout.layer.format(i=i))
+                flat.update({f"{layer_prefix(i)}/{p}": x for p, x in zip(tensor.paths, arrays)})
+    for tensor in layout.per_layer if layout.layer_tensors is None else ():
         per_path: dict[str, list[np.ndarray]] = {p: [] for p in tensor.paths}
         for i in range(num_layers):
             arrays = load(tensor, prefix + layout.layer.format(i=i))
@@ -286,7 +297,8 @@ def write_layout(
     if layout.lm_head is not None:
         put(layout.lm_head, "", [flat[p] for p in layout.lm_head.paths])
     for i in range(num_layers):
-        for tensor in layout.per_layer:
+        tensors = layout.per_layer if layout.layer_tensors is None else layout.layer_tensors(i)
+        for tensor in tensors:
             arrays = [
                 flat[f"{layer_prefix(0)}/{p}"][i] if stacked else flat[f"{layer_prefix(i)}/{p}"]
                 for p in tensor.paths

@@ -18,9 +18,12 @@ is read too. The config is read defensively: ``head_dim: null`` (Mixtral),
 the expert count as ``num_local_experts`` or ``num_experts``, the expert width
 as ``intermediate_size`` (Mixtral) or ``moe_intermediate_size`` (Qwen); a
 routing variant Dew does not compute (group-limited top-k, a scoring function
-other than softmax, a routed scaling factor, router jitter, dense layers
-between the sparse ones by ``mlp_only_layers`` / ``decoder_sparse_step``) is an
-error naming the field and its value.
+other than softmax, a routed scaling factor, router jitter) is an error naming
+the field and its value. Qwen's dense layers between the expert ones
+(``mlp_only_layers``, ``decoder_sparse_step``) load as ``CausalTransformer(
+moe_layers=..., dense_mlp_features=intermediate_size)``, whose layers then run
+unrolled; Dew writes them back as ``mlp_only_layers`` with
+``decoder_sparse_step=1``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.nn.hf.causal_lm import CausalLMFormat
-from dew.nn.hf.fields import ConfigFields, read_rope, write_rope
+from dew.nn.hf.fields import ConfigFields
 from dew.nn.hf.layout import Layout, Tensor, experts, fused_experts, linear
-from dew.nn.hf.llama import llama_layout, qwen2_window, qwen2_window_fields
+from dew.nn.hf.llama import (
+    dense_mlp,
+    llama_layout,
+    llama_options,
+    llama_requirements,
+    qwen2_window,
+    qwen2_window_fields,
+    write_llama_config,
+)
 
 _DEFAULT_MAX_POSITIONS = {"mixtral": 4096 * 32, "qwen2_moe": 32768, "qwen3_moe": 32768}
 # the key each family's config.json names its expert count with (both are read)
@@ -75,12 +86,8 @@ class MoEFormat(CausalLMFormat):
     # --------------------------------------------------------------- config.json
 
     def read_options(self, fields: ConfigFields) -> dict[str, Any]:
-        emb = fields.count("hidden_size")
-        heads = fields.count("num_attention_heads")
-        head_dim = fields.count("head_dim", None, optional=True) or emb // heads
-        layers = fields.count("num_hidden_layers")
-        fields.expect("hidden_act", ("silu", "swish"), "silu")
-        theta, scaling = read_rope(fields)
+        options = llama_options(fields, _DEFAULT_MAX_POSITIONS[self.family])
+        layers = options["num_layers"]
         num_experts = _expert_count(fields, self.family)
         k = fields.count("num_experts_per_tok", 2)
         if k > num_experts:
@@ -91,41 +98,36 @@ class MoEFormat(CausalLMFormat):
         for name, allowed in _ROUTING_VARIANTS.items():
             if name in fields.config:
                 fields.expect(name, allowed, allowed[0])
-        _check_every_layer_sparse(fields, layers)
         for name in ("router_aux_loss_coef", "output_router_logits"):  # training settings
             fields.get(name, None)
-        options = dict(
-            vocab_size=fields.count("vocab_size"),
-            emb_features=emb,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=fields.count("num_key_value_heads", None, optional=True) or heads,
-            head_dim=None if head_dim * heads == emb else head_dim,
-            max_seq_len=fields.count(
-                "max_position_embeddings", _DEFAULT_MAX_POSITIONS[self.family]
-            ),
-            mlp_activation="swiglu",
-            norm="rms",
-            norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
-            position_embedding="rope",
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
-            num_experts=num_experts,
-            experts_per_token=k,
-        )
+        options.update(num_experts=num_experts, experts_per_token=k)
+        sparse = _sparse_layers(fields, layers)
         if self.family == "mixtral":
+            if len(sparse) < layers:
+                raise ValueError(
+                    f"{fields.where}: config.json puts dense layers between the expert ones "
+                    f"(experts only in layers {list(sparse)}), which Mixtral does not have; "
+                    "drop mlp_only_layers and decoder_sparse_step, or save it as Qwen2-MoE"
+                )
             options.update(
                 mlp_features=fields.count("intermediate_size"),
                 sliding_window=fields.count("sliding_window", None, optional=True),
                 moe_norm_topk_prob=True,
             )
             return options
-        fields.count("intermediate_size", None, optional=True)  # the dense layers' width: none
         options.update(
             mlp_features=fields.count("moe_intermediate_size"),
             moe_norm_topk_prob=bool(fields.expect("norm_topk_prob", (False, True), False)),
         )
+        dense_width = fields.count("intermediate_size", None, optional=True)
+        if len(sparse) < layers:  # dense MLPs of width intermediate_size between them
+            if dense_width is None:
+                raise ValueError(
+                    f"{fields.where}: config.json puts dense layers between the expert ones "
+                    f"(experts only in layers {list(sparse)}) but sets no intermediate_size, "
+                    "their MLP's width; set it"
+                )
+            options.update(moe_layers=sparse, dense_mlp_features=dense_width)
         if self.family == "qwen2_moe":
             options.update(
                 use_qkv_bias=bool(fields.expect("qkv_bias", (True, False), True)),
@@ -149,10 +151,7 @@ class MoEFormat(CausalLMFormat):
         shared, qk_norm = self.family == "qwen2_moe", self.family == "qwen3_moe"
         has_shared = model.moe_shared_features > 0
         needs = [
-            ("norm", "'rms'", model.norm == "rms"),
-            ("position_embedding", "'rope'", model.position_embedding == "rope"),
-            ("mlp_activation", "'swiglu'", model.mlp_activation == "swiglu"),
-            ("use_bias", "False", not model.use_bias),
+            *llama_requirements(model),
             ("num_experts", ">= 1", model.num_experts >= 1),
             ("qk_norm", str(qk_norm), model.qk_norm == qk_norm),
             ("moe_shared_features", "> 0" if shared else "0", has_shared == shared),
@@ -163,25 +162,16 @@ class MoEFormat(CausalLMFormat):
             needs.append(("use_qkv_bias", "False", not model.use_qkv_bias))
         if self.family == "mixtral":
             needs.append(("moe_norm_topk_prob", "True (renormalised top k)", normalised))
+            mixed = getattr(model, "is_mixed", False)
+            needs.append(("moe_layers", "None (experts in every layer)", not mixed))
         return needs
 
     def write_config(self, model, config: dict[str, Any]) -> None:
         key = next((k for k in _EXPERTS_KEYS if k in config), _EXPERTS_KEY[self.family])
         for other in _EXPERTS_KEYS:
             config.pop(other, None)
-        config.update(
-            hidden_size=model.emb_features,
-            num_hidden_layers=model.num_layers,
-            num_attention_heads=model.num_heads,
-            num_key_value_heads=model.kv_heads,
-            head_dim=model.head_dim or model.emb_features // model.num_heads,
-            hidden_act="silu",
-            max_position_embeddings=model.max_seq_len,
-            rms_norm_eps=model.norm_eps,
-            num_experts_per_tok=model.experts_per_token,
-            **{key: model.num_experts},
-            **write_rope(model.rope_theta, model.rope_scaling),
-        )
+        write_llama_config(model, config)
+        config.update(num_experts_per_tok=model.experts_per_token, **{key: model.num_experts})
         if self.family == "mixtral":
             config.update(intermediate_size=model.mlp_features, sliding_window=model.sliding_window)
             return
@@ -190,12 +180,16 @@ class MoEFormat(CausalLMFormat):
             if model.moe_norm_topk_prob is not None
             else model.experts_per_token > 1
         )
-        config.setdefault("intermediate_size", model.mlp_features)  # dense layers: none
+        dense = [i for i in range(model.num_layers) if i not in _moe_layers(model)]
+        if dense:
+            config["intermediate_size"] = model.dense_mlp_features or model.mlp_features
+        else:
+            config.setdefault("intermediate_size", model.mlp_features)  # dense layers: none
         config.update(
             moe_intermediate_size=model.mlp_features,
             norm_topk_prob=normalised,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=dense,
         )
         if self.family == "qwen2_moe":
             config.update(
@@ -227,7 +221,7 @@ class MoEFormat(CausalLMFormat):
             experts(f"{block}experts.{{j}}.{names['up']}.weight", "mlp/up", n, f, e),
             experts(f"{block}experts.{{j}}.{names['down']}.weight", "mlp/down", n, e, f),
         ]
-        return llama_layout(model, mlp + self._shared(model, block))
+        return self._layers(model, mlp + self._shared(model, block))
 
     def fused_layout(self, model) -> Layout:
         """transformers 5's in-memory layout: ``mlp.experts.gate_up_proj`` and
@@ -238,7 +232,16 @@ class MoEFormat(CausalLMFormat):
             fused_experts("mlp.experts.gate_up_proj", ("mlp/gate", "mlp/up"), n, f, e),
             fused_experts("mlp.experts.down_proj", ("mlp/down",), n, e, f),
         ]
-        return llama_layout(model, mlp + self._shared(model, "mlp."))
+        return self._layers(model, mlp + self._shared(model, "mlp."))
+
+    def _layers(self, model, moe: list[Tensor]) -> Layout:
+        """:func:`llama_layout` with the expert tensors ``moe`` in the MoE layers and a
+        dense MLP (``mlp.gate_proj``, ...) in the others."""
+        if not getattr(model, "is_mixed", False):
+            return llama_layout(model, moe)
+        sparse = set(_moe_layers(model))
+        dense = dense_mlp(model.dense_mlp_features or model.mlp_features, model.emb_features)
+        return llama_layout(model, moe, mlp_of=lambda i: moe if i in sparse else dense)
 
     def read_layout_of(self, model, tensors: Mapping[str, Any]) -> Layout:
         names = list(tensors.keys())
@@ -274,21 +277,32 @@ def _expert_count(fields: ConfigFields, family: str) -> int:
     return next(iter(given.values()))
 
 
-def _check_every_layer_sparse(fields: ConfigFields, layers: int) -> None:
-    """Raise unless ``mlp_only_layers`` and ``decoder_sparse_step`` put experts in
-    every layer, as transformers picks them: layer ``i`` is sparse when ``i`` is
-    not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``."""
+def _sparse_layers(fields: ConfigFields, layers: int) -> tuple[int, ...]:
+    """The expert layers as transformers picks them: layer ``i`` is sparse when ``i``
+    is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``."""
     only = fields.get("mlp_only_layers", None) or []
     step = fields.count("decoder_sparse_step", 1)
-    dense = [i for i in range(layers) if i in only or (i + 1) % step]
-    if dense:
+    if not isinstance(only, list | tuple) or any(
+        not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in only
+    ):
+        raise ValueError(
+            f"{fields.where}: config.json sets mlp_only_layers={only!r}; it must list layer "
+            f"indices in 0...{layers - 1} (the layers with a dense MLP)"
+        )
+    sparse = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
+    if not sparse:
         raise ValueError(
             f"{fields.where}: config.json sets mlp_only_layers={list(only)!r} and "
-            f"decoder_sparse_step={step}, so layers {dense} use a dense MLP between the "
-            f"expert layers; Dew's CausalTransformer runs the same block in every layer and "
-            f"loads only checkpoints with experts in all of them (mlp_only_layers=[], "
-            f"decoder_sparse_step=1)"
+            f"decoder_sparse_step={step}, which leave no expert layer among the {layers}; "
+            "a model without experts is a dense one: load it as its dense family"
         )
+    return sparse
+
+
+def _moe_layers(model) -> tuple[int, ...]:
+    """The model's expert layers (every layer unless ``moe_layers`` says otherwise)."""
+    chosen = getattr(model, "moe_layers", None)
+    return tuple(range(model.num_layers)) if chosen is None else tuple(chosen)
 
 
 MIXTRAL = MoEFormat("mixtral", "MixtralForCausalLM")

@@ -39,7 +39,7 @@ def adapter_tensors(fmt, model, params: Mapping) -> tuple[dict[str, np.ndarray],
     }
     layout = fmt.layout(model)
     prefix_of = fmt.layer_prefix(model)
-    stacked = model.use_scan
+    stacked = model.layer_stack().use_scan  # unrolled when the layers differ
     tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
     used: set[str] = set()
@@ -63,16 +63,20 @@ def adapter_tensors(fmt, model, params: Mapping) -> tuple[dict[str, np.ndarray],
             if f"{path}_lora_a" in flat:
                 used.add(path)
                 add(tensor, name, path, None)
-    for tensor in layout.per_layer:
+    layers = range(model.num_layers)
+    if layout.layer_tensors is None:
+        per_layer = [(i, t) for t in layout.per_layer for i in layers]
+    else:  # layers that differ (dense and expert feed-forward blocks)
+        per_layer = [(i, t) for i in layers for t in layout.layer_tensors(i)]
+    for i, tensor in per_layer:
         if not isinstance(tensor.name, str):  # several tensors (experts): no PEFT module
             continue
-        for i in range(model.num_layers):
-            for rel in tensor.paths:
-                path = f"{prefix_of(0 if stacked else i)}/{rel}"
-                if f"{path}_lora_a" in flat:
-                    used.add(path)
-                    name = layout.prefix + layout.layer.format(i=i) + tensor.name
-                    add(tensor, name, path, i if stacked else None)
+        for rel in tensor.paths:
+            path = f"{prefix_of(0 if stacked else i)}/{rel}"
+            if f"{path}_lora_a" in flat:
+                used.add(path)
+                name = layout.prefix + layout.layer.format(i=i) + tensor.name
+                add(tensor, name, path, i if stacked else None)
     adapted = {k.removesuffix("_lora_a") for k in flat if k.endswith("_lora_a")}
     missed = sorted(adapted - used)
     if missed:

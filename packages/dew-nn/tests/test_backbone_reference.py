@@ -135,7 +135,7 @@ def _inputs(name: str, model) -> tuple[tuple, dict]:
 
 def _summary(model, name: str) -> dict:
     args, keywords = _inputs(name, model)
-    params = nn.unbox(model.init(jax.random.key(0), *args, **keywords))["params"]
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), *args, **keywords))["params"]
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     tree = {
         jax.tree_util.keystr(path): [
@@ -145,7 +145,7 @@ def _summary(model, name: str) -> dict:
         ]
         for path, leaf in leaves
     }
-    out = model.apply({"params": params}, *args, **keywords)
+    out = jax.jit(model.apply)({"params": params}, *args, **keywords)
     return {"params": tree, "output": np.asarray(out, np.float64).reshape(-1).tolist()}
 
 

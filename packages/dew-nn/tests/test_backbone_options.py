@@ -116,9 +116,13 @@ def test_a_pipelined_stack_equals_the_plain_one(kind):
         plain = DiT(**TINY_DIT)
         args = (PIXELS[..., :1], jnp.array([1.0, 10.0, 100.0, 500.0]))
     piped = plain.clone(num_stages=2, pipeline_microbatches=2)
-    params = jax.jit(plain.init)(jax.random.key(0), *args)
-    want = jax.jit(plain.apply)(params, *args)
-    got = jax.jit(piped.apply)(params, *args)
+
+    @jax.jit
+    def both(key):  # one compiled program
+        params = plain.init(key, *args)
+        return plain.apply(params, *args), piped.apply(params, *args)
+
+    want, got = both(jax.random.key(0))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     _, config = models.config_of(piped)
     assert models.build(models.config_of(piped)[0], **config) == piped
@@ -127,19 +131,23 @@ def test_a_pipelined_stack_equals_the_plain_one(kind):
 def test_a_grouped_query_vit_equals_the_vit_with_its_key_value_heads_repeated():
     grouped = ViT(**TINY_VIT, num_kv_heads=2)  # 2 query heads per key/value head
     full = ViT(**TINY_VIT)
-    params = nn.unbox(jax.jit(grouped.init)(jax.random.key(0), PIXELS))["params"]
-    attention = params["layers"]["attention"]
 
-    def repeat(name):  # kernels [layers, embed, kv_heads, head_dim], biases [layers, kv_heads,
+    @jax.jit
+    def both(key):  # one compiled program
+        params = nn.unbox(grouped.init(key, PIXELS))["params"]
+        attention = params["layers"]["attention"]
+        assert attention["key_kernel"].shape[-2] == 2  # 2 key/value heads for 4 query heads
+        # kernels [layers, embed, kv_heads, head_dim], biases [layers, kv_heads,
         # head_dim]: query head h reads key/value head h // 2
-        return jnp.repeat(attention[name], 2, axis=-2)
+        repeated = {
+            n: jnp.repeat(attention[n], 2, axis=-2)
+            for n in ("key_kernel", "value_kernel", "key_bias", "value_bias")
+        }
+        expanded = {
+            **params,
+            "layers": {**params["layers"], "attention": {**attention, **repeated}},
+        }
+        return grouped.apply({"params": params}, PIXELS), full.apply({"params": expanded}, PIXELS)
 
-    expanded = {
-        **attention,
-        **{n: repeat(n) for n in ("key_kernel", "value_kernel", "key_bias", "value_bias")},
-    }
-    want_params = {**params, "layers": {**params["layers"], "attention": expanded}}
-    assert attention["key_kernel"].shape[-2] == 2
-    want = jax.jit(full.apply)({"params": want_params}, PIXELS)
-    got = jax.jit(grouped.apply)({"params": params}, PIXELS)
+    got, want = both(jax.random.key(0))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

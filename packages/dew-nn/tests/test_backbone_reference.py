@@ -135,7 +135,13 @@ def _inputs(name: str, model) -> tuple[tuple, dict]:
 
 def _summary(model, name: str) -> dict:
     args, keywords = _inputs(name, model)
-    params = nn.unbox(jax.jit(model.init)(jax.random.key(0), *args, **keywords))["params"]
+
+    @jax.jit
+    def init_and_apply(key):  # one compiled program per case
+        params = nn.unbox(model.init(key, *args, **keywords))["params"]
+        return params, model.apply({"params": params}, *args, **keywords)
+
+    params, out = init_and_apply(jax.random.key(0))
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     tree = {
         jax.tree_util.keystr(path): [
@@ -145,7 +151,6 @@ def _summary(model, name: str) -> dict:
         ]
         for path, leaf in leaves
     }
-    out = jax.jit(model.apply)({"params": params}, *args, **keywords)
     return {"params": tree, "output": np.asarray(out, np.float64).reshape(-1).tolist()}
 
 

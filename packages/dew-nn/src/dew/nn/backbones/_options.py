@@ -1,19 +1,26 @@
-"""The options every transformer backbone over token positions shares.
+"""The one options vocabulary of every transformer backbone.
 
-:class:`TransformerOptions` holds the fields, validation and derived values
-that :class:`dew.nn.CausalTransformer` (a decoder) and
-:class:`dew.nn.Transformer` (an encoder) have in common: the widths and
-depth, attention heads, feed-forward block, norms, positions, dtypes, the
-layer stack, and the input embeddings and final norm built from them. Each
-backbone adds its own fields (the vocabulary, the mask, the output head) and
-gives ``mask``, the attention :class:`dew.nn.masks.MaskPolicy` of its layers.
+Field groups a backbone subclasses (Flax modules are dataclasses, so the
+fields stay flat keywords of the backbone: ``ViT(emb_features=..., num_layers=...)``,
+``models.build(name, **config)`` and saved configs read as before):
 
-Every backbone validates its options when it is built (``__post_init__``), so
-a bad configuration raises at ``models.build`` or the constructor, before
-anything is traced or compiled; :func:`check_counts` is the check of its
-counts (layers, heads, widths, vocabulary, patch sizes).
+- :class:`StackOptions`: how the layers run (:class:`dew.nn.stack.LayerStack`);
+- :class:`BlockOptions`: what each block reads (widths, heads, the feed-forward
+  block, ``norm_eps``, q/k/v biases, initialisation, dtypes);
+- :class:`PreNormOptions`: ``norm`` and ``use_bias`` of the pre-norm blocks;
+- :class:`BackboneOptions`: the stack and block groups together, validated by one
+  :meth:`BackboneOptions.check` when the backbone is built (``__post_init__``),
+  so a bad configuration raises at ``models.build`` or the constructor, before
+  anything is traced or compiled (:func:`check_counts` checks the counts).
 
-:class:`BlockConfig` is what one layer needs, derived from those options.
+A family declares its own fields on top and gives a shared field its own
+default by declaring it again (ViT's ``mlp_activation='gelu_exact'``, DiT's
+``use_qkv_bias=True``): one table of them is in docs/models.md.
+:class:`TransformerOptions` is the token backbones' family
+(:class:`dew.nn.CausalTransformer`, :class:`dew.nn.Transformer`): positions, the
+input embeddings and the final norm. :class:`BlockConfig` is what one layer
+needs, derived from the options (``block_config()``) and read by the blocks of
+:mod:`dew.nn.backbones.block`.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ import functools
 import math
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dew.nn.mlp import activate, is_gated
 
 GATINGS = ("softmax_topk", "topk_softmax")
 DISPATCHES = ("auto", "dense", "capacity", "blocked", "ragged")
@@ -85,17 +86,13 @@ def experts_batched(x, gate, up, down, activation: str):
 
 def _activate(x, gate, upped, activation, *, group_sizes=None):
     """The hidden activations from ``upped = x up``: SwiGLU also multiplies ``x gate``."""
-    if activation == "swiglu":
-        if group_sizes is not None:
-            gated = jax.lax.ragged_dot(x, gate, group_sizes)
-        else:
-            gated = jnp.einsum("xre,xem->xrm", x, gate)
-        return nn.silu(gated) * upped
-    if activation == "gelu":
-        return nn.gelu(upped, approximate=True)
-    if activation == "gelu_exact":
-        return nn.gelu(upped, approximate=False)
-    return nn.relu(upped)
+    if not is_gated(activation):
+        return activate(activation, upped)
+    if group_sizes is not None:
+        gated = jax.lax.ragged_dot(x, gate, group_sizes)
+    else:
+        gated = jnp.einsum("xre,xem->xrm", x, gate)
+    return activate(activation, upped, gated)
 
 
 class Layout(NamedTuple):

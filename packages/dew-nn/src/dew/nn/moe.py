@@ -71,7 +71,7 @@ import jax.numpy as jnp
 
 from dew.nn import _moe_dispatch as dispatches
 from dew.nn import axes
-from dew.nn.mlp import ACTIVATIONS, MLP
+from dew.nn.mlp import MLP, activate, check_activation, is_gated
 from dew.nn.shards import check_divides, mesh_axes_of
 
 
@@ -173,8 +173,7 @@ class MoE(nn.Module):
         ).astype(self.dtype)
 
     def _check(self):
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; use one of {ACTIVATIONS}")
+        check_activation(self.activation)
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(
                 f"experts_per_token {self.experts_per_token} must be between 1 and "
@@ -219,7 +218,7 @@ class MoE(nn.Module):
         weight_axes = (axes.EXPERT, axes.EMBED, axes.MLP)
         up = self._param("up", (num, embed, self.features), weight_axes)
         gate = None
-        if self.activation == "swiglu":
+        if is_gated(self.activation):
             gate = self._param("gate", (num, embed, self.features), weight_axes)
         down = self._param("down", (num, self.features, embed), (axes.EXPERT, axes.MLP, axes.EMBED))
 
@@ -273,15 +272,11 @@ class MoE(nn.Module):
         gates = jnp.sum(one_hot * weights[..., None], axis=-2)  # [batch, length, expert]
         hidden_axes = (axes.EXPERT, axes.BATCH, axes.LENGTH, axes.MLP)
         upped = nn.with_logical_constraint(jnp.einsum("ble,xem->xblm", x, up), hidden_axes)
-        if self.activation == "swiglu":
+        gated = None
+        if is_gated(self.activation):
             gated = jnp.einsum("ble,xem->xblm", x, gate)
-            hidden = nn.silu(nn.with_logical_constraint(gated, hidden_axes)) * upped
-        elif self.activation == "gelu":
-            hidden = nn.gelu(upped, approximate=True)
-        elif self.activation == "gelu_exact":
-            hidden = nn.gelu(upped, approximate=False)
-        else:
-            hidden = nn.relu(upped)
+            gated = nn.with_logical_constraint(gated, hidden_axes)
+        hidden = activate(self.activation, upped, gated)
         out = jnp.einsum("xblm,xme->xble", hidden, down)  # [expert, batch, length, embed]
         out = nn.with_logical_constraint(out, (axes.EXPERT, axes.BATCH, axes.LENGTH, axes.EMBED))
         out = jnp.einsum("xble,blx->ble", out, gates.astype(self.dtype))

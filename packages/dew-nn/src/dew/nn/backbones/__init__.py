@@ -1,20 +1,36 @@
 """Flax linen backbones whose parameters name logical axes (``dew.nn.axes``)."""
 
-from dew.nn.backbones.causal import CausalTransformer, DecoderBlock
-from dew.nn.backbones.dit import DiT, DiTBlock, DiTOptions
+from dew.nn.backbones._options import (
+    BackboneOptions,
+    BlockConfig,
+    BlockOptions,
+    PreNormOptions,
+    StackOptions,
+    TransformerOptions,
+)
+from dew.nn.backbones.block import DecoderBlock, DiTBlock
+from dew.nn.backbones.causal import CausalTransformer
+from dew.nn.backbones.dit import DiT, DiTOptions
 from dew.nn.backbones.transformer import Transformer
 from dew.nn.backbones.video_dit import SpaceTimeBlock, VideoDiT
-from dew.nn.backbones.vit import PatchGrid, ViT, ViTPredictor, sincos_table
+from dew.nn.backbones.vit import PatchGrid, PatchOptions, ViT, ViTPredictor, sincos_table
 
 __all__ = [
+    "BackboneOptions",
+    "BlockConfig",
+    "BlockOptions",
     "CausalTransformer",
     "DecoderBlock",
     "DiT",
     "DiTBlock",
     "DiTOptions",
     "PatchGrid",
+    "PatchOptions",
+    "PreNormOptions",
     "SpaceTimeBlock",
+    "StackOptions",
     "Transformer",
+    "TransformerOptions",
     "VideoDiT",
     "ViT",
     "ViTPredictor",

@@ -1,19 +1,26 @@
-"""The options every transformer backbone over token positions shares.
+"""The one options vocabulary of every transformer backbone.
 
-:class:`TransformerOptions` holds the fields, validation and derived values
-that :class:`dew.nn.CausalTransformer` (a decoder) and
-:class:`dew.nn.Transformer` (an encoder) have in common: the widths and
-depth, attention heads, feed-forward block, norms, positions, dtypes, the
-layer stack, and the input embeddings and final norm built from them. Each
-backbone adds its own fields (the vocabulary, the mask, the output head) and
-gives ``mask``, the attention :class:`dew.nn.masks.MaskPolicy` of its layers.
+Field groups a backbone subclasses (Flax modules are dataclasses, so the
+fields stay flat keywords of the backbone: ``ViT(emb_features=..., num_layers=...)``,
+``models.build(name, **config)`` and saved configs read as before):
 
-Every backbone validates its options when it is built (``__post_init__``), so
-a bad configuration raises at ``models.build`` or the constructor, before
-anything is traced or compiled; :func:`check_counts` is the check of its
-counts (layers, heads, widths, vocabulary, patch sizes).
+- :class:`StackOptions`: how the layers run (:class:`dew.nn.stack.LayerStack`);
+- :class:`BlockOptions`: what each block reads (widths, heads, the feed-forward
+  block, ``norm_eps``, q/k/v biases, initialisation, dtypes);
+- :class:`PreNormOptions`: ``norm`` and ``use_bias`` of the pre-norm blocks;
+- :class:`BackboneOptions`: the stack and block groups together, validated by one
+  :meth:`BackboneOptions.check` when the backbone is built (``__post_init__``),
+  so a bad configuration raises at ``models.build`` or the constructor, before
+  anything is traced or compiled (:func:`check_counts` checks the counts).
 
-:class:`BlockConfig` is what one layer needs, derived from those options.
+A family declares its own fields on top and gives a shared field its own
+default by declaring it again (ViT's ``mlp_activation='gelu_exact'``, DiT's
+``use_qkv_bias=True``): one table of them is in docs/models.md.
+:class:`TransformerOptions` is the token backbones' family
+(:class:`dew.nn.CausalTransformer`, :class:`dew.nn.Transformer`): positions, the
+input embeddings and the final norm. :class:`BlockConfig` is what one layer
+needs, derived from the options (``block_config()``) and read by the blocks of
+:mod:`dew.nn.backbones.block`.
 """
 
 from __future__ import annotations
@@ -174,38 +181,18 @@ class BlockConfig:
             raise ValueError(f"unknown moe_gating {self.moe_gating!r}; use one of {GATINGS}")
 
 
-class TransformerOptions(nn.Module, kw_only=True):
-    """Fields, checks and input/output layers shared by the transformer backbones.
-
-    Not a model on its own: a backbone subclasses it (keyword-only, like it),
-    adds its fields and gives ``mask``, the :class:`dew.nn.masks.MaskPolicy`
-    of its layers (a field or a property).
+class StackOptions(nn.Module, kw_only=True):
+    """How a backbone's layers run: the options of its :class:`dew.nn.stack.LayerStack`,
+    shared by every transformer backbone (a field group: a backbone subclasses it).
 
     Attributes:
-      emb_features: width of the residual stream.
-      num_layers: transformer layers.
-      num_heads: query heads.
-      mlp_features: hidden width of the feed-forward block.
-      max_seq_len: the longest sequence in positions (for a decoder, prompt +
-        generated tokens).
-      num_kv_heads: key/value heads (grouped-query attention); None = num_heads.
-      head_dim: features per head; None = emb_features // num_heads.
-      mlp_activation: 'swiglu' (gated SiLU), 'gelu' (tanh approx.), 'gelu_exact', 'relu'.
-      norm: 'rms' (RMSNorm) or 'layer' (LayerNorm with bias).
-      norm_eps: epsilon of the norms.
-      position_embedding: 'rope' or 'learned' (a [max_seq_len, embed] table, GPT-2).
-      rope_theta: RoPE base.
-      rope_scaling: optional :class:`RopeScaling` ('linear' or 'llama3').
-      use_qkv_bias: biases on the query/key/value projections (Qwen2).
-      use_bias: biases on every dense layer (GPT-2).
-      dtype: computation dtype; outputs are returned in float32.
-      param_dtype: parameter dtype.
+      num_layers: transformer layers (blocks; :class:`dew.nn.VideoDiT`: spatial +
+        temporal pairs).
+      use_scan: one scanned layer with a leading ``layers`` parameter axis (one
+        compile whatever the depth); False = a Python loop (``layer_0/...``).
       use_remat: recompute each layer's activations in the backward pass.
       remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name saying
         what to keep (:class:`dew.nn.stack.LayerStack`); None = nothing.
-      use_scan: one scanned layer with a leading 'layers' axis (fast compiles).
-      init_std: standard deviation of the normal weight initialiser; None =
-        ``emb_features ** -0.5`` (0.125 at width 64, 0.016 at 4096).
       num_stages: pipeline stages of the layer stack (:mod:`dew.nn.pipeline`,
         a GPipe schedule); 1 = no pipeline. Needs ``use_scan`` and
         ``num_layers`` a multiple of it; the trainer's ``stage`` mesh axis
@@ -221,53 +208,154 @@ class TransformerOptions(nn.Module, kw_only=True):
         at least ``num_stages`` microbatches; the same parameters either way.
     """
 
-    emb_features: int
     num_layers: int
-    num_heads: int
-    mlp_features: int
-    max_seq_len: int
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    mlp_activation: str = "swiglu"
-    norm: str = "rms"
-    norm_eps: float = 1e-6
-    position_embedding: str = "rope"
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    use_qkv_bias: bool = False
-    use_bias: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
+    use_scan: bool = True
     use_remat: bool = False
     remat_policy: str | None = None
-    use_scan: bool = True
-    init_std: float | None = None
     num_stages: int = 1
     pipeline_microbatches: int | None = None
     pipeline_repeats: int = 1
 
-    config_decoders = {"rope_scaling": RopeScaling}
-    # a backbone's own count fields (vocab_size, ...), checked with the shared ones
-    # (class attributes, not annotated: not dataclass fields)
-    EXTRA_POSITIVE = ()
-    EXTRA_OPTIONAL = ()
-    EXTRA_NON_NEGATIVE = ()
+    # A scanned stack this deep or shallower compiles unrolled (class attribute,
+    # not a field): 0 = never (a backbone's own choice, kept as it was).
+    UNROLL_UP_TO = 0
+    STACK_POSITIVE = ("num_layers", "num_stages", "pipeline_repeats")
+    STACK_OPTIONAL = ("pipeline_microbatches",)
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline_microbatches or self.num_stages
+
+    def layer_stack(self) -> LayerStack:
+        """The layer stack (validated when built). A scanned stack of at most
+        ``UNROLL_UP_TO`` layers compiles unrolled (same parameters): its loop's
+        per-layer weight slicing and gradient stacking cost more than they save
+        (docs/performance.md)."""
+        return LayerStack(
+            num_layers=self.num_layers,
+            unroll=self.num_layers if self.num_layers <= self.UNROLL_UP_TO else 1,
+            use_scan=self.use_scan,
+            use_remat=self.use_remat,
+            remat_policy=self.remat_policy,
+            num_stages=self.num_stages,
+            num_microbatches=self.pipeline_microbatches,
+            num_repeats=self.pipeline_repeats,
+        )
+
+
+class BlockOptions(nn.Module, kw_only=True):
+    """What every transformer block reads: widths, heads, the feed-forward block,
+    norm epsilon, biases of q/k/v, initialisation and dtypes, shared by every
+    transformer backbone (a field group: a backbone subclasses it, and may give
+    a field its own default by declaring it again).
+
+    Attributes:
+      emb_features: width of the residual stream.
+      num_heads: query heads.
+      mlp_features: hidden width of the feed-forward block.
+      num_kv_heads: key/value heads (grouped-query attention); None = num_heads.
+      head_dim: features per head; None = emb_features // num_heads.
+      mlp_activation: a name of :data:`dew.nn.mlp.ACTIVATION_FNS`: 'swiglu'
+        (gated SiLU), 'gelu' (tanh approx.), 'gelu_exact' (erf), 'relu'.
+      norm_eps: epsilon of the norms.
+      use_qkv_bias: biases on the query/key/value projections (Qwen2, DiT).
+      init_std: standard deviation of the normal weight initialiser; None =
+        ``emb_features ** -0.5`` (0.125 at width 64, 0.016 at 4096).
+      dtype: computation dtype; outputs are returned in float32.
+      param_dtype: parameter dtype.
+    """
+
+    emb_features: int
+    num_heads: int
+    mlp_features: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    mlp_activation: str = "swiglu"
+    norm_eps: float = 1e-6
+    use_qkv_bias: bool = False
+    init_std: float | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    BLOCK_POSITIVE = ("emb_features", "num_heads", "mlp_features")
+    BLOCK_OPTIONAL = ("num_kv_heads", "head_dim")
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
     @property
+    def features_per_head(self) -> int:
+        return self.head_dim or self.emb_features // self.num_heads
+
+    @property
     def weight_std(self) -> float:
         return self.init_std if self.init_std is not None else self.emb_features**-0.5
 
-    @property
-    def microbatches(self) -> int:
-        return self.pipeline_microbatches or self.num_stages
+    def block_config(self) -> BlockConfig:
+        """One layer's configuration (validated when built), without a position
+        rotation, under a full mask, with biased attention-output and MLP
+        projections (as adaLN-Zero's DiT block has them)."""
+        return BlockConfig(
+            num_heads=self.num_heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.features_per_head,
+            mlp_features=self.mlp_features,
+            mlp_activation=self.mlp_activation,
+            norm="layer",
+            norm_eps=self.norm_eps,
+            rope_theta=None,
+            rope_scaling=None,
+            mask=masks.full(),
+            use_qkv_bias=self.use_qkv_bias,
+            use_bias=True,
+            init_std=self.weight_std,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
 
-    # the count fields of every transformer backbone (checked by check_counts)
-    POSITIVE_COUNTS = ("emb_features", "num_layers", "num_heads", "mlp_features", "max_seq_len")
-    OPTIONAL_COUNTS = ("num_kv_heads", "head_dim", "pipeline_microbatches")
+
+class PreNormOptions(BlockOptions, kw_only=True):
+    """:class:`BlockOptions` of a pre-norm block (``x + f(norm(x))``), whose norms
+    learn their own scale (and bias): every backbone but the adaLN-Zero
+    :class:`dew.nn.DiT`, whose norms take both from the conditioning.
+
+    Attributes:
+      norm: 'rms' (RMSNorm) or 'layer' (LayerNorm with bias).
+      use_bias: biases on every dense layer, the query/key/value projections
+        included (GPT-2, ViT).
+    """
+
+    norm: str = "rms"
+    use_bias: bool = False
+
+    def block_config(self) -> BlockConfig:
+        return dataclasses.replace(
+            super().block_config(),
+            norm=self.norm,
+            use_qkv_bias=self.use_qkv_bias or self.use_bias,
+            use_bias=self.use_bias,
+        )
+
+
+class BackboneOptions(StackOptions, BlockOptions, kw_only=True):
+    """The options every transformer backbone shares, validated by one :meth:`check`
+    when the backbone is built (``__post_init__``), before anything is traced.
+
+    A backbone subclasses it (or :class:`PreNormOptions` with it), adds its own
+    fields and count names (``EXTRA_POSITIVE``, ``EXTRA_OPTIONAL``,
+    ``EXTRA_NON_NEGATIVE``: class attributes, not fields) and extends ``check``.
+    """
+
+    # a family's (max_seq_len, patch_size, ...) and a backbone's own (vocab_size,
+    # ...) count fields, checked with the shared ones (class attributes, not
+    # annotated: not dataclass fields)
+    FAMILY_POSITIVE = ()
+    FAMILY_OPTIONAL = ()
+    FAMILY_NON_NEGATIVE = ()
+    EXTRA_POSITIVE = ()
+    EXTRA_OPTIONAL = ()
+    EXTRA_NON_NEGATIVE = ()
 
     def __post_init__(self):
         self.check()  # before Flax registers the module: a bad config never builds
@@ -275,19 +363,26 @@ class TransformerOptions(nn.Module, kw_only=True):
 
     def check(self) -> None:
         """Raise ``ValueError`` on an inconsistent configuration (run when the
-        module is built)."""
+        module is built): every count in range (one message naming them all),
+        the heads dividing, a known activation and norm, a valid layer stack."""
+        cls = type(self)
         check_counts(
             self,
             positive=(
-                *self.POSITIVE_COUNTS,
-                "num_stages",
-                "pipeline_repeats",
-                *type(self).EXTRA_POSITIVE,
+                *self.BLOCK_POSITIVE,
+                *self.STACK_POSITIVE,
+                *cls.FAMILY_POSITIVE,
+                *cls.EXTRA_POSITIVE,
             ),
-            optional=(*self.OPTIONAL_COUNTS, *type(self).EXTRA_OPTIONAL),
-            non_negative=type(self).EXTRA_NON_NEGATIVE,
+            optional=(
+                *self.BLOCK_OPTIONAL,
+                *self.STACK_OPTIONAL,
+                *cls.FAMILY_OPTIONAL,
+                *cls.EXTRA_OPTIONAL,
+            ),
+            non_negative=(*cls.FAMILY_NON_NEGATIVE, *cls.EXTRA_NON_NEGATIVE),
         )
-        owner = type(self).__name__
+        owner = cls.__name__
         if self.num_heads % self.kv_heads:
             divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
             raise ValueError(
@@ -301,47 +396,55 @@ class TransformerOptions(nn.Module, kw_only=True):
                 f"{self.num_heads}; use a multiple of num_heads or set head_dim explicitly"
             )
         check_layer_kinds(self)
+        self.layer_stack()
+
+
+class TransformerOptions(BackboneOptions, PreNormOptions, kw_only=True):
+    """Fields, checks and input/output layers shared by the transformer backbones
+    over token positions (:class:`dew.nn.CausalTransformer`, :class:`dew.nn.Transformer`).
+
+    Not a model on its own: a backbone subclasses it (keyword-only, like it),
+    adds its fields and gives ``mask``, the :class:`dew.nn.masks.MaskPolicy`
+    of its layers (a field or a property).
+
+    Attributes:
+      max_seq_len: the longest sequence in positions (for a decoder, prompt +
+        generated tokens).
+      position_embedding: 'rope' or 'learned' (a [max_seq_len, embed] table, GPT-2).
+      rope_theta: RoPE base.
+      rope_scaling: optional :class:`RopeScaling` ('linear' or 'llama3').
+
+    The rest are the shared options: :class:`BlockOptions` (widths, heads, the
+    feed-forward block, ``init_std``, dtypes), :class:`PreNormOptions` (``norm``,
+    ``use_bias``) and :class:`StackOptions` (the layer stack), with their defaults.
+    """
+
+    max_seq_len: int
+    position_embedding: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+
+    config_decoders = {"rope_scaling": RopeScaling}
+    UNROLL_UP_TO = UNROLL_UP_TO
+    FAMILY_POSITIVE = ("max_seq_len",)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` on an inconsistent configuration (run when the
+        module is built)."""
+        super().check()
         if self.position_embedding not in ("rope", "learned"):
             raise ValueError(
                 f"unknown position_embedding {self.position_embedding!r}; use 'rope' or 'learned'"
             )
         self.block_config()
-        self.layer_stack()
-
-    def layer_stack(self) -> LayerStack:
-        """The layer stack (validated when built). A scanned stack of at most
-        :data:`UNROLL_UP_TO` layers compiles unrolled (same parameters): its loop's
-        per-layer weight slicing and gradient stacking cost more than they save
-        (docs/performance.md)."""
-        return LayerStack(
-            num_layers=self.num_layers,
-            unroll=self.num_layers if self.num_layers <= UNROLL_UP_TO else 1,
-            use_scan=self.use_scan,
-            use_remat=self.use_remat,
-            remat_policy=self.remat_policy,
-            num_stages=self.num_stages,
-            num_microbatches=self.pipeline_microbatches,
-            num_repeats=self.pipeline_repeats,
-        )
 
     def block_config(self) -> BlockConfig:
         """One layer's configuration (validated when built)."""
-        return BlockConfig(
-            num_heads=self.num_heads,
-            num_kv_heads=self.kv_heads,
-            head_dim=self.head_dim or self.emb_features // self.num_heads,
-            mlp_features=self.mlp_features,
-            mlp_activation=self.mlp_activation,
-            norm=self.norm,
-            norm_eps=self.norm_eps,
+        return dataclasses.replace(
+            super().block_config(),
             rope_theta=self.rope_theta if self.position_embedding == "rope" else None,
             rope_scaling=self.rope_scaling,
             mask=self.mask,
-            use_qkv_bias=self.use_qkv_bias,
-            use_bias=self.use_bias,
-            init_std=self.weight_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
         )
 
     def embed_tokens(self, vocab_size: int, tokens: jax.Array) -> tuple[nn.Embed, jax.Array]:

@@ -4,7 +4,8 @@ One module covers Llama, Mistral (sliding window), Qwen2 (q/k/v biases) and
 GPT-2 (learned positions, LayerNorm, GELU, biases, tied embeddings) through
 its options, so Hugging Face checkpoints of those families load into it.
 
-Its layers are :class:`DecoderBlock` run by a :class:`dew.nn.stack.LayerStack`
+Its layers are :class:`~dew.nn.backbones.block.DecoderBlock` (the one block
+module, :mod:`dew.nn.backbones.block`) run by a :class:`dew.nn.stack.LayerStack`
 under the mask policy ``masks.causal(window=sliding_window)``; the
 bidirectional :class:`dew.nn.Transformer` runs the same blocks and stack.
 """
@@ -19,86 +20,17 @@ import jax.numpy as jnp
 
 from dew.nn import axes, masks, models
 from dew.nn._moe_dispatch import DISPATCHES
-from dew.nn.attention import Attention
 from dew.nn.backbones._options import (
-    ACTIVATION_AXES,
+    ACTIVATION_AXES,  # noqa: F401 (re-exported: dew.nn.backbones.causal.ACTIVATION_AXES)
     BlockConfig,
     TransformerOptions,
     positions_and_valid,
 )
+from dew.nn.backbones.block import DecoderBlock
 from dew.nn.dense import token_rows
 from dew.nn.keywords import is_whole_number
-from dew.nn.mlp import MLP
-from dew.nn.moe import MoE
-from dew.nn.norms import make_norm
 from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
-
-
-class DecoderBlock(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm); the attention
-    sees what ``config.mask`` allows, so the same block serves decoders and encoders."""
-
-    config: BlockConfig
-    decode: bool = False
-
-    @nn.compact
-    def __call__(self, x, positions, valid, segment_ids=None, query_key_mask=None, visible=None):
-        """``x [batch, length, embed] -> [batch, length, embed]``; the rest as
-        :class:`dew.nn.Attention` takes them (``visible``: the mask its backbone
-        computed once for every layer)."""
-        c = self.config
-        h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "attention_norm")(x)
-        h = Attention(
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            rope_theta=c.rope_theta,
-            rope_scaling=c.rope_scaling,
-            mask=c.mask,
-            use_qkv_bias=c.use_qkv_bias or c.use_bias,
-            use_out_bias=c.use_bias,
-            init_std=c.init_std,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            qk_norm=c.qk_norm,
-            qk_norm_eps=c.norm_eps,
-            name="attention",
-        )(
-            h,
-            positions,
-            valid,
-            segment_ids=segment_ids,
-            query_key_mask=query_key_mask,
-            decode=self.decode,
-            visible=visible,
-        )
-        x = x + h
-        h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
-        shared = dict(
-            features=c.mlp_features,
-            activation=c.mlp_activation,
-            init_std=c.init_std,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="mlp",
-        )
-        if c.num_experts:
-            mlp = MoE(
-                num_experts=c.num_experts,
-                experts_per_token=c.experts_per_token,
-                dispatch=c.moe_dispatch,
-                capacity_factor=c.moe_capacity_factor,
-                gating=c.moe_gating,
-                norm_topk_prob=c.moe_norm_topk_prob,
-                shared_features=c.moe_shared_features,
-                shared_expert_gate=c.moe_shared_gate,
-                **shared,
-            )
-        else:
-            mlp = MLP(use_bias=c.use_bias, **shared)
-        h = mlp(h)
-        return nn.with_logical_constraint(x + h, ACTIVATION_AXES)
 
 
 @models.register("causal_transformer")

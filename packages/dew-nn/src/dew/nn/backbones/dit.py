@@ -42,17 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.nn import axes, masks, models
-from dew.nn.attention import Attention
-from dew.nn.backbones._options import check_counts, check_layer_kinds
+from dew.nn import axes, models
+from dew.nn.backbones._options import BackboneOptions
+from dew.nn.backbones.block import IMAGE_AXES, DiTBlock, modulate, plain_norm
 from dew.nn.backbones.vit import sincos_1d
-from dew.nn.cross_attention import CrossAttention
 from dew.nn.keywords import is_whole_number
-from dew.nn.mlp import MLP
 from dew.nn.shards import check_divides
-from dew.nn.stack import LayerStack
 
-IMAGE_AXES = (axes.BATCH, axes.LENGTH, axes.EMBED)  # [batch, patches, embed]
 VIDEO_AXES = (axes.BATCH, axes.FRAMES, axes.LENGTH, axes.EMBED)  # [batch, frames, patches, embed]
 
 
@@ -104,16 +100,6 @@ def unpatchify(tokens: jax.Array, grid: tuple[int, int], patch: int) -> jax.Arra
     return x.reshape(batch, rows * patch, cols * patch, channels)
 
 
-def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x (1 + scale) + shift`` with ``shift, scale [batch, embed]`` broadcast over tokens."""
-    return x * (1 + scale[:, None]) + shift[:, None]
-
-
-def _plain_norm(eps: float, dtype, name: str) -> nn.LayerNorm:
-    """LayerNorm without scale or bias (adaLN supplies them)."""
-    return nn.LayerNorm(epsilon=eps, use_bias=False, use_scale=False, dtype=dtype, name=name)
-
-
 def _dense(features, in_axis, out_axis, *, init, use_bias=True, dtype, param_dtype, name):
     return nn.Dense(
         features,
@@ -126,95 +112,7 @@ def _dense(features, in_axis, out_axis, *, init, use_bias=True, dtype, param_dty
     )
 
 
-class DiTBlock(nn.Module):
-    """One adaLN-Zero block (module docstring, step 3) over ``x [batch, length, embed]``.
-
-    use_cross_attention: read a text context after the self-attention.
-    token_axes: the logical axes of ``x`` constrained at the block's output
-      (``(batch, length, embed)``; a temporal block's tokens are frames).
-    """
-
-    num_heads: int
-    mlp_features: int
-    mlp_activation: str
-    norm_eps: float
-    mlp_norm_eps: float
-    use_qkv_bias: bool
-    use_cross_attention: bool
-    init_std: float
-    dtype: Any
-    param_dtype: Any
-    token_axes: tuple[str, ...] = IMAGE_AXES
-    use_zero_init: bool = True
-
-    @nn.compact
-    def __call__(self, x, condition, context=None, context_mask=None, position_embed=None):
-        """``x [batch, length, embed] -> [batch, length, embed]``.
-
-        condition: ``silu(c)`` ``[batch, embed]``.
-        context, context_mask: ``[batch, tokens, context_features]``, ``[batch, tokens]``.
-        position_embed: optional ``[length, embed]`` added to the modulated
-          input of the attention (a temporal block's frame positions).
-        """
-        batch, length, embed = x.shape
-        zero_or_normal = (
-            nn.initializers.zeros if self.use_zero_init else nn.initializers.normal(self.init_std)
-        )
-        modulation = _dense(
-            6 * embed,
-            axes.EMBED,
-            axes.MLP,
-            init=zero_or_normal,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="modulation",
-        )(condition)  # [batch, 6 * embed]
-        shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(modulation, 6, axis=-1)
-        h = modulate(_plain_norm(self.norm_eps, self.dtype, "attention_norm")(x), shift1, scale1)
-        if position_embed is not None:
-            h = h + position_embed.astype(h.dtype)[None]
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        h = Attention(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_heads,
-            head_dim=embed // self.num_heads,
-            rope_theta=None,
-            mask=masks.full(),
-            use_qkv_bias=self.use_qkv_bias,
-            use_out_bias=True,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="attention",
-        )(h, positions, jnp.ones((batch, length), jnp.bool_))
-        x = x + gate1[:, None] * h
-        if self.use_cross_attention:
-            h = _plain_norm(self.norm_eps, self.dtype, "cross_attention_norm")(x)
-            x = x + CrossAttention(
-                num_heads=self.num_heads,
-                head_dim=embed // self.num_heads,
-                use_bias=True,
-                zero_init_out=self.use_zero_init,
-                init_std=self.init_std,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                name="cross_attention",
-            )(h, context, context_mask)
-        h = modulate(_plain_norm(self.mlp_norm_eps, self.dtype, "mlp_norm")(x), shift2, scale2)
-        h = MLP(
-            features=self.mlp_features,
-            activation=self.mlp_activation,
-            use_bias=True,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            name="mlp",
-        )(h)
-        x = x + gate2[:, None] * h
-        return nn.with_logical_constraint(x, self.token_axes)
-
-
-class DiTOptions(nn.Module, kw_only=True):
+class DiTOptions(BackboneOptions, kw_only=True):
     """Fields, checks and layers shared by :class:`DiT` and :class:`VideoDiT`.
 
     Attributes:
@@ -224,10 +122,6 @@ class DiTOptions(nn.Module, kw_only=True):
         accepted and its positions scaled to it (as diffusers does).
       patch_size: pixels (latent cells) along each side of a patch.
       in_channels: channels of the input (3 for RGB, 4 for SD-VAE latents).
-      emb_features: width of the residual stream.
-      num_layers: adaLN-Zero blocks (:class:`VideoDiT`: spatial + temporal pairs).
-      num_heads: attention heads; ``emb_features`` must divide by it.
-      mlp_features: hidden width of the feed-forward block (DiT: 4 * emb_features).
       num_classes: classes of ``label``; the label table has one more row, the
         null class ``label == num_classes`` (classifier-free guidance). 0 = no
         label table (unconditional or text-only).
@@ -240,56 +134,48 @@ class DiTOptions(nn.Module, kw_only=True):
       time_features: features of the sinusoidal timestep embedding (256, DiT).
       time_freq_shift: ``w_k = 10000^(-k / (half - shift))``; 1 = diffusers'
         ``DiTTransformer2DModel`` (and its checkpoints), 0 = the DiT paper.
-      mlp_activation: 'gelu' (tanh approximation, DiT), 'gelu_exact', 'relu' or 'swiglu'.
-      norm_eps: epsilon of the attention and final norms (1e-6, DiT).
       mlp_norm_eps: epsilon of the norm before the feed-forward block; None =
         ``norm_eps`` (diffusers' DiT uses its ``norm_eps``, 1e-5, there).
-      use_qkv_bias: biases on the query/key/value projections (the output
-        projection and the MLP always have them, as DiT).
-      init_std: standard deviation of the normal initialiser of the weights that
-        are not zero-initialised.
       use_zero_init: adaLN-Zero's initialisation: the modulations, the
         cross-attention output and the final layer start at 0, so every block is
         the identity and the output 0 (Peebles & Xie, sec. 3.2); False = all
         weights normal(init_std) (an ablation; tests that need gradients in every
         block from the first step).
-      dtype: computation dtype; outputs are float32.
-      param_dtype: parameter dtype.
-      use_scan: one scanned block with a leading ``layers`` axis (one compile
-        whatever the depth); False = a Python loop (``layer_0/...``).
-      use_remat: recompute each block's activations in the backward pass.
-      remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name of what to keep.
+
+    The rest are the options every backbone shares
+    (:class:`~dew.nn.backbones._options.BlockOptions`: ``emb_features``,
+    ``num_heads``, ``mlp_features``, ``norm_eps`` (the attention and final norms),
+    ``init_std`` (the weights not zero-initialised) ...;
+    :class:`~dew.nn.backbones._options.StackOptions`: ``num_layers`` (adaLN-Zero
+    blocks; :class:`VideoDiT`: spatial + temporal pairs), ``use_scan`` ...), with
+    DiT's own defaults: ``mlp_activation='gelu'`` (tanh approximation),
+    ``use_qkv_bias=True``, ``init_std=0.02``, ``norm_eps=1e-6``. The output
+    projection and the MLP always have biases, and the norms have no parameters
+    (adaLN supplies them), so DiT has no ``norm`` or ``use_bias`` option.
     """
 
     sample_size: int | tuple[int, int]
     patch_size: int
     in_channels: int
-    emb_features: int
-    num_layers: int
-    num_heads: int
-    mlp_features: int
     num_classes: int = 0
     learn_sigma: bool = False
     context_features: int = 0
     time_features: int = 256
     time_freq_shift: float = 1.0
-    mlp_activation: str = "gelu"
-    norm_eps: float = 1e-6
     mlp_norm_eps: float | None = None
-    use_qkv_bias: bool = True
-    init_std: float = 0.02
     use_zero_init: bool = True
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    use_scan: bool = True
-    use_remat: bool = False
-    remat_policy: str | None = None
+    # this family's own defaults of shared options
+    mlp_activation: str = "gelu"
+    use_qkv_bias: bool = True
+    init_std: float | None = 0.02
+
+    FAMILY_POSITIVE = ("patch_size", "in_channels", "time_features")
+    FAMILY_NON_NEGATIVE = ("num_classes", "context_features")
 
     def __post_init__(self):
         if isinstance(self.sample_size, list):  # a JSON round trip turns the pair into a list
             object.__setattr__(self, "sample_size", tuple(self.sample_size))
-        self.check()  # a bad config never builds
-        super().__post_init__()
+        super().__post_init__()  # checks: a bad config never builds
 
     # ------------------------------------------------------------ derived
 
@@ -308,31 +194,14 @@ class DiTOptions(nn.Module, kw_only=True):
         """Patches along each side at ``sample_size``."""
         return tuple(s // self.patch_size for s in self.sample_shape)
 
-    def layer_stack(self) -> LayerStack:
-        return LayerStack(
-            num_layers=self.num_layers,
-            use_scan=self.use_scan,
-            use_remat=self.use_remat,
-            remat_policy=self.remat_policy,
-        )
-
     def block_kwargs(self, **overrides) -> dict[str, Any]:
         return dict(
-            num_heads=self.num_heads,
-            mlp_features=self.mlp_features,
-            mlp_activation=self.mlp_activation,
-            norm_eps=self.norm_eps,
+            config=self.block_config(),
             mlp_norm_eps=self.norm_eps if self.mlp_norm_eps is None else self.mlp_norm_eps,
-            use_qkv_bias=self.use_qkv_bias,
             use_cross_attention=self.context_features > 0,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
             use_zero_init=self.use_zero_init,
             **overrides,
         )
-
-    EXTRA_OPTIONAL = ()
 
     def check(self) -> None:
         """Raise ``ValueError`` on an inconsistent configuration (run when the
@@ -345,29 +214,11 @@ class DiTOptions(nn.Module, kw_only=True):
                 f"{name} sample_size={size!r} must be a whole number >= 1 (square inputs) or "
                 f"a (height, width) pair of them, in pixels or latent cells"
             )
-        check_counts(
-            self,
-            positive=(
-                "patch_size",
-                "in_channels",
-                "emb_features",
-                "num_layers",
-                "num_heads",
-                "mlp_features",
-                "time_features",
-            ),
-            optional=self.EXTRA_OPTIONAL,
-            non_negative=("num_classes", "context_features"),
-        )
+        super().check()
         if any(s % self.patch_size for s in self.sample_shape):
             raise ValueError(
                 f"{name} sample_size {self.sample_size} is not a positive multiple of "
                 f"patch_size {self.patch_size}; use a sample_size divisible by the patch size"
-            )
-        if self.emb_features % self.num_heads:
-            raise ValueError(
-                f"{name} emb_features {self.emb_features} does not divide over num_heads "
-                f"{self.num_heads}; use a multiple of num_heads"
             )
         if self.emb_features % 4:
             raise ValueError(
@@ -375,13 +226,11 @@ class DiTOptions(nn.Module, kw_only=True):
                 f"sine-cosine positions; use {self.emb_features // 4 * 4 or 4} or "
                 f"{self.emb_features // 4 * 4 + 4}"
             )
-        check_layer_kinds(self)
         if self.time_features < 2 or self.time_freq_shift >= self.time_features // 2:
             raise ValueError(
                 f"{name} time_features {self.time_features} with time_freq_shift "
                 f"{self.time_freq_shift}: need time_features >= 2 and a shift below half of it"
             )
-        self.layer_stack()
 
     # ------------------------------------------------------------ inputs
 
@@ -458,7 +307,7 @@ class DiTOptions(nn.Module, kw_only=True):
 
     def dense(self, features, in_axis, out_axis, name, *, zero: bool = False):
         """A dense layer; ``zero``: zero-initialised under ``use_zero_init``."""
-        init = nn.initializers.normal(self.init_std)
+        init = nn.initializers.normal(self.weight_std)
         if zero and self.use_zero_init:
             init = nn.initializers.zeros
         return _dense(
@@ -484,7 +333,7 @@ class DiTOptions(nn.Module, kw_only=True):
             table = self.param(
                 "label_embed",
                 nn.with_logical_partitioning(
-                    nn.initializers.normal(self.init_std), (None, axes.EMBED)
+                    nn.initializers.normal(self.weight_std), (None, axes.EMBED)
                 ),
                 (self.num_classes + 1, self.emb_features),
                 self.param_dtype,
@@ -510,7 +359,7 @@ class DiTOptions(nn.Module, kw_only=True):
             2 * self.emb_features, axes.EMBED, None, "final_modulation", zero=True
         )(condition)
         shift, scale = jnp.split(modulation, 2, axis=-1)
-        h = modulate(_plain_norm(self.norm_eps, self.dtype, "final_norm")(h), shift, scale)
+        h = modulate(plain_norm(self.norm_eps, self.dtype, "final_norm")(h), shift, scale)
         features = self.patch_size**2 * self.out_channels
         return self.dense(features, axes.EMBED, None, "head", zero=True)(h)
 

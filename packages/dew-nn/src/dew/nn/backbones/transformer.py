@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from dew.nn import axes, masks, models
 from dew.nn.backbones._options import TransformerOptions, positions_and_valid
-from dew.nn.backbones.causal import DecoderBlock
+from dew.nn.backbones.block import DecoderBlock
 from dew.nn.backbones.dit import timestep_embedding
 from dew.nn.shards import check_divides
 

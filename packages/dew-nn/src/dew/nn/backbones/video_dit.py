@@ -5,7 +5,7 @@ A video ``x [batch, frames, height, width, channels]`` is cut into the same
 ``p x p`` patches in every frame (:func:`dew.nn.backbones.dit.patchify`), each
 embedded with its 2-D position, and conditioned as :class:`DiT` is (timestep,
 class label, text context). Each of the ``num_layers`` layers is a pair of
-adaLN-Zero blocks (:class:`dew.nn.backbones.dit.DiTBlock`):
+adaLN-Zero blocks (:class:`dew.nn.backbones.block.DiTBlock`):
 
 - **spatial**: attention among the patches of one frame (and cross-attention
   to the text context), frames folded into the batch: ``[batch * frames,
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import axes, models
-from dew.nn.backbones.dit import VIDEO_AXES, DiTBlock, DiTOptions
+from dew.nn.backbones.block import DiTBlock
+from dew.nn.backbones.dit import VIDEO_AXES, DiTOptions
 from dew.nn.backbones.vit import sincos_1d
 
 TEMPORAL_AXES = (axes.BATCH, axes.FRAMES, axes.EMBED)  # [batch * patches, frames, embed]

@@ -14,7 +14,7 @@ With ``position_embedding='rope'`` no embedding is added; instead the
 attention rotates queries and keys by the patch's grid coordinates, as V-JEPA 2
 does (Assran et al., 2025; :func:`dew.nn.rope.apply_axial_rope`).
 
-The blocks are :class:`~dew.nn.backbones.causal.DecoderBlock` run through
+The blocks are :class:`~dew.nn.backbones.block.DecoderBlock` run through
 :class:`~dew.nn.stack.LayerStack` under a full (bidirectional) mask: pre-norm
 ``x + attn(norm(x))``, ``x + mlp(norm(x))``. Because positions travel with
 the tokens, :class:`ViT` runs on any subset of patches (``positions [batch,
@@ -26,20 +26,23 @@ encoder's features at target positions from context tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.nn import axes, masks, models
-from dew.nn.backbones._options import check_counts, check_layer_kinds
-from dew.nn.backbones.causal import ACTIVATION_AXES, BlockConfig, DecoderBlock
+from dew.nn import axes, models
+from dew.nn.backbones._options import (
+    ACTIVATION_AXES,
+    BackboneOptions,
+    BlockConfig,
+    PreNormOptions,
+)
+from dew.nn.backbones.block import DecoderBlock
 from dew.nn.norms import make_norm
 from dew.nn.rope import axial_section_dim
 from dew.nn.shards import check_divides
-from dew.nn.stack import LayerStack
 
 POSITION_EMBEDDINGS = ("sincos", "learned", "rope")
 ROPE_THETA = 10000.0  # V-JEPA 2's rotary base
@@ -202,26 +205,44 @@ def check_positions(positions, batch: int, what: str) -> None:
         raise ValueError(f"{what} must be integer patch indices, got dtype {positions.dtype}")
 
 
-class _PatchModel:
-    """What :class:`ViT` and :class:`ViTPredictor` share: the grid, the position
-    table, the block configuration and the stack (read from their fields)."""
+class PatchOptions(BackboneOptions, PreNormOptions, kw_only=True):
+    """What :class:`ViT` and :class:`ViTPredictor` share: the patch grid and its
+    positions on top of the shared options (:class:`~dew.nn.backbones._options.BlockOptions`,
+    :class:`~dew.nn.backbones._options.PreNormOptions`,
+    :class:`~dew.nn.backbones._options.StackOptions`), with I-JEPA's defaults.
 
-    POSITIVE_COUNTS = (
-        "emb_features",
-        "num_layers",
-        "num_heads",
-        "mlp_features",
-        "image_size",
-        "patch_size",
-        "num_channels",
-        "tubelet_size",
-        "num_stages",
-    )
-    EXTRA_POSITIVE = ()
+    Attributes:
+      image_size: pixels along each side of a (square) image or frame.
+      patch_size: pixels along each side of a patch.
+      num_channels: channels of a pixel.
+      num_frames: frames of a video input ``[batch, frames, H, W, C]``; None =
+        images ``[batch, H, W, C]``.
+      tubelet_size: frames per tubelet (video); 1 for images.
+      position_embedding: 'sincos' (the fixed table of :func:`sincos_table`),
+        'learned' (a ``[patches, embed]`` parameter ``position_embed``) or 'rope'
+        (no table: the attention rotates queries and keys by each patch's grid
+        coordinates, V-JEPA 2's 3-D rotary for video, its 2-D analogue for images;
+        :func:`dew.nn.rope.apply_axial_rope`, base 10000).
+      mlp_activation: default 'gelu_exact' (erf GELU, as I-JEPA).
+      norm: default 'layer'.
+      use_bias: default True: biases on every dense layer and the q/k/v projections.
+      init_std: default 0.02, as I-JEPA.
+    """
 
-    def __post_init__(self):
-        self.check()  # a bad config never builds
-        super().__post_init__()
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    num_frames: int | None = None
+    tubelet_size: int = 1
+    position_embedding: str = "sincos"
+    # this family's own defaults of shared options
+    mlp_activation: str = "gelu_exact"
+    norm: str = "layer"
+    use_bias: bool = True
+    init_std: float | None = 0.02
+
+    FAMILY_POSITIVE = ("image_size", "patch_size", "num_channels", "tubelet_size")
+    FAMILY_OPTIONAL = ("num_frames",)
 
     @property
     def grid(self) -> PatchGrid:
@@ -239,19 +260,8 @@ class _PatchModel:
     def check(self) -> None:
         """Raise ``ValueError`` on an inconsistent configuration (run when the
         module is built)."""
-        check_counts(
-            self,
-            positive=(*self.POSITIVE_COUNTS, *self.EXTRA_POSITIVE),
-            optional=("num_frames", "pipeline_microbatches"),
-        )
+        super().check()
         grid = self.grid
-        owner = type(self).__name__
-        if self.emb_features % self.num_heads:
-            raise ValueError(
-                f"{owner} emb_features {self.emb_features} does not divide over num_heads "
-                f"{self.num_heads}; use a multiple of num_heads"
-            )
-        check_layer_kinds(self)
         if self.position_embedding not in POSITION_EMBEDDINGS:
             raise ValueError(
                 f"unknown position_embedding {self.position_embedding!r}; use one of "
@@ -259,7 +269,7 @@ class _PatchModel:
             )
         if self.position_embedding == "sincos":
             sincos_table(self.emb_features, (1,) * len(grid.shape))
-        head_dim = self.emb_features // self.num_heads
+        head_dim = self.features_per_head
         if self.position_embedding == "rope" and not axial_section_dim(head_dim, len(grid.shape)):
             raise ValueError(
                 f"position_embedding='rope' over a {len(grid.shape)}-D patch grid needs at "
@@ -267,35 +277,11 @@ class _PatchModel:
                 f"got head_dim {head_dim} (emb_features {self.emb_features} / num_heads "
                 f"{self.num_heads}): use fewer heads or another position_embedding"
             )
-        self.layer_stack()
-
-    def layer_stack(self) -> LayerStack:
-        return LayerStack(
-            num_layers=self.num_layers,
-            use_scan=self.use_scan,
-            use_remat=self.use_remat,
-            remat_policy=self.remat_policy,
-            num_stages=self.num_stages,
-            num_microbatches=self.pipeline_microbatches,
-        )
 
     def block_config(self) -> BlockConfig:
-        return BlockConfig(
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_heads,
-            head_dim=self.emb_features // self.num_heads,
-            mlp_features=self.mlp_features,
-            mlp_activation=self.mlp_activation,
-            norm=self.norm,
-            norm_eps=self.norm_eps,
+        return dataclasses.replace(
+            super().block_config(),
             rope_theta=ROPE_THETA if self.position_embedding == "rope" else None,
-            rope_scaling=None,
-            mask=masks.full(),
-            use_qkv_bias=self.use_bias,
-            use_bias=self.use_bias,
-            init_std=self.init_std,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
         )
 
     def add_positions(self, x: jax.Array, positions: jax.Array, table) -> jax.Array:
@@ -319,7 +305,9 @@ class _PatchModel:
             return jnp.asarray(sincos_table(self.emb_features, self.grid.shape))
         table = self.param(
             "position_embed",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (None, axes.EMBED)),
+            nn.with_logical_partitioning(
+                nn.initializers.normal(self.weight_std), (None, axes.EMBED)
+            ),
             (self.num_patches, self.emb_features),
             self.param_dtype,
         )
@@ -333,7 +321,7 @@ class _PatchModel:
             features,
             use_bias=self.use_bias,
             kernel_init=nn.with_logical_partitioning(
-                nn.initializers.normal(self.init_std), (in_axis, out_axis)
+                nn.initializers.normal(self.weight_std), (in_axis, out_axis)
             ),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)),
             dtype=self.dtype,
@@ -356,70 +344,16 @@ class _PatchModel:
         return make_norm(self.norm, self.norm_eps, self.dtype, self.param_dtype, "final_norm")(x)
 
 
-_SHARED_DOC = """
-      image_size: pixels along each side of a (square) image or frame.
-      patch_size: pixels along each side of a patch.
-      num_channels: channels of a pixel.
-      num_frames: frames of a video input ``[batch, frames, H, W, C]``; None =
-        images ``[batch, H, W, C]``.
-      tubelet_size: frames per tubelet (video); 1 for images.
-      position_embedding: 'sincos' (the fixed table of :func:`sincos_table`),
-        'learned' (a ``[patches, embed]`` parameter ``position_embed``) or 'rope'
-        (no table: the attention rotates queries and keys by each patch's grid
-        coordinates, V-JEPA 2's 3-D rotary for video, its 2-D analogue for images;
-        :func:`dew.nn.rope.apply_axial_rope`, base 10000).
-      mlp_activation: 'gelu_exact' (erf GELU, as I-JEPA), 'gelu' (tanh), 'relu' or 'swiglu'.
-      norm: 'layer' or 'rms'.
-      norm_eps: epsilon of the norms.
-      use_bias: biases on every dense layer and the q/k/v projections.
-      dtype: computation dtype; outputs are float32.
-      param_dtype: parameter dtype.
-      use_scan: one scanned block with a leading ``layers`` axis; False = a loop.
-      use_remat: recompute each block's activations in the backward pass.
-      remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name; None = keep nothing.
-      init_std: standard deviation of the normal weight initialiser (0.02, as I-JEPA).
-      num_stages: pipeline stages of the layer stack (:mod:`dew.nn.pipeline`); 1 = none.
-        Needs ``use_scan`` and ``num_layers`` a multiple of it.
-      pipeline_microbatches: microbatches of the pipeline; None = ``num_stages``.
-"""
-
-
 @models.register("vit")
-class ViT(_PatchModel, nn.Module):
+class ViT(PatchOptions, kw_only=True):
     """A vision transformer encoder: pixels -> ``[batch, patches or K, emb_features]``
     (float32, after the final norm), the backbone of I-JEPA and V-JEPA.
 
-    Attributes:
-      emb_features: width of the residual stream.
-      num_layers: transformer blocks.
-      num_heads: attention heads.
-      mlp_features: hidden width of the feed-forward block.
+    Its fields are :class:`PatchOptions`' (the patch grid, positions) and the
+    options every backbone shares (``emb_features``, ``num_layers``,
+    ``num_heads``, ``mlp_features``, ...: :mod:`dew.nn.backbones._options`), all
+    keyword-only.
     """
-
-    __doc__ += _SHARED_DOC
-
-    emb_features: int
-    num_layers: int
-    num_heads: int
-    mlp_features: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
-    num_frames: int | None = None
-    tubelet_size: int = 1
-    position_embedding: str = "sincos"
-    mlp_activation: str = "gelu_exact"
-    norm: str = "layer"
-    norm_eps: float = 1e-6
-    use_bias: bool = True
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    use_scan: bool = True
-    use_remat: bool = False
-    remat_policy: str | None = None
-    init_std: float = 0.02
-    num_stages: int = 1
-    pipeline_microbatches: int | None = None
 
     def example_inputs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract arguments to ``init`` with (one example of pixels)."""
@@ -461,7 +395,7 @@ class ViT(_PatchModel, nn.Module):
 
 
 @models.register("vit_predictor")
-class ViTPredictor(_PatchModel, nn.Module):
+class ViTPredictor(PatchOptions, kw_only=True):
     """I-JEPA's predictor (Assran et al., 2023): a narrow ViT over context tokens
     and mask tokens that returns predicted encoder features at the targets.
 
@@ -474,38 +408,13 @@ class ViTPredictor(_PatchModel, nn.Module):
     Attributes:
       encoder_features: width of the encoder's features (in and out).
       emb_features: the predictor's own (narrower) width.
-      num_layers: transformer blocks.
-      num_heads: attention heads.
-      mlp_features: hidden width of the feed-forward block.
+
+    The rest are :class:`ViT`'s fields, all keyword-only.
     """
 
-    __doc__ += _SHARED_DOC
+    encoder_features: int
 
     EXTRA_POSITIVE = ("encoder_features",)
-
-    encoder_features: int
-    emb_features: int
-    num_layers: int
-    num_heads: int
-    mlp_features: int
-    image_size: int
-    patch_size: int
-    num_channels: int = 3
-    num_frames: int | None = None
-    tubelet_size: int = 1
-    position_embedding: str = "sincos"
-    mlp_activation: str = "gelu_exact"
-    norm: str = "layer"
-    norm_eps: float = 1e-6
-    use_bias: bool = True
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    use_scan: bool = True
-    use_remat: bool = False
-    remat_policy: str | None = None
-    init_std: float = 0.02
-    num_stages: int = 1
-    pipeline_microbatches: int | None = None
 
     def example_inputs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract arguments to ``init`` with: one context token, one target."""
@@ -542,7 +451,7 @@ class ViTPredictor(_PatchModel, nn.Module):
         x = self.add_positions(x, context_positions, table)
         mask_token = self.param(
             "mask_token",
-            nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (axes.EMBED,)),
+            nn.with_logical_partitioning(nn.initializers.normal(self.weight_std), (axes.EMBED,)),
             (self.emb_features,),
             self.param_dtype,
         )

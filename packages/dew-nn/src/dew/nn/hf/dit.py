@@ -34,7 +34,7 @@ import numpy as np
 
 from dew.nn.hf.fields import ConfigFields
 from dew.nn.hf.format import as_module
-from dew.nn.hf.layered import LayeredFormat
+from dew.nn.hf.layered import LayeredFormat, full_width_heads
 from dew.nn.hf.layout import (
     Layout,
     Tensor,
@@ -153,6 +153,7 @@ class DiTFormat(LayeredFormat):
             ("mlp_features", f"4 * emb_features = {4 * e}", model.mlp_features == 4 * e),
             ("mlp_activation", "'gelu' or 'gelu_exact'", model.mlp_activation in _WRITTEN),
             ("norm_eps", 1e-6, model.norm_eps == 1e-6),
+            *full_width_heads(model),
         ]
 
     def config_from_dew(

@@ -26,6 +26,25 @@ from dew.nn.hf.format import as_module, check_params
 from dew.nn.hf.layout import Layout, read_layout, write_layout
 
 
+def full_width_heads(model) -> list[tuple[str, Any, bool]]:
+    """The :meth:`LayeredFormat.requirements` of a format whose attention has one
+    key/value head per query head, each ``emb_features // num_heads`` wide (ViT,
+    I-JEPA, V-JEPA 2, DiT): the shared options ``num_kv_heads`` and ``head_dim``
+    at their defaults."""
+    return [
+        (
+            "num_kv_heads",
+            f"None (= num_heads {model.num_heads})",
+            model.kv_heads == model.num_heads,
+        ),
+        (
+            "head_dim",
+            f"None (= emb_features // num_heads = {model.emb_features // model.num_heads})",
+            model.features_per_head * model.num_heads == model.emb_features,
+        ),
+    ]
+
+
 class LayeredFormat:
     """Base of the formats whose tensors are one :class:`Layout` over a layer stack.
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dew.nn.hf.fields import ConfigFields
-from dew.nn.hf.layered import LayeredFormat
+from dew.nn.hf.layered import LayeredFormat, full_width_heads
 from dew.nn.hf.layout import Tensor, heads_bias, heads_in, heads_out, linear, same
 
 # transformers' hidden_act -> Dew's mlp_activation, and back
@@ -94,6 +94,7 @@ class ViTEncoderFormat(LayeredFormat):
     def requirements(self, model) -> list[tuple[str, Any, bool]]:
         return [
             ("norm", "'layer'", model.norm == "layer"),
+            *full_width_heads(model),
             ("use_bias", "True", model.use_bias),
             (
                 "mlp_activation",

@@ -35,7 +35,9 @@ def load_model(
       ``"encoder"``), a frozen one (``"reference"``, ``"teacher"``), an averaged
       one (``"target"``: the moving average of the role it averages, whatever
       ``averaged`` says) or a LoRA base view (``Role(initial_from=...)`` a LoRA role:
-      the base model without adapters); None = the first trained role.
+      the base model without adapters); None = the trained parameters as they are
+      (``TrainState.params``: one role's tree, or a dict by role) with the first
+      trained role's model.
     """
     directory = os.path.abspath(os.fspath(directory))
     candidates = [path for s, path in step_dirs(directory) if step is None or s == step]
@@ -81,8 +83,8 @@ def _role_place(path: str, meta: dict, role: str | None, averaged: bool):
                 f"['(one unnamed model: pass role=None)']"
             )
         return meta.get("model"), (field,), None
-    if role is None:
-        role = _trained(roles)[0]
+    if role is None:  # the trained parameters as they are (one role's tree, or by role)
+        return meta.get("model"), (field,), roles[_trained(roles)[0]].get("lora")
     if role not in roles:
         raise KeyError(
             f"checkpoint {path} has no role {role!r}; its roles are {sorted(roles)}: pass "

@@ -11,8 +11,8 @@ image at each target block (:mod:`dew.objectives.jepa_masks`)::
     loss = mean over blocks, patches, features of smooth_l1(z - h[targets])  (I-JEPA)
                                                or |z - h[targets]|           (V-JEPA)
 
-The target encoder is a declared role, ``Role('target', averages='encoder',
-ema=...)``: the trainer's moving average of the encoder alone,
+The target encoder is a declared role, ``Role(name='target', averages='encoder',
+ema=..., ...)``: the trainer's moving average of the encoder alone,
 ``xi <- m xi + (1 - m) theta`` after every optimizer update, with ``m``
 linear from 0.996 to 1.0 over the planned updates (facebookresearch/ijepa
 ``src/train.py``); it starts equal to ``theta`` and the loss reads it as

@@ -62,7 +62,7 @@ def test_fit_moves_the_text_encoder_and_the_pipeline_uses_it(tmp_path):
     moved = np.abs(embed[seen]).max(axis=1) > 1e-3
     assert moved.mean() >= 0.5, moved
     np.testing.assert_array_equal(np.delete(embed, seen, axis=0), 0.0)  # no gradient, no move
-    head = params["model"]["head"]["kernel"]  # zero-initialised (adaLN-Zero), then trained
+    head = params["policy"]["head"]["kernel"]  # zero-initialised (adaLN-Zero), then trained
     assert np.abs(head).max() > 1e-3
     # the optimizer holds moments for the encoder: it is optimized, not frozen
     mu = state.opt_state[0].mu

@@ -28,7 +28,7 @@ from dew.nn import ViT, ViTPredictor
 from dew.objectives.jepa import JepaObjective, probe
 from dew.objectives.jepa_masks import MultiBlock
 from dew.sampling.features import FeatureExtractor
-from dew.train import Checkpoints, MeshSpec, Trainer
+from dew.train import Checkpoints, MeshSpec, Trainer, load_model
 
 ONE = dict(mesh=MeshSpec(data=1, devices=jax.devices()[:1]))
 
@@ -94,6 +94,13 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     assert int(resumed.step) == 4
     jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
     jax.tree.map(np.testing.assert_array_equal, resumed.averaged, whole.averaged)
+    # the declared target role comes back from the directory alone: the encoder's
+    # moving average on the encoder's module; the encoder role is the live weights
+    model, target = load_model(tmp_path, role="target")
+    assert model == trainer.objective.encoder
+    jax.tree.map(np.testing.assert_array_equal, target, resumed.averaged["encoder"])
+    _, encoder = load_model(tmp_path, role="encoder")
+    jax.tree.map(np.testing.assert_array_equal, encoder, resumed.params["encoder"])
 
 
 # --------------------------------------------- diagnostics on logged steps only
@@ -206,7 +213,7 @@ def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
         assert float(on_metrics[name].weight) > 0
     # evaluation (Step.is_logged left True) still reports them: the numpy values
     objective = trainer.objective
-    variables = {"params": states[1].params, "averaged": states[1].averaged}
+    variables = {"params": states[1].params, "target": {"params": states[1].averaged["encoder"]}}
     key = microbatch_key(typed(states[1]).key, states[1].step, 0)
     evaluate = jax.jit(lambda v, x, k: objective.evaluate(v, {"image": x}, Step(index=1, key=k)))
     metrics = evaluate(variables, pixels[1], key)

@@ -79,7 +79,7 @@ def computed(setup):
         value, grads = jax.value_and_grad(loss)(params)
         context = encode_tokens(trained.text_encoder.module, params["text_encoder"], batch["text"])
         frozen_batch = {"image": batch["image"], "context": context}
-        frozen_value = frozen.loss({"params": params["model"]}, frozen_batch, STEP)[0].value
+        frozen_value = frozen.loss({"params": params["policy"]}, frozen_batch, STEP)[0].value
         per_row, _ = trained.per_example_loss(params, batch, time=TIME, noise=NOISE, drop_key=None)
         return dict(value=value, grads=grads, context=context, frozen=frozen_value, per_row=per_row)
 
@@ -104,7 +104,7 @@ def test_the_loss_is_the_frozen_routes_on_the_same_encoder_weights(setup, comput
     x_t = alpha * x0 + sigma * NOISE
     denoise = jax.jit(trained.model.apply)
     model_out = denoise(
-        {"params": variables["params"]["model"]},
+        {"params": variables["params"]["policy"]},
         jnp.asarray(x_t, jnp.float32),
         jnp.asarray(TIME),
         context=jnp.asarray(out["context"]),
@@ -118,7 +118,7 @@ def test_gradients_reach_the_trained_encoder_only_as_a_role(setup, computed):
     trained, variables, batch = setup
     _, out = computed
     assert [(r.name, r.trained) for r in trained.roles()] == [
-        ("model", True),
+        ("policy", True),
         ("text_encoder", True),
     ]
     embed = out["grads"]["text_encoder"]["embed"]["embedding"]  # [vocab, embed]
@@ -133,11 +133,11 @@ def test_gradients_reach_the_trained_encoder_only_as_a_role(setup, computed):
     frozen = DiffusionObjective(
         trained.model, schedule=SCHEDULE, text_encoder=trained.text_encoder_of(variables)
     )
-    assert [(r.name, r.trained) for r in frozen.roles()] == [("model", True)]
+    assert [(r.name, r.trained) for r in frozen.roles()] == [("policy", True)]
     frozen_params = jax.eval_shape(frozen.init, jax.random.key(0))["params"]
     assert "text_encoder" not in frozen_params  # the frozen encoder is not optimized
     assert jax.tree.structure(nn.meta.unbox(frozen_params)) == jax.tree.structure(
-        variables["params"]["model"]
+        variables["params"]["policy"]
     )
 
 

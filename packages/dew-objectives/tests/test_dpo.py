@@ -163,7 +163,7 @@ def test_precomputed_reference_logps_and_reference_free(weights, rpo_loss):
     precomputed, _ = jax.jit(obj.loss)(zeros, given, STEP)
     assert float(precomputed.value) == pytest.approx(float(computed.value), rel=1e-5)
     free = DPOObjective(MODEL, reference_free=True)
-    assert [r.name for r in free.roles()] == ["model"]
+    assert [r.name for r in free.roles()] == ["policy"]
     loss, _ = jax.jit(free.loss)({"params": weights[0]}, batch, STEP)
     h = pw - pl
     assert float(loss.value) == pytest.approx(np.mean(np.logaddexp(0.0, -0.1 * h)), rel=1e-5)
@@ -175,7 +175,10 @@ def test_init_copies_the_initial_policy_or_takes_given_weights(weights):
     jax.tree.map(np.testing.assert_array_equal, variables["params"], weights[0])
     jax.tree.map(np.testing.assert_array_equal, variables["reference"]["params"], weights[0])
     roles = obj.roles()
-    assert [(r.name, r.trained) for r in roles] == [("model", True), ("reference", False)]
+    assert [(r.name, r.trained) for r in roles] == [("policy", True), ("reference", False)]
+    # declared: without reference weights the reference is the initial policy
+    assert roles[1].initial_from == "policy"
+    assert objective(weights).roles()[1].initial_from is None
     given = nn.unbox(jax.jit(objective(weights).init)(jax.random.key(5)))
     jax.tree.map(np.testing.assert_array_equal, given["reference"]["params"], weights[1])
     # boxes kept: the reference is sharded like the policy

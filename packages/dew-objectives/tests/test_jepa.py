@@ -31,7 +31,7 @@ def setup():
     variables = nn.unbox(obj.init(jax.random.key(0)))
     # a target encoder that differs from the context encoder
     noisy = jax.tree.map(lambda p: p + 0.05, variables["params"]["encoder"])
-    variables = {**variables, "averaged": {**variables["params"], "encoder": noisy}}
+    variables = {**variables, "target": {"params": noisy}}
     pixels = np.random.default_rng(0).integers(0, 256, (3, 8, 8, 1)).astype(np.uint8)
     return obj, variables, pixels
 
@@ -42,7 +42,7 @@ def numpy_loss(obj, variables, pixels, key, loss_type):
     x = pixels.astype(np.float64) / 127.5 - 1.0
     masks = jax.device_get(obj.draw_masks(key, len(x)))
     xf = jnp.asarray(x, jnp.float32)
-    h = np.asarray(encoder({"params": variables["averaged"]["encoder"]}, xf), np.float64)
+    h = np.asarray(encoder(variables["target"], xf), np.float64)
     h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-6)
     params = variables["params"]
     losses = []
@@ -90,13 +90,15 @@ def test_no_gradient_reaches_the_target_encoder_and_both_roles_learn(setup):
     obj, variables, pixels = setup
     step = Step(index=0, key=jax.random.key(2))
 
-    def value(params, averaged):
+    def value(params, target):
         loss, _ = obj.loss(
-            {**variables, "params": params, "averaged": averaged}, {"image": pixels}, step
+            {**variables, "params": params, "target": {"params": target}}, {"image": pixels}, step
         )
         return loss.value
 
-    g_params, g_target = jax.grad(value, argnums=(0, 1))(variables["params"], variables["averaged"])
+    g_params, g_target = jax.grad(value, argnums=(0, 1))(
+        variables["params"], variables["target"]["params"]
+    )
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(g_target))
     for role in ("encoder", "predictor"):
         assert sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(g_params[role])) > 0
@@ -104,13 +106,14 @@ def test_no_gradient_reaches_the_target_encoder_and_both_roles_learn(setup):
 
 def test_roles_ema_and_momentum_schedule():
     obj = JepaObjective(ENCODER, PREDICTOR, planned_updates=100, masks=MASKS)
+    # the target encoder is a declared role: the moving average of the encoder alone
     assert obj.roles() == (
         Role(name="encoder", module=ENCODER),
         Role(name="predictor", module=PREDICTOR),
+        Role(name="target", module=ENCODER, trained=False, averages="encoder", ema=obj.target_ema),
     )
-    assert obj.uses_averaged and obj.ema.include("encoder/layers/attention/query/kernel")
-    assert not obj.ema.include("predictor/mask_token")
-    decays = [float(obj.ema.decay_at(u)) for u in (0, 50, 100, 400)]
+    assert obj.ema is None and obj.keeps_average
+    decays = [float(obj.target_ema.decay_at(u)) for u in (0, 50, 100, 400)]
     np.testing.assert_allclose(decays, [0.996, 0.998, 1.0, 1.0], rtol=0, atol=1e-7)
     schedule = momentum_schedule(0.998, 1.0, 8)
     np.testing.assert_allclose(float(schedule(2)), 0.9985, atol=1e-7)
@@ -149,7 +152,6 @@ def test_video_runs_on_tubes():
     )
     assert obj.input_key == "video" and obj.input_shape == (4, 8, 8, 1)
     variables = nn.unbox(obj.init(jax.random.key(0)))
-    variables["averaged"] = variables["params"]
     clip = np.random.default_rng(1).normal(size=(2, 4, 8, 8, 1)).astype(np.float32)
     obj.check_batch({"video": clip})
     loss, _ = obj.loss(variables, {"video": clip}, Step(index=0, key=jax.random.key(0)))

@@ -35,8 +35,9 @@ ONE = MeshSpec(data=1, devices=jax.devices()[:1])
 @dataclasses.dataclass(eq=False)
 class Tuned(Objective):
     """Next-token NLL of a policy, with the reference's NLL as a metric; the
-    reference is ``{'params': params}`` of the initial policy, as DPO's and
-    GRPO's default is."""
+    reference is declared the initial policy (``Role(initial_from='policy')``), as
+    DPO's and GRPO's default is, and ``target`` the policy's moving average
+    (``Role(averages='policy')``, the objective's EMA)."""
 
     model: Any
     init_params: Any = None
@@ -44,15 +45,16 @@ class Tuned(Objective):
 
     def roles(self):
         return (
-            Role(name="model", module=self.model),
-            Role(name="reference", module=self.model, trained=False),
+            Role(name="policy", module=self.model),
+            Role(name="reference", module=self.model, trained=False, initial_from="policy"),
+            Role(name="target", module=self.model, trained=False, averages="policy"),
         )
 
     def init(self, key):
         params = self.model.init(key, jnp.zeros((1, SEQ), jnp.int32))["params"]
         if self.init_params is not None:
             params = with_initial_values(params, self.init_params)
-        return {"params": params, "reference": {"params": params}}
+        return {"params": params}  # the trainer makes the reference: the base, once
 
     def loss(self, variables, batch, step):
         tokens = batch["text"]
@@ -157,6 +159,16 @@ def test_load_model_rebuilds_the_lora_policy(run):
     want = jax.jit(t.objective.model.apply)({"params": live}, tokens)
     got = jax.jit(model.apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the declared relations come back too: the reference is the base without adapters
+    # (stored once), the target the policy's moving average (the EMA of the adapters)
+    base_model, base = load_model(str(t.directory), role="reference")
+    assert lora_of(base_model) is None and base_model == base_module(t.objective.model)
+    jax.tree.map(np.testing.assert_array_equal, base, final.frozen["lora_base"])
+    target_model, target = load_model(str(t.directory), role="target")
+    assert lora_of(target_model) == LORA
+    averaged = final.variables(averaged=True)
+    jax.tree.map(np.testing.assert_array_equal, target, averaged["params"])
+    jax.tree.map(np.testing.assert_array_equal, averaged["target"]["params"], target)
 
 
 def test_resume_equals_uninterrupted(run, pretrained, tmp_path):

@@ -4,8 +4,11 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
 
 - the batch fields it reads (:meth:`Objective.batch_fields`, :class:`BatchField`),
   matched against ``Dataset.spec`` before compiling (:func:`check_batch_spec`);
-- models by role (:class:`Role`): trained ones (one or several) and frozen ones
-  (reference, teacher, text encoder), each recorded by registry name and config;
+- models by role (:class:`Role`, names from :data:`ROLE_NAMES`): trained ones (one
+  or several), frozen ones (reference, teacher, text encoder) and declared relations
+  (``initial_from``: a reference = the initial policy; ``averages``: JEPA's target =
+  an EMA of the encoder), checked by :func:`check_roles`, each recorded by registry
+  name and config;
 - ``init(key, spec)`` -> variables, with shapes from the data's batch spec;
 - optional ``prepare(variables, batch, step)``: compiled, no gradient, on the
   pre-update weights; turns a data batch into a training batch (rollouts,
@@ -27,12 +30,14 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
 
 from dew.objectives.base import (
     EMA,
+    ROLE_NAMES,
     Metrics,
     Objective,
     Role,
     Step,
     Updates,
     Variables,
+    check_roles,
     with_initial_values,
 )
 from dew.objectives.batch import BatchField, check_batch_spec
@@ -42,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EMA",
+    "ROLE_NAMES",
     "BatchField",
     "Metrics",
     "Objective",
@@ -52,5 +58,6 @@ __all__ = [
     "Variables",
     "Weighted",
     "check_batch_spec",
+    "check_roles",
     "with_initial_values",
 ]

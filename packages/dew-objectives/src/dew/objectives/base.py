@@ -143,37 +143,72 @@ class EMA:
         return decay
 
 
+ROLE_NAMES: dict[str, str] = {
+    "policy": "the model an objective trains to produce its outputs: the language model "
+    "(LM, DPO, GRPO, PPO, MDLM, BD3-LM), the denoiser (diffusion, Flow-GRPO), the student "
+    "(distillation)",
+    "value": "a value model or head trained beside the policy (PPO)",
+    "reference": "a frozen copy of the policy the loss keeps close to (DPO, GRPO, PPO, "
+    "Flow-GRPO): Role(initial_from='policy') when it is the initial policy",
+    "encoder": "a trained encoder (JEPA's context encoder)",
+    "predictor": "a trained predictor reading the encoder's features (JEPA)",
+    "target": "a moving average of a trained role the loss reads (JEPA's target encoder): "
+    "Role(averages='encoder')",
+    "teacher": "a frozen model whose outputs a student learns (distillation)",
+    "text_encoder": "the encoder of a text-conditioned model's prompts (diffusion), frozen "
+    "or trained",
+    "reward": "a frozen reward model",
+}
+"""Dew's one vocabulary of role names: every family names its models from it, so a
+checkpoint's roles and ``load_model(directory, role=...)`` read the same across
+families. An objective of your own may use other names (any identifier)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Role:
     """One model an objective uses, by the part it plays.
 
-    name: the role (``"model"``, ``"policy"``, ``"value"``, ``"encoder"``,
-      ``"predictor"``, ``"reference"``, ``"teacher"``, ``"text_encoder"``);
-      unique within an objective.
+    name: the role, from :data:`ROLE_NAMES` (``"policy"``, ``"value"``,
+      ``"reference"``, ``"encoder"``, ``"predictor"``, ``"target"``, ``"teacher"``,
+      ``"text_encoder"``) for Dew's families; unique within an objective.
     module: the ``flax.linen.Module``.
     trained: True = its parameters are optimized (in ``TrainState.params``);
       False = frozen: kept in ``TrainState.frozen[name]``, checkpointed, never in
-      the optimizer state and never averaged.
+      the optimizer state.
     weights: a frozen role's variables (a Hugging Face load, another run's
-      weights); None = the objective initializes it (a reference policy is a
-      copy of the initial policy). Shapes are checked against the module
-      before anything is compiled.
+      weights), read by :meth:`frozen_variables`, which checks their shapes
+      against the module before anything is compiled; None = the objective
+      initializes it.
+    initial_from: a declared relation: this frozen role starts as the initial
+      weights of the named role (a reference policy: ``initial_from="policy"``).
+      The trainer fills ``variables[name]`` from that role when ``init`` does not
+      return it; under LoRA, when the named role trains adapters, the role is the
+      base without adapters, stored once (:mod:`dew.train.adapters`).
+    averages: a declared relation: this role is the exponential moving average of
+      the named trained role (JEPA's ``target`` of ``encoder``), with ``ema`` as its
+      decay schedule (None: the objective's ``ema``). It is never optimized: the
+      trainer keeps it in ``TrainState.averaged`` (at the trained role's place) and
+      passes it to the loss as ``variables[name]['params']``, without gradient.
+    ema: an averaged role's :class:`EMA` (decay, warm-up, ``include`` over the
+      trained role's own parameter paths).
 
-    LoRA: a trained role whose module comes from ``dew.nn.lora.LoRA.apply`` trains
-    its adapters only; its base weights are frozen (``dew.train.adapters``). A
-    frozen role that ``init`` returns as ``{'params': params}``, the trained role's
-    own initial tree (the same arrays), is then the base view: the base with zero
-    adapters, stored nowhere. Nothing else in an objective changes.
+    A relation naming a role the objective does not declare, or relations that
+    form a cycle, raise ValueError before anything is compiled
+    (:func:`check_roles`).
 
     A checkpoint records each role's registry name and config
-    (``dew.nn.models.config_of``), so ``load_model(directory, role=...)``
-    rebuilds any of them.
+    (``dew.nn.models.config_of``) and its relations, so
+    ``load_model(directory, role=...)`` rebuilds any of them, averaged roles and
+    LoRA bases included.
     """
 
     name: str
     module: Any
     trained: bool = True
     weights: Any = None
+    initial_from: str | None = None
+    averages: str | None = None
+    ema: EMA | None = None
 
     def __post_init__(self):
         if not self.name or not self.name.isidentifier():
@@ -182,6 +217,42 @@ class Role:
             raise ValueError(
                 f"role {self.name!r} is trained; pass starting weights through the "
                 f"objective's init (e.g. LMObjective(init_params=...)), not Role.weights"
+            )
+        if self.initial_from is not None and self.averages is not None:
+            raise ValueError(
+                f"role {self.name!r} declares initial_from={self.initial_from!r} and "
+                f"averages={self.averages!r}; an averaged role starts as the role it averages, "
+                f"so declare averages= only"
+            )
+        for relation in ("initial_from", "averages"):
+            value = getattr(self, relation)
+            if value is None:
+                continue
+            if self.trained:
+                raise ValueError(
+                    f"Role({self.name!r}, {relation}={value!r}) is trained; a role "
+                    f"{'initialised from' if relation == 'initial_from' else 'averaging'} "
+                    f"another is never optimized: pass trained=False"
+                )
+            if self.weights is not None:
+                raise ValueError(
+                    f"Role({self.name!r}) declares both weights= and {relation}={value!r}; "
+                    f"its weights come from role {value!r}: drop one of them"
+                )
+            if value == self.name:
+                raise ValueError(
+                    f"Role({self.name!r}, {relation}={value!r}) names itself; name the "
+                    f"trained role it comes from"
+                )
+        if self.ema is not None and self.averages is None:
+            raise ValueError(
+                f"Role({self.name!r}, ema=...) is not an averaged role; declare the trained "
+                f"role it averages with averages='<role>', or set the objective's ema"
+            )
+        if self.ema is not None and not isinstance(self.ema, EMA):
+            raise TypeError(
+                f"Role({self.name!r}).ema must be a dew.objectives.EMA, got "
+                f"{type(self.ema).__name__}"
             )
 
     def frozen_variables(self, key: jax.Array, *inputs) -> Variables:
@@ -195,6 +266,98 @@ class Role:
         return jax.tree.map(
             lambda want, value: jnp.asarray(value, want.dtype), expected, dict(given)
         )
+
+
+def check_roles(objective) -> tuple[Role, ...]:
+    """``objective.roles()``, checked: Role objects with unique names, at least one
+    trained, and relations (``initial_from``, ``averages``) that name declared roles
+    and form no cycle. Raises TypeError / ValueError naming the role and what to do;
+    the trainer calls it before anything is compiled."""
+    what = type(objective).__name__
+    if getattr(objective, "uses_averaged", False):
+        raise ValueError(
+            f"{what}.uses_averaged is gone: declare the moving average as a role, "
+            f"Role(name='target', module=..., trained=False, averages='<trained role>', "
+            f"ema=EMA(...)), and read variables['target']['params'] in the loss"
+        )
+    roles = tuple(objective.roles())
+    seen: dict[str, int] = {}
+    for role in roles:
+        if not isinstance(role, Role):
+            raise TypeError(
+                f"{what}.roles() must return dew.objectives.Role objects, got {type(role).__name__}"
+            )
+        seen[role.name] = seen.get(role.name, 0) + 1
+    names = [r.name for r in roles]
+    twice = sorted(name for name, count in seen.items() if count > 1)
+    if twice:
+        raise ValueError(
+            f"{what} declares role name(s) {twice} more than once (roles: {names}); give "
+            f"every role its own name"
+        )
+    if not any(role.trained for role in roles):
+        raise ValueError(
+            f"{what} declares no trained role (roles: {names}); mark at least one "
+            f"Role(trained=True)"
+        )
+    by_name = {r.name: r for r in roles}
+    for role in roles:
+        for relation in ("initial_from", "averages"):
+            other = getattr(role, relation)
+            if other is not None and other not in by_name:
+                raise ValueError(
+                    f"{what}: Role({role.name!r}, {relation}={other!r}) names a role the "
+                    f"objective does not declare (roles: {names}); name one of them"
+                )
+        if role.averages is not None:
+            if not by_name[role.averages].trained:
+                raise ValueError(
+                    f"{what}: Role({role.name!r}, averages={role.averages!r}) averages a "
+                    f"frozen role, which never changes; name a trained role "
+                    f"({[r.name for r in roles if r.trained]})"
+                )
+            if role.ema is None and getattr(objective, "ema", None) is None:
+                raise ValueError(
+                    f"{what}: Role({role.name!r}, averages={role.averages!r}) has no decay: "
+                    f"pass Role(..., ema=EMA(decay=...)) or set the objective's ema"
+                )
+    for role in roles:  # a chain of initial_from ends at a trained or averaged role
+        chain = [role.name]
+        current = role
+        while current.initial_from is not None:
+            current = by_name[current.initial_from]
+            if current.name in chain:
+                cycle = " -> ".join([*chain[chain.index(current.name) :], current.name])
+                raise ValueError(
+                    f"{what}: the roles' initial_from relations form a cycle ({cycle}), so "
+                    f"none of them has weights to start from; let one of them start from a "
+                    f"trained role or from its own weights"
+                )
+            chain.append(current.name)
+    averaged: dict[str, Role] = {}
+    for role in roles:
+        if role.averages is not None:
+            first = averaged.setdefault(role.averages, role)
+            if first.ema != role.ema:
+                raise ValueError(
+                    f"{what}: roles {first.name!r} and {role.name!r} both average "
+                    f"{role.averages!r} with different EMAs; the trainer keeps one moving "
+                    f"average per trained role: give both the same ema"
+                )
+    return roles
+
+
+def initial_source(roles: tuple[Role, ...], name: str) -> Role:
+    """The role whose initial weights role ``name`` starts from: ``name`` itself, or
+    the end of its ``initial_from`` chain (a trained role, an averaged role's trained
+    role, or a frozen role with weights of its own)."""
+    by_name = {r.name: r for r in roles}
+    role = by_name[name]
+    while role.initial_from is not None:
+        role = by_name[role.initial_from]
+    if role.averages is not None:
+        role = by_name[role.averages]
+    return role
 
 
 def nn_unbox(tree):
@@ -294,9 +457,9 @@ class Objective:
 
     Attributes:
       model: the trained ``flax.linen.Module`` of a one-model objective.
-      ema: an :class:`EMA`, or None to keep no moving average.
-      uses_averaged: the loss reads the moving average (JEPA's target encoder):
-        the trainer passes it as ``variables['averaged']``.
+      ema: an :class:`EMA` of every trained parameter (``TrainState.averaged``, what
+        sampling and evaluation read), or None. A moving average the loss reads is a
+        role instead (``Role(name='target', averages='encoder', ema=...)``).
       evaluate_averaged: evaluation, previews and exports use the averaged
         weights when there are any.
       prepared_updates: with :meth:`prepare`, the optimizer updates each prepared batch
@@ -310,19 +473,27 @@ class Objective:
 
     model: Any
     ema: EMA | None = None
-    uses_averaged: bool = False
     evaluate_averaged: bool = True
     prepared_updates: Updates = Updates()
     headline_metrics: tuple[str, ...] = ()
 
     def roles(self) -> tuple[Role, ...]:
-        """The models this objective uses. Default: one trained role, ``model``.
+        """The models this objective uses, named from :data:`ROLE_NAMES`, with their
+        relations (``initial_from``, ``averages``). Default: one trained role,
+        ``policy``.
 
         With one trained role, ``variables['params']`` is its parameter tree;
-        with several, ``variables['params'][role]``. A frozen role's variables
-        are ``variables[role]`` (e.g. ``variables['reference']['params']``).
+        with several, ``variables['params'][role]``. A frozen or averaged role's
+        variables are ``variables[role]`` (``variables['reference']['params']``,
+        ``variables['target']['params']``).
         """
-        return (Role(name="model", module=self.model),)
+        return (Role(name="policy", module=self.model),)
+
+    @property
+    def keeps_average(self) -> bool:
+        """The trainer keeps a moving average (``TrainState.averaged``): the
+        objective's ``ema``, or a role that averages a trained one."""
+        return self.ema is not None or any(r.averages is not None for r in self.roles())
 
     def init(self, key: jax.Array, spec: Mapping[str, Any] | None = None) -> Variables:
         """``{'params': ..., frozen role name: its variables, ...}``; parameters may be
@@ -397,7 +568,7 @@ class Objective:
     def pipeline(self, state) -> Any:
         """``export`` of a ``TrainState``'s variables (the averaged ones when the
         objective evaluates with them)."""
-        averaged = self.evaluate_averaged and self.ema is not None
+        averaged = self.evaluate_averaged and self.keeps_average
         return self.export(state.variables(averaged=averaged))
 
     def batch_fields(self) -> tuple[BatchField, ...]:

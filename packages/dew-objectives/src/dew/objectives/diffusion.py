@@ -29,7 +29,7 @@ ones. Label and context of a row drop together.
 :class:`dew.sampling.TextEncoder` (``TextEncoder.load``, any checkpoint Dew's loaders
 read) whose contexts come precomputed in ``batch['context']``; or, with
 ``train_text_encoder=True``, a small encoder trained with the denoiser as a second
-trained role ``text_encoder`` (``variables['params'] = {'model': ..., 'text_encoder':
+trained role ``text_encoder`` (``variables['params'] = {'policy': ..., 'text_encoder':
 ...}``): batches carry token ids ``batch['text'] int32 [batch, max_length]`` (optional
 ``context_mask``), the loss encodes them, ``c = E_phi(ids)``
 (:func:`dew.sampling.text_encoders.encode_tokens`), so the gradient of the diffusion

@@ -404,7 +404,7 @@ class DistillationObjective(Objective):
     # ----------------------------------------------------------------- roles
     def roles(self):
         return (
-            Role(name="model", module=self.student),
+            Role(name="policy", module=self.student),
             Role(name="teacher", module=self.teacher, trained=False),
         )
 

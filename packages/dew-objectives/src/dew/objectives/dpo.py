@@ -149,10 +149,17 @@ class DPOObjective(Objective):
 
     # ------------------------------------------------------------- roles, init
     def roles(self) -> tuple[Role, ...]:
-        policy = Role(name="model", module=self.model)
+        policy = Role(name="policy", module=self.model)
         if self.reference_free:
             return (policy,)
-        return (policy, Role(name="reference", module=self.reference_model, trained=False))
+        # without reference weights the reference is the initial policy (declared)
+        initial = "policy" if self.reference is None else None
+        return (
+            policy,
+            Role(
+                name="reference", module=self.reference_model, trained=False, initial_from=initial
+            ),
+        )
 
     def batch_fields(self):
         ids = [BatchField(k, ("length",), IDS if k in self.keys[::2] else MASK) for k in self.keys]

@@ -261,9 +261,12 @@ class FlowGRPOObjective(Objective):
         return (*self.model.sample_shape, self.model.in_channels)
 
     def roles(self):
-        roles = [Role(name="model", module=self.model)]
-        if self.beta > 0:
-            roles.append(Role(name="reference", module=self.model, trained=False))
+        roles = [Role(name="policy", module=self.model)]
+        if self.beta > 0:  # the initial model, unless reference weights are given
+            initial = "policy" if self.reference is None else None
+            roles.append(
+                Role(name="reference", module=self.model, trained=False, initial_from=initial)
+            )
         return tuple(roles)
 
     def batch_fields(self):

@@ -11,11 +11,12 @@ image at each target block (:mod:`dew.objectives.jepa_masks`)::
     loss = mean over blocks, patches, features of smooth_l1(z - h[targets])  (I-JEPA)
                                                or |z - h[targets]|           (V-JEPA)
 
-The target encoder is the trainer's moving average of the encoder alone,
+The target encoder is a declared role, ``Role(name='target', averages='encoder',
+ema=..., ...)``: the trainer's moving average of the encoder alone,
 ``xi <- m xi + (1 - m) theta`` after every optimizer update, with ``m``
 linear from 0.996 to 1.0 over the planned updates (facebookresearch/ijepa
 ``src/train.py``); it starts equal to ``theta`` and the loss reads it as
-``variables['averaged']['encoder']``.
+``variables['target']['params']``.
 
 Batches: ``image`` ``[batch, H, W, C]`` (uint8 pixels are scaled to [-1, 1]
 inside, floats pass as they are) or ``video`` ``[batch, F, H, W, C]``; an
@@ -175,8 +176,6 @@ class JepaObjective(Objective):
 
     headline_metrics = ("target_std", "effective_rank")  # printed on the log line
 
-    uses_averaged = True
-
     def __post_init__(self):
         if self.loss_type not in LOSSES:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; use one of {LOSSES}")
@@ -201,10 +200,8 @@ class JepaObjective(Objective):
         shape = tuple(grid.shape)
         frames, height, width = (1, *shape) if len(shape) == 2 else shape
         self.layout: MaskLayout = self.masks.layout(frames, height, width)
-        self.ema = EMA(
-            decay=momentum_schedule(start, end, self.planned_updates),
-            include=lambda path: path.split("/")[0] == "encoder",
-        )
+        # the target encoder's decay: role ``target`` averages role ``encoder``
+        self.target_ema = EMA(decay=momentum_schedule(start, end, self.planned_updates))
         self._first_logged: dict[str, float] | None = None
 
     # ------------------------------------------------------------- models
@@ -212,6 +209,13 @@ class JepaObjective(Objective):
         return (
             Role(name="encoder", module=self.encoder),
             Role(name="predictor", module=self.predictor),
+            Role(
+                name="target",
+                module=self.encoder,
+                trained=False,
+                averages="encoder",
+                ema=self.target_ema,
+            ),
         )
 
     def batch_fields(self):
@@ -254,8 +258,9 @@ class JepaObjective(Objective):
         rows = pixels.shape[0]
         masks = self.layout.sample_rows(step.row_keys(rows))
         n, kt = self.masks.num_targets, self.layout.target_keep
-        # without 'averaged' (outside the trainer) the encoder is its own target
-        target_params = variables.get("averaged", variables["params"])["encoder"]
+        # without 'target' (outside the trainer) the encoder is its own target
+        target = variables.get("target", {"params": variables["params"]["encoder"]})
+        target_params = target["params"]
         full = jax.lax.stop_gradient(encode(self.encoder, target_params, pixels))
         normed = jax.lax.stop_gradient(layer_norm(full))  # [batch, patches, features]
         flat = masks.targets.reshape(rows, n * kt)

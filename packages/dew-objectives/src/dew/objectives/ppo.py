@@ -253,7 +253,13 @@ class PPOObjective(Objective):
         return (
             Role(name="policy", module=self.model),
             Role(name="value", module=value),
-            Role(name="reference", module=self.model, trained=False, weights=self.reference),
+            # the initial policy, unless reference weights are given (init_reference)
+            Role(
+                name="reference",
+                module=self.model,
+                trained=False,
+                initial_from="policy" if self.reference is None else None,
+            ),
         )
 
     def batch_fields(self):

@@ -6,7 +6,7 @@ encoder is the user's choice (``docs/diffusion.md``):
 - **frozen**: a checkpoint (:meth:`dew.sampling.TextEncoder.load`, its ``params``
   required) whose contexts come precomputed in ``batch['context']``;
 - **trained** (``train_text_encoder=True``): a second trained role ``text_encoder``
-  (``variables['params'] = {'model': ..., 'text_encoder': ...}``), started from its
+  (``variables['params'] = {'policy': ..., 'text_encoder': ...}``), started from its
   ``params`` or a fresh init; batches carry token ids ``batch[text_key] int32 [batch,
   max_length]`` and the loss encodes them, ``c = E_phi(ids)``
   (:func:`dew.sampling.text_encoders.encode_tokens`), so the gradient of the diffusion
@@ -66,18 +66,18 @@ class TextConditioning:
 
     # ------------------------------------------------------------------- roles
     def roles(self) -> tuple[Role, ...]:
-        """``model`` (the denoiser); with ``train_text_encoder`` also the trained
+        """``policy`` (the denoiser); with ``train_text_encoder`` also the trained
         ``text_encoder``."""
         if not self.train_text_encoder:
-            return (Role(name="model", module=self.model),)
+            return (Role(name="policy", module=self.model),)
         return (
-            Role(name="model", module=self.model),
+            Role(name="policy", module=self.model),
             Role(name="text_encoder", module=self.text_encoder.module),
         )
 
     def denoiser_params(self, params):
         """The denoiser's tree of ``variables['params']``."""
-        return params["model"] if self.train_text_encoder else params
+        return params["policy"] if self.train_text_encoder else params
 
     def text_encoder_of(self, variables):
         """The :class:`~dew.sampling.TextEncoder` of these variables: the frozen one, or
@@ -88,7 +88,7 @@ class TextConditioning:
 
     # ------------------------------------------------------------ init and loss
     def init_with_text_encoder(self, key: jax.Array, x: jax.Array):
-        """``{'params': {'model': ..., 'text_encoder': ...}}`` of a trained encoder: the
+        """``{'params': {'policy': ..., 'text_encoder': ...}}`` of a trained encoder: the
         denoiser initialised on ``x [1, *example]`` and ``max_length`` context tokens, the
         encoder from its ``params`` when given (else its fresh init)."""
         k_model, k_text = jax.random.split(key)
@@ -98,7 +98,7 @@ class TextConditioning:
         if self.text_encoder.params is not None:
             text = with_initial_values(text, self.text_encoder.params, what="text_encoder.params")
         model = self.model.init(k_model, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
-        return {"params": {"model": model["params"], "text_encoder": text}}
+        return {"params": {"policy": model["params"], "text_encoder": text}}
 
     def with_encoded_text(self, params, batch):
         """``batch`` with ``context = E_phi(batch[text_key])`` ``[batch, tokens, features]``

@@ -28,7 +28,9 @@ import optax
 
 from dew.data import Partition
 from dew.objectives import Objective, Role, Step
+from dew.objectives import check_roles as _check_roles
 from dew.objectives import weighted as wt
+from dew.train._roles import averaged_roles, initial_variables, keeps_average
 from dew.train.adapters import split_lora
 from dew.train.goodput import Goodput
 from dew.train.mesh import (
@@ -153,6 +155,8 @@ class Programs:
                 f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "
                 f"return a dict with 'params' (the trained weights)"
             )
+        # the declared relations: initial_from roles filled, averaged ones left out
+        variables = initial_variables(self.objective, self.roles, variables)
         # Under LoRA only the adapters train; the base moves to frozen (dew.train.adapters).
         params, variables, views = split_lora(self.roles, variables.pop("params"), variables)
         return TrainState(
@@ -162,9 +166,10 @@ class Programs:
             step=jnp.zeros((), jnp.int32),
             microstep=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
-            averaged=params if self.objective.ema is not None else None,
+            averaged=params if keeps_average(self.objective, self.roles) else None,
             frozen=variables,
             lora_views=views,
+            averaged_roles=averaged_roles(self.roles),
             evaluate_averaged=self.evaluates_averaged,
         )
 
@@ -172,7 +177,7 @@ class Programs:
     def evaluates_averaged(self) -> bool:
         """Evaluation, previews and exports read the moving average: the objective
         keeps one and evaluates with it (``Objective.evaluate_averaged``)."""
-        return bool(self.objective.evaluate_averaged and self.objective.ema is not None)
+        return bool(self.objective.evaluate_averaged and keeps_average(self.objective, self.roles))
 
     def state_shardings(self, spec=None, *, key: jax.Array) -> tuple[TrainState, TrainState]:
         """``(abstract state, NamedSharding tree)`` without allocating anything."""
@@ -406,27 +411,8 @@ class Programs:
 
 
 def check_roles(objective: Objective) -> tuple[Role, ...]:
-    roles = tuple(objective.roles())
-    seen: dict[str, int] = {}
-    for role in roles:
-        if not isinstance(role, Role):
-            raise TypeError(
-                f"{type(objective).__name__}.roles() must return dew.objectives.Role objects, "
-                f"got {type(role).__name__}"
-            )
-        seen[role.name] = seen.get(role.name, 0) + 1
-    twice = sorted(name for name, count in seen.items() if count > 1)
-    if twice:
-        raise ValueError(
-            f"{type(objective).__name__} declares role name(s) {twice} more than once "
-            f"(roles: {[r.name for r in roles]}); give every role its own name"
-        )
-    if not any(role.trained for role in roles):
-        raise ValueError(
-            f"{type(objective).__name__} declares no trained role (roles: "
-            f"{[r.name for r in roles]}); mark at least one Role(trained=True)"
-        )
-    return roles
+    """``objective.roles()`` checked, relations included (:func:`dew.objectives.check_roles`)."""
+    return _check_roles(objective)
 
 
 def spec_token(spec) -> Any:

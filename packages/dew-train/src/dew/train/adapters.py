@@ -11,21 +11,20 @@ trainer then keeps
 
 and the objective reads ``merge(base, adapters)`` (:meth:`TrainState.variables_with`),
 so its ``loss``, ``prepare``, ``evaluate`` and ``export`` see the full tree and
-need no LoRA code. A frozen role that the objective's ``init`` returned as the
-trained role's own initial parameters (``{'params': params}``, the same arrays:
-a reference policy that defaults to the initial policy) becomes a *view*: the
-base with zero adapters, built inside the step and stored nowhere, so the
-weights are held once in memory and in checkpoints.
+need no LoRA code. A frozen role declared ``Role(initial_from=<LoRA role>)`` (a
+reference policy that is the initial policy) becomes a *view*: the base with zero
+adapters, built inside the step and stored nowhere, so the weights are held once
+in memory and in checkpoints. The declaration decides, not the arrays ``init``
+returned for it (those are dropped).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from dew.nn.lora import lora_of, split
 from dew.objectives import Role
+from dew.objectives.base import initial_source
 from dew.train.state import LORA_BASE
 
 
@@ -36,8 +35,8 @@ def lora_roles(roles: tuple[Role, ...]) -> dict[str, Any]:
 
 def split_lora(roles: tuple[Role, ...], params, frozen: dict):
     """``(params, frozen, views)`` of the initial state: adapters as the trained
-    parameters, the base under ``frozen['lora_base']``, frozen copies of the
-    initial policy turned into views. Unchanged when no role has LoRA."""
+    parameters, the base under ``frozen['lora_base']``, the frozen roles declared
+    ``initial_from`` a LoRA role turned into views. Unchanged when no role has LoRA."""
     loras = lora_roles(roles)
     if not loras:
         return params, frozen, ()
@@ -48,27 +47,19 @@ def split_lora(roles: tuple[Role, ...], params, frozen: dict):
         )
     single = len([r for r in roles if r.trained]) == 1
     if single:
-        trees = {None: params}
         base, params = split(params)
     else:
-        trees = {name: params[name] for name in loras}
         base, params = {}, dict(params)
         for name in loras:
             base[name], params[name] = split(params[name])
     frozen = dict(frozen)
     views = []
-    for name, value in list(frozen.items()):
-        tree = value.get("params") if isinstance(value, dict) else None
-        for trained, initial in trees.items():
-            if tree is not None and _same_arrays(tree, initial):
-                views.append((name, trained))
-                del frozen[name]
-                break
+    for role in roles:
+        if role.trained or role.initial_from is None or role.averages is not None:
+            continue
+        source = initial_source(roles, role.name)
+        if source.name in loras:
+            views.append((role.name, None if single else source.name))
+            frozen.pop(role.name, None)
     frozen[LORA_BASE] = base
     return params, frozen, tuple(views)
-
-
-def _same_arrays(a, b) -> bool:
-    """The same leaves (the same objects), as ``{'params': params}`` shares them."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))

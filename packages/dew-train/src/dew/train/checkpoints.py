@@ -56,16 +56,24 @@ import json
 import math
 import os
 import pathlib
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from dew.nn.keywords import check_keywords
+from dew.train._checkpoint_dirs import (
+    COMMIT_MARKER,
+    check_writable,
+    incomplete_because,
+    read_text,
+    step_dirs,
+    sync,
+    unfinished_because,
+)
 from dew.train._integrity import read_recorded, verify
 from dew.train._integrity import save_args as checksums_save_args
+from dew.train._load_model import load_model
 from dew.train._position import (
     _Position,
     iterator_position,
@@ -84,6 +92,7 @@ from dew.train._restore import (
     quiet_restore,
     unusable_names,
 )
+from dew.train._saved_tree import from_saved, is_typed_key, to_saved
 from dew.train.state import TrainState
 
 __all__ = [
@@ -96,7 +105,6 @@ __all__ = [
     "load_model",
 ]
 
-COMMIT_MARKER = "commit_success.txt"
 ITEMS = ("state", "data_iter", "meta", "checksums")
 FORMAT = 2  # 2: with checksums of every array (dew.train._integrity)
 
@@ -170,7 +178,7 @@ class Checkpoints:
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints in the directory, oldest first."""
         return sorted(
-            step for step, path in _step_dirs(self.directory) if _incomplete(path) is None
+            step for step, path in step_dirs(self.directory) if incomplete_because(path) is None
         )
 
     def open(self, *, print_fn: Callable[[str], None] = print) -> CheckpointSession:
@@ -300,11 +308,11 @@ class CheckpointSession:
         init_opt_state: ``params -> opt_state`` sharded like ``shardings``, for
           ``reset_optimizer``.
         """
-        key_impl = jax.random.key_impl(root_key) if _is_typed_key(root_key) else None
+        key_impl = jax.random.key_impl(root_key) if is_typed_key(root_key) else None
         unusable: list[tuple[int, str, str, bool]] = []  # step, path, why, unfinished
         restored = None
-        for step, path in _step_dirs(self.directory):
-            why = _unfinished(path)
+        for step, path in step_dirs(self.directory):
+            why = unfinished_because(path)
             unfinished = why is not None
             if not unfinished:
                 try:
@@ -348,7 +356,7 @@ class CheckpointSession:
         self, step, path, abstract, shardings, key_impl, init_opt_state, model=None
     ) -> Restored:
         ocp = self._ocp
-        meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
+        meta = json.loads(read_text(os.path.join(path, "meta", "metadata")))
         saved_abstract = to_saved(abstract, shardings=shardings)
         state_dir = os.path.join(path, "state")
         with ocp.StandardCheckpointer() as checkpointer:
@@ -357,7 +365,7 @@ class CheckpointSession:
                 # Orbax returns no metadata when it cannot read it, without saying
                 # why; reading the files does (a missing or undecodable file, a
                 # storage error), and an intact state restores.
-                json.loads(_read_text(os.path.join(state_dir, "_METADATA")))
+                json.loads(read_text(os.path.join(state_dir, "_METADATA")))
                 reset = False
             else:
                 reset = check_compatible(
@@ -391,7 +399,7 @@ class CheckpointSession:
             tree = {**target, **tree}
             tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
-        state = state.replace(lora_views=abstract.lora_views)
+        state = state.with_structure(abstract)
         data_state = None
         index, count = jax.process_index(), jax.process_count()
         # Written by Grain's handler, one file per process; a run resumed on
@@ -438,7 +446,7 @@ class CheckpointSession:
             n += 1
         if jax.process_index() == 0:
             os.rename(path, target)
-        _sync("dew-checkpoint-set-aside")
+        sync("dew-checkpoint-set-aside")
         self.print(f"Skipping checkpoint {path}: {why}; kept as {target}, nothing deleted")
         return target
 
@@ -504,250 +512,3 @@ class CheckpointSession:
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
-
-
-# ------------------------------------------------------------------ the tree
-def to_saved(state: TrainState, *, shardings: TrainState | None = None) -> dict[str, Any]:
-    """The tree Orbax writes: the TrainState's fields, a typed PRNG key as its
-    key data (``jax.random.key_data``). With ``shardings``, ``state`` is
-    abstract and the result a tree of ``jax.ShapeDtypeStruct`` to restore into."""
-    fields = {f.name: getattr(state, f.name) for f in _array_fields(state)}
-    if shardings is None:
-        if _is_typed_key(fields["key"]):
-            fields["key"] = jax.random.key_data(fields["key"])
-        return fields
-    sharding_of = {f.name: getattr(shardings, f.name) for f in _array_fields(shardings)}
-    out = {}
-    for name, value in fields.items():
-        if name == "key" and _is_typed_key(value):
-            data = jax.eval_shape(jax.random.key_data, value)
-            out[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding_of[name])
-        else:
-            out[name] = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                value,
-                sharding_of[name],
-            )
-    return out
-
-
-def _array_fields(state: TrainState):
-    """The fields holding arrays (not static ones such as ``lora_views``, which the
-    run's own abstract state carries)."""
-    return [f for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)]
-
-
-def from_saved(tree: dict[str, Any], *, key_impl: Any, key_sharding: Any) -> TrainState:
-    """The TrainState of a tree read back by :func:`to_saved`'s inverse."""
-    fields = dict(tree)
-    if key_impl is not None:
-        fields["key"] = jax.device_put(
-            jax.random.wrap_key_data(fields["key"], impl=key_impl), key_sharding
-        )
-    return TrainState(**fields)
-
-
-def _is_typed_key(value) -> bool:
-    return jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
-
-
-# ---------------------------------------------------------------- load_model
-def load_model(
-    directory: str | os.PathLike,
-    *,
-    step: int | None = None,
-    averaged: bool = False,
-    role: str | None = None,
-) -> tuple[Any, Any]:
-    """``(model, params)`` rebuilt from a checkpoint directory alone.
-
-    The model comes from the registry name and config stored with the
-    checkpoint (``dew.nn.models.build``); params are the newest committed
-    checkpoint's (or ``step``'s), on the default device.
-
-    averaged: return the moving-average weights (``TrainState.averaged``)
-      instead of the live ones.
-    role: which of the objective's models (``Objective.roles()``): a trained
-      one (``"policy"``, ``"encoder"``) or a frozen one (``"reference"``,
-      ``"teacher"``); None = the first trained role.
-    """
-    directory = os.path.abspath(os.fspath(directory))
-    candidates = [path for s, path in _step_dirs(directory) if step is None or s == step]
-    skipped = []
-    for path in candidates:
-        why = _incomplete(path)
-        if why is None:
-            if skipped:
-                print(f"load_model: skipped {'; '.join(skipped)}")
-            return _load_model(path, averaged=averaged, role=role)
-        skipped.append(f"{path} ({why})")
-    found = Checkpoints(directory).steps()
-    raise FileNotFoundError(
-        f"no committed checkpoint{'' if step is None else f' for step {step}'} in {directory} "
-        f"(committed steps: {found}{'; skipped ' + '; '.join(skipped) if skipped else ''}); "
-        f"train with Trainer(..., checkpoints=Checkpoints(directory)) first"
-    )
-
-
-def _role_record(path: str, meta: dict, role: str | None, averaged: bool):
-    """``(model record, tree path)`` of ``role`` in the saved state."""
-    field = "averaged" if averaged else "params"
-    roles = meta.get("roles")
-    if role is None:
-        return meta.get("model"), (field,)
-    if not roles or role not in roles:
-        raise KeyError(
-            f"checkpoint {path} has no role {role!r}; its roles are "
-            f"{sorted(roles) if roles else ['(one unnamed model: pass role=None)']}"
-        )
-    record = roles[role]
-    if record.get("trained", True):
-        trained = [name for name, r in roles.items() if r.get("trained", True)]
-        return record.get("model"), (field,) if len(trained) == 1 else (field, role)
-    if averaged:
-        raise ValueError(
-            f"role {role!r} of checkpoint {path} is frozen and keeps no moving average; "
-            f"load it with averaged=False"
-        )
-    return record.get("model"), ("frozen", role, "params")
-
-
-def _load_model(path: str, *, averaged: bool, role: str | None = None) -> tuple[Any, Any]:
-    from dew.nn import models
-
-    meta = json.loads(_read_text(os.path.join(path, "meta", "metadata")))
-    record, where = _role_record(path, meta, role, averaged)
-    if not record:
-        note = meta.get("model_note", "")
-        if role is not None:
-            note = meta.get("roles", {}).get(role, {}).get("model_note", note)
-        raise ValueError(
-            f"checkpoint {path} does not record the model of "
-            f"{'its model' if role is None else f'role {role!r}'} ({note}); register the "
-            f"model with @dew.nn.models.register so runs can rebuild it"
-        )
-    model = models.build(record["name"], **record["config"])
-    state_dir = os.path.join(path, "state")
-    lora = (meta.get("roles") or {}).get(role or _first_trained(meta), {}).get("lora")
-    params = _restore_at(path, state_dir, where, averaged)
-    if lora is None:
-        return model, params
-    # a LoRA role: the adapters merged with the base the state keeps once
-    from dew.nn.lora import LoRA, merge
-
-    base = _restore_at(path, state_dir, ("frozen", "lora_base", *where[1:]), False)
-    return LoRA(**lora).apply(model), merge(base, params)
-
-
-def _first_trained(meta: dict) -> str | None:
-    roles = meta.get("roles") or {}
-    return next((name for name, r in roles.items() if r.get("trained", True)), None)
-
-
-def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
-    """The subtree of the saved state at ``where``, restored on one device."""
-    import orbax.checkpoint as ocp
-
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with quiet_orbax():
-        tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
-        subtree = tree
-        for key in where:
-            subtree = subtree.get(key) if isinstance(subtree, dict) else None
-            if not subtree:
-                break
-        if not subtree:
-            raise ValueError(
-                f"checkpoint {path} keeps no moving average (its objective had no "
-                f"ema); load it with averaged=False"
-                if averaged
-                else f"checkpoint {path} holds nothing at {'/'.join(where)}"
-            )
-        leaf = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), subtree
-        )
-        target = leaf
-        for key in reversed(where):
-            target = {key: target}
-        restored = ocp.PyTreeCheckpointer().restore(
-            state_dir,
-            args=ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True,
-            ),
-        )
-    recorded = read_recorded(path)
-    if recorded is not None:  # a damaged array raises ChecksumMismatchError, naming it
-        verify(restored, recorded)
-    for key in where:
-        restored = restored[key]
-    return restored
-
-
-# ------------------------------------------------------------------- helpers
-_TMP_DIR = re.compile(r"^(\d+)\.orbax-checkpoint-tmp(-\d+)?$")
-
-
-def _step_dirs(directory: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every step directory, newest first: committed
-    ones (``<step>``) and unfinished Orbax writes (``<step>.orbax-checkpoint-tmp*``);
-    at equal steps the committed one comes first."""
-    if not os.path.isdir(directory):
-        return []
-    out = []
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if not os.path.isdir(path):
-            continue
-        if name.isdigit():
-            out.append((int(name), 1, path))
-        elif match := _TMP_DIR.match(name):
-            out.append((int(match.group(1)), 0, path))
-    return [(step, path) for step, _, path in sorted(out, reverse=True)]
-
-
-def _unfinished(path: str) -> str | None:
-    """Why the save of the checkpoint at ``path`` never finished, or None."""
-    if _TMP_DIR.match(os.path.basename(path)):
-        return "it is an Orbax temporary directory, so its save never finished"
-    if not os.path.exists(os.path.join(path, COMMIT_MARKER)):
-        return f"it has no commit marker ({COMMIT_MARKER}), so its save never finished"
-    return None
-
-
-def _incomplete(path: str) -> str | None:
-    """Why the checkpoint at ``path`` cannot be loaded as it stands, or None."""
-    if why := _unfinished(path):
-        return why
-    for item in ("state", "meta"):
-        if not os.path.isdir(os.path.join(path, item)):
-            return f"it has no {item}/ directory"
-    return None
-
-
-def _read_text(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def check_writable(directory: str, *, what: str) -> None:
-    """Create ``directory`` and write a probe file, or raise naming the path."""
-    probe = os.path.join(directory, f".dew-write-probe-{os.getpid()}")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("probe")
-        os.remove(probe)
-    except OSError as error:
-        raise PermissionError(
-            f"cannot write {what} to {directory!r} ({type(error).__name__}: {error}); choose a "
-            f"directory this process can create and write"
-        ) from error
-
-
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)

@@ -30,9 +30,13 @@ class TrainState:
       encoder), checkpointed and never optimized or averaged. Under LoRA,
       ``frozen['lora_base']`` holds the adapted roles' base weights (nested as
       ``params`` is), and ``params`` only their adapters.
-    lora_views: ``(frozen role, trained role or None)`` pairs: frozen roles that are
-      the base of a LoRA role (its initial policy), built from ``frozen['lora_base']``
-      with zero adapters and stored nowhere (None: the only trained role).
+    lora_views: ``(frozen role, trained role or None)`` pairs: frozen roles declared
+      ``Role(initial_from=...)`` a LoRA role (its initial policy): the base without
+      adapters, built from ``frozen['lora_base']`` with zero adapters and stored
+      nowhere (None: the only trained role).
+    averaged_roles: ``(averaged role, trained role or None)`` pairs: roles declared
+      ``Role(averages=...)`` (JEPA's ``target``), read from ``averaged`` at the
+      trained role's place (None: the only trained role) and stored nowhere else.
     evaluate_averaged: :meth:`variables` gives the moving average by default: the
       objective keeps one and evaluates, previews and exports with it
       (``Objective.evaluate_averaged``; the trainer sets it). Not an array: it is
@@ -50,7 +54,19 @@ class TrainState:
     lora_views: tuple[tuple[str, str | None], ...] = flax.struct.field(
         pytree_node=False, default=()
     )
+    averaged_roles: tuple[tuple[str, str | None], ...] = flax.struct.field(
+        pytree_node=False, default=()
+    )
     evaluate_averaged: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def with_structure(self, other: TrainState) -> TrainState:
+        """This state with ``other``'s static fields (the tree's structure, not
+        arrays): a restored state takes the run's own."""
+        return self.replace(
+            lora_views=other.lora_views,
+            averaged_roles=other.averaged_roles,
+            evaluate_averaged=other.evaluate_averaged,
+        )
 
     def variables(self, *, averaged: bool | None = None) -> dict[str, Any]:
         """``{'params': ..., **frozen}``: what evaluation, sampling and export read.
@@ -69,19 +85,30 @@ class TrainState:
         return self.variables_with(params)
 
     def variables_with(self, params) -> dict[str, Any]:
-        """What the objective reads with ``params`` as the trained parameters: under
-        LoRA the base merged with the adapters (``dew.nn.lora.merge``) and each
-        base view; otherwise ``{'params': params, **frozen}``."""
+        """What the objective reads with ``params`` as the trained parameters:
+        ``{'params': params, **frozen}``, each averaged role
+        (``{'params': averaged at its trained role}``, without gradient) and, under
+        LoRA, the base merged with the adapters (``dew.nn.lora.merge``) and each
+        base view."""
         frozen = dict(self.frozen)
         base = frozen.pop(LORA_BASE, None)
         if base is None:
-            return {"params": params, **frozen}
-        from dew.nn.lora import merge, split
+            out = {"params": params, **frozen}
+        else:
+            from dew.nn.lora import merge, split
 
-        out = {"params": merge(base, params), **frozen}
-        for role, trained in self.lora_views:
-            role_base = base if trained is None else base[trained]
-            adapters = split(params if trained is None else params[trained])[1]
-            zeros = jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(adapters))
-            out[role] = {"params": merge(role_base, zeros)}
+            out = {"params": merge(base, params), **frozen}
+            for role, trained in self.lora_views:
+                role_base = base if trained is None else base[trained]
+                adapters = split(params if trained is None else params[trained])[1]
+                zeros = jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(adapters))
+                out[role] = {"params": merge(role_base, zeros)}
+        for role, trained in self.averaged_roles:
+            averaged = jax.lax.stop_gradient(self.averaged)
+            tree = averaged if trained is None else averaged[trained]
+            if base is not None and (trained is None or trained in base):
+                from dew.nn.lora import merge
+
+                tree = merge(base if trained is None else base[trained], tree)
+            out[role] = {"params": tree}
         return out

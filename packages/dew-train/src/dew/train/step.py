@@ -38,8 +38,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dew.objectives import EMA, Objective, Step, Updates
+from dew.objectives import EMA, Objective, Step, Updates, check_roles
 from dew.objectives import weighted as wt
+from dew.train._roles import role_emas
 from dew.train.state import TrainState
 
 
@@ -67,10 +68,10 @@ def rows_of(batch) -> int:
 
 
 def objective_variables(objective: Objective, state: TrainState, params) -> dict:
-    variables = state.variables_with(params)
-    if objective.uses_averaged:
-        variables["averaged"] = jax.lax.stop_gradient(state.averaged)
-    return variables
+    """What the objective reads: ``params`` as the trained parameters, the frozen
+    roles, and each averaged role (``Role(averages=...)``) from ``state.averaged``
+    without gradient (:meth:`TrainState.variables_with`)."""
+    return state.variables_with(params)
 
 
 def weighted_loss_fn(objective: Objective, accumulate_steps: int = 1) -> Callable:
@@ -170,16 +171,36 @@ def _grads_with_own_weights(fn, state, batch, is_logged):
     return aux, grads
 
 
-def ema_update_fn(ema: EMA | None) -> Callable:
-    """``(averaged, params, updates) -> averaged``; identity when there is no EMA."""
-    if ema is None:
+def ema_update_fn(ema: EMA | None, by_role: dict[str | None, EMA] | None = None) -> Callable:
+    """``(averaged, params, updates) -> averaged``; identity when there is no EMA.
+
+    ema: the objective's, over the whole tree (``include`` sees full paths).
+    by_role: the averaged roles' own EMAs by their trained role's key in the tree
+      (``{'encoder': EMA(...)}``; ``include`` sees paths inside the role), or
+      ``{None: EMA(...)}`` for the whole tree of a one-role objective; they take
+      precedence over ``ema`` where they apply. Leaves no EMA covers hold the live
+      values.
+    """
+    by_role = dict(by_role or {})
+    if None in by_role:  # the only trained role: its EMA is the whole tree's
+        ema, by_role = by_role.pop(None), {}
+    if ema is None and not by_role:
         return lambda averaged, params, updates: averaged
 
     def update(averaged, params, updates):
-        decay = ema.decay_at(updates)
+        decays = {name: e.decay_at(updates) for name, e in by_role.items()}
+        default = ema.decay_at(updates) if ema is not None else None
 
         def leaf(path, avg, new):
-            if ema.include is not None and not ema.include(path_string(path)):
+            name = path_string(path)
+            head, _, rest = name.partition("/")
+            if head in by_role:
+                this, decay, name = by_role[head], decays[head], rest
+            elif ema is not None:
+                this, decay = ema, default
+            else:
+                return new
+            if this.include is not None and not this.include(name):
                 return new
             return (decay * avg.astype(jnp.float32) + (1 - decay) * new.astype(jnp.float32)).astype(
                 new.dtype
@@ -291,7 +312,7 @@ def build_train_step(
     reduction (:func:`tree_norm`).
     """
     grads_fn = accumulate(weighted_loss_fn(objective, accumulate_steps), accumulate_steps)
-    ema_fn = ema_update_fn(objective.ema)
+    ema_fn = ema_update_fn(objective.ema, role_emas(objective, check_roles(objective)))
 
     def train_step(state: TrainState, batch, is_logged=True):
         terms, metrics, grads = grads_fn(state, batch, is_logged)

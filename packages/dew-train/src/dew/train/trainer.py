@@ -30,6 +30,7 @@ from dew.train import _default_hooks as defaults
 from dew.train._fit_input import check_fit_arguments, check_resume, check_spec
 from dew.train._loop import training_steps
 from dew.train._programs import INIT_CPU_OPTIONS, Programs, check_roles
+from dew.train._roles import keeps_average, relations_record
 from dew.train._run import HookRunner, Pending, Saver
 from dew.train.checkpoints import Checkpoints, resume_position
 from dew.train.goodput import Goodput
@@ -422,9 +423,7 @@ class Trainer:
             with goodput.measure("init"):
                 return self.init_state(spec), None
         # the static fields (the tree's structure, not arrays) are this run's
-        state = restored.state.replace(
-            lora_views=abstract.lora_views, evaluate_averaged=abstract.evaluate_averaged
-        )
+        state = restored.state.with_structure(abstract)
         return state, restored
 
     def _hooks(
@@ -528,13 +527,17 @@ def checkpoint_meta(objective, roles, data, per_batch: int) -> dict:
     """What a checkpoint records besides the state: each role's registry name
     and config (so ``load_model`` can rebuild it), the batch size."""
     meta: dict[str, Any] = {
-        "averaged": objective.ema is not None,
+        "averaged": keeps_average(objective, roles),
         "batch": data.batch,
         "prepared_updates": per_batch,
     }
     records = {}
     for role in roles:
-        records[role.name] = {"trained": role.trained, **_model_record(base_module(role.module))}
+        records[role.name] = {
+            "trained": role.trained,
+            **relations_record(role),
+            **_model_record(base_module(role.module)),
+        }
         if lora_of(role.module) is not None:
             records[role.name]["lora"] = dataclasses.asdict(lora_of(role.module))
     meta["roles"] = records

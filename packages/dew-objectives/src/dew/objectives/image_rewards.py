@@ -26,7 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.rewards import RewardError, _accepted, _check_reward, gather_rewards
+from dew.objectives.rewards import (
+    RewardError,
+    RewardSet,
+    _accepted,
+    _check_reward,
+    gather_rewards,
+)
 from dew.sampling.diffusion_pipelines import to_pixels
 
 __all__ = ["HostImageReward", "ImageReward", "ImageRewards", "pixels_of"]
@@ -97,8 +103,8 @@ def _check_values(value: np.ndarray, rows: int, what: str, group_size: int) -> n
 
 
 @dataclasses.dataclass(frozen=True)
-class ImageRewards:
-    """An objective's rewards in order, each with its weight (:meth:`of`)."""
+class ImageRewards(RewardSet):
+    """An objective's image rewards in order, each with its weight (:meth:`of`)."""
 
     items: tuple[ImageReward, ...]
 
@@ -115,14 +121,6 @@ class ImageRewards:
                 "(host Python; a plain callable is one)",
             )
         )
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(r.label for r in self.items)
-
-    @property
-    def weights(self) -> np.ndarray:
-        return np.asarray([r.weight for r in self.items], np.float32)
 
     @property
     def compiled(self) -> tuple[ImageReward, ...]:

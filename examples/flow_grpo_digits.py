@@ -43,6 +43,11 @@ parser.add_argument("--iterations", type=int, default=100)
 parser.add_argument("--digit", type=int, default=3)
 parser.add_argument("--pipeline", default=None, help="a saved digits pipeline to start from")
 parser.add_argument("--out", default="runs/flow_grpo_digits")
+# a smaller, faster run (CI's): --patch-size 4 --emb-features 48 --sde-steps 6 --learning-rate 1e-3
+parser.add_argument("--patch-size", type=int, default=2)
+parser.add_argument("--emb-features", type=int, default=64)
+parser.add_argument("--sde-steps", type=int, default=10)
+parser.add_argument("--learning-rate", type=float, default=1e-4)
 args = parser.parse_args()
 out = pathlib.Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -56,8 +61,9 @@ labels = digits.target.astype(np.int32)
 if args.pipeline:
     pipe = Pretrained.load(args.pipeline).pipeline()
 else:
-    model = DiT(sample_size=8, patch_size=2, in_channels=1, emb_features=64, num_layers=2,
-                num_heads=4, mlp_features=128, num_classes=10)  # fmt: skip
+    emb = args.emb_features
+    model = DiT(sample_size=8, patch_size=args.patch_size, in_channels=1, emb_features=emb,
+                num_layers=2, num_heads=4, mlp_features=2 * emb, num_classes=10)  # fmt: skip
     diffusion = DiffusionObjective(model, schedule=FlowSchedule(), preview_count=0)
 
     def train(partition):
@@ -91,7 +97,7 @@ objective = FlowGRPOObjective.from_pipeline(
     rewards=[ImageReward(fn=digit_probability, name="digit")],
     group_size=8,
     guidance=1.0,
-    sampler=FlowSDE(num_steps=10, noise_level=0.7),
+    sampler=FlowSDE(num_steps=args.sde_steps, noise_level=0.7),
     eval_steps=20,
     epsilon=0.2,
     beta=0.01,
@@ -114,7 +120,7 @@ def evaluate(params, name):
 
 
 evaluate(pipe.params, "before")
-trainer = Trainer(objective, optax.adam(1e-4), key=jax.random.key(0), mesh=one_device,
+trainer = Trainer(objective, optax.adam(args.learning_rate), key=jax.random.key(0), mesh=one_device,
                   run_dir=str(out / "grpo"), progress=False)  # fmt: skip
 state = trainer.fit(data, steps=args.iterations, log_every=max(args.iterations // 5, 1))
 evaluate(state.variables(averaged=True)["params"], "after")

@@ -11,6 +11,8 @@
   host reward stage (between rollout and update) resumes bit-identically.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -270,7 +272,7 @@ def test_killed_between_rollout_and_update_resumes_bit_identically(uninterrupted
 
 # ------------------------------------------------------------------- LoRA
 @pytest.mark.slow
-def test_lora_trains_only_adapters_against_the_base_with_their_ema():
+def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
     """A class-conditional DiT under dew.nn.lora: the reference is the base (a view:
     nothing but ``lora_base`` is frozen, the first KL is 0 and the first ratio 1,
     asserted in the step), the base comes out bit-identical, only adapters are in the
@@ -308,6 +310,9 @@ def test_lora_trains_only_adapters_against_the_base_with_their_ema():
     state = jax.device_get(trainer.fit(groups(4, LABELS[:4]), steps=4, log_every=1))
     assert set(state.frozen) == {"lora_base"}  # the reference is the base view
     jax.tree.map(np.testing.assert_array_equal, state.frozen["lora_base"], base)
+    # the log: images per second of the prepare phase (16 images at steps 1 and 3)
+    assert log[2]["rollout_samples_per_second"] == pytest.approx(16 / log[2]["prepare_seconds"])
+    assert re.search(r"step 3: .*, rollout [\d,.]+ samples/s", capsys.readouterr().out)
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
     assert paths and all(is_adapter(p) for p in paths)
     assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-6)

@@ -471,15 +471,30 @@ class FlowGRPOObjective(Objective):
         return out
 
     # ------------------------------------------------------------------- loss
+    def trained_steps(self, batch) -> jax.Array:
+        """``[rows, K]`` the rows' trained window steps: a constant when every step is
+        trained (prepare's ``arange``), so XLA folds the per-step tables."""
+        steps = batch["train_steps"]
+        if self.train_steps < self.sampler.window_steps:
+            return steps
+        return jnp.broadcast_to(jnp.arange(self.train_steps, dtype=jnp.int32), steps.shape)
+
     def step_log_probs(self, params, batch):
         """``(log_probs [rows, K], means [rows * K, ...])`` of the stored transitions at
         the rows' trained steps under ``params`` (the sampler's computation, redone)."""
-        latents, steps = batch["latents"], batch["train_steps"]  # [rows, W + 1, ...], [rows, K]
+        latents, steps = (
+            batch["latents"],
+            self.trained_steps(batch),
+        )  # [rows, W + 1, ...], [rows, K]
         rows, k = steps.shape
-        tail = (1,) * (latents.ndim - 2)
-        at = steps.reshape(rows, k, *tail)
-        x = jnp.take_along_axis(latents, at, axis=1).reshape(rows * k, *latents.shape[2:])
-        x_next = jnp.take_along_axis(latents, at + 1, axis=1).reshape(x.shape)
+        example = latents.shape[2:]
+        if k == self.sampler.window_steps:  # every step in order: slices, not gathers
+            x = latents[:, :-1].reshape(rows * k, *example)
+            x_next = latents[:, 1:].reshape(rows * k, *example)
+        else:
+            at = steps.reshape(rows, k, *(1,) * len(example))
+            x = jnp.take_along_axis(latents, at, axis=1).reshape(rows * k, *example)
+            x_next = jnp.take_along_axis(latents, at + 1, axis=1).reshape(x.shape)
         conditions = {
             c: jnp.repeat(batch[c], k, axis=0, total_repeat_length=rows * k)
             for c in CONDITION_KEYS
@@ -491,7 +506,9 @@ class FlowGRPOObjective(Objective):
 
     def loss(self, variables, batch, step: Step):
         logps, mean = self.step_log_probs(variables["params"], batch)  # [rows, K]
-        old = jnp.take_along_axis(batch["old_logps"], batch["train_steps"], axis=1)
+        old = batch["old_logps"]  # [rows, W]
+        if self.train_steps < self.sampler.window_steps:
+            old = jnp.take_along_axis(old, batch["train_steps"], axis=1)
         advantages = jnp.clip(batch["advantages"], -self.advantage_clip, self.advantage_clip)
         per_step, ratio, clipped = clipped_policy_loss(
             logps, old, advantages, epsilon_low=self.epsilon, epsilon_high=self.epsilon_upper
@@ -509,7 +526,7 @@ class FlowGRPOObjective(Objective):
         if self.beta > 0:
             ref = jax.lax.stop_gradient(variables["reference"]["params"])
             _, ref_mean = self.step_log_probs(ref, batch)
-            kl = self.step_kl(mean, jax.lax.stop_gradient(ref_mean), batch["train_steps"])
+            kl = self.step_kl(mean, jax.lax.stop_gradient(ref_mean), self.trained_steps(batch))
             per_step = per_step + self.beta * kl
             metrics["kl"] = Weighted.mean(kl)
         rows = logps.shape[0]

@@ -136,7 +136,15 @@ class ImageRewards(RewardSet):
         rows = samples.shape[0]
         columns = []
         for r in self.compiled:
-            value = jnp.asarray(r.fn(pixels_of(samples) if r.pixels else samples, batch))
+            try:
+                value = jnp.asarray(r.fn(pixels_of(samples) if r.pixels else samples, batch))
+            except Exception as error:  # traced: no sample to name, the batch's shapes
+                raise RewardError(
+                    f"image reward {r.label!r} raised {type(error).__name__}: {error} while "
+                    f"traced on samples of shape {tuple(samples.shape)}; nothing was applied. "
+                    f"It must be a jittable function fn(images, batch) -> [rows] (a host "
+                    f"Python reward is a HostImageReward)"
+                ) from error
             if value.shape != (rows,):
                 raise RewardError(
                     f"image reward {r.label!r} returned shape {value.shape}; it must return "

@@ -271,26 +271,25 @@ def test_killed_between_rollout_and_update_resumes_bit_identically(uninterrupted
 
 
 # ------------------------------------------------------------------- LoRA
-@pytest.mark.slow
-def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
-    """A class-conditional DiT under dew.nn.lora: the reference is the base (a view:
-    nothing but ``lora_base`` is frozen, the first KL is 0 and the first ratio 1,
-    asserted in the step), the base comes out bit-identical, only adapters are in the
-    parameters, and the moving average is the EMA of the adapters after each update."""
+LORA = LoRA(rank=2, alpha=4.0, targets=("layers/attention", "layers/mlp/(up|down)"))
+
+
+def dit_brightness(pixels, batch):
+    return jnp.mean(pixels.astype(jnp.float32), axis=(1, 2, 3)) / 255.0
+
+
+def lora_fit(mesh):
+    """Two rollouts of two updates of a class-conditional DiT under LoRA; returns the
+    base, the initial adapters, the per-step metrics and adapters, the final state."""
     dit = DiT(sample_size=8, patch_size=4, in_channels=1, emb_features=32, num_layers=1,
               num_heads=2, mlp_features=64, num_classes=CLASSES)  # fmt: skip
-    x, t = jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,))
-    fresh = nn.unbox(dit.init(jax.random.key(3), x, t)["params"])
+    fresh = nn.unbox(dit.init(jax.random.key(3), jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,))))
     # a "pretrained" base: a fresh DiT's zero gates and head would hide the adapters
-    base = jax.tree.map(lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape), fresh)
-    lora = LoRA(rank=2, alpha=4.0, targets=("layers/attention", "layers/mlp/(up|down)"))
-
-    def brightness(pixels, batch):
-        return jnp.mean(pixels.astype(jnp.float32), axis=(1, 2, 3)) / 255.0
-
+    noise = lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape)  # noqa: E731
+    base = jax.tree.map(noise, fresh["params"])
     objective = FlowGRPOObjective(
-        lora.apply(dit),
-        rewards=[ImageReward(fn=brightness)],
+        LORA.apply(dit),
+        rewards=[ImageReward(fn=dit_brightness)],
         group_size=G,
         sampler=FlowSDE(num_steps=3),
         guidance=2.0,
@@ -302,12 +301,23 @@ def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
         ema=EMA(decay=0.5),
         preview_count=0,
     )
-    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), mesh=ONE)
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), mesh=mesh)
     initial = jax.device_get(trainer.init_state().params)
     log, seen = [], []
     trainer.add_hook(lambda info: log.append(info.metrics), every=1)
     trainer.add_hook(lambda info: seen.append(jax.device_get(info.state.params)), every=1)
     state = jax.device_get(trainer.fit(groups(4, LABELS[:4]), steps=4, log_every=1))
+    return base, initial, log, seen, state
+
+
+@pytest.mark.slow
+def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
+    """A class-conditional DiT under dew.nn.lora on a data x fsdp x tensor mesh (2 x 2 x
+    2): the reference is the base (a view: nothing but ``lora_base`` is frozen, the
+    first KL is 0 and the first ratio 1, asserted in the step), the base comes out
+    bit-identical, only adapters are in the parameters, the moving average is the EMA
+    of the adapters after each update, and the run equals one device's (1e-5)."""
+    base, initial, log, seen, state = lora_fit(MeshSpec(data=2, fsdp=2, tensor=2))
     assert set(state.frozen) == {"lora_base"}  # the reference is the base view
     jax.tree.map(np.testing.assert_array_equal, state.frozen["lora_base"], base)
     # the log: images per second of the prepare phase (16 images at steps 1 and 3)
@@ -317,9 +327,10 @@ def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
     assert paths and all(is_adapter(p) for p in paths)
     assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-6)
     assert log[0]["kl"] == pytest.approx(0.0, abs=1e-9) and log[2]["kl"] > 0
-    a_up = [s["layers"]["mlp"]["up"]["kernel_lora_b"] for s in seen]
-    assert np.abs(a_up[-1]).max() > 0  # the adapters moved (B starts at 0)
+    assert np.abs(seen[-1]["layers"]["mlp"]["up"]["kernel_lora_b"]).max() > 0  # B moved from 0
     averaged = initial  # the fresh adapters (B = 0)
-    for params in seen:  # decay 0.5 after every update, from the initial adapters
+    for params in seen:  # decay 0.5 after every update
         averaged = jax.tree.map(lambda a, p: 0.5 * a + 0.5 * p, averaged, params)
     close(state.averaged, averaged, 1e-6)
+    *_, one = lora_fit(ONE)
+    close(state.params, one.params, 1e-5)

@@ -37,7 +37,7 @@ RUNS = {
     "jepa_digits.py": (["--steps", "4"], "k-NN accuracy (k=20, 1400 labels): "),
     # small enough for CI and still the check (check_flow_grpo_digits)
     "flow_grpo_digits.py": (
-        "--pretrain-steps 800 --iterations 20 --patch-size 4 --emb-features 48 --sde-steps 6 "
+        "--pretrain-steps 800 --iterations 30 --patch-size 4 --emb-features 48 --sde-steps 6 "
         "--learning-rate 1e-3".split(),
         "wrote runs/flow_grpo_digits/before.png and runs/flow_grpo_digits/after.png",
     ),

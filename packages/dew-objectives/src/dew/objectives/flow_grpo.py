@@ -312,7 +312,7 @@ class FlowGRPOObjective(Objective):
             rows=rows,
             device_conditions=self.groups // dp,
             device_rows=rows // dp,
-            rollout_chunk=chunk * dp if self.device_rows else rows,
+            rollout_chunk=chunk * dp if self.device_rows else (self.rollout_rows or rows),
             update_rows=update,
             accumulate=update // (dp * chunk),
         )
@@ -473,7 +473,7 @@ class FlowGRPOObjective(Objective):
     # ------------------------------------------------------------------- loss
     def trained_steps(self, batch) -> jax.Array:
         """``[rows, K]`` the rows' trained window steps: a constant when every step is
-        trained (prepare's ``arange``), so XLA folds the per-step tables."""
+        trained (prepare's ``arange``), so the loss slices the states, no gathers."""
         steps = batch["train_steps"]
         if self.train_steps < self.sampler.window_steps:
             return steps
@@ -482,10 +482,8 @@ class FlowGRPOObjective(Objective):
     def step_log_probs(self, params, batch):
         """``(log_probs [rows, K], means [rows * K, ...])`` of the stored transitions at
         the rows' trained steps under ``params`` (the sampler's computation, redone)."""
-        latents, steps = (
-            batch["latents"],
-            self.trained_steps(batch),
-        )  # [rows, W + 1, ...], [rows, K]
+        latents = batch["latents"]  # [rows, W + 1, ...]
+        steps = self.trained_steps(batch)  # [rows, K]
         rows, k = steps.shape
         example = latents.shape[2:]
         if k == self.sampler.window_steps:  # every step in order: slices, not gathers

@@ -32,6 +32,7 @@ from dew.objectives.flow_grpo import (
     ImageReward,
     RolloutSizes,
 )
+from dew.objectives.rewards import RewardError
 from dew.sampling import FlowSchedule, FlowSDE
 from dew.train import Checkpoints, MeshSpec, Trainer
 
@@ -153,19 +154,22 @@ class Kill(BaseException):
 
 
 class Brightness:
-    """A host reward (the second coordinate); it records its inputs and raises
-    :class:`Kill` on call ``kill_at``."""
+    """A host reward (the second coordinate); it records its inputs, raises
+    :class:`Kill` on call ``kill_at`` and returns NaN for sample 5 on call ``nan_at``."""
 
     __name__ = "brightness"
 
-    def __init__(self, kill_at=None):
-        self.seen, self.kill_at = [], kill_at
+    def __init__(self, kill_at=None, nan_at=None):
+        self.seen, self.kill_at, self.nan_at = [], kill_at, nan_at
 
     def __call__(self, images):
         self.seen.append(np.asarray(images).copy())
         if self.kill_at is not None and len(self.seen) == self.kill_at:
             raise Kill
-        return np.asarray(images)[:, 1]
+        out = np.asarray(images)[:, 1].copy()
+        if self.nan_at is not None and len(self.seen) == self.nan_at:
+            out[5] = np.nan
+        return out
 
 
 def conditional(host, debug=False, **sizes):
@@ -260,11 +264,18 @@ def test_eight_devices_and_microbatches_equal_one_device_after_an_iteration(unin
 
 @pytest.mark.slow
 def test_killed_between_rollout_and_update_resumes_bit_identically(uninterrupted, tmp_path):
+    """A kill in the second rollout's host stage leaves the checkpoint of step 2; a
+    resumed run whose reward then fails raises before any update and leaves it too;
+    the next resume repeats the rollout and ends equal to the uninterrupted run."""
     want, host_one, _ = uninterrupted
     killer = Brightness(kill_at=2)  # the second rollout batch dies in its host stage
     with pytest.raises(Kill):
         fit(ONE, steps=4, host=killer, checkpoints=Checkpoints(tmp_path, use_async=False))
     assert Checkpoints(tmp_path).steps() == [2]
+    # a reward of NaN stops the resumed run before its update, naming it and the sample
+    with pytest.raises(RewardError, match=r"'brightness' returned nan for sample 5 \(condition 1"):
+        fit(ONE, steps=4, host=Brightness(nan_at=1), checkpoints=Checkpoints(tmp_path))
+    assert Checkpoints(tmp_path).steps() == [2]  # nothing written lost, nothing applied
     params, host, _ = fit(ONE, steps=4, checkpoints=Checkpoints(tmp_path, use_async=False))
     np.testing.assert_array_equal(host.seen[0], host_one.seen[1])  # the same rollout again
     jax.tree.map(np.testing.assert_array_equal, params, want)

@@ -12,8 +12,8 @@ samples' pixel mean and std (which should stay near the data's: no reward hackin
 noise). Measured with the defaults: reward 0.067 -> 0.942, pixel mean / std 0.296 /
 0.353 -> 0.278 / 0.348 (data 0.305 / 0.376). About 9 minutes on two busy CPU cores.
 CI runs it small (``--pretrain-steps 800 --iterations 30 --patch-size 4 --emb-features
-48 --sde-steps 6 --learning-rate 1e-3``, under a minute): reward 0.090 -> 0.894, pixel
-mean / std 0.307 / 0.333 -> 0.334 / 0.338.
+48 --sde-steps 6 --learning-rate 1e-3``, ~18 s with a warm compilation cache): reward
+0.090 -> 0.894, pixel mean / std 0.307 / 0.333 -> 0.334 / 0.338.
 
 From the repository root (``uv run`` installs what it needs: the workspace's dev
 group holds ``dew-jax[examples]``):

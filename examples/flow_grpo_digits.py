@@ -11,6 +11,9 @@ and after are written as ``before.png`` and ``after.png``, with the mean reward 
 samples' pixel mean and std (which should stay near the data's: no reward hacking into
 noise). Measured with the defaults: reward 0.067 -> 0.942, pixel mean / std 0.296 /
 0.353 -> 0.278 / 0.348 (data 0.305 / 0.376). About 9 minutes on two busy CPU cores.
+CI runs it small (``--pretrain-steps 800 --iterations 30 --patch-size 4 --emb-features
+48 --sde-steps 6 --learning-rate 1e-3``, ~18 s with a warm compilation cache): reward
+0.090 -> 0.894, pixel mean / std 0.307 / 0.333 -> 0.334 / 0.338.
 
 From the repository root (``uv run`` installs what it needs: the workspace's dev
 group holds ``dew-jax[examples]``):
@@ -43,6 +46,11 @@ parser.add_argument("--iterations", type=int, default=100)
 parser.add_argument("--digit", type=int, default=3)
 parser.add_argument("--pipeline", default=None, help="a saved digits pipeline to start from")
 parser.add_argument("--out", default="runs/flow_grpo_digits")
+# a smaller, faster run (CI's): --patch-size 4 --emb-features 48 --sde-steps 6 --learning-rate 1e-3
+parser.add_argument("--patch-size", type=int, default=2)
+parser.add_argument("--emb-features", type=int, default=64)
+parser.add_argument("--sde-steps", type=int, default=10)
+parser.add_argument("--learning-rate", type=float, default=1e-4)
 args = parser.parse_args()
 out = pathlib.Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
@@ -56,8 +64,9 @@ labels = digits.target.astype(np.int32)
 if args.pipeline:
     pipe = Pretrained.load(args.pipeline).pipeline()
 else:
-    model = DiT(sample_size=8, patch_size=2, in_channels=1, emb_features=64, num_layers=2,
-                num_heads=4, mlp_features=128, num_classes=10)  # fmt: skip
+    emb = args.emb_features
+    model = DiT(sample_size=8, patch_size=args.patch_size, in_channels=1, emb_features=emb,
+                num_layers=2, num_heads=4, mlp_features=2 * emb, num_classes=10)  # fmt: skip
     diffusion = DiffusionObjective(model, schedule=FlowSchedule(), preview_count=0)
 
     def train(partition):
@@ -91,7 +100,7 @@ objective = FlowGRPOObjective.from_pipeline(
     rewards=[ImageReward(fn=digit_probability, name="digit")],
     group_size=8,
     guidance=1.0,
-    sampler=FlowSDE(num_steps=10, noise_level=0.7),
+    sampler=FlowSDE(num_steps=args.sde_steps, noise_level=0.7),
     eval_steps=20,
     epsilon=0.2,
     beta=0.01,
@@ -114,7 +123,7 @@ def evaluate(params, name):
 
 
 evaluate(pipe.params, "before")
-trainer = Trainer(objective, optax.adam(1e-4), key=jax.random.key(0), mesh=one_device,
+trainer = Trainer(objective, optax.adam(args.learning_rate), key=jax.random.key(0), mesh=one_device,
                   run_dir=str(out / "grpo"), progress=False)  # fmt: skip
 state = trainer.fit(data, steps=args.iterations, log_every=max(args.iterations // 5, 1))
 evaluate(state.variables(averaged=True)["params"], "after")

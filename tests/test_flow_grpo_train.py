@@ -11,6 +11,8 @@
   host reward stage (between rollout and update) resumes bit-identically.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,10 +21,18 @@ import optax
 import pytest
 
 from dew.data import Dataset
+from dew.nn.backbones import DiT
 from dew.nn.backbones.dit import timestep_embedding
-from dew.objectives import Step, Updates
+from dew.nn.lora import LoRA, is_adapter
+from dew.objectives import EMA, Step, Updates
 from dew.objectives.diffusion import DiffusionObjective
-from dew.objectives.flow_grpo import FlowGRPOObjective, HostImageReward, ImageReward
+from dew.objectives.flow_grpo import (
+    FlowGRPOObjective,
+    HostImageReward,
+    ImageReward,
+    RolloutSizes,
+)
+from dew.objectives.rewards import RewardError
 from dew.sampling import FlowSchedule, FlowSDE
 from dew.train import Checkpoints, MeshSpec, Trainer
 
@@ -144,22 +154,25 @@ class Kill(BaseException):
 
 
 class Brightness:
-    """A host reward (the second coordinate); it records its inputs and raises
-    :class:`Kill` on call ``kill_at``."""
+    """A host reward (the second coordinate); it records its inputs, raises
+    :class:`Kill` on call ``kill_at`` and returns NaN for sample 5 on call ``nan_at``."""
 
     __name__ = "brightness"
 
-    def __init__(self, kill_at=None):
-        self.seen, self.kill_at = [], kill_at
+    def __init__(self, kill_at=None, nan_at=None):
+        self.seen, self.kill_at, self.nan_at = [], kill_at, nan_at
 
     def __call__(self, images):
         self.seen.append(np.asarray(images).copy())
         if self.kill_at is not None and len(self.seen) == self.kill_at:
             raise Kill
-        return np.asarray(images)[:, 1]
+        out = np.asarray(images)[:, 1].copy()
+        if self.nan_at is not None and len(self.seen) == self.nan_at:
+            out[5] = np.nan
+        return out
 
 
-def conditional(host, debug=False):
+def conditional(host, debug=False, **sizes):
     return FlowGRPOObjective(
         FlowMLP(width=32, num_classes=CLASSES),
         rewards=[
@@ -174,13 +187,14 @@ def conditional(host, debug=False):
         beta=0.1,
         prepared_updates=Updates(epochs=2),
         check_first_ratio=debug,
+        **sizes,
     )
 
 
-def fit(mesh, *, steps, host=None, checkpoints=None, keep_at=(), debug=False):
+def fit(mesh, *, steps, host=None, checkpoints=None, keep_at=(), debug=False, **sizes):
     host = host or Brightness()
     trainer = Trainer(
-        conditional(host, debug),
+        conditional(host, debug, **sizes),
         optax.sgd(0.1),
         key=jax.random.key(0),
         mesh=mesh,
@@ -213,21 +227,121 @@ def close(a, b, tol):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=tol, atol=tol), a, b)
 
 
+def test_sizes_derive_the_per_device_rows_and_the_accumulation():
+    """8 groups x 4 samples, one minibatch: ``device_rows`` per device at once."""
+    objective = conditional(Brightness(), groups=CONDITIONS, device_rows=2)
+    assert objective.sizes(8) == RolloutSizes(
+        rows=32, device_conditions=1, device_rows=4, rollout_chunk=16, update_rows=32, accumulate=2
+    )
+    assert objective.sizes(1).accumulate == 16 and objective.sizes(1).rollout_chunk == 2
+    assert Trainer(objective, optax.sgd(0.1), key=jax.random.key(0), mesh=ONE).accumulate == 16
+    with pytest.raises(ValueError, match="derives accumulate=2 on this mesh"):
+        Trainer(objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=4)
+    with pytest.raises(ValueError, match=r"device_rows=3 does not divide the 4 rows each of 8"):
+        conditional(Brightness(), groups=CONDITIONS, device_rows=3).sizes(8)
+    with pytest.raises(ValueError, match="8 groups x group_size 4 do not split over 16"):
+        objective.sizes(16)
+    with pytest.raises(ValueError, match="needs the global group count"):
+        conditional(Brightness(), device_rows=2)
+    with pytest.raises(ValueError, match=r"groups=8\) got a data batch of 4 conditions"):
+        objective.check_batch({"label": LABELS[:4]})
+
+
 @pytest.mark.slow
-def test_eight_devices_equal_one_after_an_iteration(uninterrupted):
+def test_eight_devices_and_microbatches_equal_one_device_after_an_iteration(uninterrupted):
+    """The recipe states groups=8, group_size=4 and device_rows; the trainer derives
+    accumulate 2 on 8 devices (rollout chunks of 2 rows per device) and 8 on one device
+    (chunks of 4 rows): the same rollout and the same two updates as one device with
+    the whole batch at once."""
     _, host_one, kept = uninterrupted
-    params, host, _ = fit(MeshSpec(data=8), steps=2, debug=True)  # ratio 1 asserted
-    np.testing.assert_allclose(host.seen[0], host_one.seen[0], rtol=0, atol=1e-6)  # one rollout
-    close(params, kept[2], 1e-5)  # two updates over it, the second off-policy
+    for mesh, device_rows in ((MeshSpec(data=8), 2), (ONE, 4)):
+        params, host, _ = fit(
+            mesh, steps=2, debug=True, groups=CONDITIONS, device_rows=device_rows
+        )  # ratio 1 asserted in the step
+        np.testing.assert_allclose(host.seen[0], host_one.seen[0], rtol=0, atol=1e-6)
+        close(params, kept[2], 1e-5)  # two updates over it, the second off-policy
 
 
 @pytest.mark.slow
 def test_killed_between_rollout_and_update_resumes_bit_identically(uninterrupted, tmp_path):
+    """A kill in the second rollout's host stage leaves the checkpoint of step 2; a
+    resumed run whose reward then fails raises before any update and leaves it too;
+    the next resume repeats the rollout and ends equal to the uninterrupted run."""
     want, host_one, _ = uninterrupted
     killer = Brightness(kill_at=2)  # the second rollout batch dies in its host stage
     with pytest.raises(Kill):
         fit(ONE, steps=4, host=killer, checkpoints=Checkpoints(tmp_path, use_async=False))
     assert Checkpoints(tmp_path).steps() == [2]
+    # a reward of NaN stops the resumed run before its update, naming it and the sample
+    with pytest.raises(RewardError, match=r"'brightness' returned nan for sample 5 \(condition 1"):
+        fit(ONE, steps=4, host=Brightness(nan_at=1), checkpoints=Checkpoints(tmp_path))
+    assert Checkpoints(tmp_path).steps() == [2]  # nothing written lost, nothing applied
     params, host, _ = fit(ONE, steps=4, checkpoints=Checkpoints(tmp_path, use_async=False))
     np.testing.assert_array_equal(host.seen[0], host_one.seen[1])  # the same rollout again
     jax.tree.map(np.testing.assert_array_equal, params, want)
+
+
+# ------------------------------------------------------------------- LoRA
+LORA = LoRA(rank=2, alpha=4.0, targets=("layers/attention", "layers/mlp/(up|down)"))
+
+
+def dit_brightness(pixels, batch):
+    return jnp.mean(pixels.astype(jnp.float32), axis=(1, 2, 3)) / 255.0
+
+
+def lora_fit(mesh):
+    """One rollout of two updates of a class-conditional DiT under LoRA; returns the
+    base, the initial adapters, the per-step metrics and adapters, the final state."""
+    dit = DiT(sample_size=8, patch_size=4, in_channels=1, emb_features=32, num_layers=1,
+              num_heads=2, mlp_features=64, num_classes=CLASSES)  # fmt: skip
+    fresh = nn.unbox(dit.init(jax.random.key(3), jnp.zeros((1, 8, 8, 1)), jnp.zeros((1,))))
+    # a "pretrained" base: a fresh DiT's zero gates and head would hide the adapters
+    noise = lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape)  # noqa: E731
+    base = jax.tree.map(noise, fresh["params"])
+    objective = FlowGRPOObjective(
+        LORA.apply(dit),
+        rewards=[ImageReward(fn=dit_brightness)],
+        group_size=G,
+        sampler=FlowSDE(num_steps=3),
+        guidance=2.0,
+        epsilon=0.2,
+        beta=0.1,
+        prepared_updates=Updates(epochs=2),
+        init_params=base,
+        check_first_ratio=True,
+        ema=EMA(decay=0.5),
+        preview_count=0,
+    )
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), mesh=mesh)
+    initial = jax.device_get(trainer.init_state().params)
+    log, seen = [], []
+    trainer.add_hook(lambda info: log.append(info.metrics), every=1)
+    trainer.add_hook(lambda info: seen.append(jax.device_get(info.state.params)), every=1)
+    state = jax.device_get(trainer.fit(groups(4, LABELS[:4]), steps=2, log_every=1))
+    return base, initial, log, seen, state
+
+
+@pytest.mark.slow
+def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
+    """A class-conditional DiT under dew.nn.lora on a data x fsdp x tensor mesh (2 x 2 x
+    2): the reference is the base (a view: nothing but ``lora_base`` is frozen, the
+    first KL is 0 and the first ratio 1, asserted in the step), the base comes out
+    bit-identical, only adapters are in the parameters, the moving average is the EMA
+    of the adapters after each update, and the run equals one device's (1e-5)."""
+    base, initial, log, seen, state = lora_fit(MeshSpec(data=2, fsdp=2, tensor=2))
+    assert set(state.frozen) == {"lora_base"}  # the reference is the base view
+    jax.tree.map(np.testing.assert_array_equal, state.frozen["lora_base"], base)
+    # the log: images per second of the prepare phase (16 images before step 1)
+    assert log[0]["rollout_samples_per_second"] == pytest.approx(16 / log[0]["prepare_seconds"])
+    assert re.search(r"step 1: .*, rollout [\d,.]+ samples/s", capsys.readouterr().out)
+    paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+    assert paths and all(is_adapter(p) for p in paths)
+    assert log[0]["ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert log[0]["kl"] == pytest.approx(0.0, abs=1e-9) and log[1]["kl"] > 0  # off the base
+    assert np.abs(seen[-1]["layers"]["mlp"]["up"]["kernel_lora_b"]).max() > 0  # B moved from 0
+    averaged = initial  # the fresh adapters (B = 0)
+    for params in seen:  # decay 0.5 after every update
+        averaged = jax.tree.map(lambda a, p: 0.5 * a + 0.5 * p, averaged, params)
+    close(state.averaged, averaged, 1e-6)
+    *_, one = lora_fit(ONE)
+    close(state.params, one.params, 1e-5)

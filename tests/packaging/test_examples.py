@@ -35,8 +35,10 @@ RUNS = {
     "distill_pretrained.py": (["--steps", "4"], "wrote the student to "),
     "jepa_waves.py": (["--steps", "20"], "features of 4 images: (4, 64)"),
     "jepa_digits.py": (["--steps", "4"], "k-NN accuracy (k=20, 1400 labels): "),
+    # small enough for CI and still the issue's check (check_flow_grpo_digits)
     "flow_grpo_digits.py": (
-        ["--pretrain-steps", "8", "--iterations", "2"],
+        "--pretrain-steps 800 --iterations 30 --patch-size 4 --emb-features 48 --sde-steps 6 "
+        "--learning-rate 1e-3".split(),
         "wrote runs/flow_grpo_digits/before.png and runs/flow_grpo_digits/after.png",
     ),
     "masked_diffusion.py": (
@@ -111,9 +113,29 @@ def check_jepa_digits(lines: list[str], clone) -> None:
     assert float(full["random-init encoder"]) >= 0.85, probes[0]
 
 
+def check_flow_grpo_digits(lines: list[str], clone) -> None:
+    """The issue's digits check: the classifier's probability of a 3 for ODE samples
+    of the null label rises >= 3x while their pixel mean and std stay within 0.05 of
+    the data's (no reward hacking into noise); both grids are 4 x 10 digits, 4x."""
+    found = {}
+    for name in ("before", "after"):
+        line = next(x for x in lines if x.startswith(f"{name}: reward "))
+        numbers = re.fullmatch(
+            rf"{name}: reward (\S+), pixel mean (\S+) std (\S+) \(data (\S+), (\S+)\)", line
+        )
+        assert numbers, line
+        found[name] = [float(v) for v in numbers.groups()]
+    before, after = found["before"], found["after"]
+    assert after[0] >= 3 * before[0], (before, after)
+    assert abs(after[1] - after[3]) <= 0.05 and abs(after[2] - after[4]) <= 0.05, after
+    for name in ("before", "after"):
+        assert (clone.path / "runs" / "flow_grpo_digits" / f"{name}.png").exists()
+
+
 CHECKS = {
     "quickstart.py": check_quickstart,
     "diffusion_digits.py": check_diffusion_digits,
+    "flow_grpo_digits.py": check_flow_grpo_digits,
     "jepa_digits.py": check_jepa_digits,
 }
 

@@ -244,6 +244,20 @@ def test_bad_rewards_name_the_function_and_the_sample(setup):
     with pytest.raises(RewardError, match=r"'whole' returned shape \(24, 2\)"):
         prepared_batch(obj, variables)
 
+    def nan_at_11(x, batch):  # compiled: checked on the host before the advantages
+        return jnp.where(jnp.arange(x.shape[0]) == 11, jnp.nan, x[:, 0])
+
+    def not_jittable(x, batch):
+        return np.asarray(x)[:, 0]
+
+    for fn, message in (
+        (nan_at_11, r"'nan_at_11' returned nan for sample 11 \(condition 1 of the batch, sample 3"),
+        (not_jittable, r"(?s)'not_jittable' raised TracerArrayConversionError.*while traced"),
+    ):
+        obj = objective(rewards=[ImageReward(fn=fn, pixels=False)])
+        with pytest.raises(RewardError, match=message):
+            prepared_batch(obj, variables)
+
 
 def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="noise_level"):

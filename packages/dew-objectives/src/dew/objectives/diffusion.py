@@ -143,6 +143,16 @@ def posterior_tables(schedule: DDPMSchedule) -> dict[str, np.ndarray]:
     }
 
 
+def model_conditions(model) -> tuple[int, int]:
+    """``(num_classes, context_features)`` of a denoiser: its class labels (label
+    ``num_classes`` is the null class; 0 = none) and the width of the text contexts it
+    reads (0 = none)."""
+    return (
+        int(getattr(model, "num_classes", 0) or 0),
+        int(getattr(model, "context_features", 0) or 0),
+    )
+
+
 def _mean_rows(x: jax.Array) -> jax.Array:
     """``[batch, ...] -> [batch]``: the mean over every non-batch axis."""
     return jnp.mean(x.reshape(x.shape[0], -1), axis=1)
@@ -240,11 +250,11 @@ class DiffusionObjective(TextConditioning, Objective):
     # ------------------------------------------------------------- model facts
     @property
     def num_classes(self) -> int:
-        return int(getattr(self.model, "num_classes", 0) or 0)
+        return model_conditions(self.model)[0]
 
     @property
     def context_features(self) -> int:
-        return int(getattr(self.model, "context_features", 0) or 0)
+        return model_conditions(self.model)[1]
 
     @property
     def learn_sigma(self) -> bool:
@@ -520,7 +530,7 @@ class DiffusionObjective(TextConditioning, Objective):
             apply_fn = functools.partial(self.model.apply, {"params": params})
             if context_mask is not None:
                 apply_fn = functools.partial(
-                    apply_fn, context_mask=_guided_mask(context_mask, guidance)
+                    apply_fn, context_mask=guided_context_mask(context_mask, guidance)
                 )
             denoise = model_denoiser(
                 apply_fn,
@@ -651,7 +661,7 @@ class DiffusionObjective(TextConditioning, Objective):
             )
 
 
-def _guided_mask(context_mask, guidance: float):
+def guided_context_mask(context_mask, guidance: float):
     """The mask of the doubled batch under guidance: the null rows attend to everything."""
     mask = jnp.asarray(context_mask, bool)
     if guidance == 1.0:

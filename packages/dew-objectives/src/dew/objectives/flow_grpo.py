@@ -39,10 +39,16 @@ same guidance, clipping and float32 step math), so the first update's ratio is 1
 (``check_first_ratio=True`` or ``DEW_DEBUG=1`` asserts it,
 :func:`dew.objectives.rl.check_first_update`).
 
-**Sizes.** The recipe states the global group count (the data batch, ``B``) and
-``group_size``; the rollout is ``B * G`` rows, ``prepared_updates.minibatches`` updates
-split it, ``Trainer(accumulate=k)`` splits an update further and the mesh's data axes
-split each microbatch: every split must divide, checked before compiling.
+**Sizes.** The recipe states the global group count (``groups``, the data batch ``B``)
+and ``group_size``, and, for memory, ``device_rows``: the samples one device computes
+at once. Dew derives the rest from the mesh (:meth:`FlowGRPOObjective.sizes`): the
+rollout is ``B * G`` rows, ``B / D`` conditions and ``B G / D`` samples per device on
+``D`` data-parallel devices, sampled in chunks of ``device_rows`` per device;
+``prepared_updates.minibatches`` updates split it, and each update of ``U`` rows is
+accumulated over ``U / (D device_rows)`` microbatches (the trainer's accumulation,
+set from :meth:`FlowGRPOObjective.accumulate_for`). Every split must divide, checked
+before compiling. The draws do not depend on any of it, so 1 device, 8 devices and
+microbatched rollouts make the same update.
 
 Evaluation, previews and export use the deterministic ODE (:class:`dew.sampling.FlowEuler`,
 ``eval_steps``) with the same guidance, on the EMA of the trained (LoRA) weights.
@@ -57,7 +63,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,16 +71,24 @@ import numpy as np
 
 from dew.objectives.base import EMA, Objective, Role, Step, Updates, with_initial_values
 from dew.objectives.batch import IDS, BatchField
+from dew.objectives.diffusion import guided_context_mask, model_conditions
 from dew.objectives.image_rewards import HostImageReward, ImageReward, ImageRewards
 from dew.objectives.rewards import READER
 from dew.objectives.rl import (
     SCALE_REWARDS,
     check_epsilons,
     check_first_update,
+    check_group_size,
     clipped_policy_loss,
     group_advantages,
 )
-from dew.objectives.rollouts import check_rollout_rows, debug_enabled, in_chunks, repeat_rows
+from dew.objectives.rollouts import (
+    check_rollout_rows,
+    debug_enabled,
+    in_chunks,
+    repeat_rows,
+    traced_data_parallel,
+)
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import FlowEuler, FlowSDE, model_denoiser, sample_diffusion, sample_flow_sde
 from dew.sampling.diffusion_pipelines import ClassToImage, sample_grid, to_pixels
@@ -82,7 +96,7 @@ from dew.sampling.diffusion_samplers import check_target_for
 from dew.sampling.flow_sde import transition_log_prob
 from dew.sampling.noise_schedules import FlowSchedule
 
-__all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward"]
+__all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward", "RolloutSizes"]
 
 KL_CONVENTIONS = ("reference", "exact")
 CONDITION_KEYS = ("label", "context", "context_mask")
@@ -121,8 +135,13 @@ class FlowGRPOObjective(Objective):
     kl_convention: ``"reference"`` | ``"exact"`` (module docstring: the Delta t).
     timestep_fraction: share of the stochastic steps trained per row (reference: 0.99).
     prepared_updates: updates per rollout batch (:class:`~dew.objectives.Updates`).
-    rollout_rows: rows sampled at once in a rollout (memory); None = all. Draws do not
-      depend on it.
+    rollout_rows: rows sampled at once in a rollout, all devices together (memory);
+      None = all (or ``device_rows`` per device). Draws do not depend on it.
+    groups: conditions per rollout batch, all devices together (the reference: 48); the
+      data batch must hold this many rows; None = the data batch's rows.
+    device_rows: samples one device computes at once, in the rollout's chunks and the
+      update's microbatches (module docstring, Sizes; needs ``groups``); the trainer
+      derives its accumulation from it. None = all of a device's rows at once.
     reference: the frozen reference's parameters; None = the initial model.
     init_params: the pretrained flow model's parameters (a ``Pretrained`` load or a
       diffusion run's); None = a fresh init.
@@ -151,6 +170,8 @@ class FlowGRPOObjective(Objective):
     timestep_fraction: float = 0.99
     prepared_updates: Updates = dataclasses.field(default_factory=Updates)
     rollout_rows: int | None = None
+    groups: int | None = None
+    device_rows: int | None = None
     reference: Any = None
     init_params: Any = None
     ema: EMA | None = dataclasses.field(default_factory=default_ema)
@@ -161,13 +182,7 @@ class FlowGRPOObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-            raise TypeError(f"group_size must be an int, got {self.group_size!r}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"{what} needs group_size >= 2 samples per condition (advantages are rewards "
-                f"against the group's mean), got {self.group_size}"
-            )
+        check_group_size(self.group_size, what=what, samples="samples per condition")
         if getattr(self.schedule, "family", None) != "flow":
             raise ValueError(
                 f"{what} fine-tunes a flow-matching model; this one was trained with "
@@ -202,6 +217,22 @@ class FlowGRPOObjective(Objective):
             isinstance(self.rollout_rows, bool) or self.rollout_rows < 1
         ):
             raise ValueError(f"rollout_rows must be >= 1 or None, got {self.rollout_rows!r}")
+        for name in ("groups", "device_rows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.device_rows is not None and self.groups is None:
+            raise ValueError(
+                f"{what}(device_rows={self.device_rows}) needs the global group count: pass "
+                f"groups= (conditions per rollout batch, all devices together)"
+            )
+        if self.device_rows is not None and self.rollout_rows is not None:
+            raise ValueError(
+                f"{what}: give rollout_rows ({self.rollout_rows}, all devices) or device_rows "
+                f"({self.device_rows}, per device), not both"
+            )
         if not isinstance(self.prepared_updates, Updates):
             raise TypeError(
                 f"prepared_updates must be dew.objectives.Updates, got {self.prepared_updates!r}"
@@ -239,11 +270,59 @@ class FlowGRPOObjective(Objective):
 
     @property
     def num_classes(self) -> int:
-        return int(getattr(self.model, "num_classes", 0) or 0)
+        return model_conditions(self.model)[0]
 
     @property
     def context_features(self) -> int:
-        return int(getattr(self.model, "context_features", 0) or 0)
+        return model_conditions(self.model)[1]
+
+    def sizes(self, data_parallel: int) -> RolloutSizes:
+        """The per-device sizes and the accumulation on ``data_parallel`` devices (the
+        mesh's data and fsdp axes), from ``groups``, ``group_size``, the updates'
+        minibatches and ``device_rows``; a ValueError when a split does not divide."""
+        what = type(self).__name__
+        if self.groups is None:
+            raise ValueError(f"{what}.sizes needs groups= (the global group count)")
+        dp, rows = int(data_parallel), self.groups * self.group_size
+        minibatches = self.prepared_updates.minibatches
+        made = f"{self.groups} groups x group_size {self.group_size}"
+        if self.groups % dp:
+            raise ValueError(
+                f"{what}: {made} do not split over {dp} data-parallel devices (conditions per "
+                f"device); use groups that are a multiple of {dp}"
+            )
+        check_rollout_rows(
+            rows, minibatches=minibatches, scoring_rows=None, what=what, made=f" ({made})"
+        )
+        update = rows // minibatches
+        if update % dp:
+            raise ValueError(
+                f"{what}: an update of {update} rows ({rows} rows / {minibatches} minibatches) "
+                f"does not split over {dp} data-parallel devices; use groups x group_size "
+                f"that is a multiple of {minibatches * dp}"
+            )
+        chunk = self.device_rows or update // dp
+        if (update // dp) % chunk:
+            divisors = [d for d in range(1, update // dp + 1) if (update // dp) % d == 0]
+            raise ValueError(
+                f"{what}: device_rows={chunk} does not divide the {update // dp} rows each of "
+                f"{dp} device(s) computes per update ({update} rows); use one of {divisors}"
+            )
+        return RolloutSizes(
+            rows=rows,
+            device_conditions=self.groups // dp,
+            device_rows=rows // dp,
+            rollout_chunk=chunk * dp if self.device_rows else (self.rollout_rows or rows),
+            update_rows=update,
+            accumulate=update // (dp * chunk),
+        )
+
+    def accumulate_for(self, data_parallel: int) -> int | None:
+        """The trainer's accumulation on ``data_parallel`` devices (:meth:`sizes`), or
+        None without ``device_rows`` (the trainer's own ``accumulate`` applies)."""
+        if self.device_rows is None:
+            return None
+        return self.sizes(data_parallel).accumulate
 
     @property
     def train_steps(self) -> int:
@@ -304,8 +383,9 @@ class FlowGRPOObjective(Objective):
         context = conditions.get("context")
         mask = conditions.get("context_mask")
         if mask is not None:
-            both = mask if self.guidance == 1.0 else jnp.concatenate([mask, jnp.ones_like(mask)])
-            apply_fn = functools.partial(apply_fn, context_mask=both)
+            apply_fn = functools.partial(
+                apply_fn, context_mask=guided_context_mask(mask, self.guidance)
+            )
         return model_denoiser(
             apply_fn,
             schedule=self.schedule,
@@ -353,7 +433,10 @@ class FlowGRPOObjective(Objective):
             return {"samples": out.samples, "latents": out.latents, "old_logps": out.log_probs}
 
         index = jnp.arange(rows, dtype=jnp.int32)
-        out = in_chunks(rollout, {"index": index, **conditions}, self.rollout_rows or rows)
+        chunk = self.rollout_rows or rows
+        if self.device_rows is not None:  # per device, on the mesh being traced
+            chunk = self.device_rows * traced_data_parallel()
+        out = in_chunks(rollout, {"index": index, **conditions}, chunk)
         out = jax.lax.stop_gradient(out)
         window, k = self.sampler.window_steps, self.train_steps
         if k == window:
@@ -381,7 +464,7 @@ class FlowGRPOObjective(Objective):
         """Advantages (compiled); the training batch (the samples and the reader's keys
         dropped: the loss reads the window's states)."""
         rewards = batch["rewards"]
-        total = rewards @ jnp.asarray(self.reward_set.weights)
+        total = self.reward_set.total(rewards)
         advantages, zero = group_advantages(
             total, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
         )
@@ -391,15 +474,28 @@ class FlowGRPOObjective(Objective):
         return out
 
     # ------------------------------------------------------------------- loss
+    def trained_steps(self, batch) -> jax.Array:
+        """``[rows, K]`` the rows' trained window steps: a constant when every step is
+        trained (prepare's ``arange``), so the loss slices the states, no gathers."""
+        steps = batch["train_steps"]
+        if self.train_steps < self.sampler.window_steps:
+            return steps
+        return jnp.broadcast_to(jnp.arange(self.train_steps, dtype=jnp.int32), steps.shape)
+
     def step_log_probs(self, params, batch):
         """``(log_probs [rows, K], means [rows * K, ...])`` of the stored transitions at
         the rows' trained steps under ``params`` (the sampler's computation, redone)."""
-        latents, steps = batch["latents"], batch["train_steps"]  # [rows, W + 1, ...], [rows, K]
+        latents = batch["latents"]  # [rows, W + 1, ...]
+        steps = self.trained_steps(batch)  # [rows, K]
         rows, k = steps.shape
-        tail = (1,) * (latents.ndim - 2)
-        at = steps.reshape(rows, k, *tail)
-        x = jnp.take_along_axis(latents, at, axis=1).reshape(rows * k, *latents.shape[2:])
-        x_next = jnp.take_along_axis(latents, at + 1, axis=1).reshape(x.shape)
+        example = latents.shape[2:]
+        if k == self.sampler.window_steps:  # every step in order: slices, not gathers
+            x = latents[:, :-1].reshape(rows * k, *example)
+            x_next = latents[:, 1:].reshape(rows * k, *example)
+        else:
+            at = steps.reshape(rows, k, *(1,) * len(example))
+            x = jnp.take_along_axis(latents, at, axis=1).reshape(rows * k, *example)
+            x_next = jnp.take_along_axis(latents, at + 1, axis=1).reshape(x.shape)
         conditions = {
             c: jnp.repeat(batch[c], k, axis=0, total_repeat_length=rows * k)
             for c in CONDITION_KEYS
@@ -411,7 +507,9 @@ class FlowGRPOObjective(Objective):
 
     def loss(self, variables, batch, step: Step):
         logps, mean = self.step_log_probs(variables["params"], batch)  # [rows, K]
-        old = jnp.take_along_axis(batch["old_logps"], batch["train_steps"], axis=1)
+        old = batch["old_logps"]  # [rows, W]
+        if self.train_steps < self.sampler.window_steps:
+            old = jnp.take_along_axis(old, batch["train_steps"], axis=1)
         advantages = jnp.clip(batch["advantages"], -self.advantage_clip, self.advantage_clip)
         per_step, ratio, clipped = clipped_policy_loss(
             logps, old, advantages, epsilon_low=self.epsilon, epsilon_high=self.epsilon_upper
@@ -429,7 +527,7 @@ class FlowGRPOObjective(Objective):
         if self.beta > 0:
             ref = jax.lax.stop_gradient(variables["reference"]["params"])
             _, ref_mean = self.step_log_probs(ref, batch)
-            kl = self.step_kl(mean, jax.lax.stop_gradient(ref_mean), batch["train_steps"])
+            kl = self.step_kl(mean, jax.lax.stop_gradient(ref_mean), self.trained_steps(batch))
             per_step = per_step + self.beta * kl
             metrics["kl"] = Weighted.mean(kl)
         rows = logps.shape[0]
@@ -540,6 +638,11 @@ class FlowGRPOObjective(Objective):
         if not batch:
             raise ValueError(f"{what} needs a batch of conditions (any array of rows)")
         conditions = _rows_of(batch)
+        if self.groups is not None and conditions != self.groups:
+            raise ValueError(
+                f"{what}(groups={self.groups}) got a data batch of {conditions} conditions; "
+                f"give the Dataset batch={self.groups} (the global group count)"
+            )
         check_rollout_rows(
             conditions * self.group_size,
             minibatches=self.prepared_updates.minibatches,
@@ -557,6 +660,17 @@ class FlowGRPOObjective(Objective):
                 )
         if self.context_features and "context" not in batch:
             raise KeyError(f"{what}: the model reads text contexts; the batch needs 'context'")
+
+
+class RolloutSizes(NamedTuple):
+    """What :meth:`FlowGRPOObjective.sizes` derives (rows are samples)."""
+
+    rows: int  # the rollout batch, all devices: groups x group_size
+    device_conditions: int  # conditions per device
+    device_rows: int  # rollout samples per device
+    rollout_chunk: int  # rows sampled at once, all devices
+    update_rows: int  # rows of one update (rows / minibatches)
+    accumulate: int  # microbatches of an update
 
 
 def _rows_of(batch) -> int:

@@ -66,6 +66,7 @@ from dew.objectives.rl import (
     SCALE_REWARDS,
     check_epsilons,
     check_first_update,
+    check_group_size,
     clipped_policy_loss,
     group_advantages,
 )
@@ -170,13 +171,7 @@ class GRPOObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-            raise TypeError(f"group_size must be an int, got {self.group_size!r}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"{what} needs group_size >= 2 completions per prompt (advantages are "
-                f"rewards against the group's mean), got {self.group_size}"
-            )
+        check_group_size(self.group_size, what=what, samples="completions per prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 tokens, got {self.max_new_tokens}")
         if not isinstance(self.sampling, Sampling):

@@ -26,7 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.rewards import RewardError, _accepted, _check_reward, gather_rewards
+from dew.objectives.rewards import (
+    RewardError,
+    RewardSet,
+    _accepted,
+    _check_reward,
+    gather_rewards,
+)
 from dew.sampling.diffusion_pipelines import to_pixels
 
 __all__ = ["HostImageReward", "ImageReward", "ImageRewards", "pixels_of"]
@@ -97,8 +103,8 @@ def _check_values(value: np.ndarray, rows: int, what: str, group_size: int) -> n
 
 
 @dataclasses.dataclass(frozen=True)
-class ImageRewards:
-    """An objective's rewards in order, each with its weight (:meth:`of`)."""
+class ImageRewards(RewardSet):
+    """An objective's image rewards in order, each with its weight (:meth:`of`)."""
 
     items: tuple[ImageReward, ...]
 
@@ -117,14 +123,6 @@ class ImageRewards:
         )
 
     @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(r.label for r in self.items)
-
-    @property
-    def weights(self) -> np.ndarray:
-        return np.asarray([r.weight for r in self.items], np.float32)
-
-    @property
     def compiled(self) -> tuple[ImageReward, ...]:
         return tuple(r for r in self.items if not isinstance(r, HostImageReward))
 
@@ -138,7 +136,15 @@ class ImageRewards:
         rows = samples.shape[0]
         columns = []
         for r in self.compiled:
-            value = jnp.asarray(r.fn(pixels_of(samples) if r.pixels else samples, batch))
+            try:
+                value = jnp.asarray(r.fn(pixels_of(samples) if r.pixels else samples, batch))
+            except Exception as error:  # traced: no sample to name, the batch's shapes
+                raise RewardError(
+                    f"image reward {r.label!r} raised {type(error).__name__}: {error} while "
+                    f"traced on samples of shape {tuple(samples.shape)}; nothing was applied. "
+                    f"It must be a jittable function fn(images, batch) -> [rows] (a host "
+                    f"Python reward is a HostImageReward)"
+                ) from error
             if value.shape != (rows,):
                 raise RewardError(
                     f"image reward {r.label!r} returned shape {value.shape}; it must return "

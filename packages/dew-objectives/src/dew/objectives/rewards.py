@@ -148,7 +148,30 @@ def where(row: int, group_size: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rewards:
+class RewardSet:
+    """An objective's rewards in order, each with its name and weight: what
+    :class:`Rewards` (completions) and :class:`~dew.objectives.image_rewards.ImageRewards`
+    (images) share. Each subclass builds one with its ``of``."""
+
+    items: tuple[Any, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The metric names (``reward/<name>``), in order."""
+        return tuple(r.label for r in self.items)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """``[rewards]`` float32 coefficients, in :attr:`names` order."""
+        return np.asarray([r.weight for r in self.items], np.float32)
+
+    def total(self, values: jax.Array) -> jax.Array:
+        """``[rows]`` ``sum_k w_k r_k`` of ``values [rows, rewards]``."""
+        return values @ jnp.asarray(self.weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewards(RewardSet):
     """The rewards of an objective, in order: token rewards and text rewards,
     each with its weight. Build with :meth:`of`."""
 
@@ -167,15 +190,6 @@ class Rewards:
                 "is a text reward)",
             )
         )
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(r.label for r in self.items)
-
-    @property
-    def weights(self) -> np.ndarray:
-        """``[rewards]`` float32 coefficients, in :attr:`names` order."""
-        return np.asarray([r.weight for r in self.items], np.float32)
 
     @property
     def token(self) -> tuple[TokenReward, ...]:
@@ -202,10 +216,6 @@ class Rewards:
         if not columns:
             return jnp.zeros((rows, 0), jnp.float32)
         return jnp.stack(columns, axis=1)
-
-    def total(self, values: jax.Array) -> jax.Array:
-        """``[rows]`` ``sum_k w_k r_k`` of ``values [rows, rewards]``."""
-        return values @ jnp.asarray(self.weights)
 
     # ---------------------------------------------------------------- host
     def host_stage(

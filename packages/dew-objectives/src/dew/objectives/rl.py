@@ -73,6 +73,18 @@ def clipped_policy_loss(
     return jnp.maximum(unclipped, clipped), ratio, active.astype(jnp.float32)
 
 
+def check_group_size(group_size: int, *, what: str, samples: str) -> None:
+    """``group_size`` an int >= 2 (advantages are rewards against the group's mean), or
+    an error naming ``what`` and the ``samples`` a group holds ("completions per prompt")."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {group_size!r}")
+    if group_size < 2:
+        raise ValueError(
+            f"{what} needs group_size >= 2 {samples} (advantages are rewards against the "
+            f"group's mean), got {group_size}"
+        )
+
+
 def check_epsilons(epsilon_low: float, epsilon_high: float, *, what: str) -> None:
     """``0 < eps_low < 1`` and ``eps_high > 0``, or a ValueError naming both."""
     if not 0 < epsilon_low < 1 or not epsilon_high > 0:

@@ -28,6 +28,7 @@ weights, mesh and dtype as the loss (GRPO, PPO, on-policy distillation):
 
 from __future__ import annotations
 
+import math
 import os
 
 import flax.linen as nn
@@ -55,6 +56,7 @@ __all__ = [  # RatioError and its tolerance live in dew.objectives.rl; importabl
     "rollout_logprobs",
     "sample_completions",
     "scored_logprobs",
+    "traced_data_parallel",
 ]
 
 
@@ -248,6 +250,19 @@ def in_chunks(fn, tree, chunk_rows: int):
         return x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
 
     return jax.tree.map(merge, jax.lax.map(fn, jax.tree.map(split, tree)))
+
+
+def traced_data_parallel() -> int:
+    """The devices a batch's rows split over in the program being traced: the mesh
+    axes the logical ``batch`` axis maps to under the active rules (the trainer's
+    ``Programs.context``), multiplied; 1 outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = nn.logical_to_mesh_axes(("batch",))
+    axes = spec[0] if len(spec) else None
+    if mesh.empty or axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(int(mesh.shape[a]) for a in axes if a in mesh.shape)
 
 
 def debug_enabled(flag: bool | None) -> bool:

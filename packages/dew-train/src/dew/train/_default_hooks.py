@@ -127,6 +127,8 @@ class LogMetrics:
             rate = f"{values['tokens_per_second']:,.0f} tokens/s"
         else:
             rate = f"{values['examples_per_second']:,.1f} examples/s"
+        if "rollout_samples_per_second" in values:  # Flow-GRPO's images, in the prepare phase
+            rate += f", rollout {values['rollout_samples_per_second']:,.1f} samples/s"
         if self.throughput is None:
             return rate
         mfu = self.throughput.mfu(values["step_seconds"])

@@ -37,7 +37,9 @@ from dew.train.mesh import (
     MeshSpec,
     Rules,
     check_divisible,
+    data_parallel_size,
     logical_shardings,
+    mesh_sizes,
     optimizer_specs,
     unbox_abstract,
 )
@@ -118,6 +120,22 @@ class Programs:
     accumulate: int = 1
     learning_rate: Callable | float | None = None
     cache: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
+
+    def __post_init__(self):
+        # An objective that sizes its own microbatches (FlowGRPOObjective(device_rows=))
+        # derives the accumulation from the data-parallel devices.
+        accumulate_for = getattr(self.objective, "accumulate_for", None)
+        derived = accumulate_for and accumulate_for(
+            data_parallel_size(self.device_mesh, self.rules)
+        )
+        if derived:
+            if self.accumulate not in (1, derived):
+                raise ValueError(
+                    f"{type(self.objective).__name__} derives accumulate={derived} on this "
+                    f"mesh ({mesh_sizes(self.device_mesh)}); leave the trainer's accumulate "
+                    f"at 1, not {self.accumulate}"
+                )
+            object.__setattr__(self, "accumulate", derived)
 
     # ----------------------------------------------------------------- mesh
     @functools.cached_property

@@ -60,7 +60,9 @@ class Trainer:
     mesh: axis sizes; the default puts every device on ``data``.
     rules: logical-axis -> mesh-axis table; None = ``DEFAULT_RULES``.
     accumulate: split each global batch (or prepared minibatch) into this many
-      microbatches and apply one update; losses divide once by the total weight.
+      microbatches and apply one update; losses divide once by the total weight. An
+      objective with ``accumulate_for(data_parallel)`` (``FlowGRPOObjective(device_rows=)``)
+      derives it from the mesh; leave it at 1 then.
     max_rejected: stop with an error after more than this many consecutive
       steps with a non-finite loss or gradient.
     run_dir: where ``metrics.jsonl`` and TensorBoard events go; None = the
@@ -144,6 +146,7 @@ class Trainer:
             accumulate=self.accumulate,
             learning_rate=self.learning_rate,
         )
+        self.accumulate = self.programs.accumulate  # an objective may derive it
         self.roles = self.programs.roles
         # default hook name -> its replacement (None: left out)
         self._replaced: dict[str, Hook | None] = {}

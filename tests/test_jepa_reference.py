@@ -6,8 +6,10 @@ own block masks (numpy, drawn on the host, I-JEPA's multiblock rule with
 rejection until the context keeps enough patches), its own EMA target
 encoder, layer norm and smooth-L1 loss, and a plain ``optax`` step. With the
 same modules, sizes, optimizer, data and budget, ``JepaObjective`` under
-``Trainer`` must reach the loop's linear-probe accuracy within 0.05 on two toy
-tasks whose classes no single patch reveals, averaged over 3 seeds.
+``Trainer`` (with its default mask sizes, which must be the loop's) must reach
+the loop's linear-probe accuracy within 0.05 on two toy tasks whose classes no
+single patch reveals, averaged over 3 seeds. The loop compiles its step once
+for the 3 seeds, and the probe its feature function once per encoder.
 
 ``tools/jepa_ablation.py`` imports this module (by path) for the loop and the
 toys.
@@ -154,23 +156,15 @@ def reference_masks(rng, setup: Setup, height, width, batch):
     return context, targets
 
 
-def train_reference(setup: Setup, data, seed: int):
-    """``(initial encoder params, context encoder params, losses)`` after
-    ``setup.steps`` updates on ``data(rng, batch) -> images``."""
+_STEPS: dict[int, tuple[Setup, object]] = {}  # one compiled step per setup, shared by seeds
+
+
+def _reference_step(setup: Setup):
+    """The loop's jitted update ``(params, target, opt_state, i, x, ctx, tgt)``."""
+    if id(setup) in _STEPS:
+        return _STEPS[id(setup)][1]
     enc, pred = setup.encoder, setup.predictor
-    height, width = enc.grid.shape
-    k_enc, k_pred = jax.random.split(jax.random.key(seed))
-    pixels = jnp.zeros((1, *enc.grid.pixel_shape(enc.num_channels)), jnp.float32)
-    params = {"encoder": enc.init(k_enc, pixels)["params"]}
-    context = jnp.zeros((1, setup.context_keep, enc.emb_features))
-    positions = jnp.zeros((1, setup.context_keep), jnp.int32)
-    params["predictor"] = pred.init(
-        k_pred, context, positions, jnp.zeros((1, setup.target_keep), jnp.int32)
-    )["params"]
-    params = jax.tree.map(jnp.asarray, jax.tree.map(lambda x: getattr(x, "value", x), params))
-    target = params["encoder"]
     optimizer = setup.optimizer()
-    opt_state = optimizer.init(params)
     n, steps = setup.num_targets, setup.steps
 
     def loss_fn(params, target, x, ctx, tgt):
@@ -195,10 +189,32 @@ def train_reference(setup: Setup, data, seed: int):
         target = jax.tree.map(lambda a, p: m * a + (1 - m) * p, target, params["encoder"])
         return params, target, opt_state, loss
 
+    step.optimizer = optimizer
+    _STEPS[id(setup)] = (setup, step)
+    return step
+
+
+def train_reference(setup: Setup, data, seed: int):
+    """``(initial encoder params, context encoder params, losses)`` after
+    ``setup.steps`` updates on ``data(rng, batch) -> images``."""
+    enc, pred = setup.encoder, setup.predictor
+    height, width = enc.grid.shape
+    k_enc, k_pred = jax.random.split(jax.random.key(seed))
+    pixels = jnp.zeros((1, *enc.grid.pixel_shape(enc.num_channels)), jnp.float32)
+    params = {"encoder": enc.init(k_enc, pixels)["params"]}
+    context = jnp.zeros((1, setup.context_keep, enc.emb_features))
+    positions = jnp.zeros((1, setup.context_keep), jnp.int32)
+    params["predictor"] = pred.init(
+        k_pred, context, positions, jnp.zeros((1, setup.target_keep), jnp.int32)
+    )["params"]
+    params = jax.tree.map(jnp.asarray, jax.tree.map(lambda x: getattr(x, "value", x), params))
+    target = params["encoder"]
+    step = _reference_step(setup)
+    opt_state = step.optimizer.init(params)
     initial = params["encoder"]
     data_rng, mask_rng = np.random.default_rng(seed + 1000), np.random.default_rng(seed + 2000)
     losses = []
-    for i in range(steps):
+    for i in range(setup.steps):
         x = jnp.asarray(data(data_rng, setup.batch)[0])
         ctx, tgt = reference_masks(mask_rng, setup, height, width, setup.batch)
         params, target, opt_state, loss = step(params, target, opt_state, i, x, ctx, tgt)
@@ -220,7 +236,6 @@ def train_dew(setup: Setup, data, seed: int, **objective_options):
         target_aspect=setup.target_aspect,
         context_scale=setup.context_scale,
         min_keep=min(4, setup.context_keep),
-        context_keep=setup.context_keep,
     )
     objective_options = {"momentum": setup.momentum, **objective_options}
     objective = JepaObjective(
@@ -230,7 +245,8 @@ def train_dew(setup: Setup, data, seed: int, **objective_options):
         masks=masks,
         **objective_options,
     )
-    assert objective.layout.target_keep == setup.target_keep, objective.layout
+    layout = objective.layout  # Dew's default sizes are the loop's
+    assert (layout.context_keep, layout.target_keep) == (setup.context_keep, setup.target_keep)
 
     def train(partition):
         rng = np.random.default_rng(seed + 1000)
@@ -249,12 +265,18 @@ def train_dew(setup: Setup, data, seed: int, **objective_options):
     return initial.params["encoder"], jax.device_get(state.params["encoder"])
 
 
+_POOLED: dict[int, tuple[object, object]] = {}  # one compiled feature function per encoder
+
+
 def probe_accuracy(encoder, params, data, seed=0, n_train=512, n_test=512) -> float:
     """Linear probe on mean-pooled features of fresh labelled examples."""
     import flax.linen as nn
 
     params = nn.unbox(params)
-    apply = jax.jit(lambda p, x: encoder.apply({"params": p}, x).mean(axis=1))
+    if id(encoder) not in _POOLED:
+        pooled = jax.jit(lambda p, x: encoder.apply({"params": p}, x).mean(axis=1))
+        _POOLED[id(encoder)] = (encoder, pooled)
+    apply = _POOLED[id(encoder)][1]
     rng = np.random.default_rng(10_000 + seed)
     (xa, ya), (xb, yb) = data(rng, n_train), data(rng, n_test)
     fa, fb = np.asarray(apply(params, xa), np.float64), np.asarray(apply(params, xb), np.float64)

@@ -136,6 +136,27 @@ VARIANTS = {
     ),
     "reference sincos positions": ("reference", {"position_embedding": "sincos"}, {}),
     "1000 steps": ("dew", {"steps": 1000}, {}),
+    "predictor 128 x 4 + lr 3e-4": (
+        "dew",
+        {
+            "predictor_emb_features": 128,
+            "predictor_mlp_features": 256,
+            "predictor_num_layers": 4,
+            "learning_rate": 3e-4,
+        },
+        {},
+    ),
+    "patch 2": (  # a 4 x 4 grid of 2 x 2 pixels; Dew's default mask sizes there
+        "dew",
+        {
+            "encoder_patch_size": 2,
+            "predictor_patch_size": 2,
+            "num_targets": 2,
+            "context_keep": 8,
+            "target_keep": 1,
+        },
+        {},
+    ),
     "reference 1000 steps": ("reference", {"steps": 1000}, {}),
 }
 

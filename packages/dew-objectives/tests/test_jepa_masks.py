@@ -109,9 +109,48 @@ def test_same_key_same_masks_other_key_other_masks():
 
 
 def test_a_grid_too_small_is_refused_with_the_numbers():
-    with pytest.raises(ValueError, match=r"4x4 patches leaves 0 patches .*num_targets"):
+    with pytest.raises(ValueError, match=r"4x4 patches with 4 target blocks .*num_targets"):
         MultiBlock().layout(1, 4, 4)
     with pytest.raises(ValueError, match="context_keep=500"):
         MultiBlock(context_keep=500).layout(1, 14, 14)
     with pytest.raises(ValueError, match="target_scale"):
         MultiBlock(target_scale=(0.3, 0.2))
+
+
+def test_default_context_is_ijepa_size_and_redraws_keep_it_disjoint(drawn):
+    """The default context is the 5th percentile of |context block - targets| under
+    I-JEPA's rule (here a numpy reading of it of its own), not the old worst case
+    (every target at its largest, none overlapping: 196 - 4 * 42 = 28)."""
+    _, layout, masks = drawn
+    rng = np.random.default_rng(5)
+    counts = []
+    for _ in range(3000):
+        covered = np.zeros((14, 14), bool)
+        for scale, aspect, n in (((0.15, 0.2), (0.75, 1.5), 4), ((0.85, 1.0), (1.0, 1.0), 1)):
+            for _ in range(n):
+                area = np.floor(196 * rng.uniform(*scale))
+                a = rng.uniform(*aspect)
+                rows = int(np.clip(np.round(np.sqrt(area * a)), 1, 13))
+                cols = int(np.clip(np.round(np.sqrt(area / a)), 1, 13))
+                top, left = rng.integers(0, 15 - rows), rng.integers(0, 15 - cols)
+                block = np.zeros((14, 14), bool)
+                block[top : top + rows, left : left + cols] = True
+                if n == 4:
+                    covered |= block
+        counts.append((block & ~covered).sum())
+    assert abs(layout.context_keep - np.quantile(counts, 0.05)) <= 2, layout
+    assert layout.context_keep >= 50 > layout.free == 28
+    # every kept context lies inside its context block (the redraws found room)
+    assert all(masks.context_block[b][masks.context[b]].all() for b in range(64))
+
+
+def test_when_no_draw_fits_the_first_target_block_is_repeated():
+    layout = MultiBlock(context_keep=100, draws=1).layout(1, 14, 14)
+    masks = jax.device_get(layout.sample(jax.random.key(0), 32))
+    room = (masks.context_block & ~masks.target_blocks.any(axis=1)).sum(-1)
+    repeated = (masks.target_blocks == masks.target_blocks[:, :1]).all(axis=(1, 2))
+    assert repeated.sum() >= 16  # most single draws leave fewer than 100
+    for b in range(32):
+        covered = masks.target_blocks[b].any(axis=0)
+        assert not covered[masks.context[b]].any()
+        assert repeated[b] or room[b] >= 100

@@ -18,10 +18,20 @@ the configuration:
 
 - a target block keeps ``target_keep`` of its patches (a random subset), the
   smallest area any block can have, so every kept index lies in its block;
-- the context keeps ``context_keep`` patches: a random subset of the context
-  block minus the targets, filled up from the other non-target patches when
-  a draw leaves fewer; ``context_keep <= patches - num_targets * largest
-  target`` guarantees that no target patch is ever in the context.
+- the context keeps ``context_keep`` patches of the context block minus the
+  targets, as I-JEPA's context: by default the 5th percentile of that count
+  over the sampler's own draws (I-JEPA truncates every context of a batch to
+  the shortest), and never fewer than the patches no target can reach. A draw
+  whose context block minus the targets is too small is redrawn (up to
+  ``draws`` candidates, the first that fits is used, as the reference retries);
+  when that count is below the worst case, the context is filled up from the
+  other non-target patches. No target patch is ever in the context: should
+  every candidate fail (a chance below ``0.05 ** draws``), the example's
+  blocks are its first target block repeated.
+
+Earlier versions kept only that worst case (every target block at its
+largest, none overlapping): on 14 x 14 patches with 4 targets 28 patches,
+where I-JEPA's collator keeps about 54 at a batch of 32 (docs/jepa.md).
 """
 
 from __future__ import annotations
@@ -46,8 +56,13 @@ class MultiBlock:
     context_aspect: ``(low, high)`` rows / columns of the context block.
     min_keep: the fewest context patches a configuration may keep; a grid too
       small for it is an error.
-    context_keep: context patches kept per example (static); None = every
-      patch no target can reach, ``patches - num_targets * largest target``.
+    context_keep: context patches kept per example (static); None = I-JEPA's
+      size: the ``context_quantile`` of ``|context block - targets|`` over the
+      sampler's draws, or every patch no target can reach (``patches -
+      num_targets * largest target``) where that is more.
+    context_quantile: the quantile of the default ``context_keep`` (0.05).
+    draws: candidate draws per example for a context of ``context_keep``
+      (the first that fits is used; static, vectorised).
     """
 
     num_targets: int = 4
@@ -57,6 +72,8 @@ class MultiBlock:
     context_aspect: tuple[float, float] = (1.0, 1.0)
     min_keep: int = 10
     context_keep: int | None = None
+    context_quantile: float = 0.05
+    draws: int = 8
 
     def __post_init__(self):
         if self.num_targets < 1:
@@ -71,6 +88,12 @@ class MultiBlock:
                 )
         if self.min_keep < 1:
             raise ValueError(f"MultiBlock min_keep must be >= 1 patches, got {self.min_keep}")
+        if not 0.0 <= self.context_quantile <= 1.0:
+            raise ValueError(
+                f"MultiBlock context_quantile must be in [0, 1], got {self.context_quantile}"
+            )
+        if self.draws < 1:
+            raise ValueError(f"MultiBlock draws must be >= 1, got {self.draws}")
 
     def layout(self, frames: int, height: int, width: int) -> MaskLayout:
         """The static sizes for a grid of ``frames x height x width`` patches
@@ -106,6 +129,28 @@ def largest_block(scale, aspect, height: int, width: int) -> int:
     return int(min(height * width, max(area.max(), topped)))
 
 
+def context_counts(spec: MultiBlock, height: int, width: int, samples: int = 2000) -> np.ndarray:
+    """``|context block - targets|`` (spatial patches) of ``samples`` draws of the
+    I-JEPA rule on the host (numpy, a fixed seed): what the default
+    ``context_keep`` is a quantile of."""
+    rng = np.random.default_rng(0)
+
+    def blocks(n, scale, aspect):
+        s = rng.uniform(*scale, (samples, n))
+        a = rng.uniform(*aspect, (samples, n))
+        rows, cols = _block_shape(s, a, height, width, xp=np)
+        top = np.floor(rng.uniform(size=(samples, n)) * (height - rows + 1))
+        left = np.floor(rng.uniform(size=(samples, n)) * (width - cols + 1))
+        r = np.arange(height)[:, None]
+        c = np.arange(width)[None, :]
+        t, lf, h, w = (v[..., None, None] for v in (top, left, rows, cols))
+        return (r >= t) & (r < t + h) & (c >= lf) & (c < lf + w)  # [samples, n, H, W]
+
+    covered = blocks(spec.num_targets, spec.target_scale, spec.target_aspect).any(axis=1)
+    context = blocks(1, spec.context_scale, spec.context_aspect)[:, 0]
+    return (context & ~covered).sum(axis=(1, 2))
+
+
 @flax.struct.dataclass
 class Masks:
     """One batch of masks; positions index the flattened ``[frames, height, width]`` grid.
@@ -133,16 +178,24 @@ class MaskLayout:
         self.target_keep = frames * smallest_block(
             spec.target_scale, spec.target_aspect, height, width
         )
-        most = frames * largest_block(spec.target_scale, spec.target_aspect, height, width)
-        free = self.patches - spec.num_targets * most
-        keep = free if spec.context_keep is None else spec.context_keep
-        if free < spec.min_keep or keep > free or keep < spec.min_keep:
+        largest = frames * largest_block(spec.target_scale, spec.target_aspect, height, width)
+        # every patch no target can reach: a context this size never needs a redraw
+        self.free = self.patches - spec.num_targets * largest
+        # the fallback draw (one target block) must leave room for the context
+        room = self.patches - largest
+        if spec.context_keep is None:
+            counts = context_counts(spec, height, width)
+            typical = frames * int(np.floor(np.quantile(counts, spec.context_quantile)))
+            keep = min(max(self.free, typical), room)
+        else:
+            keep = spec.context_keep
+        if keep < spec.min_keep or keep > room:
             raise ValueError(
-                f"a grid of {frames}x{height}x{width} patches leaves {free} patches that "
-                f"{spec.num_targets} target blocks of up to {most} patches cannot reach; "
-                f"context_keep={spec.context_keep} must be in [min_keep={spec.min_keep}, {free}]. "
-                f"Use fewer or smaller target blocks (num_targets, target_scale), a larger "
-                f"image or smaller patches"
+                f"a grid of {frames}x{height}x{width} patches with {spec.num_targets} target "
+                f"blocks of up to {largest} patches keeps a context of {keep} patches "
+                f"(context_keep={spec.context_keep}); it must be in [min_keep={spec.min_keep}, "
+                f"{room}]. Use fewer or smaller target blocks (num_targets, target_scale), a "
+                f"larger context block (context_scale), a larger image or smaller patches"
             )
         self.context_keep = keep
 
@@ -175,14 +228,31 @@ class MaskLayout:
         # a tube: the same spatial block in every frame
         return jnp.broadcast_to(inside, (self.frames, self.height, self.width)).reshape(-1)
 
-    def _one(self, key):
+    def _draw(self, k_context, k_targets):
+        """One candidate: ``(target blocks [n, patches], context block [patches])``."""
         spec = self.spec
-        k_context, k_targets, k_pick_c, k_pick_t = jax.random.split(key, 4)
         min_area = self.target_keep // self.frames
         blocks = jax.vmap(
             lambda k: self._block(k, spec.target_scale, spec.target_aspect, min_area)
         )(jax.random.split(k_targets, spec.num_targets))  # [num_targets, patches]
         context_block = self._block(k_context, spec.context_scale, spec.context_aspect, 1)
+        return blocks, context_block
+
+    def _one(self, key):
+        spec = self.spec
+        k_context, k_targets, k_pick_c, k_pick_t = jax.random.split(key, 4)
+        if self.context_keep <= self.free:  # every draw fits
+            blocks, context_block = self._draw(k_context, k_targets)
+        else:  # the first of `draws` candidates whose context block minus targets fits
+            keys = jax.random.split(k_context, (2, spec.draws))
+            blocks, context_blocks = jax.vmap(self._draw)(keys[0], keys[1])
+            room = (context_blocks & ~blocks.any(axis=1)).sum(axis=-1)  # [draws]
+            fits = room >= self.context_keep
+            first = jnp.argmax(fits)
+            # none fits (< 0.05 ** draws): the first target block alone, repeated
+            single = jnp.broadcast_to(blocks[0, :1], blocks.shape[1:])
+            blocks = jnp.where(fits.any(), blocks[first], single)
+            context_block = context_blocks[first]
         covered = blocks.any(axis=0)
         # priority: context block minus targets, then other non-target patches, never a target
         tier = jnp.where(covered, 0.0, jnp.where(context_block, 2.0, 1.0))

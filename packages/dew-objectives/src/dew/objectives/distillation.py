@@ -53,6 +53,7 @@ import numpy as np
 
 from dew.objectives.base import Objective, Role, Step, with_initial_values
 from dew.objectives.batch import IDS, MASK, BatchField
+from dew.objectives.lm import check_packed_positions, packed_inputs, target_weights
 from dew.objectives.logprobs import rollout_positions
 from dew.objectives.policy import CausalPolicy, vocab_size_of
 from dew.objectives.rollouts import prompt_fields, sample_completions
@@ -294,6 +295,11 @@ class DistillationObjective(Objective):
       instead of prompts and completions; off-policy only (``lmbda=0``, no ``seq_kd``).
     loss_mask_key: with ``text_key``, a ``[rows, length + 1]`` 0/1 mask; a target counts
       where it is 1 (completion tokens only); None = every target.
+    segment_ids_key, positions_key: with ``text_key``, the ``[rows, length + 1]`` segment
+      ids and positions of packed rows (``dew.data.SFTExamples(packing=True)``), handed
+      to both models as ``LMObjective`` hands them: no token attends across examples,
+      positions restart per example, and a target in another example than the id that
+      predicts it (or on padding) never counts. None = rows of one sequence.
     init_params: start the student from these weights; None = a fresh init.
     tokenizer: for previews and export; None = ``ByteTokenizer()``.
 
@@ -321,6 +327,8 @@ class DistillationObjective(Objective):
     teacher_ids: Any = None
     text_key: str | None = None
     loss_mask_key: str | None = None
+    segment_ids_key: str | None = None
+    positions_key: str | None = None
     init_params: Any = None
     tokenizer: Any = None
 
@@ -345,6 +353,12 @@ class DistillationObjective(Objective):
                 f"{what}(text_key={self.text_key!r}) reads fixed rows of ids, which have no "
                 f"prompts to sample from; lmbda={self.lmbda} and seq_kd={self.seq_kd} need "
                 f"prompt/completion batches (drop text_key) or use lmbda=0, seq_kd=False"
+            )
+        packed = [k for k in (self.loss_mask_key, self.segment_ids_key, self.positions_key) if k]
+        if packed and self.text_key is None:
+            raise ValueError(
+                f"{what}: loss_mask_key, segment_ids_key and positions_key ({packed}) name "
+                f"columns of rows of ids; pass text_key= too (an SFT reader's 'text')"
             )
         if hasattr(self.teacher, "params") and hasattr(self.teacher, "model"):  # a Pretrained
             if self.teacher_params is None:
@@ -413,6 +427,9 @@ class DistillationObjective(Objective):
             fields = [BatchField(self.text_key, ("length",), IDS)]
             if self.loss_mask_key is not None:
                 fields.append(BatchField(self.loss_mask_key, ("length",), MASK))
+            for key in (self.segment_ids_key, self.positions_key):
+                if key is not None:
+                    fields.append(BatchField(key, ("length",), IDS))
             return tuple(fields)
         needs_data = self.lmbda < 1 and not self.seq_kd
         return (
@@ -508,10 +525,16 @@ class DistillationObjective(Objective):
         (metrics), and the token count (0 weight on prompt and padding)."""
         if self.text_key is not None:
             ids = batch[self.text_key]
-            tokens, targets, extra = ids[:, :-1], ids[:, 1:], {}
-            weights = jnp.ones(targets.shape, jnp.float32)
-            if self.loss_mask_key is not None:
-                weights = weights * batch[self.loss_mask_key][:, 1:].astype(jnp.float32)
+            tokens, targets = ids[:, :-1], ids[:, 1:]
+            extra = packed_inputs(
+                batch, segment_ids_key=self.segment_ids_key, positions_key=self.positions_key
+            )
+            weights = target_weights(
+                {k: v for k, v in batch.items() if k != "example_mask"},
+                ids,
+                loss_mask_key=self.loss_mask_key,
+                segment_ids_key=self.segment_ids_key,
+            )
             scored = slice(None)
         else:
             prompt, completion = batch["prompt"], batch["completion"]
@@ -574,6 +597,13 @@ class DistillationObjective(Objective):
         for key in keys:
             if key in batch:
                 self.policy.check_ids(batch[key], key=key)
+        if self.positions_key is not None and self.positions_key in batch:
+            check_packed_positions(
+                np.asarray(batch[self.positions_key]),
+                self.policy.max_seq_len,
+                key=self.positions_key,
+                what=type(self).__name__,
+            )
         if self.text_key is None and "prompt" in batch:
             new = self.max_new_tokens or np.shape(batch.get("completion", ((),)))[1]
             self.policy.check_rollout_length(np.shape(batch["prompt"])[1], new)

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.objectives.base import Objective, Role, Step, with_initial_values
-from dew.objectives.batch import IDS, MASK, BatchField
+from dew.objectives.batch import FLOATS, IDS, MASK, BatchField
 from dew.objectives.lm import check_packed_positions, packed_inputs, target_weights
 from dew.objectives.logprobs import rollout_positions
 from dew.objectives.policy import CausalPolicy, vocab_size_of
@@ -201,7 +201,8 @@ def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel,
 
     sums_fn: ``(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights) ->
       (total, {name: sum})`` on one chunk; only ``total`` is differentiated (the sums
-      are metrics). The teacher's arguments get no gradient.
+      are metrics). The teacher's arguments get no gradient; ``teacher_hidden`` may be
+      a tuple of arrays (stored top-k), each chunked along axis 1.
     chunk: positions per chunk; None = one chunk of the whole length.
     """
     length = hidden.shape[1]
@@ -223,12 +224,12 @@ def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel,
             sums = jax.tree.map(jnp.add, sums, s)
             return (total + t, sums, d_kernel + d_k.astype(jnp.float32)), d_h
 
-        xs = tuple(split(x) for x in (hidden, teacher_hidden, targets, weights))
+        xs = tuple(jax.tree.map(split, x) for x in (hidden, teacher_hidden, targets, weights))
         shapes = jax.eval_shape(
             sums_fn,
             hidden[:, :chunk],
             kernel,
-            teacher_hidden[:, :chunk],
+            jax.tree.map(lambda x: x[:, :chunk], teacher_hidden),
             teacher_kernel,
             targets[:, :chunk],
             weights[:, :chunk],
@@ -251,13 +252,33 @@ def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel,
     def backward(residuals, cotangents):
         d_hidden, d_kernel = residuals
         g = cotangents[0]  # d loss / d total; the sums are metrics
-        return (g * d_hidden, (g * d_kernel).astype(kernel_dtype), None, None, None, None)
+        no = jax.tree.map(lambda _: None, teacher_hidden)
+        return (g * d_hidden, (g * d_kernel).astype(kernel_dtype), no, None, None, None)
 
     fused.defvjp(forward, backward)
     return fused(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights)
 
 
 # ------------------------------------------------------------------ objective
+STORED_IDS, STORED_LOGPROBS, STORED_TAIL = (
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "teacher_tail_logprob",
+)  # the batch keys of dew.data.TeacherTopK
+
+
+class _StoredTeacher(nn.Module):
+    """The teacher role of ``stored_teacher=True``: no weights (one empty array) and
+    never run; its vocabulary is the student's, for the checks."""
+
+    vocab_size: int | None = None
+
+    @nn.compact
+    def __call__(self, tokens, **_):
+        self.param("none", nn.initializers.zeros, (0,), jnp.float32)
+        return jnp.zeros((*tokens.shape, self.vocab_size or 1), jnp.float32)
+
+
 @dataclasses.dataclass(eq=False)
 class DistillationObjective(Objective):
     """A causal-LM student distilled from a frozen teacher (module docstring for the math).
@@ -300,6 +321,14 @@ class DistillationObjective(Objective):
       to both models as ``LMObjective`` hands them: no token attends across examples,
       positions restart per example, and a target in another example than the id that
       predicts it (or on padding) never counts. None = rows of one sequence.
+    stored_teacher: read the teacher's top-k log-probs from the batches
+      (``teacher_topk_ids``, ``teacher_topk_logprobs``, ``teacher_tail_logprob``, as
+      :class:`dew.data.TeacherTopK` reads what
+      :func:`dew.objectives.teacher_topk.write_teacher_topk` stored) instead of
+      running a teacher; the divergence is then on the k ids and the tail
+      (:func:`dew.objectives.teacher_topk.topk_divergence`). Needs ``text_key``, no
+      teacher (``teacher`` and ``teacher_params`` None), and ``temperature`` the
+      stored one (``TeacherTopK.temperature``).
     init_params: start the student from these weights; None = a fresh init.
     tokenizer: for previews and export; None = ``ByteTokenizer()``.
 
@@ -329,6 +358,7 @@ class DistillationObjective(Objective):
     loss_mask_key: str | None = None
     segment_ids_key: str | None = None
     positions_key: str | None = None
+    stored_teacher: bool = False
     init_params: Any = None
     tokenizer: Any = None
 
@@ -360,6 +390,18 @@ class DistillationObjective(Objective):
                 f"{what}: loss_mask_key, segment_ids_key and positions_key ({packed}) name "
                 f"columns of rows of ids; pass text_key= too (an SFT reader's 'text')"
             )
+        if self.stored_teacher:
+            if self.text_key is None or self.teacher is not None or self.teacher_params is not None:
+                raise ValueError(
+                    f"{what}(stored_teacher=True) reads the teacher's top-k from rows of ids "
+                    f"(dew.data.TeacherTopK): pass text_key= (its 'text') and no teacher or "
+                    f"teacher_params (got text_key={self.text_key!r}, teacher "
+                    f"{type(self.teacher).__name__}, teacher_params "
+                    f"{'given' if self.teacher_params is not None else 'None'})"
+                )
+            # a frozen role of no weights: the stored top-k stand for the teacher
+            self.teacher = _StoredTeacher(vocab_size=vocab_size_of(self.student))
+            self.teacher_params = {"none": np.zeros((0,), np.float32)}
         if hasattr(self.teacher, "params") and hasattr(self.teacher, "model"):  # a Pretrained
             if self.teacher_params is None:
                 self.teacher_params = self.teacher.params
@@ -430,6 +472,12 @@ class DistillationObjective(Objective):
             for key in (self.segment_ids_key, self.positions_key):
                 if key is not None:
                     fields.append(BatchField(key, ("length",), IDS))
+            if self.stored_teacher:
+                fields += [
+                    BatchField(STORED_IDS, ("positions", "k"), IDS, note="length - 1, k"),
+                    BatchField(STORED_LOGPROBS, ("positions", "k"), FLOATS),
+                    BatchField(STORED_TAIL, ("positions",), FLOATS),
+                ]
             return tuple(fields)
         needs_data = self.lmbda < 1 and not self.seq_kd
         return (
@@ -550,12 +598,38 @@ class DistillationObjective(Objective):
         student, kernel, s_dtype = self._hidden(
             self.student, variables["params"], tokens, extra, scored
         )
+        scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
+        if self.stored_teacher:
+            from dew.objectives.teacher_topk import topk_divergence
+
+            stored = tuple(batch[key] for key in (STORED_IDS, STORED_LOGPROBS, STORED_TAIL))
+
+            def stored_sums(hs, k, stored, _, y, w):
+                zs = _project(hs, k, s_dtype)  # [rows, chunk, vocab] float32
+                ids, logprobs, tail = stored
+                d = topk_divergence(
+                    zs, ids, logprobs, tail, beta=self.beta, temperature=self.temperature
+                )
+                terms = {
+                    "divergence": d,
+                    "agreement": (jnp.argmax(zs, axis=-1) == ids[..., 0]).astype(jnp.float32),
+                    "nll": jax.nn.logsumexp(zs, axis=-1)
+                    - jnp.take_along_axis(zs, y[..., None].astype(jnp.int32), -1)[..., 0],
+                }
+                per_token = scale * d + (alpha * terms["nll"] if alpha else 0.0)
+                out = {k: jax.lax.stop_gradient(jnp.sum(v * w)) for k, v in terms.items()}
+                return jnp.sum(per_token * w), out
+
+            total, sums_ = chunked_sums(
+                stored_sums, self.chunk_size, student, kernel, stored, jnp.zeros(()), targets,
+                weights,
+            )  # fmt: skip
+            return total, sums_, jnp.sum(weights)
         teacher_params = jax.lax.stop_gradient(variables["teacher"]["params"])
         teacher, t_kernel, t_dtype = self._hidden(
             self.teacher, teacher_params, tokens, extra, scored
         )
         teacher_ids = None if self.teacher_ids is None else np.asarray(self.teacher_ids)
-        scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
 
         def sums(hs, k, ht, tk, y, w):
             zs = _project(hs, k, s_dtype)  # [rows, chunk, vocab] float32

@@ -61,7 +61,13 @@ from dew.objectives.rollouts import prompt_fields, sample_completions
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import Sampling
 
-__all__ = ["DistillationObjective", "chunked_sums", "distillation_losses", "divergence"]
+__all__ = [
+    "DistillationObjective",
+    "chunked_sums",
+    "distillation_losses",
+    "divergence",
+    "topk_divergence",
+]
 
 
 # ------------------------------------------------------------------ the losses
@@ -144,6 +150,48 @@ def agreement(student_logits: jax.Array, teacher_logits: jax.Array) -> jax.Array
     top_s = student_logits == jnp.max(student_logits, axis=-1, keepdims=True)
     top_t = teacher_logits == jnp.max(teacher_logits, axis=-1, keepdims=True)
     return jnp.max(jnp.where(top_s & top_t, 1.0, 0.0), axis=-1)
+
+
+# a masked logit: finite, so a tail of no ids is a finite log-mass far below any
+# float32 probability (exp underflows to 0) and its gradient stays finite
+_MASKED = -1e9
+
+
+def _tail_logsumexp(z: jax.Array, ids: jax.Array) -> jax.Array:
+    """``logsumexp`` over the last axis of ``z [..., vocab]`` without ``ids [..., k]``."""
+    keep = jnp.ones(z.shape, bool)
+    lead = jnp.indices(ids.shape, sparse=True)[:-1]
+    keep = keep.at[(*lead, ids)].set(False)
+    return jax.nn.logsumexp(jnp.where(keep, z, _MASKED), axis=-1)
+
+
+def topk_divergence(
+    student_logits: jax.Array,
+    ids: jax.Array,
+    logprobs: jax.Array,
+    tail: jax.Array,
+    *,
+    beta: float,
+    temperature: float,
+) -> jax.Array:
+    """``D_beta`` of the teacher's stored top-k and the student, on ``k + 1``
+    categories (``dew.objectives.teacher_topk``), float32 ``[...]``.
+
+    student_logits: ``[..., vocab]`` (any dtype; cast to float32), at temperature 1.
+    ids, logprobs, tail: the teacher's ``[..., k]``, ``[..., k]`` and ``[...]``, at
+      ``temperature`` (what :func:`teacher_topk` and ``dew.data.TeacherTopK`` give).
+    """
+    check_temperature(temperature)
+    z = student_logits.astype(jnp.float32) / temperature
+    logz = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    ids = ids.astype(jnp.int32)
+    s_top = jnp.take_along_axis(z, ids, axis=-1) - logz
+    s_tail = _tail_logsumexp(z, ids) - logz[..., 0]
+    s = jnp.concatenate([s_top, s_tail[..., None]], axis=-1)  # [..., k + 1]
+    t = jax.lax.stop_gradient(
+        jnp.concatenate([logprobs, tail[..., None]], axis=-1).astype(jnp.float32)
+    )
+    return divergence(s, jnp.maximum(t, _MASKED), beta=beta)
 
 
 # --------------------------------------------------------------------- checks
@@ -614,8 +662,6 @@ class DistillationObjective(Objective):
         )
         scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
         if self.stored_teacher:
-            from dew.objectives.teacher_topk import topk_divergence
-
             stored = tuple(batch[key] for key in (STORED_IDS, STORED_LOGPROBS, STORED_TAIL))
 
             def stored_sums(hs, k, stored, _, y, w):

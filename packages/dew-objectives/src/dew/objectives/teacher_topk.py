@@ -35,22 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.distillation import check_temperature, divergence
+from dew.objectives.distillation import _tail_logsumexp, check_temperature, topk_divergence
 from dew.objectives.lm import packed_inputs
 
 __all__ = ["teacher_topk", "topk_divergence", "write_teacher_topk"]
-
-# a masked logit: finite, so a tail of no ids is a finite log-mass far below any
-# float32 probability (exp underflows to 0) and its gradient stays finite
-_MASKED = -1e9
-
-
-def _tail_logsumexp(z: jax.Array, ids: jax.Array) -> jax.Array:
-    """``logsumexp`` over the last axis of ``z [..., vocab]`` without ``ids [..., k]``."""
-    keep = jnp.ones(z.shape, bool)
-    lead = jnp.indices(ids.shape, sparse=True)[:-1]
-    keep = keep.at[(*lead, ids)].set(False)
-    return jax.nn.logsumexp(jnp.where(keep, z, _MASKED), axis=-1)
 
 
 def teacher_topk(teacher_logits: jax.Array, *, k: int, temperature: float):
@@ -61,35 +49,6 @@ def teacher_topk(teacher_logits: jax.Array, *, k: int, temperature: float):
     logz = jax.nn.logsumexp(z, axis=-1)
     top, ids = jax.lax.top_k(z, k)
     return ids.astype(jnp.int32), top - logz[..., None], _tail_logsumexp(z, ids) - logz
-
-
-def topk_divergence(
-    student_logits: jax.Array,
-    ids: jax.Array,
-    logprobs: jax.Array,
-    tail: jax.Array,
-    *,
-    beta: float,
-    temperature: float,
-) -> jax.Array:
-    """``D_beta`` of the teacher's stored top-k and the student, on ``k + 1``
-    categories (module docstring), float32 ``[...]``.
-
-    student_logits: ``[..., vocab]`` (any dtype; cast to float32), at temperature 1.
-    ids, logprobs, tail: the teacher's ``[..., k]``, ``[..., k]`` and ``[...]``, at
-      ``temperature`` (what :func:`teacher_topk` and ``dew.data.TeacherTopK`` give).
-    """
-    check_temperature(temperature)
-    z = student_logits.astype(jnp.float32) / temperature
-    logz = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-    ids = ids.astype(jnp.int32)
-    s_top = jnp.take_along_axis(z, ids, axis=-1) - logz
-    s_tail = _tail_logsumexp(z, ids) - logz[..., 0]
-    s = jnp.concatenate([s_top, s_tail[..., None]], axis=-1)  # [..., k + 1]
-    t = jax.lax.stop_gradient(
-        jnp.concatenate([logprobs, tail[..., None]], axis=-1).astype(jnp.float32)
-    )
-    return divergence(s, jnp.maximum(t, _MASKED), beta=beta)
 
 
 def write_teacher_topk(

@@ -58,3 +58,14 @@ def test_every_family_names_its_roles_from_the_vocabulary(family):
     # a family whose case has no reference (beta = 0) declares none
     assert got == {k: v for k, v in others.items() if k in got} and set(got) <= set(others)
     assert not hasattr(type(objective), "uses_averaged")
+
+
+def test_classifier_distillation_names_its_roles_from_the_vocabulary():
+    """Not in the family contract (no LM batch): its roles checked on their own."""
+    import flax.linen as nn
+
+    from dew.objectives.classifier_distillation import ClassifierDistillationObjective
+
+    objective = ClassifierDistillationObjective(nn.Dense(3), teacher=nn.Dense(3), teacher_params={})
+    roles = check_roles(objective)
+    assert [(r.name, r.trained) for r in roles] == [("policy", True), ("teacher", False)]

@@ -8,7 +8,9 @@ Readers describe a dataset and build a :class:`Dataset` with ``.load(batch=...)`
 the ``datasets`` library), :class:`Videos` (local clips), :class:`PreferencePairs`
 (DPO), :class:`Prompts` (GRPO, PPO) and :class:`SFTExamples` (supervised
 fine-tuning on prompt/completion or chat rows, rendered with a
-:class:`ChatTemplate`, packed or not). :func:`from_records` turns any
+:class:`ChatTemplate`, packed or not) and :class:`TeacherTopK` (a teacher's top-k
+log-probs stored once by :class:`TopKWriter`, for offline distillation).
+:func:`from_records` turns any
 random-access source into a Grain-backed :class:`Dataset` the same way.
 """
 
@@ -19,6 +21,7 @@ from dew.data.preferences import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.data.records import RecordError, Records, from_records
 from dew.data.sft import SFTExamples
+from dew.data.teacher_topk import TeacherTopK, TopKWriter
 from dew.data.token_windows import TokenWindows
 from dew.data.tokenizers import ByteTokenizer, HFTokenizer
 from dew.data.videos import Videos
@@ -40,7 +43,9 @@ __all__ = [
     "RecordError",
     "Records",
     "SFTExamples",
+    "TeacherTopK",
     "TokenWindows",
+    "TopKWriter",
     "Videos",
     "from_records",
     "spec_of_batch",

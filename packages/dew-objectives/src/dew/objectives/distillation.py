@@ -51,15 +51,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn.dense import token_rows
 from dew.objectives.base import Objective, Role, Step, with_initial_values
-from dew.objectives.batch import IDS, MASK, BatchField
+from dew.objectives.batch import FLOATS, IDS, MASK, BatchField
+from dew.objectives.lm import check_packed_positions, packed_inputs, target_weights
 from dew.objectives.logprobs import rollout_positions
 from dew.objectives.policy import CausalPolicy, vocab_size_of
 from dew.objectives.rollouts import prompt_fields, sample_completions
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import Sampling
 
-__all__ = ["DistillationObjective", "chunked_sums", "distillation_losses", "divergence"]
+__all__ = [
+    "DistillationObjective",
+    "chunked_sums",
+    "distillation_losses",
+    "divergence",
+    "topk_divergence",
+]
 
 
 # ------------------------------------------------------------------ the losses
@@ -121,9 +129,7 @@ def distillation_losses(
     zt = jax.lax.stop_gradient(teacher_logits.astype(jnp.float32))
     s = jax.nn.log_softmax(zs / temperature, axis=-1)
     t = jax.nn.log_softmax(zt / temperature, axis=-1)
-    out = {"divergence": divergence(s, t, beta=beta)}
-    agree = jnp.argmax(zs, axis=-1) == jnp.argmax(zt, axis=-1)
-    out["agreement"] = agree.astype(jnp.float32)
+    out = {"divergence": divergence(s, t, beta=beta), "agreement": agreement(zs, zt)}
     if targets is not None:
         ids = targets[..., None].astype(jnp.int32)
 
@@ -134,6 +140,58 @@ def distillation_losses(
 
         out["nll"], out["teacher_nll"] = nll(zs, s), nll(zt, t)
     return out
+
+
+def agreement(student_logits: jax.Array, teacher_logits: jax.Array) -> jax.Array:
+    """1.0 where both models' most likely id is the same, float32 ``[...]``: some id is
+    a maximum of both (two max reductions and one compare; ``jnp.argmax``, a variadic
+    reduce, took 8x the time on the CPU at vocabulary 4096, a fifth of a step). Ties,
+    of measure zero for float logits, count as agreement when any tied id is shared."""
+    top_s = student_logits == jnp.max(student_logits, axis=-1, keepdims=True)
+    top_t = teacher_logits == jnp.max(teacher_logits, axis=-1, keepdims=True)
+    return jnp.max(jnp.where(top_s & top_t, 1.0, 0.0), axis=-1)
+
+
+# a masked logit: finite, so a tail of no ids is a finite log-mass far below any
+# float32 probability (exp underflows to 0) and its gradient stays finite
+_MASKED = -1e9
+
+
+def _tail_logsumexp(z: jax.Array, ids: jax.Array) -> jax.Array:
+    """``logsumexp`` over the last axis of ``z [..., vocab]`` without ``ids [..., k]``."""
+    keep = jnp.ones(z.shape, bool)
+    lead = jnp.indices(ids.shape, sparse=True)[:-1]
+    keep = keep.at[(*lead, ids)].set(False)
+    return jax.nn.logsumexp(jnp.where(keep, z, _MASKED), axis=-1)
+
+
+def topk_divergence(
+    student_logits: jax.Array,
+    ids: jax.Array,
+    logprobs: jax.Array,
+    tail: jax.Array,
+    *,
+    beta: float,
+    temperature: float,
+) -> jax.Array:
+    """``D_beta`` of the teacher's stored top-k and the student, on ``k + 1``
+    categories (``dew.objectives.teacher_topk``), float32 ``[...]``.
+
+    student_logits: ``[..., vocab]`` (any dtype; cast to float32), at temperature 1.
+    ids, logprobs, tail: the teacher's ``[..., k]``, ``[..., k]`` and ``[...]``, at
+      ``temperature`` (what :func:`teacher_topk` and ``dew.data.TeacherTopK`` give).
+    """
+    check_temperature(temperature)
+    z = student_logits.astype(jnp.float32) / temperature
+    logz = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    ids = ids.astype(jnp.int32)
+    s_top = jnp.take_along_axis(z, ids, axis=-1) - logz
+    s_tail = _tail_logsumexp(z, ids) - logz[..., 0]
+    s = jnp.concatenate([s_top, s_tail[..., None]], axis=-1)  # [..., k + 1]
+    t = jax.lax.stop_gradient(
+        jnp.concatenate([logprobs, tail[..., None]], axis=-1).astype(jnp.float32)
+    )
+    return divergence(s, jnp.maximum(t, _MASKED), beta=beta)
 
 
 # --------------------------------------------------------------------- checks
@@ -187,7 +245,12 @@ def _project(hidden, kernel, dtype):
     states are the logits already (a module without a known head)."""
     if dtype is None:
         return hidden.astype(jnp.float32)
-    return jnp.dot(hidden.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
+    # one token axis, as the model's own head (dew.nn.dense.token_rows): a plain 2-d
+    # matmul, and so is its kernel gradient, where a dot contracting [rows, chunk]
+    # compiled to a slow loop on the CPU (tools/bench_distill.py: the step 1.5x slower)
+    rows = token_rows(hidden).astype(dtype)  # [rows * chunk, embed]
+    logits = jnp.dot(rows, kernel.astype(dtype)).astype(jnp.float32)  # [rows * chunk, vocab]
+    return logits.reshape(*hidden.shape[:-1], -1)
 
 
 def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel, targets, weights):
@@ -200,7 +263,8 @@ def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel,
 
     sums_fn: ``(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights) ->
       (total, {name: sum})`` on one chunk; only ``total`` is differentiated (the sums
-      are metrics). The teacher's arguments get no gradient.
+      are metrics). The teacher's arguments get no gradient; ``teacher_hidden`` may be
+      a tuple of arrays (stored top-k), each chunked along axis 1.
     chunk: positions per chunk; None = one chunk of the whole length.
     """
     length = hidden.shape[1]
@@ -222,12 +286,12 @@ def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel,
             sums = jax.tree.map(jnp.add, sums, s)
             return (total + t, sums, d_kernel + d_k.astype(jnp.float32)), d_h
 
-        xs = tuple(split(x) for x in (hidden, teacher_hidden, targets, weights))
+        xs = tuple(jax.tree.map(split, x) for x in (hidden, teacher_hidden, targets, weights))
         shapes = jax.eval_shape(
             sums_fn,
             hidden[:, :chunk],
             kernel,
-            teacher_hidden[:, :chunk],
+            jax.tree.map(lambda x: x[:, :chunk], teacher_hidden),
             teacher_kernel,
             targets[:, :chunk],
             weights[:, :chunk],
@@ -250,13 +314,33 @@ def chunked_sums(sums_fn, chunk, hidden, kernel, teacher_hidden, teacher_kernel,
     def backward(residuals, cotangents):
         d_hidden, d_kernel = residuals
         g = cotangents[0]  # d loss / d total; the sums are metrics
-        return (g * d_hidden, (g * d_kernel).astype(kernel_dtype), None, None, None, None)
+        no = jax.tree.map(lambda _: None, teacher_hidden)
+        return (g * d_hidden, (g * d_kernel).astype(kernel_dtype), no, None, None, None)
 
     fused.defvjp(forward, backward)
     return fused(hidden, kernel, teacher_hidden, teacher_kernel, targets, weights)
 
 
 # ------------------------------------------------------------------ objective
+STORED_IDS, STORED_LOGPROBS, STORED_TAIL = (
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "teacher_tail_logprob",
+)  # the batch keys of dew.data.TeacherTopK
+
+
+class _StoredTeacher(nn.Module):
+    """The teacher role of ``stored_teacher=True``: no weights (one empty array) and
+    never run; its vocabulary is the student's, for the checks."""
+
+    vocab_size: int | None = None
+
+    @nn.compact
+    def __call__(self, tokens, **_):
+        self.param("none", nn.initializers.zeros, (0,), jnp.float32)
+        return jnp.zeros((*tokens.shape, self.vocab_size or 1), jnp.float32)
+
+
 @dataclasses.dataclass(eq=False)
 class DistillationObjective(Objective):
     """A causal-LM student distilled from a frozen teacher (module docstring for the math).
@@ -294,6 +378,19 @@ class DistillationObjective(Objective):
       instead of prompts and completions; off-policy only (``lmbda=0``, no ``seq_kd``).
     loss_mask_key: with ``text_key``, a ``[rows, length + 1]`` 0/1 mask; a target counts
       where it is 1 (completion tokens only); None = every target.
+    segment_ids_key, positions_key: with ``text_key``, the ``[rows, length + 1]`` segment
+      ids and positions of packed rows (``dew.data.SFTExamples(packing=True)``), handed
+      to both models as ``LMObjective`` hands them: no token attends across examples,
+      positions restart per example, and a target in another example than the id that
+      predicts it (or on padding) never counts. None = rows of one sequence.
+    stored_teacher: read the teacher's top-k log-probs from the batches
+      (``teacher_topk_ids``, ``teacher_topk_logprobs``, ``teacher_tail_logprob``, as
+      :class:`dew.data.TeacherTopK` reads what
+      :func:`dew.objectives.teacher_topk.write_teacher_topk` stored) instead of
+      running a teacher; the divergence is then on the k ids and the tail
+      (:func:`dew.objectives.teacher_topk.topk_divergence`). Needs ``text_key``, no
+      teacher (``teacher`` and ``teacher_params`` None), and ``temperature`` the
+      stored one (``TeacherTopK.temperature``).
     init_params: start the student from these weights; None = a fresh init.
     tokenizer: for previews and export; None = ``ByteTokenizer()``.
 
@@ -321,6 +418,9 @@ class DistillationObjective(Objective):
     teacher_ids: Any = None
     text_key: str | None = None
     loss_mask_key: str | None = None
+    segment_ids_key: str | None = None
+    positions_key: str | None = None
+    stored_teacher: bool = False
     init_params: Any = None
     tokenizer: Any = None
 
@@ -346,6 +446,24 @@ class DistillationObjective(Objective):
                 f"prompts to sample from; lmbda={self.lmbda} and seq_kd={self.seq_kd} need "
                 f"prompt/completion batches (drop text_key) or use lmbda=0, seq_kd=False"
             )
+        packed = [k for k in (self.loss_mask_key, self.segment_ids_key, self.positions_key) if k]
+        if packed and self.text_key is None:
+            raise ValueError(
+                f"{what}: loss_mask_key, segment_ids_key and positions_key ({packed}) name "
+                f"columns of rows of ids; pass text_key= too (an SFT reader's 'text')"
+            )
+        if self.stored_teacher:
+            if self.text_key is None or self.teacher is not None or self.teacher_params is not None:
+                raise ValueError(
+                    f"{what}(stored_teacher=True) reads the teacher's top-k from rows of ids "
+                    f"(dew.data.TeacherTopK): pass text_key= (its 'text') and no teacher or "
+                    f"teacher_params (got text_key={self.text_key!r}, teacher "
+                    f"{type(self.teacher).__name__}, teacher_params "
+                    f"{'given' if self.teacher_params is not None else 'None'})"
+                )
+            # a frozen role of no weights: the stored top-k stand for the teacher
+            self.teacher = _StoredTeacher(vocab_size=vocab_size_of(self.student))
+            self.teacher_params = {"none": np.zeros((0,), np.float32)}
         if hasattr(self.teacher, "params") and hasattr(self.teacher, "model"):  # a Pretrained
             if self.teacher_params is None:
                 self.teacher_params = self.teacher.params
@@ -413,6 +531,15 @@ class DistillationObjective(Objective):
             fields = [BatchField(self.text_key, ("length",), IDS)]
             if self.loss_mask_key is not None:
                 fields.append(BatchField(self.loss_mask_key, ("length",), MASK))
+            for key in (self.segment_ids_key, self.positions_key):
+                if key is not None:
+                    fields.append(BatchField(key, ("length",), IDS))
+            if self.stored_teacher:
+                fields += [
+                    BatchField(STORED_IDS, ("positions", "k"), IDS, note="length - 1, k"),
+                    BatchField(STORED_LOGPROBS, ("positions", "k"), FLOATS),
+                    BatchField(STORED_TAIL, ("positions",), FLOATS),
+                ]
             return tuple(fields)
         needs_data = self.lmbda < 1 and not self.seq_kd
         return (
@@ -508,10 +635,16 @@ class DistillationObjective(Objective):
         (metrics), and the token count (0 weight on prompt and padding)."""
         if self.text_key is not None:
             ids = batch[self.text_key]
-            tokens, targets, extra = ids[:, :-1], ids[:, 1:], {}
-            weights = jnp.ones(targets.shape, jnp.float32)
-            if self.loss_mask_key is not None:
-                weights = weights * batch[self.loss_mask_key][:, 1:].astype(jnp.float32)
+            tokens, targets = ids[:, :-1], ids[:, 1:]
+            extra = packed_inputs(
+                batch, segment_ids_key=self.segment_ids_key, positions_key=self.positions_key
+            )
+            weights = target_weights(
+                {k: v for k, v in batch.items() if k != "example_mask"},
+                ids,
+                loss_mask_key=self.loss_mask_key,
+                segment_ids_key=self.segment_ids_key,
+            )
             scored = slice(None)
         else:
             prompt, completion = batch["prompt"], batch["completion"]
@@ -527,12 +660,39 @@ class DistillationObjective(Objective):
         student, kernel, s_dtype = self._hidden(
             self.student, variables["params"], tokens, extra, scored
         )
+        scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
+        if self.stored_teacher:
+            stored = tuple(batch[key] for key in (STORED_IDS, STORED_LOGPROBS, STORED_TAIL))
+
+            def stored_sums(hs, k, stored, _, y, w):
+                zs = _project(hs, k, s_dtype)  # [rows, chunk, vocab] float32
+                ids, logprobs, tail = stored
+                d = topk_divergence(
+                    zs, ids, logprobs, tail, beta=self.beta, temperature=self.temperature
+                )
+                terms = {
+                    "divergence": d,
+                    "agreement": (  # the teacher's top id is a maximum of the student's
+                        jnp.take_along_axis(zs, ids[..., :1].astype(jnp.int32), -1)[..., 0]
+                        == jnp.max(zs, axis=-1)
+                    ).astype(jnp.float32),
+                    "nll": jax.nn.logsumexp(zs, axis=-1)
+                    - jnp.take_along_axis(zs, y[..., None].astype(jnp.int32), -1)[..., 0],
+                }
+                per_token = scale * d + (alpha * terms["nll"] if alpha else 0.0)
+                out = {k: jax.lax.stop_gradient(jnp.sum(v * w)) for k, v in terms.items()}
+                return jnp.sum(per_token * w), out
+
+            total, sums_ = chunked_sums(
+                stored_sums, self.chunk_size, student, kernel, stored, jnp.zeros(()), targets,
+                weights,
+            )  # fmt: skip
+            return total, sums_, jnp.sum(weights)
         teacher_params = jax.lax.stop_gradient(variables["teacher"]["params"])
         teacher, t_kernel, t_dtype = self._hidden(
             self.teacher, teacher_params, tokens, extra, scored
         )
         teacher_ids = None if self.teacher_ids is None else np.asarray(self.teacher_ids)
-        scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
 
         def sums(hs, k, ht, tk, y, w):
             zs = _project(hs, k, s_dtype)  # [rows, chunk, vocab] float32
@@ -574,6 +734,13 @@ class DistillationObjective(Objective):
         for key in keys:
             if key in batch:
                 self.policy.check_ids(batch[key], key=key)
+        if self.positions_key is not None and self.positions_key in batch:
+            check_packed_positions(
+                np.asarray(batch[self.positions_key]),
+                self.policy.max_seq_len,
+                key=self.positions_key,
+                what=type(self).__name__,
+            )
         if self.text_key is None and "prompt" in batch:
             new = self.max_new_tokens or np.shape(batch.get("completion", ((),)))[1]
             self.policy.check_rollout_length(np.shape(batch["prompt"])[1], new)

@@ -38,6 +38,43 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
 
 
+def target_weights(batch, tokens, *, loss_mask_key=None, segment_ids_key=None) -> jax.Array:
+    """``[rows, length]`` float32 weight of each target ``tokens[:, 1:]`` of rows of ids:
+    the loss mask's (1 without one), 0 on a target in another packed sequence than the
+    id that predicts it or on padding (segment 0), and on padded validation rows."""
+    weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)
+    if loss_mask_key is not None:
+        weights = weights * batch[loss_mask_key][:, 1:].astype(jnp.float32)
+    if segment_ids_key is not None:  # no target across packed sequences
+        segments = batch[segment_ids_key]
+        same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+        weights = weights * same.astype(jnp.float32)
+    if "example_mask" in batch:  # padded rows of a last validation batch
+        weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
+    return weights
+
+
+def packed_inputs(batch, *, segment_ids_key=None, positions_key=None) -> dict[str, jax.Array]:
+    """The model's ``segment_ids`` / ``positions`` keywords of packed rows (the first
+    ``length`` of each ``[rows, length + 1]`` row, as the model reads the ids)."""
+    packed = {}
+    if segment_ids_key is not None:
+        packed["segment_ids"] = batch[segment_ids_key][:, :-1]
+    if positions_key is not None:
+        packed["positions"] = batch[positions_key][:, :-1]
+    return packed
+
+
+def check_packed_positions(positions: np.ndarray, max_len: int | None, *, key: str, what: str):
+    """Packed positions must index the model's position range ``[0, max_seq_len)``."""
+    if positions.size and (positions.min() < 0 or (max_len and positions.max() >= max_len)):
+        raise ValueError(
+            f"{what}: batch[{key!r}] holds positions from {positions.min()} to "
+            f"{positions.max()}, outside the model's [0, max_seq_len = {max_len}); positions "
+            f"count from 0 within each packed sequence"
+        )
+
+
 @dataclasses.dataclass(eq=False)
 class LMObjective(Objective):
     """Next-token prediction for a causal model.
@@ -138,24 +175,15 @@ class LMObjective(Objective):
         return {"params": params}
 
     def _weights(self, batch, tokens):
-        weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)
-        if self.loss_mask_key is not None:
-            weights = weights * batch[self.loss_mask_key][:, 1:].astype(jnp.float32)
-        if self.segment_ids_key is not None:  # no target across packed sequences
-            segments = batch[self.segment_ids_key]
-            same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
-            weights = weights * same.astype(jnp.float32)
-        if "example_mask" in batch:  # padded rows of a last validation batch
-            weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
-        return weights
+        return target_weights(
+            batch, tokens, loss_mask_key=self.loss_mask_key, segment_ids_key=self.segment_ids_key
+        )
 
     def _forward(self, variables, batch):
         tokens = batch[self.text_key]
-        packed = {}  # the model reads the first seq_len of each row, so of these too
-        if self.segment_ids_key is not None:
-            packed["segment_ids"] = batch[self.segment_ids_key][:, :-1]
-        if self.positions_key is not None:
-            packed["positions"] = batch[self.positions_key][:, :-1]
+        packed = packed_inputs(
+            batch, segment_ids_key=self.segment_ids_key, positions_key=self.positions_key
+        )
         logits, sown = self.model.apply(
             {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"], **packed
         )
@@ -231,11 +259,6 @@ class LMObjective(Objective):
             )
 
     def _check_positions_of(self, positions: np.ndarray) -> None:
-        """Packed positions must index the model's position range ``[0, max_seq_len)``."""
-        max_len = self.policy.max_seq_len
-        if positions.size and (positions.min() < 0 or (max_len and positions.max() >= max_len)):
-            raise ValueError(
-                f"LMObjective: batch[{self.positions_key!r}] holds positions from "
-                f"{positions.min()} to {positions.max()}, outside the model's [0, max_seq_len "
-                f"= {max_len}); positions count from 0 within each packed sequence"
-            )
+        check_packed_positions(
+            positions, self.policy.max_seq_len, key=self.positions_key, what="LMObjective"
+        )

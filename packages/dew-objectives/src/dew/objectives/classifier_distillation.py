@@ -1,0 +1,153 @@
+"""Classifier distillation: Hinton soft targets for any model that outputs logits.
+
+Per example, with the student's logits ``z_S`` and the frozen teacher's ``z_T``
+(``[classes]``, or ``[..., classes]`` per position or pixel), the loss is the one of
+:mod:`dew.objectives.distillation` (Hinton, Vinyals, Dean 2015, arXiv 1503.02531;
+the generalized JSD of GKD between the ends):
+
+    loss = (1 - alpha) T^2 D_beta(softmax(z_T / T), softmax(z_S / T)) + alpha CE(z_S, y)
+
+``beta = 0`` is Hinton's ``KL(p_T || p_S)``; the ``T^2`` keeps the soft targets'
+gradient the size of the hard label's as ``T`` changes. Defaults: Tunix's
+``LogitStrategy`` (T = 2, alpha = 0.5). A :class:`~dew.objectives.Weighted` mean
+over the examples (padded validation rows never count), float32 whatever the
+models' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Objective, Role, Step, with_initial_values
+from dew.objectives.batch import IDS, BatchField
+from dew.objectives.distillation import (
+    _check_fraction,
+    check_beta,
+    check_temperature,
+    distillation_losses,
+)
+from dew.objectives.weighted import Weighted
+
+__all__ = ["ClassifierDistillationObjective"]
+
+
+@dataclasses.dataclass(eq=False)
+class ClassifierDistillationObjective(Objective):
+    """A classifier (any logits model) distilled from a frozen teacher.
+
+    student: the trained module, ``apply(variables, batch[input_key]) -> [rows, ...,
+      classes]`` logits.
+    teacher: the teacher's module, the same call and number of classes; another size
+      or architecture is fine. None = the student's architecture.
+    teacher_params: the teacher's weights (a frozen role, ``variables['teacher']``).
+    beta: 0 = Hinton's forward KL, 1 = reverse KL, between them ``D_beta``.
+    temperature: > 0, on both models' logits; the divergence is multiplied by ``T^2``.
+    alpha: in ``[0, 1]``, the weight of the hard-label cross-entropy (at T = 1).
+    input_key: the batch key of the models' input (images, features).
+    label_key: the batch key of int labels ``[rows, ...]``; None = no labels (alpha 0).
+    init_params: start the student from these weights; None = a fresh init.
+
+    Metrics: ``divergence`` (no ``T^2``), ``agreement`` (both argmaxes agree) and,
+    with labels, ``nll``, ``teacher_nll`` and ``accuracy`` (the student's argmax).
+    """
+
+    student: Any
+    teacher: Any = None
+    teacher_params: Any = None
+    beta: float = 0.0
+    temperature: float = 2.0
+    alpha: float = 0.5
+    input_key: str = "image"
+    label_key: str | None = "label"
+    init_params: Any = None
+
+    headline_metrics = ("divergence",)
+
+    def __post_init__(self):
+        what = type(self).__name__
+        check_beta(self.beta)
+        check_temperature(self.temperature)
+        _check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy")
+        if self.alpha and self.label_key is None:
+            raise ValueError(
+                f"{what}(alpha={self.alpha}) weighs a hard-label cross-entropy but "
+                f"label_key=None; give the labels' batch key or alpha=0"
+            )
+        if self.teacher is None:
+            self.teacher = self.student
+        if self.teacher_params is None:
+            raise ValueError(f"{what} needs the teacher's weights: pass teacher_params=")
+        self.model = self.student
+
+    def roles(self):
+        return (
+            Role(name="policy", module=self.student),
+            Role(name="teacher", module=self.teacher, trained=False),
+        )
+
+    def batch_fields(self):  # the input's shape is the models' to state
+        if self.label_key is None:
+            return ()
+        return (BatchField(self.label_key, (), IDS, required=bool(self.alpha)),)
+
+    def check_batch(self, batch):
+        if self.input_key not in batch:
+            raise KeyError(
+                f"{type(self).__name__}: the batch has no {self.input_key!r} (keys "
+                f"{sorted(batch)}); set input_key= to the key of the models' input"
+            )
+        if self.alpha and self.label_key not in batch:
+            raise KeyError(
+                f"{type(self).__name__}(alpha={self.alpha}): the batch has no labels "
+                f"{self.label_key!r} (keys {sorted(batch)})"
+            )
+
+    def init(self, key, spec=None):
+        if spec is None or self.input_key not in spec:
+            raise ValueError(
+                f"{type(self).__name__}.init needs the data's spec with {self.input_key!r} "
+                f"(the input's shape per row): use a reader's Dataset or pass spec="
+            )
+        field = spec[self.input_key]
+        dtype = getattr(field, "dtype", np.float32)
+        x = jnp.zeros((1, *tuple(field.shape)), dtype)
+        params = self.student.init(key, x)["params"]
+        if self.init_params is not None:
+            params = with_initial_values(params, self.init_params, what="init_params")
+        fresh = jax.eval_shape(lambda: self.teacher.init(key, x))["params"]
+        teacher = with_initial_values(fresh, self.teacher_params, what="the teacher's weights")
+        return {"params": params, "teacher": {"params": teacher}}
+
+    def _terms(self, variables, batch):
+        x = batch[self.input_key]
+        zs = self.student.apply({"params": variables["params"]}, x)
+        teacher = jax.lax.stop_gradient(variables["teacher"]["params"])
+        zt = self.teacher.apply({"params": teacher}, x)
+        labels = None if self.label_key not in batch else batch[self.label_key]
+        terms = distillation_losses(
+            zs, zt, labels, beta=self.beta, temperature=self.temperature
+        )  # each [rows, ...]
+        if labels is not None:
+            terms["accuracy"] = (jnp.argmax(zs, axis=-1) == labels).astype(jnp.float32)
+        weights = jnp.ones(terms["divergence"].shape, jnp.float32)
+        if "example_mask" in batch:  # padded rows of a last validation batch
+            mask = batch["example_mask"].reshape((-1,) + (1,) * (weights.ndim - 1))
+            weights = weights * mask.astype(jnp.float32)
+        return terms, weights
+
+    def loss(self, variables, batch, step: Step):
+        terms, weights = self._terms(variables, batch)
+        per_example = (1.0 - self.alpha) * self.temperature**2 * terms["divergence"]
+        if self.alpha:
+            per_example = per_example + self.alpha * terms["nll"]
+        metrics = {k: Weighted.mean(v, weights) for k, v in terms.items()}
+        return Weighted.mean(per_example, weights), metrics
+
+    def evaluate(self, variables, batch, step: Step):
+        terms, weights = self._terms(variables, batch)
+        return {k: Weighted.mean(v, weights) for k, v in terms.items()}

@@ -64,8 +64,9 @@ class StepInfo:
     evaluation: this step's evaluation results (``{name: value}``), or None
       when it did not evaluate.
     step_metrics: ``(step, {name: value})`` of the steps whose metrics came off
-      the devices after this one (on log steps, every ``max_rejected`` steps and
-      at the end; empty otherwise).
+      the devices after this one (on log steps and at the end; about every
+      ``max_rejected`` steps, where a step at which no hook acts leaves its own
+      for the next fetch; empty otherwise), each step once.
     step_flops: matrix-product FLOPs of the compiled update step.
     prepare_seconds: seconds of the prepare phase that fed this step (on the
       first update of a prepared batch; 0 otherwise).
@@ -120,6 +121,17 @@ class StepInfo:
         self._save(self.step, self.state, metrics)
 
 
+class Cadenced:
+    """A hook that says at which steps it acts: prints, reads the state, stops
+    the run or needs this step's metrics. On the other steps ``fit`` may hand
+    it a step's ``step_metrics`` one fetch later, so that a step whose metrics
+    only the rejection count reads does not wait for the devices. A hook that
+    is not ``Cadenced`` acts at every step."""
+
+    def acts_at(self, step: int) -> bool:
+        return True
+
+
 class Installed(Protocol):
     """What ``fit`` calls on each installed hook: ``run`` after every step,
     ``finish`` once at the end (the final step's info; remaining
@@ -133,7 +145,7 @@ class Installed(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class Hook:
+class Hook(Cadenced):
     """``fn(StepInfo)`` after every ``every``-th step.
 
     every: steps between calls (>= 1).
@@ -155,6 +167,9 @@ class Hook:
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
+
+    def acts_at(self, step: int) -> bool:
+        return self.due(step)
 
     def run(self, info: StepInfo) -> None:
         if self.due(info.step):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dew.objectives import weighted as wt
 from dew.train._run import ROLLOUT_SAMPLES, ROLLOUT_TOKENS, NonFiniteError, Saver
 from dew.train.goodput import Goodput
-from dew.train.hooks import Cadenced, EarlyStopping, EarlyStoppingState, StepInfo
+from dew.train.hooks import EarlyStopping, EarlyStoppingState, StepInfo
 from dew.train.logs import MetricsLog, format_value
 from dew.train.preemption import StopSignals
 from dew.train.previews import as_pixels
@@ -18,7 +18,7 @@ from dew.train.step import Stream, microbatch_key
 from dew.train.throughput import Throughput
 
 
-class Rejections(Cadenced):
+class Rejections:
     """Counts consecutive steps whose loss or gradients were not finite: a line for
     each, :class:`NonFiniteError` past ``max_rejected``."""
 
@@ -65,7 +65,7 @@ class Rejections(Cadenced):
             )
 
 
-class LogMetrics(Cadenced):
+class LogMetrics:
     """The interval metrics and the ``step N: loss ...`` line every ``log_every``
     steps; the throughput line (FLOPs, peak) before the first."""
 
@@ -142,7 +142,7 @@ class LogMetrics(Cadenced):
         return f"{rate}, MFU {100 * mfu:.2f}%" if mfu == mfu else f"{rate}, MFU n/a"
 
 
-class Evaluation(Cadenced):
+class Evaluation:
     """``objective.evaluate`` over the validation data, then a preview, every
     ``eval_every`` steps, on the weights ``state.variables()`` gives (the moving
     average where the objective evaluates with it: ``eval (ema)`` in the log)."""
@@ -204,7 +204,7 @@ class Evaluation(Cadenced):
             )
 
 
-class CheckpointPolicy(Cadenced):
+class CheckpointPolicy:
     """A checkpoint every ``checkpoint_every`` steps at a data-batch boundary
     (``keep_best`` ranks it by its own step's evaluation), one at the end unless
     the last step has one, then waits for the writes."""
@@ -241,7 +241,7 @@ class CheckpointPolicy(Cadenced):
         return bool(self.checkpoint_every) and step % self.checkpoint_every == 0
 
 
-class EarlyStop(Cadenced):
+class EarlyStop:
     """Stops the run when ``spec.metric`` has not improved for ``spec.patience``
     evaluations."""
 
@@ -278,7 +278,7 @@ class EarlyStop(Cadenced):
         return False
 
 
-class StopSignalsHook(Cadenced):
+class StopSignalsHook:
     """SIGTERM / SIGINT (on any process) end the run at the next data-batch
     boundary (:mod:`dew.train.preemption`)."""
 

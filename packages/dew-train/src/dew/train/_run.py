@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from dew.train.goodput import Goodput
-from dew.train.hooks import Cadenced, FitResult, Hook, Installed, StepInfo
+from dew.train.hooks import FitResult, Hook, Installed, StepInfo
 
 ROLLOUT_TOKENS = "rollout_tokens"
 """The ``Summed`` metric of tokens an objective's prepare phase generated; with
@@ -46,7 +46,7 @@ class Pending:
 
     every: fetch after this many steps even without a log line (so rejections
       are counted in time: ``max(max_rejected, 1)``). Such a fetch, on a step
-      where no hook acts (:meth:`dew.train.hooks.Cadenced.acts_at`), leaves the
+      where no hook acts (:meth:`dew.train.hooks.Installed.acts_at`), leaves the
       newest step's metrics for the next fetch: that step may still be running,
       the earlier ones are done, so the fetch does not drain the devices' queue.
     """
@@ -102,19 +102,31 @@ class HookRunner:
         self.log_fn = log_fn
         self.save_fn = save_fn
         self.stopped: tuple[str, str] | None = None
-        # each hook's "acts at this step"; a hook that does not say acts at every step
-        self._acts = [h.acts_at if isinstance(h, Cadenced) else _always for h in self.hooks]
+        self._acts = [hook.acts_at for hook in self.hooks]
 
-    def info(self, step: int, state, *, at_boundary=True, **fields) -> StepInfo:
+    def info(
+        self,
+        step: int,
+        state,
+        step_metrics: list,
+        *,
+        at_boundary: bool = True,
+        step_flops: float = 0.0,
+        prepare_seconds: float = 0.0,
+        is_first: bool = False,
+    ) -> StepInfo:
         return StepInfo(
             step=step,
             state=state,
             metrics={},
             print=self.print_fn,
             at_boundary=at_boundary,
+            step_metrics=step_metrics,
+            step_flops=step_flops,
+            prepare_seconds=prepare_seconds,
+            is_first=is_first,
             _log=self.log_fn,
             _save=self.save_fn,
-            **fields,
         )
 
     def after_step(self, record) -> bool:
@@ -129,10 +141,10 @@ class HookRunner:
             with self.goodput.measure("steps"):
                 fetched = pending.fetch(keep=keep)
         info = self.info(
-            record.step,
+            step,
             record.state,
+            fetched,
             at_boundary=record.at_boundary,
-            step_metrics=fetched,
             step_flops=record.compiled.flops,
             prepare_seconds=record.prepare_seconds,
             is_first=record.is_first,
@@ -145,7 +157,7 @@ class HookRunner:
         ``finish`` (the final checkpoint)."""
         with self.goodput.measure("steps"):
             fetched = self.pending.fetch()
-        self._run(self.info(step, state, step_metrics=fetched), finish=True)
+        self._run(self.info(step, state, fetched), finish=True)
 
     def _run(self, info: StepInfo, *, finish: bool) -> None:
         users: list[str] = []
@@ -174,7 +186,3 @@ class HookRunner:
             return FitResult(reason="completed", step=step)
         reason, detail = self.stopped
         return FitResult(reason=reason, step=step, detail=detail)
-
-
-def _always(step: int) -> bool:
-    return True

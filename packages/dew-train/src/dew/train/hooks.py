@@ -121,21 +121,13 @@ class StepInfo:
         self._save(self.step, self.state, metrics)
 
 
-class Cadenced:
-    """A hook that says at which steps it acts: prints, reads the state, stops
-    the run or needs this step's metrics. On the other steps ``fit`` may hand
-    it a step's ``step_metrics`` one fetch later, so that a step whose metrics
-    only the rejection count reads does not wait for the devices. A hook that
-    is not ``Cadenced`` acts at every step."""
-
-    def acts_at(self, step: int) -> bool:
-        return True
-
-
 class Installed(Protocol):
     """What ``fit`` calls on each installed hook: ``run`` after every step,
     ``finish`` once at the end (the final step's info; remaining
-    ``step_metrics``)."""
+    ``step_metrics``), and ``acts_at(step)``: whether ``run`` does anything at
+    ``step`` that others see (prints, reads the state, stops the run). On a step
+    where no hook acts, the rejection count's fetch leaves that step's metrics
+    for the next fetch instead of waiting for the devices to finish it."""
 
     name: str
 
@@ -143,9 +135,11 @@ class Installed(Protocol):
 
     def finish(self, info: StepInfo) -> None: ...
 
+    def acts_at(self, step: int) -> bool: ...
+
 
 @dataclasses.dataclass(frozen=True)
-class Hook(Cadenced):
+class Hook:
     """``fn(StepInfo)`` after every ``every``-th step.
 
     every: steps between calls (>= 1).

@@ -25,11 +25,13 @@ import argparse
 import contextlib
 import io
 import itertools
+import json
+import os
 import pathlib
 import platform
-import re
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -89,14 +91,17 @@ def run_dew(size: str, steps: int):
         train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
     )
     objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
-    trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        trainer.fit(data, steps=steps, log_every=steps)
-    # "Goodput: first step after X s, Y% of the wall time in steps (S of W s; ...)"
-    line = next(x for x in out.getvalue().splitlines() if x.startswith("Goodput:"))
-    first = float(re.search(r"first step after ([\d.]+) s", line).group(1))
-    wall = float(re.search(r"of ([\d.]+) s;", line).group(1))
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(
+            objective, optax.adam(LR), key=jax.random.key(0), progress=False, run_dir=run_dir
+        )
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit(data, steps=steps, log_every=steps)
+        # the goodput record at full precision (the printed line rounds to 10 ms, which
+        # over 29 steps of a tiny model is +-0.2 ms a step)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            report = next(r for r in map(json.loads, f) if r["kind"] == "goodput")
+    first, wall = report["first_step"], report["wall"]
     return first, (wall - first) / (steps - 1)
 
 
@@ -234,6 +239,58 @@ def interleaved(size: str, steps: int) -> dict[str, tuple[float, float]]:
     }
 
 
+def host_overhead(size: str, steps: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """``{"fit" | "loop": (wall, main-thread CPU, process CPU)}`` seconds per step,
+    medians over ``repeats``: ``Trainer.fit`` against a hand-written loop of the very
+    program ``fit`` compiled (the host batches as ``fit`` gets them, no metrics read),
+    so the difference is ``fit``'s host overhead alone. Each is the marginal time of
+    ``steps`` more steps (a run of ``steps + 20`` minus one of 20: what a run pays
+    once, such as its first step and its last log line, cancels), the two sides
+    alternating. The main thread's CPU time is what Python spends around the steps;
+    a shared machine's load moves it least."""
+    from dew.data import Partition
+    from dew.train.placement import host_rows
+    from dew.train.step import logged_flag
+
+    model, length, pairs, batches = make(size)
+    data = Dataset(
+        train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
+    )
+    objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
+    trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
+    log_every = 100
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = trainer.fit(data, steps=2, log_every=log_every)
+    ((program, _, _),) = trainer.programs.cache.update.values()
+    flag = logged_flag(trainer.device_mesh, False)
+    host = [host_rows(b, Partition(0, 1), pairs) for b in batches]
+
+    def clocks():
+        return np.array([time.perf_counter(), time.thread_time(), time.process_time()])
+
+    def fit(n):
+        begin = clocks()
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit(data, steps=n, log_every=log_every)
+        return clocks() - begin
+
+    def loop(n):
+        nonlocal state
+        begin = clocks()
+        with trainer.programs.context():
+            for i in range(n):
+                state, _ = program(state, host[i % len(host)], flag)
+            jax.block_until_ready(state)
+        return clocks() - begin
+
+    out: dict[str, list] = {"fit": [], "loop": []}
+    for r in range(repeats):
+        order = [("fit", fit), ("loop", loop)]
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            out[name].append((fn(steps + 20) - fn(20)) / steps)
+    return {k: tuple(float(x) for x in np.median(v, axis=0)) for k, v in out.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="medium", choices=list(SIZES))
@@ -271,6 +328,15 @@ def main() -> None:
         f"{d_wall * 1e3:.1f} ms hand {h_wall * 1e3:.1f} ms ratio {h_wall / d_wall:.3f}; CPU "
         f"dew {d_cpu * 1e3:.1f} ms hand {h_cpu * 1e3:.1f} ms ratio {h_cpu / d_cpu:.3f}; a "
         f"logged dew step {l_wall * 1e3:.1f} ms (CPU {l_cpu * 1e3:.1f} ms)"
+    )
+    over = host_overhead(args.size, 10 * args.steps, args.repeats)
+    (f_wall, f_thread, f_cpu), (l_wall, l_thread, l_cpu) = over["fit"], over["loop"]
+    print(
+        f"host overhead (fit against a loop of fit's own program, {10 * args.steps} steps, "
+        f"medians): wall fit {f_wall * 1e3:.3f} ms loop {l_wall * 1e3:.3f} ms (+"
+        f"{(f_wall - l_wall) * 1e3:.3f}); main-thread CPU fit {f_thread * 1e3:.3f} ms loop "
+        f"{l_thread * 1e3:.3f} ms (+{(f_thread - l_thread) * 1e3:.3f}); process CPU fit "
+        f"{f_cpu * 1e3:.3f} ms loop {l_cpu * 1e3:.3f} ms (+{(f_cpu - l_cpu) * 1e3:.3f})"
     )
     print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
     costs = cost(args.size)

@@ -167,6 +167,43 @@ def test_a_hook_sees_this_steps_evaluation_and_the_interval_metrics():
     assert metrics[1] == {}
 
 
+def test_a_rejection_count_fetch_leaves_a_quiet_steps_metrics_for_the_next(monkeypatch):
+    """With ``max_rejected=3`` the metrics leave the devices every 3 steps for the
+    rejection count. Where a hook acts at that step (every step below) the fetch takes
+    them all; where none does, it leaves the step just dispatched, which may still be
+    running, for the next fetch (no wait on the devices): a hook that acts at step 7
+    only. Each step's loss arrives once either way, equal to numpy's from the weights
+    before the step."""
+    from dew.train import _run
+
+    groups, fetch = [], _run.Pending.fetch
+
+    def spy(self, *, keep=0):
+        out = fetch(self, keep=keep)
+        if out:
+            groups.append([(s, float(v["loss"])) for s, v in out])
+        return out
+
+    monkeypatch.setattr(_run.Pending, "fetch", spy)
+    t = trainer(max_rejected=3)
+    weights = [np.asarray(t.init_state().params["w"])]
+    t.add_hook(lambda info: weights.append(np.asarray(info.state.params["w"])))
+    t.fit(DATA, steps=10, log_every=0)
+    acting = groups
+    assert [[s for s, _ in g] for g in acting] == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]
+    groups = []
+    quiet = trainer(max_rejected=3)
+    quiet.add_hook(lambda info: None, every=7)
+    quiet.fit(DATA, steps=10, log_every=0)
+    assert [[s for s, _ in g] for g in groups] == [[1, 2], [3, 4], [5, 6, 7], [8, 9, 10]]
+    losses = dict(x for g in groups for x in g)
+    assert losses == dict(x for g in acting for x in g)
+    for step, loss in losses.items():
+        b = rows(step - 1)
+        expected = np.mean((b["x"] @ weights[step - 1].astype(np.float64) - b["y"]) ** 2)
+        assert loss == pytest.approx(expected, rel=1e-5)
+
+
 def test_evaluation_and_variables_default_to_the_moving_average():
     """With ``ema=``, ``state.variables()`` (what ``objective.sample``/``export`` are
     given) and the trainer's evaluation read the averaged weights; the live ones

@@ -40,6 +40,10 @@ class Rejections:
 
     finish = run
 
+    def acts_at(self, step: int) -> bool:
+        """Never by itself: it reads the metrics it is given, whenever they come."""
+        return False
+
     def _account(self, step: int, values) -> None:
         if float(values["accepted"]) > 0:
             self.run_of.clear()
@@ -120,6 +124,10 @@ class LogMetrics:
         for _, values in info.step_metrics:
             self.interval.add(values)
 
+    def acts_at(self, step: int) -> bool:
+        """A log step; the first step (the throughput line)."""
+        return bool(self.log_every and step % self.log_every == 0) or step == self.start + 1
+
     def _rates(self, values: dict) -> str:
         """``12,345 tokens/s, MFU 31.2%`` (examples/s when the objective counts no
         tokens); adds ``mfu`` and ``step_flops`` to ``values``."""
@@ -162,6 +170,9 @@ class Evaluation:
 
     def finish(self, info: StepInfo) -> None:
         """Nothing: evaluation runs on its steps only."""
+
+    def acts_at(self, step: int) -> bool:
+        return bool(self.eval_every) and step % self.eval_every == 0
 
     def _evaluate(self, state, step: int) -> dict[str, float]:
         objective = self.programs.objective
@@ -229,6 +240,10 @@ class CheckpointPolicy:
                 self.saver.save(info.step, info.state, fresh)
             self.saver.session.wait()
 
+    def acts_at(self, step: int) -> bool:
+        """A checkpoint step (a step with an evaluation is the evaluation's)."""
+        return bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+
 
 class EarlyStop:
     """Stops the run when ``spec.metric`` has not improved for ``spec.patience``
@@ -262,6 +277,10 @@ class EarlyStop:
     def finish(self, info: StepInfo) -> None:
         """Nothing to finish."""
 
+    def acts_at(self, step: int) -> bool:
+        """Only on an evaluation's results (the evaluation's step)."""
+        return False
+
 
 class StopSignalsHook:
     """SIGTERM / SIGINT (on any process) end the run at the next data-batch
@@ -279,6 +298,10 @@ class StopSignalsHook:
     def finish(self, info: StepInfo) -> None:
         """Nothing to finish."""
 
+    def acts_at(self, step: int) -> bool:
+        """A stop prints nothing here and needs no metrics (``finish`` fetches them)."""
+        return False
+
 
 class Interval:
     """Training metrics added up over the steps between two log lines."""
@@ -289,6 +312,8 @@ class Interval:
         self.accepted = 0
         self.weighted: dict | None = None
         self.plain: dict[str, float] = {}
+        # (the values' keys, the Weighted / Summed names, the plain names) of the last add
+        self._names: tuple = ((), (), ())
         self.last: dict[str, float] = {}
         # seconds of the prepare phases (rollouts) that fed this interval
         self.prepare_seconds = 0.0
@@ -305,11 +330,26 @@ class Interval:
         if float(values["accepted"]) <= 0:
             return
         self.accepted += 1
-        weighted = {k: v for k, v in values.items() if wt.is_metric(v)}
-        self.weighted = weighted if self.weighted is None else wt.add(self.weighted, weighted)
-        for k, v in values.items():
-            if not wt.is_metric(v) and k not in ("accepted", "loss_weight", "learning_rate"):
-                self.plain[k] = self.plain.get(k, 0.0) + float(v)
+        if self.weighted is not None and values.keys() == self._names[0]:
+            # the names sorted once per interval: the same additions, in the same order,
+            # without wt.add's tree flattening or a type check per value
+            _, weighted_names, plain_names = self._names
+            summed = self.weighted
+            self.weighted = {k: summed[k] + values[k] for k in weighted_names}
+            plain = self.plain
+            for k in plain_names:
+                plain[k] = plain.get(k, 0.0) + float(values[k])
+        else:
+            weighted = {k: v for k, v in values.items() if wt.is_metric(v)}
+            self.weighted = weighted if self.weighted is None else wt.add(self.weighted, weighted)
+            plain_names = tuple(
+                k
+                for k, v in values.items()
+                if not wt.is_metric(v) and k not in ("accepted", "loss_weight", "learning_rate")
+            )
+            for k in plain_names:
+                self.plain[k] = self.plain.get(k, 0.0) + float(values[k])
+            self._names = (values.keys(), tuple(weighted), plain_names)
         if "learning_rate" in values:
             self.last["learning_rate"] = float(values["learning_rate"])
 

@@ -106,6 +106,9 @@ def training_steps(
                     compiled = programs.update(state, prepared, shardings)
             if not has_prepare:
                 by_signature[signature(local)] = compiled
+                if direct:  # the first call takes host rows, as the later ones do: the
+                    # call's one-time setup for numpy arguments (~4 ms) falls in this step
+                    prepared = host_rows(local, partition, global_rows)
         is_first = step == start
         with measure("steps"):
             # diagnostics only on the steps the log reads (dew.objectives.Step)

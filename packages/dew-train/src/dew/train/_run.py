@@ -45,7 +45,10 @@ class Pending:
     """Packed metrics of the steps since the last fetch, fetched together.
 
     every: fetch after this many steps even without a log line (so rejections
-      are counted in time: ``max(max_rejected, 1)``).
+      are counted in time: ``max(max_rejected, 1)``). Such a fetch, on a step
+      where no hook acts (:meth:`dew.train.hooks.Installed.acts_at`), leaves the
+      newest step's metrics for the next fetch: that step may still be running,
+      the earlier ones are done, so the fetch does not drain the devices' queue.
     """
 
     log_every: int
@@ -57,18 +60,21 @@ class Pending:
         self.items.append((step, metrics, packing))
 
     def due(self, step: int) -> bool:
-        return (
-            (self.log_every and step % self.log_every == 0)
-            or len(self.items) >= self.every
-            or step == self.steps
-        )
+        """Every pending step's metrics are needed now: a log step, the last step."""
+        return bool(self.log_every and step % self.log_every == 0) or step == self.steps
 
-    def fetch(self) -> list[tuple[int, dict]]:
-        if not self.items:
+    def counted(self) -> bool:
+        """``every`` steps are pending: the rejection count should see them."""
+        return len(self.items) >= self.every
+
+    def fetch(self, *, keep: int = 0) -> list[tuple[int, dict]]:
+        """The pending steps' metrics but the newest ``keep``, unpacked."""
+        taken = self.items[: len(self.items) - keep]
+        if not taken:
             return []
-        packed = jax.device_get([m for _, m, _ in self.items])
-        fetched = [(s, p.unpack(m)) for (s, _, p), m in zip(self.items, packed)]
-        self.items = []
+        packed = jax.device_get([m for _, m, _ in taken])
+        fetched = [(s, p.unpack(m)) for (s, _, p), m in zip(taken, packed)]
+        self.items = self.items[len(taken) :]
         return fetched
 
 
@@ -96,32 +102,49 @@ class HookRunner:
         self.log_fn = log_fn
         self.save_fn = save_fn
         self.stopped: tuple[str, str] | None = None
+        self._acts = [hook.acts_at for hook in self.hooks]
 
-    def info(self, step: int, state, *, at_boundary=True, **fields) -> StepInfo:
+    def info(
+        self,
+        step: int,
+        state,
+        step_metrics: list,
+        *,
+        at_boundary: bool = True,
+        step_flops: float = 0.0,
+        prepare_seconds: float = 0.0,
+        is_first: bool = False,
+    ) -> StepInfo:
         return StepInfo(
             step=step,
             state=state,
             metrics={},
             print=self.print_fn,
             at_boundary=at_boundary,
+            step_metrics=step_metrics,
+            step_flops=step_flops,
+            prepare_seconds=prepare_seconds,
+            is_first=is_first,
             _log=self.log_fn,
             _save=self.save_fn,
-            **fields,
         )
 
     def after_step(self, record) -> bool:
         """Run the hooks after ``record``'s step; True = end the run now."""
         pending = self.pending
-        pending.add(record.step, record.metrics, record.compiled.packing)
+        step = record.step
+        pending.add(step, record.metrics, record.compiled.packing)
         fetched = []
-        if pending.due(record.step):
+        if pending.due(step) or pending.counted():
+            # only the rejection count reads them: leave this step's, still running
+            keep = 0 if pending.due(step) or any(acts(step) for acts in self._acts) else 1
             with self.goodput.measure("steps"):
-                fetched = pending.fetch()
+                fetched = pending.fetch(keep=keep)
         info = self.info(
-            record.step,
+            step,
             record.state,
+            fetched,
             at_boundary=record.at_boundary,
-            step_metrics=fetched,
             step_flops=record.compiled.flops,
             prepare_seconds=record.prepare_seconds,
             is_first=record.is_first,
@@ -134,19 +157,22 @@ class HookRunner:
         ``finish`` (the final checkpoint)."""
         with self.goodput.measure("steps"):
             fetched = self.pending.fetch()
-        self._run(self.info(step, state, step_metrics=fetched), finish=True)
+        self._run(self.info(step, state, fetched), finish=True)
 
     def _run(self, info: StepInfo, *, finish: bool) -> None:
         users: list[str] = []
+        requests = info.stop_requests
         for hook in self.hooks:
-            before = len(info.stop_requests)
+            before = len(requests)
             call = hook.finish if finish else hook.run
             if isinstance(hook, Hook):  # a user's function: its time is "logging"
                 with self.goodput.measure("logging"):
                     call(info)
             else:  # the default hooks measure their own buckets
                 call(info)
-            for kind, detail in info.stop_requests[before:]:
+            if len(requests) == before:
+                continue
+            for kind, detail in requests[before:]:
                 if kind == "stopped_by_hook":
                     users.append(f"{hook.name}: {detail}")
                 elif kind == "interrupted" or self.stopped is None:

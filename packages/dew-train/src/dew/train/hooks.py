@@ -64,8 +64,9 @@ class StepInfo:
     evaluation: this step's evaluation results (``{name: value}``), or None
       when it did not evaluate.
     step_metrics: ``(step, {name: value})`` of the steps whose metrics came off
-      the devices after this one (on log steps, every ``max_rejected`` steps and
-      at the end; empty otherwise).
+      the devices after this one (on log steps and at the end; about every
+      ``max_rejected`` steps, where a step at which no hook acts leaves its own
+      for the next fetch; empty otherwise), each step once.
     step_flops: matrix-product FLOPs of the compiled update step.
     prepare_seconds: seconds of the prepare phase that fed this step (on the
       first update of a prepared batch; 0 otherwise).
@@ -123,13 +124,18 @@ class StepInfo:
 class Installed(Protocol):
     """What ``fit`` calls on each installed hook: ``run`` after every step,
     ``finish`` once at the end (the final step's info; remaining
-    ``step_metrics``)."""
+    ``step_metrics``), and ``acts_at(step)``: whether ``run`` does anything at
+    ``step`` that others see (prints, reads the state, stops the run). On a step
+    where no hook acts, the rejection count's fetch leaves that step's metrics
+    for the next fetch instead of waiting for the devices to finish it."""
 
     name: str
 
     def run(self, info: StepInfo) -> None: ...
 
     def finish(self, info: StepInfo) -> None: ...
+
+    def acts_at(self, step: int) -> bool: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +161,9 @@ class Hook:
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
+
+    def acts_at(self, step: int) -> bool:
+        return self.due(step)
 
     def run(self, info: StepInfo) -> None:
         if self.due(info.step):

@@ -87,7 +87,12 @@ def host_rows(local: Mapping[str, Any], partition: Partition, global_rows: int) 
 def signature(local: Mapping[str, Any]) -> tuple:
     """What a host batch's placed layout depends on, cheaply: keys, shapes, dtypes
     (:func:`layout` of the placed batch reads each sharding, ~100 us a batch)."""
-    return tuple((k, np.shape(v), getattr(v, "dtype", None)) for k, v in local.items())
+    return tuple(
+        (k, v.shape, v.dtype)
+        if isinstance(v, np.ndarray)
+        else (k, np.shape(v), getattr(v, "dtype", None))
+        for k, v in local.items()
+    )
 
 
 def _placed(values: dict[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
@@ -108,7 +113,9 @@ def _placed(values: dict[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str
     return _placer(key)(values)
 
 
+@functools.lru_cache(maxsize=64)
 def _canonical(dtype) -> np.dtype:
+    """JAX's dtype for host ``dtype`` (cached: a batch's arrays on every step)."""
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 

@@ -29,6 +29,7 @@ class StopSignals:
         self.sync_every = sync_every
         self.received: str | None = None
         self._previous: dict[int, object] = {}
+        self._single = jax.process_count() == 1  # read once: requested() runs every step
 
     def __enter__(self) -> StopSignals:
         # Handlers can only be installed from the main thread; elsewhere the
@@ -54,7 +55,7 @@ class StopSignals:
         """Whether to stop after ``step``. With several processes the answer
         only turns true on steps that are multiples of ``sync_every``, where all
         processes compare notes."""
-        if jax.process_count() == 1:
+        if self._single:
             return self.received is not None
         if step % self.sync_every:
             return False

@@ -40,6 +40,7 @@ DISTRIBUTIONS = {
     "jaxlib": "jax",
     "qwix": "qwix",
     "av": "av",
+    "xxhash": "xxhash",
 }
 
 

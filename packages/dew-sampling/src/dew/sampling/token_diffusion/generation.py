@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,9 +179,15 @@ class TokenDiffusionGeneration:
     def load(cls, path: str | os.PathLike, **overrides) -> TokenDiffusionGeneration:
         """The task :meth:`save` wrote; ``overrides`` replace fields (``length=``, ...).
         ``dew.sampling.Pretrained.load(path).pipeline()`` gives the same task."""
-        from dew.sampling.checkpoint_io.pretrained import Pretrained
-
-        loaded = Pretrained.load(path)
+        path = pathlib.Path(path)
+        if not (path / checkpoint_formats.DEW_CONFIG).exists():
+            raise ValueError(
+                f"{path} is not a token-diffusion checkpoint (it has no "
+                f"{checkpoint_formats.DEW_CONFIG}); load it with dew.sampling.Pretrained"
+            )
+        # the checkpoint's fields, read as Pretrained.load reads a Dew checkpoint
+        # (dew.sampling.Pretrained dispatches to this class: it is not imported here)
+        loaded = types.SimpleNamespace(**checkpoint_formats.read_dew(path))
         if not is_token_diffusion(loaded.diffusion):
             raise ValueError(
                 f"{path} is not a token-diffusion checkpoint (its diffusion section is "

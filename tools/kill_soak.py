@@ -2,7 +2,9 @@
 compare the final state bit for bit with a run that was never killed.
 
     python tools/kill_soak.py --kills 30 --seed 0          # the soak in docs/save-and-resume.md
-    python tools/kill_soak.py --kills 2 --per-directory 2  # CI: tests/test_kill_soak.py
+    python tools/kill_soak.py --kills 2 --per-directory 2  # a short soak of random kills
+
+CI runs this module's run with fixed kills (tests/test_kill_soak.py).
 
 The run (``--child``): a tiny causal LM trained by ``Trainer.fit`` with a
 warm-up + cosine learning-rate schedule, ``clip_by_global_norm``, AdamW,
@@ -83,15 +85,23 @@ class Counting:
 
 
 def watch_writes(directory: str, delay: float) -> None:
-    """SIGKILL ``delay`` seconds after an Orbax temporary directory appears."""
+    """SIGKILL ``delay`` seconds after an Orbax temporary directory appears.
+
+    One left by an earlier kill (there when this process starts, until the restore
+    sets it aside) is not a write of this run: waiting for a new one keeps a
+    ``write`` kill from landing at start-up."""
+
+    def listing() -> set[str]:
+        try:
+            return {n for n in os.listdir(directory) if TMP.match(n)}
+        except FileNotFoundError:
+            return set()
+
+    leftover = listing()
 
     def run():
         while True:
-            try:
-                names = os.listdir(directory)
-            except FileNotFoundError:
-                names = []
-            if any(TMP.match(n) for n in names):
+            if listing() - leftover:
                 time.sleep(delay)
                 kill_self(f"{delay * 1000:.0f} ms into a checkpoint write")
             time.sleep(0.002)

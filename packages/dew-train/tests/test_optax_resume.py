@@ -117,8 +117,9 @@ OPTIMIZERS = {
     "multi_steps": lambda: optax.MultiSteps(
         optax.adam(1e-2), every_k_schedule=2
     ).gradient_transformation(),
-    # as users pass it: the MultiSteps object itself, and an ExtraArgs transformation
-    "multi_steps_as_built": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    # as users pass it: the MultiSteps object itself, and an ExtraArgs transformation;
+    # k = 3, so the checkpoint at step 2 holds a half-accumulated gradient (mini_step 2)
+    "multi_steps_as_built": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3),
     "extra_args": lambda: optax.with_extra_args_support(optax.adam(1e-2)),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
     "lion": lambda: optax.lion(1e-3),

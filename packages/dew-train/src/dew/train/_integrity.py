@@ -22,7 +22,7 @@ the checkpoint commits only after they are written.
 The algorithm, ``xxh3-128-v1`` (:func:`xxh3_128`): XXH3's 128-bit hash of the
 bytes (the ``xxhash`` library, the reference C implementation). It reads memory at
 about 40 GB/s of one core here, 6x the speed of ``wsum64-v1`` and 16x ``zlib.crc32``
-(``tools/bench_checkpoints.py``), so verifying a restore costs about 1% of Orbax's
+(``tools/bench_checkpoints.py``), so verifying a restore costs about 1.5% of Orbax's
 own CPU (the goal: <= 5%). Damage of any kind (a flipped bit, zeroed or shifted
 runs, swapped blocks, a truncated read) leaves the hash unchanged with a chance of
 about 2**-128; ``test_integrity.py`` flips every bit of an array and pairs of bits,
@@ -252,10 +252,10 @@ def host_shards(tree) -> list[tuple[str, str, np.ndarray]]:
 
 
 # Threads sharing the sums of a restore (xxhash, numpy and zlib release the GIL).
-# One: XXH3 sums the medium state's 52 MB in 1.6 ms of one core, and a pool of 2
+# One: XXH3 sums the medium state's 52 MB in 1.4 ms of one core, and a pool of 2
 # threads only added its start-up (tools/bench_checkpoints.py on 2 shared cores:
-# restore 1.36x the time without sums on 2 threads, 1.07x on 1). A save computes
-# its sums on Orbax's commit thread alone: they are background work.
+# restore 1.18x the time without sums on 2 threads, 0.95x on 1; docs/performance.md).
+# A save computes its sums on Orbax's commit thread alone: they are background work.
 WORKERS = 1
 
 

@@ -10,7 +10,7 @@ One checkpoint is one directory per step::
                                      when the iterator has get_state/set_state
     <directory>/<step>/meta/         JSON: the model's registry name and config, how
                                      the data stream resumes
-    <directory>/<step>/checksums/    a checksum (wsum64-v1) of every array shard's
+    <directory>/<step>/checksums/    a checksum (xxh3-128-v1) of every array shard's
                                      bytes, one JSON file per process
                                      (dew.train._integrity)
     <directory>/<step>/commit_success.txt   Orbax's commit marker, written last

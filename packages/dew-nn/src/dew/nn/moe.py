@@ -56,7 +56,7 @@ sequence-wise balance loss, and sown into the ``intermediates`` collection
 as ``aux_loss`` of shape ``[batch]``: a per-row value averages exactly over
 microbatches and devices (a batch-wide ``f_e P_e`` is a product of means, which
 no split of the batch reproduces). :class:`dew.objectives.lm.LMObjective` adds
-its mean over rows and layers to the loss (:func:`collect_aux_losses`).
+its mean over rows and layers to the loss (:func:`collect_sown`).
 
 Expert weights carry the logical axis ``expert`` first (``[expert, embed,
 mlp]``), so the trainer's rules split them over the ``expert`` mesh axis;
@@ -118,11 +118,6 @@ def collect_sown(intermediates, name: str, rows: int) -> jax.Array | None:
         for v in leaves
     ]
     return jnp.mean(jnp.concatenate(per_row, axis=0), axis=0)
-
-
-def collect_aux_losses(intermediates, rows: int) -> jax.Array | None:
-    """:func:`collect_sown` of ``aux_loss``: the loss term, ``[rows]`` or None."""
-    return collect_sown(intermediates, "aux_loss", rows)
 
 
 class MoE(nn.Module):

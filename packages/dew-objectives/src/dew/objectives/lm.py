@@ -115,7 +115,8 @@ class LMObjective(Objective):
     (token, choice) assignments dropped past an expert's capacity. Every row
     and layer routes the same ``length * k`` assignments, so that mean is the
     dropped share of all the step's assignments, exact over microbatches and
-    devices (each of which drops against its own capacity).
+    devices (each microbatch, and each device of a routed dispatch on a mesh,
+    drops against its own capacity).
     """
 
     model: Any

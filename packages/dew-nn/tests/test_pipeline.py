@@ -151,8 +151,8 @@ def test_bad_pipeline_options_are_refused():
 
 
 def test_pipelined_experts_sow_the_per_row_balance_loss_of_the_plain_stack():
-    """The pipeline hands back each row's balance loss averaged over layers: what the
-    plain stack sows as [layers, rows], averaged over layers."""
+    """The pipeline hands back each row's balance loss (and router z-loss) averaged
+    over layers: what the plain stack sows as [layers, rows], averaged over layers."""
     tokens = jax.random.randint(jax.random.key(4), (4, 8), 0, 32)
     plain = CausalTransformer(**TINY_MOE)
     piped = CausalTransformer(**TINY_MOE, num_stages=2, pipeline_microbatches=2)
@@ -166,6 +166,30 @@ def test_pipelined_experts_sow_the_per_row_balance_loss_of_the_plain_stack():
     (per_layer,) = want_sown["intermediates"]["layers"]["mlp"]["aux_loss"]  # [layers, batch]
     (aux,) = sown["intermediates"]["aux_loss"]  # [batch]
     np.testing.assert_allclose(np.asarray(aux), np.asarray(per_layer).mean(0), rtol=1e-5)
+    (per_layer,) = want_sown["intermediates"]["layers"]["mlp"]["z_loss"]
+    (z,) = sown["intermediates"]["z_loss"]
+    np.testing.assert_allclose(np.asarray(z), np.asarray(per_layer).mean(0), rtol=1e-5)
+
+
+def test_pipelined_experts_sow_the_dropped_fraction_of_each_microbatch():
+    """With a capacity factor each pipeline microbatch (rows m, m + M, ...) drops
+    against its own capacity: the pipeline's per-row dropped fraction is the plain
+    stack's on that microbatch alone, averaged over layers."""
+    tokens = jax.random.randint(jax.random.key(6), (4, 8), 0, 32)
+    capacity = dict(TINY_MOE, moe_dispatch="capacity", moe_capacity_factor=1.0, init_std=0.5)
+    plain = CausalTransformer(**capacity)
+    piped = CausalTransformer(**capacity, num_stages=2, pipeline_microbatches=2)
+    params = nn.unbox(plain.init(jax.random.key(0), tokens)["params"])
+    sown_of = lambda m, t: jax.jit(  # noqa: E731
+        lambda p: m.apply({"params": p}, t, mutable=["intermediates"])[1]["intermediates"]
+    )(params)
+    (dropped,) = sown_of(piped, tokens)["dropped_fraction"]  # [batch]
+    want = np.zeros(4)
+    for m in range(2):
+        (per_layer,) = sown_of(plain, tokens[m::2])["layers"]["mlp"]["dropped_fraction"]
+        want[m::2] = np.asarray(per_layer).mean(0)
+    assert want.max() > 0, want  # some dropped
+    np.testing.assert_allclose(np.asarray(dropped), want, atol=1e-6)
 
 
 def test_circular_transformer_equals_gpipe_on_a_stage_mesh():

@@ -29,7 +29,9 @@ for any load (on the capacity path that costs as much as dense; set a factor
 for speed). A factor ``c`` gives each expert ``ceil(c * tokens * k /
 num_experts)`` slots and drops the assignments past them in the order of
 :mod:`dew.nn._moe_dispatch` (choice first, then token); every dispatch drops the
-same ones, and the dropped fraction is sown as ``dropped_fraction``.
+same ones. The dropped fraction of each row's ``length * k`` assignments is
+sown as ``dropped_fraction [batch]`` (:class:`dew.objectives.lm.LMObjective`
+logs its mean over rows and layers as ``moe_dropped_fraction``).
 
 Under a mesh whose ``expert`` logical axis is split (``MeshSpec(expert=E)``),
 the routed dispatches run in ``jax.shard_map``, all of them as capacity buckets
@@ -54,7 +56,7 @@ sequence-wise balance loss, and sown into the ``intermediates`` collection
 as ``aux_loss`` of shape ``[batch]``: a per-row value averages exactly over
 microbatches and devices (a batch-wide ``f_e P_e`` is a product of means, which
 no split of the batch reproduces). :class:`dew.objectives.lm.LMObjective` adds
-its mean over rows and layers to the loss (:func:`collect_aux_losses`).
+its mean over rows and layers to the loss (:func:`collect_sown`).
 
 Expert weights carry the logical axis ``expert`` first (``[expert, embed,
 mlp]``), so the trainer's rules split them over the ``expert`` mesh axis;
@@ -96,15 +98,16 @@ def row_load_balancing_loss(probs: jax.Array, chosen: jax.Array, num_experts: in
     return jax.vmap(lambda p, c: load_balancing_loss(p, c, num_experts))(probs, chosen)
 
 
-def collect_aux_losses(intermediates, rows: int) -> jax.Array | None:
-    """The mean over layers of every sown ``aux_loss``, per row: ``[rows]``, or
-    None when the model sowed none. Scanned layers sow ``[layers, rows]``,
+def collect_sown(intermediates, name: str, rows: int) -> jax.Array | None:
+    """The mean over layers of every sown ``name`` (``aux_loss``, ``z_loss``,
+    ``dropped_fraction``), per row: ``[rows]``, or None when the model sowed
+    none (decided at trace time). Scanned layers sow ``[layers, rows]``,
     unscanned ones ``[rows]`` each; a scalar (a pipelined stack's mean) counts
     the same for every row."""
     leaves = [
         v
         for path, v in jax.tree_util.tree_leaves_with_path(intermediates)
-        if any(getattr(k, "key", None) == "aux_loss" for k in path)
+        if any(getattr(k, "key", None) == name for k in path)
     ]
     if not leaves:
         return None
@@ -141,9 +144,10 @@ class MoE(nn.Module):
       per-token gate (Qwen2-MoE); False adds it ungated (DeepSeek-MoE).
     router_z_loss_weight: the router z-loss (ST-MoE, Zoph et al. 2022),
       ``mean_t logsumexp(logits_t)^2`` per row, is added to the sown
-      ``aux_loss`` with this weight relative to the balance loss (and sown on
-      its own as ``z_loss``); 0 = off. With ``LMObjective(aux_loss_weight=0.01)``,
-      0.1 here gives ST-MoE's 1e-3.
+      ``aux_loss`` with this weight relative to the balance loss; 0 = not
+      trained on. It is sown on its own as ``z_loss`` whatever the weight
+      (:class:`dew.objectives.lm.LMObjective` logs it as ``moe_z_loss``). With
+      ``LMObjective(aux_loss_weight=0.01)``, 0.1 here gives ST-MoE's 1e-3.
 
     The router (logits, softmax, top-k, losses, the shared gate) runs in float32
     whatever ``dtype`` is.
@@ -198,7 +202,8 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x [batch, length, embed] -> [batch, length, embed]``; sows ``aux_loss
-        [batch]`` (and ``z_loss [batch]``, ``dropped_fraction []`` when enabled)."""
+        [batch]``, ``z_loss [batch]`` and, with a capacity factor,
+        ``dropped_fraction [batch]``."""
         self._check()
         check_divides(self.num_experts, axes.EXPERT, "MoE num_experts")
         batch, length, embed = x.shape
@@ -209,9 +214,11 @@ class MoE(nn.Module):
         logits = jnp.einsum("ble,ex->blx", x.astype(jnp.float32), router.astype(jnp.float32))
         probs, weights, chosen = dispatches.route(logits, k, self.gating, self.norm_topk_prob)
         aux = row_load_balancing_loss(probs, chosen, num)
+        # sown whatever its weight: growing router logits show in the logs before
+        # they hurt, whether or not the z-loss is trained on
+        z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), axis=-1)  # [batch]
+        self.sow("intermediates", "z_loss", z)
         if self.router_z_loss_weight:
-            z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), axis=-1)  # [batch]
-            self.sow("intermediates", "z_loss", z)
             aux = aux + self.router_z_loss_weight * z
         self.sow("intermediates", "aux_loss", aux)
 
@@ -228,7 +235,10 @@ class MoE(nn.Module):
         else:
             out, kept = self._routed(how, x, weights, chosen, gate, up, down)
         if self.capacity_factor is not None:
-            self.sow("intermediates", "dropped_fraction", 1 - jnp.mean(kept.astype(jnp.float32)))
+            # per row, as aux_loss: every row routes length * k assignments, so the
+            # mean over rows (and microbatches, devices) is the batch's dropped share
+            dropped = 1 - jnp.mean(kept.astype(jnp.float32), axis=(1, 2))  # [batch]
+            self.sow("intermediates", "dropped_fraction", dropped)
         if self.shared_features:
             out = out + self._shared(x)
         return out

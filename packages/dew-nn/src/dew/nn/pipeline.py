@@ -129,14 +129,16 @@ def pipeline(
     layer_fn: ``(params of one layer, carry) -> (carry, aux)``; ``carry`` is a
       tree of ``[rows, ...]`` arrays (activations, positions, masks) that the
       layer maps to the same shapes; ``aux`` a scalar or a per-row ``[rows]``
-      value (e.g. a load-balancing loss; 0 when there is none).
+      value (e.g. a load-balancing loss; 0 when there is none), or a dict of
+      them (each reduced on its own).
     layer_params: a tree of ``[num_layers, ...]`` arrays (a scanned stack).
     inputs: the carry for the whole batch, ``[batch, ...]`` leaves.
 
     Returns ``(outputs, aux)``: the carry after all layers, ``[batch, ...]``,
     identical (up to float rounding) to applying the layers in sequence, and
-    the mean of ``aux`` over layers: per row ``[batch]`` when ``layer_fn``
-    gives ``[rows]``, else a scalar (also averaged over microbatches).
+    the mean of ``aux`` over layers (of each value of a dict): per row
+    ``[batch]`` when ``layer_fn`` gives ``[rows]``, else a scalar (also
+    averaged over microbatches).
     """
     num_layers = jax.tree.leaves(layer_params)[0].shape[0]
     batch = jax.tree.leaves(inputs)[0].shape[0]
@@ -210,11 +212,14 @@ def pipeline(
 
     # Stage s works on microbatch m of round r at iteration r M + m + s; the
     # bubble's idle iterations computed on zeros and are left out.
-    aux = aux.astype(jnp.float32)  # [iteration, stage, layers / chunk, rows?]
     work = jnp.arange(items).reshape(repeats, num_microbatches).T  # [microbatch, round]
     iteration_index = work[:, :, None] + stage_index  # [microbatch, round, stage]
-    aux = aux[iteration_index, stage_index]  # [microbatch, round, stage, layers / chunk, rows?]
-    aux = jnp.mean(aux, axis=(1, 2, 3))  # [microbatch, rows?]
-    if aux.ndim == 1:
-        return outputs, jnp.mean(aux)
-    return outputs, jnp.swapaxes(aux, 0, 1).reshape(batch)  # [batch]
+
+    def layer_mean(aux):  # [iteration, stage, layers / chunk, rows?] -> [batch] or []
+        aux = aux.astype(jnp.float32)[iteration_index, stage_index]
+        aux = jnp.mean(aux, axis=(1, 2, 3))  # [microbatch, rows?]
+        if aux.ndim == 1:
+            return jnp.mean(aux)
+        return jnp.swapaxes(aux, 0, 1).reshape(batch)  # [batch]
+
+    return outputs, jax.tree.map(layer_mean, aux)

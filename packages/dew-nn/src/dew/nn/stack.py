@@ -20,7 +20,8 @@ as ``block(x, *args) -> x`` with ``x [batch, length, embed]``; ``args`` (positio
 padding, conditioning) are the same for every layer. Sown ``aux_loss``
 intermediates come back as the plain stack sows them (``[layers, rows]`` under
 ``name`` when scanned); a pipelined stack sows their mean over layers as
-``aux_loss`` of the calling module.
+``aux_loss`` of the calling module, and so ``z_loss`` and ``dropped_fraction``
+(a mixture of experts' diagnostics, :data:`PIPELINED_SOWN`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from dew.nn.pipeline import check_pipeline, pipeline
 
 # The collections a scanned block's variables stack along the layer axis.
 SCANNED_COLLECTIONS = ("params", "cache", "intermediates")
+# The per-row intermediates a pipelined stack hands back (a mixture of experts' loss
+# and diagnostics); other sown values stay inside the pipeline.
+PIPELINED_SOWN = ("aux_loss", "z_loss", "dropped_fraction")
 
 
 @check_keywords
@@ -176,18 +180,22 @@ class LayerStack:
         scanned stack created (same tree, same values)."""
         layer_params = nn.meta.unbox(parent.variables["params"][self.name])
         module = block(**block_kwargs, parent=None)
-        sows_aux = []
+        sows = []  # the names of PIPELINED_SOWN the block sows (known once it is traced)
 
         def layer_fn(params, carry):
             h, *a = carry
             h, sown = module.apply({"params": params}, h, *a, mutable=["intermediates"])
-            aux = [
-                v
-                for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                if any(getattr(k, "key", None) == "aux_loss" for k in path)
-            ]
-            sows_aux.append(bool(aux))
-            return (h, *a), (sum(aux) if aux else jnp.zeros((), jnp.float32))
+            leaves = jax.tree_util.tree_leaves_with_path(sown)
+            found = {}
+            for name in PIPELINED_SOWN:
+                values = [
+                    v for path, v in leaves if any(getattr(k, "key", None) == name for k in path)
+                ]
+                if values:
+                    found[name] = sum(values)
+            sows.append(tuple(found))
+            # a block that sows nothing gives the pipeline one scalar 0, as it always has
+            return (h, *a), (found or jnp.zeros((), jnp.float32))
 
         if self.use_remat:
             layer_fn = jax.checkpoint(layer_fn, policy=self.policy)
@@ -199,7 +207,8 @@ class LayerStack:
             num_microbatches=self.microbatches,
             num_repeats=self.num_repeats,
         )
-        if any(sows_aux):
-            # the mean over layers: [batch] when the block sows per-row values
-            parent.sow("intermediates", "aux_loss", aux)
+        if sows and sows[-1]:
+            # the means over layers: [batch] when the block sows per-row values
+            for name, value in aux.items():
+                parent.sow("intermediates", name, value)
         return x

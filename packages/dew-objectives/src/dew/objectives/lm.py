@@ -13,7 +13,9 @@ predicts it, or in segment 0 (padding), never counts. The loss is a
 :class:`~dew.objectives.Weighted` mean over target tokens, so accumulation and
 data parallelism divide once by the global token count. A model that sows
 auxiliary losses (a mixture of experts' per-row load balance) adds
-``aux_loss_weight`` times their mean over rows, a second term weighted by rows.
+``aux_loss_weight`` times their mean over rows, a second term weighted by rows;
+a mixture of experts' router z-loss and dropped fraction are metrics
+(``moe_z_loss``, ``moe_dropped_fraction``) weighted the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from dew.objectives.base import EMA, Objective, Step, with_initial_values
 from dew.objectives.batch import IDS, MASK, BatchField
 from dew.objectives.policy import CausalPolicy
 from dew.objectives.weighted import Summed, Weighted
+
+# A mixture of experts' sown diagnostics (dew.nn.moe.MoE) and their metric names.
+MOE_METRICS = {"z_loss": "moe_z_loss", "dropped_fraction": "moe_dropped_fraction"}
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -101,6 +106,17 @@ class LMObjective(Objective):
       balance): ``loss = nll_sum / tokens + aux_loss_weight * mean_rows(aux_loss)``;
       the mean is reported as the ``aux_loss`` metric. Models that sow none
       add nothing.
+
+    A mixture of experts also reports, next to ``aux_loss`` and weighted the
+    same way (rows), the diagnostics in :data:`MOE_METRICS`: ``moe_z_loss``,
+    the mean over rows and MoE layers of the router z-loss ``mean_t
+    logsumexp(logits_t)^2`` (trained on or not), and, with a capacity factor,
+    ``moe_dropped_fraction``, the mean over rows and MoE layers of the share of
+    (token, choice) assignments dropped past an expert's capacity. Every row
+    and layer routes the same ``length * k`` assignments, so that mean is the
+    dropped share of all the step's assignments, exact over microbatches and
+    devices (each microbatch, and each device of a routed dispatch on a mesh,
+    drops against its own capacity).
     """
 
     model: Any
@@ -115,6 +131,9 @@ class LMObjective(Objective):
     preview_tokens: int = 32
     init_params: Any = None
     aux_loss_weight: float = 0.01
+
+    # printed on the log line when the model reports them (a mixture of experts)
+    headline_metrics = ("aux_loss", "moe_dropped_fraction")
 
     def __post_init__(self):
         self.policy = CausalPolicy(model=self.model, what="LMObjective", tokenizer=self.tokenizer)
@@ -193,16 +212,22 @@ class LMObjective(Objective):
         return logits, sown, targets, weights, nll
 
     def loss(self, variables, batch, step: Step):
-        from dew.nn.moe import collect_aux_losses
+        from dew.nn.moe import collect_sown
 
         _, sown, _, weights, nll = self._forward(variables, batch)
         nll_mean = Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights))
         metrics = {"nll": nll_mean, "tokens": Summed(jnp.sum(weights))}
-        aux = collect_aux_losses(sown, nll.shape[0])  # [batch] or None
+        # What the model sowed decides, at trace time, which terms and metrics exist:
+        # a model without experts sows none and traces the program it always has.
+        aux = collect_sown(sown, "aux_loss", nll.shape[0])  # [batch] or None
         if aux is None:
             return nll_mean, metrics
         rows = batch["example_mask"] if "example_mask" in batch else None
         metrics["aux_loss"] = Weighted.mean(aux, rows)
+        for sown_name, metric in MOE_METRICS.items():
+            values = collect_sown(sown, sown_name, nll.shape[0])  # [batch] or None
+            if values is not None:
+                metrics[metric] = Weighted.mean(values, rows)
         return (nll_mean, metrics["aux_loss"].scale(self.aux_loss_weight)), metrics
 
     def evaluate(self, variables, batch, step: Step):

@@ -4,6 +4,8 @@ closed form), the objective's loss with prompt and padding tokens, chunked ==
 unchunked, accumulation on unequal weights, 8 devices == 1, the compiled step's
 memory chunked vs unchunked, and bad input refused before compiling."""
 
+import types
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -345,3 +347,57 @@ def test_bad_input_is_refused_before_compiling(weights):
         DistillationObjective(STUDENT, teacher=TEACHER)
     with pytest.raises(ValueError, match="no prompts to sample from"):
         make(weights, text_key="text", lmbda=0.5)
+
+
+def word_tokenizer(directory, words, *, pretty=True):
+    """An ``HFTokenizer`` (WordLevel) of ``<unk>``, ``<eos>`` and ``words``, saved in
+    ``directory`` (``pretty``: the JSON indented)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dew.data import HFTokenizer
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"), pretty=pretty)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return HFTokenizer(directory)
+
+
+def test_tokenizers_of_one_size_with_other_tokens_are_refused(weights, tmp_path):
+    """Same-size vocabularies are compared by what their ids mean (the id -> token
+    table): a teacher whose tokenizer holds other words, or the same words in another
+    order, is refused naming both tokenizers and ``teacher_ids``; the same vocabulary
+    read from another file passes, and so does any pair given a mapping."""
+    pytest.importorskip("tokenizers")
+    words = ["the", "cat", "sat", "on", "a", "mat"]
+    student = word_tokenizer(tmp_path / "student", words)
+    same = word_tokenizer(tmp_path / "same", words, pretty=False)  # the same table
+    assert student.fingerprint() != same.fingerprint()
+    make(weights, tokenizer=student, teacher_tokenizer=same)
+    make(weights, tokenizer=student)  # the teacher's tokenizer not known: sizes only
+    for name, other in (
+        ("other", ["the", "dog", "ran", "in", "a", "park"]),
+        ("reordered", words[::-1]),
+    ):
+        teacher = word_tokenizer(tmp_path / name, other)
+        assert teacher.vocab_size == student.vocab_size == 8
+        message = (
+            rf"the teacher's tokenizer HFTokenizer\(.*{name}.tokenizer.json\) and the "
+            rf"student's HFTokenizer\(.*student.tokenizer.json\) are different vocabularies "
+            rf"of the same size \(32 ids.*pass teacher_ids="
+        )
+        with pytest.raises(ValueError, match=message):
+            make(weights, tokenizer=student, teacher_tokenizer=teacher)
+        # a Pretrained teacher brings its own tokenizer
+        pretrained = types.SimpleNamespace(model=TEACHER, params=weights[1], tokenizer=teacher)
+        with pytest.raises(ValueError, match=message):
+            DistillationObjective(STUDENT, teacher=pretrained, tokenizer=student)
+        order = {w: i for i, w in enumerate(["<unk>", "<eos>", *other])}
+        mapping = np.asarray(
+            [order.get(w, 0) for w in ["<unk>", "<eos>", *words]] + list(range(8, V))
+        )
+        make(weights, tokenizer=student, teacher_tokenizer=teacher, teacher_ids=mapping)

@@ -2,7 +2,8 @@
 temperatures (exact endpoints, continuity next to them, the forward-KL gradient in
 closed form), the objective's loss with prompt and padding tokens, chunked ==
 unchunked, accumulation on unequal weights, 8 devices == 1, the compiled step's
-memory chunked vs unchunked, and bad input refused before compiling."""
+memory chunked vs unchunked, sequence-level KD's completions (the teacher's own decode),
+and bad input refused before compiling (another vocabulary of the same size included)."""
 
 import types
 
@@ -317,6 +318,40 @@ def test_chunked_step_does_not_hold_full_float32_logits():
     # unchunked: several full copies; chunks of 8 positions: under one
     assert sizes[None] >= 3 * full, sizes
     assert sizes[8] < full and 5 * sizes[8] < sizes[None], sizes
+
+
+# ------------------------------------------------------- sequence-level KD
+@pytest.mark.slow  # ~5 s: the teacher's decode compiled twice (prepare, generate)
+def test_seq_kd_completions_are_the_teachers_own_decode_at_the_step_key(weights):
+    """With ``seq_kd`` (and ``lmbda`` 0) prepare's completions are the teacher's samples:
+    what ``dew.sampling.generate`` draws with the teacher and its weights at the prepare
+    key (``split(step.key)[1]``), each row up to its end id, then ``pad_id``; the data's
+    completion tokens and mask are not read (other ones give the same batch)."""
+    from dew.sampling import generate
+
+    end_ids, pad = tuple(range(1, 9)), 0  # a quarter of the ids end a row
+    objective = make(weights, seq_kd=True, end_ids=end_ids, pad_id=pad)
+    assert objective.has_prepare
+    prepare = jax.jit(objective.prepare)
+    out = jax.device_get(prepare(variables(weights), BATCH, STEP))
+    other_data = dict(BATCH, completion=(COMPLETION + 11) % V, completion_mask=~COMPLETION_MASK)
+    again = jax.device_get(prepare(variables(weights), other_data, STEP))
+    for k in ("prompt", "prompt_mask", "completion", "completion_mask", "on_policy"):
+        np.testing.assert_array_equal(again[k], out[k], err_msg=k)
+
+    prompts = [row[mask].tolist() for row, mask in zip(PROMPT, PROMPT_MASK)]
+    key = jax.random.split(STEP.key)[1]
+    want = generate(
+        TEACHER, weights[1], prompts, N, key, sampling=objective.sampling, end_ids=end_ids
+    )
+    lengths = out["completion_mask"].sum(1)
+    assert lengths.tolist() == want.lengths and 0 < lengths.min() < N == lengths.max()
+    for r, prompt in enumerate(prompts):
+        new = want.tokens[r][len(prompt) :]
+        assert out["completion"][r].tolist() == new + [pad] * (N - len(new)), r
+    assert not np.any(out["on_policy"])
+    # not the data's: the teacher's samples differ from the completions read in
+    assert not np.array_equal(out["completion"], COMPLETION)
 
 
 # ------------------------------------------------------------- bad input

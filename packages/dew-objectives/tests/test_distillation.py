@@ -2,8 +2,9 @@
 temperatures (exact endpoints, continuity next to them, the forward-KL gradient in
 closed form), the objective's loss with prompt and padding tokens, chunked ==
 unchunked, accumulation on unequal weights, 8 devices == 1, the compiled step's
-memory chunked vs unchunked, sequence-level KD's completions (the teacher's own decode),
-and bad input refused before compiling (another vocabulary of the same size included)."""
+memory chunked vs unchunked, bfloat16 models (a float32, non-negative loss),
+sequence-level KD's completions (the teacher's own decode), and bad input refused
+before compiling (another vocabulary of the same size included)."""
 
 import types
 
@@ -15,7 +16,7 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective, divergence
+from dew.objectives.distillation import DistillationObjective, distillation_losses, divergence
 
 V = 32
 STUDENT = CausalTransformer(
@@ -318,6 +319,37 @@ def test_chunked_step_does_not_hold_full_float32_logits():
     # unchunked: several full copies; chunks of 8 positions: under one
     assert sizes[None] >= 3 * full, sizes
     assert sizes[8] < full and 5 * sizes[8] < sizes[None], sizes
+
+
+# -------------------------------------------------------------- bfloat16
+@pytest.mark.slow  # ~5 s: a bfloat16 loss compiled
+def test_bfloat16_models_give_a_float32_non_negative_loss(weights):
+    """Student and teacher computing in bfloat16, the teacher the student's weights
+    nudged (near-equal logits: where bf16 rounding could make a divergence negative,
+    ms-swift #10156): at beta 0, 0.5 and 1 every token's divergence of the bfloat16
+    logits is float32 and >= 0; so are the objective's loss and divergence (beta 0.5,
+    T = 2, with prompt and padding)."""
+    student = STUDENT.clone(dtype=jnp.bfloat16)
+    near = jax.tree.map(
+        lambda x: x + 0.01 * jax.random.normal(jax.random.key(5), x.shape), weights[0]
+    )
+    objective = DistillationObjective(
+        student, teacher=student, teacher_params=near, beta=0.5, temperature=2.0, chunk_size=2
+    )
+    both = {"params": weights[0], "teacher": {"params": near}}
+    loss, metrics = jax.jit(objective.loss)(both, BATCH, STEP)
+    assert loss.value.dtype == metrics["divergence"].value.dtype == jnp.float32
+    assert float(loss.value) >= 0 and float(metrics["divergence"].value) >= 0
+    tokens = np.concatenate([PROMPT, COMPLETION], 1)
+    zs, zt = (  # [rows, length, vocab] logits computed in bfloat16
+        jax.jit(student.apply)({"params": p}, tokens).astype(jnp.bfloat16)
+        for p in (weights[0], near)
+    )
+    for beta in (0.0, 0.5, 1.0):
+        d = distillation_losses(zs, zt, beta=beta, temperature=2.0)["divergence"]
+        assert d.dtype == jnp.float32
+        assert float(d.min()) >= 0, (beta, float(d.min()))
+        assert 0 < float(d.max()) < 1, beta  # near, not equal
 
 
 # ------------------------------------------------------- sequence-level KD

@@ -1,5 +1,7 @@
 """Supervised fine-tuning on chat data end to end: a tokenizer_config.json's chat
-template, packed SFTExamples, LMObjective and the Trainer. One sgd step at
+template, packed SFTExamples, LMObjective and the Trainer. The loss of packed chat
+rows is the mean NLL over the assistant turns' tokens of each conversation run alone
+(numpy float64; the turns found from a hand-written ChatML). One sgd step at
 accumulate 1 and 2 equals a hand-written full-batch step on the global mean over
 the assistant tokens, although the two microbatches hold different token counts
 (a mean of per-microbatch means would differ). Tolerance 1e-6 relative (float32
@@ -18,6 +20,7 @@ from dew.data import HFTokenizer, Partition, SFTExamples
 from dew.data.testing import write_chat_tokenizer
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
+from dew.objectives import Step
 from dew.objectives.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
@@ -94,3 +97,68 @@ def test_sft_accumulates_exactly(data, tmp_path):
             jax.device_get(state.params),
             want,
         )
+
+
+CHATS = [
+    [
+        {"role": "system", "content": "be brief."},
+        {"role": "user", "content": "two plus two?"},
+        {"role": "assistant", "content": "four."},
+        {"role": "user", "content": "and one more?"},
+        {"role": "assistant", "content": "five."},
+    ],
+    [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hello"}],
+    [{"role": "user", "content": "how are you?"}, {"role": "assistant", "content": "fine."}],
+]
+
+
+def chatml(messages):
+    """ChatML written by hand, and the character span of each assistant turn's content
+    and its end of turn (``four.<|im_end|>\\n``): the text SFT trains on."""
+    text, spans = "", []
+    for m in messages:
+        head, body = f"<|im_start|>{m['role']}\n", f"{m['content']}<|im_end|>\n"
+        if m["role"] == "assistant":
+            spans.append((len(text) + len(head), len(text) + len(head) + len(body)))
+        text += head + body
+    return text, spans
+
+
+def test_chat_loss_is_the_mean_nll_over_the_assistant_tokens(tmp_path):
+    """Packed rows of ``messages`` conversations (several in a row): LMObjective's loss
+    counts exactly the assistant turns' tokens and is their mean NLL, each conversation
+    run alone, right-padded (float64 numpy; 1e-5 relative: float32 logits)."""
+    tokenizer = HFTokenizer(write_chat_tokenizer(tmp_path / "tokenizer"))
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": m}) + "\n" for m in CHATS)
+    reader = SFTExamples(
+        tmp_path / "chats.jsonl", seq_len=SEQ, tokenizer=tokenizer, packing=True, read_threads=0
+    )
+    batch = next(reader.load(batch=2).train(Partition()))
+    segments = batch["segment_ids"]
+    assert segments.max() > 1 and sum(len(np.unique(r[r > 0])) for r in segments) == len(CHATS)
+    model = CausalTransformer(**CONFIG)
+    objective = LMObjective(model, seq_len=SEQ, **KEYS)
+    variables = nn.unbox(jax.jit(objective.init)(jax.random.key(0)))
+    step = Step(index=jnp.int32(0), key=jax.random.key(0))
+    loss, _ = jax.jit(objective.loss)(variables, batch, step)
+
+    rows = np.full((len(CHATS), SEQ), tokenizer.pad_id, np.int32)
+    examples = []
+    for row, messages in zip(rows, CHATS, strict=True):
+        text, spans = chatml(messages)
+        ids, offsets = tokenizer.encode_with_offsets(text)
+        trained = [any(a <= lo and hi <= b for a, b in spans) for lo, hi in offsets]
+        assert tokenizer.decode(
+            [i for i, t in zip(ids, trained, strict=True) if t], skip_special_tokens=False
+        ) == "".join(f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
+        row[: len(ids)] = ids
+        examples.append((np.asarray(ids), np.asarray(trained)))
+    logits = jax.jit(model.apply)(variables, rows)
+    total, count = 0.0, 0
+    for r, (ids, trained) in enumerate(examples):
+        z = np.asarray(logits[r, : len(ids) - 1], np.float64)  # predicts ids[1:]
+        nll = np.logaddexp.reduce(z, -1) - np.take_along_axis(z, ids[1:, None], -1)[:, 0]
+        total, count = total + nll[trained[1:]].sum(), count + trained[1:].sum()
+    assert float(loss.weight) == count
+    assert float(loss.value) == pytest.approx(total / count, rel=1e-5)

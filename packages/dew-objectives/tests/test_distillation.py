@@ -2,7 +2,11 @@
 temperatures (exact endpoints, continuity next to them, the forward-KL gradient in
 closed form), the objective's loss with prompt and padding tokens, chunked ==
 unchunked, accumulation on unequal weights, 8 devices == 1, the compiled step's
-memory chunked vs unchunked, and bad input refused before compiling."""
+memory chunked vs unchunked, bfloat16 models (a float32, non-negative loss),
+sequence-level KD's completions (the teacher's own decode), and bad input refused
+before compiling (another vocabulary of the same size included)."""
+
+import types
 
 import flax.linen as nn
 import jax
@@ -12,7 +16,7 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective, divergence
+from dew.objectives.distillation import DistillationObjective, distillation_losses, divergence
 
 V = 32
 STUDENT = CausalTransformer(
@@ -317,6 +321,71 @@ def test_chunked_step_does_not_hold_full_float32_logits():
     assert sizes[8] < full and 5 * sizes[8] < sizes[None], sizes
 
 
+# -------------------------------------------------------------- bfloat16
+@pytest.mark.slow  # ~5 s: a bfloat16 loss compiled
+def test_bfloat16_models_give_a_float32_non_negative_loss(weights):
+    """Student and teacher computing in bfloat16, the teacher the student's weights
+    nudged (near-equal logits: where bf16 rounding could make a divergence negative,
+    ms-swift #10156): at beta 0, 0.5 and 1 every token's divergence of the bfloat16
+    logits is float32 and >= 0; so are the objective's loss and divergence (beta 0.5,
+    T = 2, with prompt and padding)."""
+    student = STUDENT.clone(dtype=jnp.bfloat16)
+    near = jax.tree.map(
+        lambda x: x + 0.01 * jax.random.normal(jax.random.key(5), x.shape), weights[0]
+    )
+    objective = DistillationObjective(
+        student, teacher=student, teacher_params=near, beta=0.5, temperature=2.0, chunk_size=2
+    )
+    both = {"params": weights[0], "teacher": {"params": near}}
+    loss, metrics = jax.jit(objective.loss)(both, BATCH, STEP)
+    assert loss.value.dtype == metrics["divergence"].value.dtype == jnp.float32
+    assert float(loss.value) >= 0 and float(metrics["divergence"].value) >= 0
+    tokens = np.concatenate([PROMPT, COMPLETION], 1)
+    zs, zt = (  # [rows, length, vocab] logits computed in bfloat16
+        jax.jit(student.apply)({"params": p}, tokens).astype(jnp.bfloat16)
+        for p in (weights[0], near)
+    )
+    for beta in (0.0, 0.5, 1.0):
+        d = distillation_losses(zs, zt, beta=beta, temperature=2.0)["divergence"]
+        assert d.dtype == jnp.float32
+        assert float(d.min()) >= 0, (beta, float(d.min()))
+        assert 0 < float(d.max()) < 1, beta  # near, not equal
+
+
+# ------------------------------------------------------- sequence-level KD
+@pytest.mark.slow  # ~5 s: the teacher's decode compiled twice (prepare, generate)
+def test_seq_kd_completions_are_the_teachers_own_decode_at_the_step_key(weights):
+    """With ``seq_kd`` (and ``lmbda`` 0) prepare's completions are the teacher's samples:
+    what ``dew.sampling.generate`` draws with the teacher and its weights at the prepare
+    key (``split(step.key)[1]``), each row up to its end id, then ``pad_id``; the data's
+    completion tokens and mask are not read (other ones give the same batch)."""
+    from dew.sampling import generate
+
+    end_ids, pad = tuple(range(1, 9)), 0  # a quarter of the ids end a row
+    objective = make(weights, seq_kd=True, end_ids=end_ids, pad_id=pad)
+    assert objective.has_prepare
+    prepare = jax.jit(objective.prepare)
+    out = jax.device_get(prepare(variables(weights), BATCH, STEP))
+    other_data = dict(BATCH, completion=(COMPLETION + 11) % V, completion_mask=~COMPLETION_MASK)
+    again = jax.device_get(prepare(variables(weights), other_data, STEP))
+    for k in ("prompt", "prompt_mask", "completion", "completion_mask", "on_policy"):
+        np.testing.assert_array_equal(again[k], out[k], err_msg=k)
+
+    prompts = [row[mask].tolist() for row, mask in zip(PROMPT, PROMPT_MASK)]
+    key = jax.random.split(STEP.key)[1]
+    want = generate(
+        TEACHER, weights[1], prompts, N, key, sampling=objective.sampling, end_ids=end_ids
+    )
+    lengths = out["completion_mask"].sum(1)
+    assert lengths.tolist() == want.lengths and 0 < lengths.min() < N == lengths.max()
+    for r, prompt in enumerate(prompts):
+        new = want.tokens[r][len(prompt) :]
+        assert out["completion"][r].tolist() == new + [pad] * (N - len(new)), r
+    assert not np.any(out["on_policy"])
+    # not the data's: the teacher's samples differ from the completions read in
+    assert not np.array_equal(out["completion"], COMPLETION)
+
+
 # ------------------------------------------------------------- bad input
 def test_bad_input_is_refused_before_compiling(weights):
     other_vocab = TEACHER.clone(vocab_size=V + 8)
@@ -345,3 +414,57 @@ def test_bad_input_is_refused_before_compiling(weights):
         DistillationObjective(STUDENT, teacher=TEACHER)
     with pytest.raises(ValueError, match="no prompts to sample from"):
         make(weights, text_key="text", lmbda=0.5)
+
+
+def word_tokenizer(directory, words, *, pretty=True):
+    """An ``HFTokenizer`` (WordLevel) of ``<unk>``, ``<eos>`` and ``words``, saved in
+    ``directory`` (``pretty``: the JSON indented)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dew.data import HFTokenizer
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"), pretty=pretty)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return HFTokenizer(directory)
+
+
+def test_tokenizers_of_one_size_with_other_tokens_are_refused(weights, tmp_path):
+    """Same-size vocabularies are compared by what their ids mean (the id -> token
+    table): a teacher whose tokenizer holds other words, or the same words in another
+    order, is refused naming both tokenizers and ``teacher_ids``; the same vocabulary
+    read from another file passes, and so does any pair given a mapping."""
+    pytest.importorskip("tokenizers")
+    words = ["the", "cat", "sat", "on", "a", "mat"]
+    student = word_tokenizer(tmp_path / "student", words)
+    same = word_tokenizer(tmp_path / "same", words, pretty=False)  # the same table
+    assert student.fingerprint() != same.fingerprint()
+    make(weights, tokenizer=student, teacher_tokenizer=same)
+    make(weights, tokenizer=student)  # the teacher's tokenizer not known: sizes only
+    for name, other in (
+        ("other", ["the", "dog", "ran", "in", "a", "park"]),
+        ("reordered", words[::-1]),
+    ):
+        teacher = word_tokenizer(tmp_path / name, other)
+        assert teacher.vocab_size == student.vocab_size == 8
+        message = (
+            rf"the teacher's tokenizer HFTokenizer\(.*{name}.tokenizer.json\) and the "
+            rf"student's HFTokenizer\(.*student.tokenizer.json\) are different vocabularies "
+            rf"of the same size \(32 ids.*pass teacher_ids="
+        )
+        with pytest.raises(ValueError, match=message):
+            make(weights, tokenizer=student, teacher_tokenizer=teacher)
+        # a Pretrained teacher brings its own tokenizer
+        pretrained = types.SimpleNamespace(model=TEACHER, params=weights[1], tokenizer=teacher)
+        with pytest.raises(ValueError, match=message):
+            DistillationObjective(STUDENT, teacher=pretrained, tokenizer=student)
+        order = {w: i for i, w in enumerate(["<unk>", "<eos>", *other])}
+        mapping = np.asarray(
+            [order.get(w, 0) for w in ["<unk>", "<eos>", *words]] + list(range(8, V))
+        )
+        make(weights, tokenizer=student, teacher_tokenizer=teacher, teacher_ids=mapping)

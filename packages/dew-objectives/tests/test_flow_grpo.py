@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dew.nn.backbones import DiT
 from dew.nn.backbones.dit import timestep_embedding
 from dew.objectives import Step, Updates
 from dew.objectives.flow_grpo import FlowGRPOObjective, HostImageReward, ImageReward
@@ -92,12 +93,51 @@ def test_recomputed_log_probs_equal_the_samplers_at_rollout_rows_1_and_24(setup)
     for o, b in ((obj, batch), (one, batch_one)):
         logps, _ = jax.jit(o.step_log_probs)(variables["params"], b)
         np.testing.assert_allclose(logps, b["old_logps"], rtol=1e-6, atol=1e-6)
+        assert max_ratio_deviation(logps, b["old_logps"]) <= 1e-6  # every row and step
         _, metrics = jax.jit(o.loss)(variables, b, Step(index=jnp.int32(0), key=jax.random.key(1)))
         assert abs(float(metrics["ratio"].value) - 1) <= 1e-6
         assert float(metrics["kl"].value) == 0.0  # the reference is the initial model
     # the groups differ inside and rows of one condition share its label
     assert np.all(np.asarray(batch["label"]) == np.repeat([0, 1, 2], G))
     assert np.std(np.asarray(whole["samples"])[:G, 0]) > 0.05
+
+
+@pytest.mark.slow  # ~7 s: a DiT's rollout and loss compiled
+def test_bfloat16_dit_log_probs_are_float32_and_the_first_ratio_is_1():
+    """A class-conditional DiT computing in bfloat16 (float32 parameters): the sampler's
+    per-step log-probs and the loss's recomputed ones are float32 and agree, max
+    |rho - 1| <= 1e-6 (measured: 0; the two programs run the bfloat16 network on other
+    batches, rows vs rows x steps, and still round it alike)."""
+    dit = DiT(sample_size=4, patch_size=2, in_channels=1, emb_features=16, num_layers=1,
+              num_heads=2, mlp_features=32, num_classes=CLASSES, dtype=jnp.bfloat16)  # fmt: skip
+    obj = FlowGRPOObjective(
+        dit,
+        rewards=[ImageReward(fn=lambda pixels, b: jnp.mean(pixels / 255.0, (1, 2, 3)))],
+        group_size=4,
+        sampler=FlowSDE(num_steps=3),
+        guidance=2.0,
+        epsilon=0.2,
+        beta=0.0,
+        timestep_fraction=1.0,
+    )
+    variables = nn.unbox(obj.init(jax.random.key(2)))
+    # a "pretrained" DiT: a fresh one's zero gates and head would give velocity 0
+    variables = jax.tree.map(
+        lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape), variables
+    )
+    rollout, batch = prepared_batch(obj, variables)
+    logps, _ = jax.jit(obj.step_log_probs)(variables["params"], batch)
+    assert rollout["old_logps"].dtype == logps.dtype == jnp.float32
+    assert np.all(np.isfinite(logps)) and np.ptp(np.asarray(logps)) > 0
+    assert max_ratio_deviation(logps, batch["old_logps"]) <= 1e-6
+
+
+def max_ratio_deviation(logps, old_logps) -> float:
+    """``max |rho - 1|`` over every row and step, ``rho = exp(logp - old)`` in float32
+    as the loss computes it."""
+    logps, old_logps = np.asarray(logps), np.asarray(old_logps)
+    assert logps.dtype == old_logps.dtype == np.float32
+    return float(np.max(np.abs(np.exp(logps - old_logps) - np.float32(1))))
 
 
 def reference_loss(obj, variables, batch, params):

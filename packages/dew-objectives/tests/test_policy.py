@@ -11,7 +11,7 @@ from dew.nn.testing import TINY_LM
 from dew.objectives.dpo import DPOObjective
 from dew.objectives.grpo import GRPOObjective
 from dew.objectives.lm import LMObjective
-from dew.objectives.policy import CausalPolicy, check_same_vocabulary
+from dew.objectives.policy import CausalPolicy, check_same_vocabulary, vocabulary_fingerprint
 from dew.objectives.ppo import PPOObjective
 from dew.objectives.rewards import TokenReward
 
@@ -55,6 +55,36 @@ def test_two_models_scored_on_one_vocabulary():
         check_same_vocabulary(MODEL, other, what="Distill", names=("student", "teacher"))
     with pytest.raises(ValueError, match=r"reference's vocabulary \(64 ids\)"):
         CausalPolicy(model=MODEL, what="Toy", reference_model=other, reference={})
+
+
+class SwappedBytes(ByteTokenizer):
+    """Bytes with ids 97 and 98 ('a', 'b') swapped: 264 ids, other tokens."""
+
+    swap = {97: 98, 98: 97}
+
+    def encode(self, text):
+        return [self.swap.get(i, i) for i in super().encode(text)]
+
+    def decode(self, ids):
+        return super().decode(self.swap.get(int(i), int(i)) for i in ids)
+
+    def fingerprint(self):
+        return "swapped-bytes"
+
+
+def test_one_size_of_vocabulary_with_other_tokens_is_refused_when_tokenizers_are_known():
+    bytes_, swapped = ByteTokenizer(), SwappedBytes()
+    assert vocabulary_fingerprint(bytes_) == vocabulary_fingerprint(ByteTokenizer())
+    assert vocabulary_fingerprint(bytes_) != vocabulary_fingerprint(swapped)
+    check_same_vocabulary(BYTES, BYTES, what="Toy", tokenizers=(bytes_, ByteTokenizer()))
+    check_same_vocabulary(BYTES, BYTES, what="Toy", tokenizers=(bytes_, None))  # sizes only
+    with pytest.raises(
+        ValueError,
+        match=r"Toy: the reference's tokenizer SwappedBytes and the policy's ByteTokenizer "
+        r"are different vocabularies of the same size \(264 ids.*use a reference with the "
+        r"policy's vocabulary",
+    ):
+        check_same_vocabulary(BYTES, BYTES, what="Toy", tokenizers=(bytes_, swapped))
 
 
 def test_the_reference_is_the_initial_policy_or_the_given_weights():

@@ -56,7 +56,7 @@ from dew.objectives.base import Objective, Role, Step, with_initial_values
 from dew.objectives.batch import FLOATS, IDS, MASK, BatchField
 from dew.objectives.lm import check_packed_positions, packed_inputs, target_weights
 from dew.objectives.logprobs import rollout_positions
-from dew.objectives.policy import CausalPolicy, vocab_size_of
+from dew.objectives.policy import CausalPolicy, check_same_vocabulary, vocab_size_of
 from dew.objectives.rollouts import prompt_fields, sample_completions
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import Sampling
@@ -392,7 +392,12 @@ class DistillationObjective(Objective):
       teacher (``teacher`` and ``teacher_params`` None), and ``temperature`` the
       stored one (``TeacherTopK.temperature``).
     init_params: start the student from these weights; None = a fresh init.
-    tokenizer: for previews and export; None = ``ByteTokenizer()``.
+    tokenizer: the student's, for previews and export; None = ``ByteTokenizer()``.
+    teacher_tokenizer: the teacher's; None = a ``Pretrained`` teacher's own, else not
+      known. When it and ``tokenizer`` are both given and no ``teacher_ids``, their
+      vocabularies must be one (:func:`dew.objectives.policy.check_same_vocabulary`
+      compares what the ids mean, not only the sizes), else a ValueError before
+      anything is compiled.
 
     Batches (without ``text_key``): left-padded ``prompt``/``prompt_mask`` (as
     ``dew.data.Prompts`` and GRPO read them) and right-padded ``completion`` /
@@ -423,6 +428,7 @@ class DistillationObjective(Objective):
     stored_teacher: bool = False
     init_params: Any = None
     tokenizer: Any = None
+    teacher_tokenizer: Any = None
 
     headline_metrics = ("divergence",)
 
@@ -465,6 +471,8 @@ class DistillationObjective(Objective):
             self.teacher = _StoredTeacher(vocab_size=vocab_size_of(self.student))
             self.teacher_params = {"none": np.zeros((0,), np.float32)}
         if hasattr(self.teacher, "params") and hasattr(self.teacher, "model"):  # a Pretrained
+            if self.teacher_tokenizer is None:
+                self.teacher_tokenizer = getattr(self.teacher, "tokenizer", None)
             if self.teacher_params is None:
                 self.teacher_params = self.teacher.params
             self.teacher = self.teacher.model
@@ -486,14 +494,18 @@ class DistillationObjective(Objective):
     def _check_vocabularies(self, what: str) -> None:
         student, teacher = vocab_size_of(self.student), vocab_size_of(self.teacher)
         if self.teacher_ids is None:
-            if student != teacher:
-                raise ValueError(
-                    f"{what}: the teacher's vocabulary ({teacher} ids) differs from the "
-                    f"student's ({student}); the divergence compares distributions over the same "
-                    f"ids. Use a teacher with the student's tokenizer, or, when the student's ids "
-                    f"are ids of the teacher too (a teacher with extra rows), pass "
-                    f"teacher_ids=np.arange({student}) (the teacher id of each student id)"
-                )
+            check_same_vocabulary(
+                self.student,
+                self.teacher,
+                what=what,
+                names=("student", "teacher"),
+                tokenizers=(self.tokenizer, self.teacher_tokenizer),
+                fix=(
+                    f"use a teacher with the student's tokenizer, or pass teacher_ids= (int "
+                    f"[{student}]: the teacher id of each student id; np.arange({student}) when "
+                    f"the student's ids are the teacher's first ones, a teacher with extra rows)"
+                ),
+            )
             return
         ids = np.asarray(self.teacher_ids)
         if not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:

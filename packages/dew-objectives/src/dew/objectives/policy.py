@@ -15,7 +15,9 @@ weights, and does, once for all of them:
 - the tokenizer: ``ByteTokenizer()`` by default; a tokenizer given must fit the
   model's vocabulary, and two models scored on the same ids (policy and
   reference, student and teacher) must share one (:func:`check_same_vocabulary`):
-  an error before anything is compiled, naming both sizes;
+  an error before anything is compiled, naming both sizes, or, when both
+  tokenizers are known, both tokenizers whose id -> token tables differ
+  (:func:`vocabulary_fingerprint`);
 - previews (greedy continuation of a prompt) and export to
   :class:`dew.sampling.TextGeneration`.
 """
@@ -23,6 +25,8 @@ weights, and does, once for all of them:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -37,17 +41,73 @@ def vocab_size_of(module) -> int | None:
     return getattr(module, "vocab_size", None)
 
 
-def check_same_vocabulary(first, second, *, what: str, names=("policy", "reference")) -> None:
+VOCABULARY_PROBE = (
+    "The quick brown fox: 0123 456.789, \u00dcn\u00efc\u00f6d\u00e9 \u4f60\u597d\n\tdef f(x):"
+)
+"""The text whose ids :func:`vocabulary_fingerprint` hashes beside the id table."""
+
+
+def vocabulary_fingerprint(tokenizer) -> str:
+    """A sha256 of what the tokenizer's ids mean: each id of ``range(vocab_size)``
+    decoded alone (the id -> token table), the ids of :data:`VOCABULARY_PROBE` and the
+    end and pad ids. Equal for two tokenizers that give ids the same text, whatever
+    file they were read from; different tokenizers of one size differ in it."""
+    digest = hashlib.sha256()
+    for i in range(int(tokenizer.vocab_size)):
+        digest.update(tokenizer.decode([i]).encode("utf-8", "surrogatepass") + b"\0")
+    specials = [getattr(tokenizer, name, None) for name in ("end_id", "pad_id")]
+    digest.update(json.dumps([tokenizer.encode(VOCABULARY_PROBE), specials]).encode())
+    return digest.hexdigest()
+
+
+def _same_tokenizer(a, b) -> bool:
+    if a is b:
+        return True
+    fingerprints = [getattr(t, "fingerprint", None) for t in (a, b)]
+    if all(callable(f) for f in fingerprints) and fingerprints[0]() == fingerprints[1]():
+        return True  # the same file and options (cheap); else compare what the ids mean
+    return vocabulary_fingerprint(a) == vocabulary_fingerprint(b)
+
+
+def _describe(tokenizer) -> str:
+    path = getattr(tokenizer, "path", None)
+    return f"{type(tokenizer).__name__}({path})" if path else type(tokenizer).__name__
+
+
+def check_same_vocabulary(
+    first,
+    second,
+    *,
+    what: str,
+    names=("policy", "reference"),
+    tokenizers=(None, None),
+    fix: str | None = None,
+) -> None:
     """Two models scored on the same token ids (policy and reference, student and
-    teacher) must have one vocabulary: a ValueError naming both sizes."""
+    teacher) must have one vocabulary: a ValueError naming both sizes. When both
+    ``tokenizers`` are known (not None), same-size vocabularies must also mean the same
+    tokens (:func:`vocabulary_fingerprint`): a ValueError naming both tokenizers.
+    ``fix``: what to do, in the error; None = use one tokenizer."""
     a, b = vocab_size_of(first), vocab_size_of(second)
+    fix = fix or (
+        f"use a {names[1]} with the {names[0]}'s vocabulary (a cross-tokenizer setup needs "
+        f"another loss)"
+    )
     if a != b:
         raise ValueError(
             f"{what}: the {names[1]}'s vocabulary ({b} ids) differs from the {names[0]}'s "
             f"({a}); log-probs of the same ids are only comparable under one tokenizer, so "
-            f"use a {names[1]} with the {names[0]}'s vocabulary (a cross-tokenizer setup needs "
-            f"another loss)"
+            f"{fix}"
         )
+    ta, tb = tokenizers
+    if ta is None or tb is None or _same_tokenizer(ta, tb):
+        return
+    raise ValueError(
+        f"{what}: the {names[1]}'s tokenizer {_describe(tb)} and the {names[0]}'s "
+        f"{_describe(ta)} are different vocabularies of the same size ({a} ids in the "
+        f"models; their id -> token tables differ: fingerprints "
+        f"{vocabulary_fingerprint(tb)[:12]} vs {vocabulary_fingerprint(ta)[:12]}); {fix}"
+    )
 
 
 def resolve_tokenizer(tokenizer, model, *, what: str):

@@ -103,15 +103,24 @@ BAD = [
     (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
     (["data.args.seq_len=null"], "seq_len"),
     (["trainer.accumulate=3"], "accumulate"),
+    # wrong types, each found after the BPE tokenizer is trained
+    (["objective.args.seq_len=abc"], "seq_len"),
+    (["data.args.val_fraction=abc"], "val_fraction"),
+    (["optimizer.args.weight_decay=abc"], "weight_decay"),
+    (["optimizer.clip_norm=abc"], "clip_norm"),
 ]
 
 
 @pytest.mark.parametrize("overrides, says", BAD, ids=[b[0][0] for b in BAD])
 def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
+    """Checked before anything is written: no run directory (and no BPE tokenizer
+    trained into one) is left behind."""
     code = main(["train", LM, *TOY, *overrides, f"run_dir={tmp_path}/run", "trainer.steps=2"])
     err = capsys.readouterr().err
     assert code == EXIT["bad_config"] == 2, err
     assert says in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and err.startswith("dew train: "), err
+    assert not os.path.exists(tmp_path / "run"), sorted(os.listdir(tmp_path / "run"))
 
 
 def test_missing_required_key_and_not_a_run(tmp_path, capsys):
@@ -157,6 +166,28 @@ def test_recipe_of_another_model_changes_nothing(lm_runs, capsys):
     err = capsys.readouterr().err
     assert "num_layers: 2 in the run's checkpoints, 1 in this recipe" in err, err
     assert {p: p.stat().st_mtime_ns for p in pathlib.Path(a).rglob("*")} == before
+
+
+def test_bad_recipe_leaves_an_existing_run_byte_identical(lm_runs, capsys):
+    _, a, _ = lm_runs
+
+    def contents():
+        return {p: p.read_bytes() for p in sorted(pathlib.Path(a).rglob("*")) if p.is_file()}
+
+    before = contents()
+    bad = [
+        "objective.name=dpoo",
+        "data.name=tokens",
+        "optimizer.name=adamx",
+        "objective.args.seq_len=abc",
+        "optimizer.args.weight_decay=abc",
+        "trainer.accumulate=3",  # refused by fit, after the recipe is written: put back
+    ]
+    for override in bad:
+        assert main(["train", LM, *TOY, override, f"run_dir={a}"]) == 2, override
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert contents() == before
 
 
 def test_runs_sample_export_report(lm_runs, capsys, tmp_path):

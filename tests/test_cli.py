@@ -132,15 +132,98 @@ def test_missing_required_key_and_not_a_run(tmp_path, capsys):
     assert f"{tmp_path} is not a Dew run: it has no recipe.yaml" in capsys.readouterr().err
 
 
+class FakeTrackerModules:
+    """Stand-ins for the ``wandb`` and ``mlflow`` modules (neither is installed here):
+    what the command's WandbTracker / MLflowTracker hand them."""
+
+    def __init__(self):
+        self.wandb_init: list[dict] = []
+        self.mlflow_params: dict[str, str] = {}
+        self.mlflow_metrics: list = []
+
+    def modules(self) -> dict:
+        import types
+
+        seen = self
+        wandb = types.ModuleType("wandb")
+
+        class Run:
+            def log(self, values, step):
+                pass
+
+            def finish(self):
+                pass
+
+        def init(**kwargs):
+            seen.wandb_init.append(kwargs)
+            return Run()
+
+        wandb.init = init
+
+        class MlflowClient:
+            def __init__(self, tracking_uri=None):
+                pass
+
+            def get_experiment_by_name(self, name):
+                return None
+
+            def create_experiment(self, name):
+                return "0"
+
+            def create_run(self, experiment_id, run_name=None, tags=None):
+                return types.SimpleNamespace(info=types.SimpleNamespace(run_id="run-0"))
+
+            def log_batch(self, run_id, metrics):
+                seen.mlflow_metrics.extend(metrics)
+
+            def log_param(self, run_id, key, value):
+                seen.mlflow_params[key] = value
+
+            def set_terminated(self, run_id):
+                pass
+
+        mlflow = types.ModuleType("mlflow")
+        tracking = types.ModuleType("mlflow.tracking")
+        tracking.MlflowClient = MlflowClient
+        entities = types.ModuleType("mlflow.entities")
+        entities.Metric = lambda *args: args
+        mlflow.tracking, mlflow.entities = tracking, entities
+        return {
+            "wandb": wandb,
+            "mlflow": mlflow,
+            "mlflow.tracking": tracking,
+            "mlflow.entities": entities,
+        }
+
+
+# what the lm_runs fixture's commands printed and sent to their trackers
+SEEN: dict = {}
+TRACKERS = (
+    "trackers=[{name: mlflow, args: {tracking_uri: 'http://mlflow.invalid'}},"
+    " {name: wandb, args: {project: dew-test, mode: offline}}]"
+)
+
+
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory):
-    """run a: 6 steps then `dew resume a trainer.steps=12`; run b: 12 steps at once."""
+    """run a: 6 steps then `dew resume a trainer.steps=12`; run b: 12 steps at once,
+    with a (fake) MLflow and W&B tracker. All --quiet: their stdout is kept in SEEN."""
+    import contextlib
+    import io
+
     root = tmp_path_factory.mktemp("lm")
     common = [*TOY, "trainer.log_every=1", "trainer.eval_every=6", "trainer.checkpoint_every=3"]
     a, b = str(root / "a"), str(root / "b")
-    assert main(["--quiet", "train", LM, *common, "trainer.steps=6", f"run_dir={a}"]) == 0
-    assert main(["--quiet", "resume", a, "trainer.steps=12"]) == 0
-    assert main(["--quiet", "train", LM, *common, "trainer.steps=12", f"run_dir={b}"]) == 0
+    fake = FakeTrackerModules()
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        for name, module in fake.modules().items():
+            patch.setitem(sys.modules, name, module)
+        assert main(["--quiet", "train", LM, *common, "trainer.steps=6", f"run_dir={a}"]) == 0
+        assert main(["--quiet", "resume", a, "trainer.steps=12"]) == 0
+        command = ["--quiet", "train", LM, *common, "trainer.steps=12", TRACKERS]
+        assert main([*command, f"run_dir={b}"]) == 0
+    SEEN.update(stdout=stdout.getvalue(), trackers=fake)
     return root, a, b
 
 
@@ -157,6 +240,34 @@ def test_resumed_run_equals_the_uninterrupted_one(lm_runs):
     saved = load_recipe(os.path.join(a, "recipe.yaml"))
     assert saved["trainer"]["steps"] == 12 and saved["model"]["config"]["num_layers"] == 2
     assert saved["optimizer"]["args"]["weight_decay"] == 0.01
+
+
+def test_quiet_training_prints_nothing_on_stdout(lm_runs):
+    assert SEEN["stdout"] == ""
+
+
+def flattened(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_trackers_get_the_saved_recipe_as_parameters(lm_runs):
+    """W&B gets the saved recipe.yaml as its run's config, MLflow its dotted keys as
+    parameters (values as strings), and both the training metrics."""
+    _, _, b = lm_runs
+    saved = load_recipe(os.path.join(b, "recipe.yaml"))
+    fake = SEEN["trackers"]
+    (init,) = fake.wandb_init
+    assert init["config"] == saved and init["project"] == "dew-test"
+    assert fake.mlflow_params == {k: str(v) for k, v in flattened(saved).items()}
+    assert fake.mlflow_params["model.config.num_layers"] == "2"
+    assert fake.mlflow_params["trackers"].startswith("[{'name': 'mlflow'")
+    assert {m[0] for m in fake.mlflow_metrics} >= {"train/loss"}
 
 
 def test_recipe_of_another_model_changes_nothing(lm_runs, capsys):
@@ -191,6 +302,9 @@ def test_bad_recipe_leaves_an_existing_run_byte_identical(lm_runs, capsys):
 
 
 def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
+    import jax
+
+    from dew.cli.commands import _trained
     from dew.sampling import Pretrained
     from dew.train import load_model
 
@@ -211,12 +325,24 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     out = tmp_path / "hf"
     assert main(["--quiet", "export", a, "--to", "hf", str(out)]) == 0
     exported = Pretrained.load(out)
-    _, ema = load_model(os.path.join(a, "checkpoints"), averaged=True)
+    model, ema = load_model(os.path.join(a, "checkpoints"), averaged=True)
     np.testing.assert_array_equal(
         exported.params["embed"]["embedding"], np.asarray(ema["embed"]["embedding"])
     )
+    # Dew's own format: every EMA tensor, the model's config and the run's BPE come back
+    assert main(["--quiet", "export", a, "--to", "dew", str(tmp_path / "dew")]) == 0
+    again = Pretrained.load(tmp_path / "dew")
+    assert again.format == "dew" and again.model == model
+    jax.tree.map(np.testing.assert_array_equal, again.params, jax.device_get(ema))
+    text = pathlib.Path(RECIPES, "data/tiny.txt").read_text()[:200]
+    _, built, _, _, _ = _trained(a, False)
+    assert again.tokenizer.encode(text) == built.tokenizer.encode(text)
 
     assert main(["--quiet", "report", a]) == 0
+    # --quiet: the commands that write files print nothing; `runs` still answers
+    assert capsys.readouterr().out == ""
+    assert main(["--quiet", "runs", str(root)]) == 0
+    assert f"{a}: finished, step 12/12" in capsys.readouterr().out
     page = pathlib.Path(a, "report.html").read_text()
     assert page.count("<img") >= 2 and "loss" in page
     # the text previews (evaluation at steps 6 and 12) are in the run and on the page

@@ -471,6 +471,122 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         want = pipe("Dew", key=jax.random.fold_in(jax.random.key(0), 0))
         assert said == {"samples": [want], "weights": "EMA"}
         assert want.startswith("Dew") and len(want) > 3
+    if name == "diffusion.yaml":
+        sampled_images(str(tmp_path), capsys)
+
+
+def sampled_images(run_dir: str, capsys) -> None:
+    """`dew sample --labels` writes one 8x8 grayscale PNG per label, sampled with the
+    EMA weights."""
+    import jax
+    from PIL import Image
+
+    from dew.cli.commands import _trained
+    from dew.train import load_model
+
+    labels = [0, 3, 7]
+    out = os.path.join(run_dir, "pngs")
+    args = ["--json", "sample", run_dir, "--labels", *map(str, labels), "--out", out]
+    assert main(args) == 0, capsys.readouterr().err
+    said = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert said["weights"] == "EMA" and len(said["images"]) == len(labels)
+    assert sorted(os.listdir(out)) == [
+        f"sample_{i:03d}_label_{k}.png" for i, k in enumerate(labels)
+    ]
+    model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
+    _, built, _, _, _ = _trained(run_dir, False)
+    want = built.objective.sample(
+        {"params": ema}, jax.random.key(0), label=np.asarray(labels, np.int32)
+    )  # [3, 8, 8, 1] in [-1, 1]
+    want = np.clip((np.asarray(want) + 1) * 127.5, 0, 255).astype(np.uint8)[..., 0]
+    for path, pixels in zip(said["images"], want, strict=True):
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.mode == "L" and image.size == (8, 8)
+            np.testing.assert_array_equal(np.asarray(image), pixels)
+
+
+@pytest.mark.slow
+def test_export_to_diffusers_round_trips(tmp_path, capsys):
+    """`dew export --to diffusers` writes every EMA tensor of a DiT a diffusers
+    DiTTransformer2DModel holds (mlp_features = 4 * emb_features, unlike the recipe's
+    toy DiT: one step of its own run), and Pretrained.load reads them back."""
+    import jax
+
+    from dew.sampling import Pretrained
+    from dew.train import load_model
+
+    run_dir = str(tmp_path / "run")
+    overrides = [*TOY, "trainer.steps=1", "trainer.eval_every=0", "model.config.num_layers=1"]
+    overrides += ["model.config.mlp_features=256", f"run_dir={run_dir}"]
+    assert main(["--quiet", "train", str(RECIPES / "diffusion.yaml"), *overrides]) == 0
+    exported = str(tmp_path / "diffusers")
+    assert main(["--quiet", "export", run_dir, "--to", "diffusers", exported]) == 0
+    assert capsys.readouterr().out == ""
+    assert os.path.exists(os.path.join(exported, "config.json"))
+    model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
+    back = Pretrained.load(exported)
+    assert back.format == "dit"
+    jax.tree.map(np.testing.assert_array_equal, back.params, jax.device_get(ema))
+    # the config read back (mlp_norm_eps spelled out) predicts what the run's does
+    x = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
+    t, label = np.array([100.0, 900.0], np.float32), np.array([3, 10], np.int32)
+    np.testing.assert_allclose(
+        back.model.apply({"params": back.params}, x, t, label=label),
+        model.apply({"params": ema}, x, t, label=label),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """JAX's compilation-cache settings, put back afterwards (the rest of the tests
+    keep using the cache CI warms)."""
+    import jax
+
+    names = (
+        "jax_enable_compilation_cache",
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+    )
+    before = {name: getattr(jax.config, name) for name in names}
+    yield jax.config
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
+def test_compilation_cache_recipe_key_and_environment(
+    jax_cache_settings, tmp_path, monkeypatch, capsys
+):
+    """`compilation_cache` (recipe) and DEW_COMPILATION_CACHE (environment, which wins)
+    turn JAX's persistent cache off or move it, before the recipe is built (a bad
+    objective name, found while building, keeps each run from training)."""
+    config = jax_cache_settings
+    monkeypatch.delenv("DEW_COMPILATION_CACHE", raising=False)
+
+    def train(*overrides):
+        command = ["train", LM, "objective.name=dpoo", f"run_dir={tmp_path}/run", *overrides]
+        assert main(command) == 2
+        assert "unknown objective 'dpoo'" in capsys.readouterr().err
+
+    kept = config.jax_compilation_cache_dir
+    train()  # default: the cache the environment (or an earlier run) set up stays
+    assert config.jax_enable_compilation_cache and config.jax_compilation_cache_dir == kept
+    train("compilation_cache=off")
+    assert config.jax_enable_compilation_cache is False
+    moved = str(tmp_path / "moved")
+    train(f"compilation_cache={moved}")
+    assert config.jax_enable_compilation_cache is True
+    assert config.jax_compilation_cache_dir == moved
+    assert config.jax_persistent_cache_min_compile_time_secs == 0
+    monkeypatch.setenv("DEW_COMPILATION_CACHE", "off")
+    train(f"compilation_cache={moved}")
+    assert config.jax_enable_compilation_cache is False
+    monkeypatch.setenv("DEW_COMPILATION_CACHE", str(tmp_path / "from_env"))
+    train("compilation_cache=off")
+    assert config.jax_enable_compilation_cache is True
+    assert config.jax_compilation_cache_dir == str(tmp_path / "from_env")
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_python_dash_m_dew(tmp_path):

@@ -4,7 +4,6 @@ mesh, the checkpoints and the trackers (Dew's public API only)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -89,11 +88,15 @@ def _trained_bpe(section, run_dir: str | None):
         show_progress=False,
     )
     tokenizer.train(list(section.files), trainer)
+    import atexit
+    import shutil
     import tempfile
 
     # nothing is written into the run before the recipe has passed (a bad name or
-    # type further on leaves no run directory behind)
-    directory = os.path.join(tempfile.mkdtemp(prefix="dew-bpe-"), "tokenizer")
+    # type further on leaves no run directory behind); gone when the process ends
+    folder = tempfile.mkdtemp(prefix="dew-bpe-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    directory = os.path.join(folder, "tokenizer")
     os.makedirs(directory)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     import json
@@ -115,8 +118,6 @@ def keep_tokenizer(recipe: Recipe, tokenizer, run_dir: str) -> None:
     if os.path.abspath(source) == os.path.abspath(target):
         return  # the run's own, read back
     shutil.move(source, target)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(source))  # the throwaway folder, now empty
     tokenizer.path = os.path.join(target, "tokenizer.json")  # where fingerprint() reads it
 
 

@@ -68,15 +68,16 @@ class JsonLines:
         pass
 
 
-def compilation_cache(setting: str) -> str | None:
+def compilation_cache(setting: str | bool) -> str | None:
     """JAX's persistent compilation cache: on by default for the command.
     ``off`` (recipe ``compilation_cache: off`` or ``DEW_COMPILATION_CACHE=off``)
-    turns it off; a path moves it. A cache the environment already names
+    turns it off; a path moves it (and turns it on); the environment variable
+    wins over the recipe. A cache the environment already names
     (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the directory in use."""
     import jax
 
     env = os.environ.get("DEW_COMPILATION_CACHE")
-    setting = env or setting
+    setting = env or {False: "off", True: "default"}.get(setting, setting)
     if setting == "off":
         jax.config.update("jax_enable_compilation_cache", False)
         return None
@@ -85,6 +86,7 @@ def compilation_cache(setting: str) -> str | None:
         if current:
             return current
         setting = os.path.expanduser("~/.cache/dew/jax")
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", setting)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return setting

@@ -195,7 +195,8 @@ class TrackerSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """One run. ``compilation_cache``: ``default`` (JAX's persistent cache in
-    ``~/.cache/dew/jax``, or ``DEW_COMPILATION_CACHE``), ``off``, or a directory."""
+    ``~/.cache/dew/jax``), ``off`` (which YAML reads as false), or a directory;
+    ``DEW_COMPILATION_CACHE`` in the environment wins over it."""
 
     model: ModelSection
     objective: ObjectiveSection
@@ -207,7 +208,7 @@ class Recipe:
     checkpoints: CheckpointsSection = dataclasses.field(default_factory=CheckpointsSection)
     trackers: list[TrackerSection] = dataclasses.field(default_factory=list)
     run_dir: str | None = None
-    compilation_cache: str = "default"
+    compilation_cache: str | bool = "default"  # YAML reads a bare `off` as false
 
 
 # ------------------------------------------------------------------ reading

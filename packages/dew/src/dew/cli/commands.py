@@ -282,6 +282,7 @@ def _train(raw: dict, args) -> int:
         keep_tokenizer(recipe, built.tokenizer, run_dir)
         with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
             yaml.safe_dump(built.resolved, f, sort_keys=False)
+    # W&B / MLflow runs start only now: a bad recipe opens none
     trainer.trackers = _trackers(recipe, built.resolved, args)
     write_status(run_dir, "running", steps=t.steps)
     stepped = []

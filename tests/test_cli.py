@@ -103,15 +103,24 @@ BAD = [
     (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
     (["data.args.seq_len=null"], "seq_len"),
     (["trainer.accumulate=3"], "accumulate"),
+    # wrong types, each found after the BPE tokenizer is trained
+    (["objective.args.seq_len=abc"], "seq_len"),
+    (["data.args.val_fraction=abc"], "val_fraction"),
+    (["optimizer.args.weight_decay=abc"], "weight_decay"),
+    (["optimizer.clip_norm=abc"], "clip_norm"),
 ]
 
 
 @pytest.mark.parametrize("overrides, says", BAD, ids=[b[0][0] for b in BAD])
 def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
+    """Checked before anything is written: no run directory (and no BPE tokenizer
+    trained into one) is left behind."""
     code = main(["train", LM, *TOY, *overrides, f"run_dir={tmp_path}/run", "trainer.steps=2"])
     err = capsys.readouterr().err
     assert code == EXIT["bad_config"] == 2, err
     assert says in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and err.startswith("dew train: "), err
+    assert not os.path.exists(tmp_path / "run"), sorted(os.listdir(tmp_path / "run"))
 
 
 def test_missing_required_key_and_not_a_run(tmp_path, capsys):
@@ -123,15 +132,98 @@ def test_missing_required_key_and_not_a_run(tmp_path, capsys):
     assert f"{tmp_path} is not a Dew run: it has no recipe.yaml" in capsys.readouterr().err
 
 
+class FakeTrackerModules:
+    """Stand-ins for the ``wandb`` and ``mlflow`` modules (neither is installed here):
+    what the command's WandbTracker / MLflowTracker hand them."""
+
+    def __init__(self):
+        self.wandb_init: list[dict] = []
+        self.mlflow_params: dict[str, str] = {}
+        self.mlflow_metrics: list = []
+
+    def modules(self) -> dict:
+        import types
+
+        seen = self
+        wandb = types.ModuleType("wandb")
+
+        class Run:
+            def log(self, values, step):
+                pass
+
+            def finish(self):
+                pass
+
+        def init(**kwargs):
+            seen.wandb_init.append(kwargs)
+            return Run()
+
+        wandb.init = init
+
+        class MlflowClient:
+            def __init__(self, tracking_uri=None):
+                pass
+
+            def get_experiment_by_name(self, name):
+                return None
+
+            def create_experiment(self, name):
+                return "0"
+
+            def create_run(self, experiment_id, run_name=None, tags=None):
+                return types.SimpleNamespace(info=types.SimpleNamespace(run_id="run-0"))
+
+            def log_batch(self, run_id, metrics):
+                seen.mlflow_metrics.extend(metrics)
+
+            def log_param(self, run_id, key, value):
+                seen.mlflow_params[key] = value
+
+            def set_terminated(self, run_id):
+                pass
+
+        mlflow = types.ModuleType("mlflow")
+        tracking = types.ModuleType("mlflow.tracking")
+        tracking.MlflowClient = MlflowClient
+        entities = types.ModuleType("mlflow.entities")
+        entities.Metric = lambda *args: args
+        mlflow.tracking, mlflow.entities = tracking, entities
+        return {
+            "wandb": wandb,
+            "mlflow": mlflow,
+            "mlflow.tracking": tracking,
+            "mlflow.entities": entities,
+        }
+
+
+# what the lm_runs fixture's commands printed and sent to their trackers
+SEEN: dict = {}
+TRACKERS = (
+    "trackers=[{name: mlflow, args: {tracking_uri: 'http://mlflow.invalid'}},"
+    " {name: wandb, args: {project: dew-test, mode: offline}}]"
+)
+
+
 @pytest.fixture(scope="module")
 def lm_runs(tmp_path_factory):
-    """run a: 6 steps then `dew resume a trainer.steps=12`; run b: 12 steps at once."""
+    """run a: 6 steps then `dew resume a trainer.steps=12`; run b: 12 steps at once,
+    with a (fake) MLflow and W&B tracker. All --quiet: their stdout is kept in SEEN."""
+    import contextlib
+    import io
+
     root = tmp_path_factory.mktemp("lm")
     common = [*TOY, "trainer.log_every=1", "trainer.eval_every=6", "trainer.checkpoint_every=3"]
     a, b = str(root / "a"), str(root / "b")
-    assert main(["--quiet", "train", LM, *common, "trainer.steps=6", f"run_dir={a}"]) == 0
-    assert main(["--quiet", "resume", a, "trainer.steps=12"]) == 0
-    assert main(["--quiet", "train", LM, *common, "trainer.steps=12", f"run_dir={b}"]) == 0
+    fake = FakeTrackerModules()
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout):
+        for name, module in fake.modules().items():
+            patch.setitem(sys.modules, name, module)
+        assert main(["--quiet", "train", LM, *common, "trainer.steps=6", f"run_dir={a}"]) == 0
+        assert main(["--quiet", "resume", a, "trainer.steps=12"]) == 0
+        command = ["--quiet", "train", LM, *common, "trainer.steps=12", TRACKERS]
+        assert main([*command, f"run_dir={b}"]) == 0
+    SEEN.update(stdout=stdout.getvalue(), trackers=fake)
     return root, a, b
 
 
@@ -150,6 +242,34 @@ def test_resumed_run_equals_the_uninterrupted_one(lm_runs):
     assert saved["optimizer"]["args"]["weight_decay"] == 0.01
 
 
+def test_quiet_training_prints_nothing_on_stdout(lm_runs):
+    assert SEEN["stdout"] == ""
+
+
+def flattened(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_trackers_get_the_saved_recipe_as_parameters(lm_runs):
+    """W&B gets the saved recipe.yaml as its run's config, MLflow its dotted keys as
+    parameters (values as strings), and both the training metrics."""
+    _, _, b = lm_runs
+    saved = load_recipe(os.path.join(b, "recipe.yaml"))
+    fake = SEEN["trackers"]
+    (init,) = fake.wandb_init
+    assert init["config"] == saved and init["project"] == "dew-test"
+    assert fake.mlflow_params == {k: str(v) for k, v in flattened(saved).items()}
+    assert fake.mlflow_params["model.config.num_layers"] == "2"
+    assert fake.mlflow_params["trackers"].startswith("[{'name': 'mlflow'")
+    assert {m[0] for m in fake.mlflow_metrics} >= {"train/loss"}
+
+
 def test_recipe_of_another_model_changes_nothing(lm_runs, capsys):
     _, a, _ = lm_runs
     before = {p: p.stat().st_mtime_ns for p in pathlib.Path(a).rglob("*")}
@@ -159,7 +279,32 @@ def test_recipe_of_another_model_changes_nothing(lm_runs, capsys):
     assert {p: p.stat().st_mtime_ns for p in pathlib.Path(a).rglob("*")} == before
 
 
+def test_bad_recipe_leaves_an_existing_run_byte_identical(lm_runs, capsys):
+    _, a, _ = lm_runs
+
+    def contents():
+        return {p: p.read_bytes() for p in sorted(pathlib.Path(a).rglob("*")) if p.is_file()}
+
+    before = contents()
+    bad = [
+        "objective.name=dpoo",
+        "data.name=tokens",
+        "optimizer.name=adamx",
+        "objective.args.seq_len=abc",
+        "optimizer.args.weight_decay=abc",
+        "trainer.accumulate=3",  # refused by fit, after the recipe is written: put back
+    ]
+    for override in bad:
+        assert main(["train", LM, *TOY, override, f"run_dir={a}"]) == 2, override
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert contents() == before
+
+
 def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
+    import jax
+
+    from dew.cli.commands import _trained
     from dew.sampling import Pretrained
     from dew.train import load_model
 
@@ -180,12 +325,24 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     out = tmp_path / "hf"
     assert main(["--quiet", "export", a, "--to", "hf", str(out)]) == 0
     exported = Pretrained.load(out)
-    _, ema = load_model(os.path.join(a, "checkpoints"), averaged=True)
+    model, ema = load_model(os.path.join(a, "checkpoints"), averaged=True)
     np.testing.assert_array_equal(
         exported.params["embed"]["embedding"], np.asarray(ema["embed"]["embedding"])
     )
+    # Dew's own format: every EMA tensor, the model's config and the run's BPE come back
+    assert main(["--quiet", "export", a, "--to", "dew", str(tmp_path / "dew")]) == 0
+    again = Pretrained.load(tmp_path / "dew")
+    assert again.format == "dew" and again.model == model
+    jax.tree.map(np.testing.assert_array_equal, again.params, jax.device_get(ema))
+    text = pathlib.Path(RECIPES, "data/tiny.txt").read_text()[:200]
+    _, built, _, _, _ = _trained(a, False)
+    assert again.tokenizer.encode(text) == built.tokenizer.encode(text)
 
     assert main(["--quiet", "report", a]) == 0
+    # --quiet: the commands that write files print nothing; `runs` still answers
+    assert capsys.readouterr().out == ""
+    assert main(["--quiet", "runs", str(root)]) == 0
+    assert f"{a}: finished, step 12/12" in capsys.readouterr().out
     page = pathlib.Path(a, "report.html").read_text()
     assert page.count("<img") >= 2 and "loss" in page
     # the text previews (evaluation at steps 6 and 12) are in the run and on the page
@@ -314,6 +471,122 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         want = pipe("Dew", key=jax.random.fold_in(jax.random.key(0), 0))
         assert said == {"samples": [want], "weights": "EMA"}
         assert want.startswith("Dew") and len(want) > 3
+    if name == "diffusion.yaml":
+        sampled_images(str(tmp_path), capsys)
+
+
+def sampled_images(run_dir: str, capsys) -> None:
+    """`dew sample --labels` writes one 8x8 grayscale PNG per label, sampled with the
+    EMA weights."""
+    import jax
+    from PIL import Image
+
+    from dew.cli.commands import _trained
+    from dew.train import load_model
+
+    labels = [0, 3, 7]
+    out = os.path.join(run_dir, "pngs")
+    args = ["--json", "sample", run_dir, "--labels", *map(str, labels), "--out", out]
+    assert main(args) == 0, capsys.readouterr().err
+    said = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert said["weights"] == "EMA" and len(said["images"]) == len(labels)
+    assert sorted(os.listdir(out)) == [
+        f"sample_{i:03d}_label_{k}.png" for i, k in enumerate(labels)
+    ]
+    model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
+    _, built, _, _, _ = _trained(run_dir, False)
+    want = built.objective.sample(
+        {"params": ema}, jax.random.key(0), label=np.asarray(labels, np.int32)
+    )  # [3, 8, 8, 1] in [-1, 1]
+    want = np.clip((np.asarray(want) + 1) * 127.5, 0, 255).astype(np.uint8)[..., 0]
+    for path, pixels in zip(said["images"], want, strict=True):
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.mode == "L" and image.size == (8, 8)
+            np.testing.assert_array_equal(np.asarray(image), pixels)
+
+
+@pytest.mark.slow
+def test_export_to_diffusers_round_trips(tmp_path, capsys):
+    """`dew export --to diffusers` writes every EMA tensor of a DiT a diffusers
+    DiTTransformer2DModel holds (mlp_features = 4 * emb_features, unlike the recipe's
+    toy DiT: one step of its own run), and Pretrained.load reads them back."""
+    import jax
+
+    from dew.sampling import Pretrained
+    from dew.train import load_model
+
+    run_dir = str(tmp_path / "run")
+    overrides = [*TOY, "trainer.steps=1", "trainer.eval_every=0", "model.config.num_layers=1"]
+    overrides += ["model.config.mlp_features=256", f"run_dir={run_dir}"]
+    assert main(["--quiet", "train", str(RECIPES / "diffusion.yaml"), *overrides]) == 0
+    exported = str(tmp_path / "diffusers")
+    assert main(["--quiet", "export", run_dir, "--to", "diffusers", exported]) == 0
+    assert capsys.readouterr().out == ""
+    assert os.path.exists(os.path.join(exported, "config.json"))
+    model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
+    back = Pretrained.load(exported)
+    assert back.format == "dit"
+    jax.tree.map(np.testing.assert_array_equal, back.params, jax.device_get(ema))
+    # the config read back (mlp_norm_eps spelled out) predicts what the run's does
+    x = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
+    t, label = np.array([100.0, 900.0], np.float32), np.array([3, 10], np.int32)
+    np.testing.assert_allclose(
+        back.model.apply({"params": back.params}, x, t, label=label),
+        model.apply({"params": ema}, x, t, label=label),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.fixture
+def jax_cache_settings():
+    """JAX's compilation-cache settings, put back afterwards (the rest of the tests
+    keep using the cache CI warms)."""
+    import jax
+
+    names = (
+        "jax_enable_compilation_cache",
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+    )
+    before = {name: getattr(jax.config, name) for name in names}
+    yield jax.config
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
+def test_compilation_cache_recipe_key_and_environment(
+    jax_cache_settings, tmp_path, monkeypatch, capsys
+):
+    """`compilation_cache` (recipe) and DEW_COMPILATION_CACHE (environment, which wins)
+    turn JAX's persistent cache off or move it, before the recipe is built (a bad
+    objective name, found while building, keeps each run from training)."""
+    config = jax_cache_settings
+    monkeypatch.delenv("DEW_COMPILATION_CACHE", raising=False)
+
+    def train(*overrides):
+        command = ["train", LM, "objective.name=dpoo", f"run_dir={tmp_path}/run", *overrides]
+        assert main(command) == 2
+        assert "unknown objective 'dpoo'" in capsys.readouterr().err
+
+    kept = config.jax_compilation_cache_dir
+    train()  # default: the cache the environment (or an earlier run) set up stays
+    assert config.jax_enable_compilation_cache and config.jax_compilation_cache_dir == kept
+    train("compilation_cache=off")
+    assert config.jax_enable_compilation_cache is False
+    moved = str(tmp_path / "moved")
+    train(f"compilation_cache={moved}")
+    assert config.jax_enable_compilation_cache is True
+    assert config.jax_compilation_cache_dir == moved
+    assert config.jax_persistent_cache_min_compile_time_secs == 0
+    monkeypatch.setenv("DEW_COMPILATION_CACHE", "off")
+    train(f"compilation_cache={moved}")
+    assert config.jax_enable_compilation_cache is False
+    monkeypatch.setenv("DEW_COMPILATION_CACHE", str(tmp_path / "from_env"))
+    train("compilation_cache=off")
+    assert config.jax_enable_compilation_cache is True
+    assert config.jax_compilation_cache_dir == str(tmp_path / "from_env")
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_python_dash_m_dew(tmp_path):

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as error:
         if args.debug:
             raise
-        print(f"dew {args.command}: {error}", file=sys.stderr)
+        print(f"dew {args.command}: {_one_line(error)}", file=sys.stderr)
         return EXIT["bad_config"]
     except KeyboardInterrupt:
         return EXIT["preempted"]
@@ -108,8 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         from dew.cli import commands
 
         code = commands.exit_code_of(error)
-        print(f"dew {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        print(f"dew {args.command}: {type(error).__name__}: {_one_line(error)}", file=sys.stderr)
         return code
+
+
+def _one_line(error: BaseException) -> str:
+    """The message on one line (jsonargparse's span several)."""
+    return " ".join(str(error).split())
 
 
 def _dispatch(args) -> int:

@@ -20,7 +20,14 @@ from dew.cli.recipe import (
     resolve,
 )
 
-__all__ = ["Built", "build", "build_model", "build_optimizer", "build_tokenizer"]
+__all__ = [
+    "Built",
+    "build",
+    "build_model",
+    "build_optimizer",
+    "build_tokenizer",
+    "keep_tokenizer",
+]
 
 
 @dataclasses.dataclass
@@ -55,8 +62,10 @@ def build_tokenizer(recipe: Recipe, run_dir: str | None):
 
 
 def _trained_bpe(section, run_dir: str | None):
-    """A byte-level BPE trained from ``section.files`` (``tokenizers``), kept in
-    ``RUN_DIR/tokenizer`` so a resumed run reads the same one."""
+    """A byte-level BPE trained from ``section.files`` (``tokenizers``): the run's
+    own (``RUN_DIR/tokenizer``) when it has one, so a resumed run reads the same;
+    else a new one in a throwaway folder, which the command moves into the run
+    (:func:`keep_tokenizer`) only once the whole recipe has passed."""
     from dew.data import HFTokenizer
 
     if not section.files:
@@ -79,17 +88,37 @@ def _trained_bpe(section, run_dir: str | None):
         show_progress=False,
     )
     tokenizer.train(list(section.files), trainer)
-    if directory is None:  # no run (dew plan): a throwaway folder, not the working directory
-        import tempfile
+    import atexit
+    import shutil
+    import tempfile
 
-        directory = os.path.join(tempfile.mkdtemp(prefix="dew-bpe-"), "tokenizer")
-    os.makedirs(directory, exist_ok=True)
+    # nothing is written into the run before the recipe has passed (a bad name or
+    # type further on leaves no run directory behind); gone when the process ends
+    folder = tempfile.mkdtemp(prefix="dew-bpe-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    directory = os.path.join(folder, "tokenizer")
+    os.makedirs(directory)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     import json
 
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|endoftext|>"}, f)
     return HFTokenizer(directory, add_special_tokens=False)
+
+
+def keep_tokenizer(recipe: Recipe, tokenizer, run_dir: str) -> None:
+    """The BPE :func:`_trained_bpe` trained for a new run, moved from its throwaway
+    folder into ``RUN_DIR/tokenizer``; call it once the whole recipe has passed."""
+    import shutil
+
+    if recipe.tokenizer.kind != "bpe":
+        return
+    target = os.path.join(run_dir, "tokenizer")
+    source = os.path.dirname(tokenizer.path)
+    if os.path.abspath(source) == os.path.abspath(target):
+        return  # the run's own, read back
+    shutil.move(source, target)
+    tokenizer.path = os.path.join(target, "tokenizer.json")  # where fingerprint() reads it
 
 
 def build_model(section: ModelSection, tokenizer, where: str = "model"):

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -67,15 +68,16 @@ class JsonLines:
         pass
 
 
-def compilation_cache(setting: str) -> str | None:
+def compilation_cache(setting: str | bool) -> str | None:
     """JAX's persistent compilation cache: on by default for the command.
     ``off`` (recipe ``compilation_cache: off`` or ``DEW_COMPILATION_CACHE=off``)
-    turns it off; a path moves it. A cache the environment already names
+    turns it off; a path moves it (and turns it on); the environment variable
+    wins over the recipe. A cache the environment already names
     (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the directory in use."""
     import jax
 
     env = os.environ.get("DEW_COMPILATION_CACHE")
-    setting = env or setting
+    setting = env or {False: "off", True: "default"}.get(setting, setting)
     if setting == "off":
         jax.config.update("jax_enable_compilation_cache", False)
         return None
@@ -84,6 +86,7 @@ def compilation_cache(setting: str) -> str | None:
         if current:
             return current
         setting = os.path.expanduser("~/.cache/dew/jax")
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", setting)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return setting
@@ -227,8 +230,12 @@ def prepared(raw: dict, *, with_data: bool = True):
 
 
 def _train(raw: dict, args) -> int:
+    """Everything the recipe names is built and checked (names, signatures, types,
+    the model against the run's checkpoints, the trainer) before the run directory
+    is written: a bad recipe leaves no directory behind, and an existing one as it was."""
     import jax
 
+    from dew.cli.build import build, keep_tokenizer
     from dew.train import Checkpoints, NonFiniteError, Trainer
 
     _distributed(args)
@@ -236,16 +243,9 @@ def _train(raw: dict, args) -> int:
     raw["run_dir"] = run_dir
     recipe = parse_recipe(raw)
     compilation_cache(recipe.compilation_cache)
-    os.makedirs(run_dir, exist_ok=True) if recipe.tokenizer.kind == "bpe" else None
-    from dew.cli.build import build
-
     built = build(recipe, run_dir)
     _check_against_run(run_dir, built.resolved)
-    os.makedirs(run_dir, exist_ok=True)
-    if jax.process_index() == 0:
-        with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
-            yaml.safe_dump(built.resolved, f, sort_keys=False)
-    trackers = _trackers(recipe, built.resolved, args)
+    _check_trackers(recipe)
     c = recipe.checkpoints
     try:
         checkpoints = Checkpoints(
@@ -269,12 +269,21 @@ def _train(raw: dict, args) -> int:
             max_rejected=t.max_rejected,
             run_dir=run_dir,
             checkpoints=checkpoints,
-            trackers=trackers,
             learning_rate=built.learning_rate,
             progress=False if (args.quiet or args.json) else None,
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(f"trainer: {error}") from None
+    # the recipe has passed: from here on the run directory is written
+    is_new = not os.path.exists(run_dir)
+    kept = _kept_files(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        keep_tokenizer(recipe, built.tokenizer, run_dir)
+        with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
+            yaml.safe_dump(built.resolved, f, sort_keys=False)
+    # W&B / MLflow runs start only now: a bad recipe opens none
+    trainer.trackers = _trackers(recipe, built.resolved, args)
     write_status(run_dir, "running", steps=t.steps)
     stepped = []
     trainer.add_hook(lambda info: stepped.append(True) if not stepped else None, name="dew")
@@ -295,8 +304,13 @@ def _train(raw: dict, args) -> int:
         if stepped:
             write_status(run_dir, "failed", detail=f"{type(error).__name__}: {str(error)[:500]}")
             raise
-        # refused before the first step (fit's checks, tracing): a configuration error
-        write_status(run_dir, "bad_config", detail=str(error)[:500])
+        # refused before the first step (fit's checks, tracing): a configuration error;
+        # a directory this command made for it goes again, one that was there is put back
+        if jax.process_index() == 0:
+            if is_new:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            else:
+                _put_back(run_dir, kept)
         raise RecipeError(str(error)) from None
     except BaseException as error:
         write_status(run_dir, "failed", detail=f"{type(error).__name__}: {str(error)[:500]}")
@@ -311,7 +325,40 @@ def _train(raw: dict, args) -> int:
     return EXIT[status]
 
 
+TRACKERS = ("wandb", "mlflow")
+
+
+def _check_trackers(recipe) -> None:
+    for section in recipe.trackers:
+        if section.name not in TRACKERS:
+            raise RecipeError(f"trackers: unknown tracker {section.name!r}; use wandb or mlflow")
+
+
+def _kept_files(run_dir: str) -> dict[str, bytes | None]:
+    """The files ``dew train`` rewrites before the first step, as they are now."""
+    kept = {}
+    for name in (RECIPE_FILE, STATUS_FILE):
+        path = os.path.join(run_dir, name)
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            kept[name] = f.read()
+        kept.setdefault(name, None)
+    return kept
+
+
+def _put_back(run_dir: str, kept: dict[str, bytes | None]) -> None:
+    for name, content in kept.items():
+        path = os.path.join(run_dir, name)
+        if content is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        else:
+            with open(path, "wb") as f:
+                f.write(content)
+
+
 def _trackers(recipe, resolved: dict, args) -> list:
+    """The command's trackers; each W&B / MLflow run gets ``resolved`` (the saved
+    recipe.yaml) as its ``config`` / parameters (flattened to dotted keys)."""
     from dew.train import trackers as tracking
 
     out = []
@@ -325,8 +372,6 @@ def _trackers(recipe, resolved: dict, args) -> list:
             out.append(tracking.WandbTracker(**kwargs))
         elif section.name == "mlflow":
             out.append(_MLflowWithParams(tracking.MLflowTracker(**kwargs), flat))
-        else:
-            raise RecipeError(f"trackers: unknown tracker {section.name!r}; use wandb or mlflow")
     return out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -194,7 +195,8 @@ class TrackerSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """One run. ``compilation_cache``: ``default`` (JAX's persistent cache in
-    ``~/.cache/dew/jax``, or ``DEW_COMPILATION_CACHE``), ``off``, or a directory."""
+    ``~/.cache/dew/jax``), ``off`` (which YAML reads as false), or a directory;
+    ``DEW_COMPILATION_CACHE`` in the environment wins over it."""
 
     model: ModelSection
     objective: ObjectiveSection
@@ -206,7 +208,7 @@ class Recipe:
     checkpoints: CheckpointsSection = dataclasses.field(default_factory=CheckpointsSection)
     trackers: list[TrackerSection] = dataclasses.field(default_factory=list)
     run_dir: str | None = None
-    compilation_cache: str = "default"
+    compilation_cache: str | bool = "default"  # YAML reads a bare `off` as false
 
 
 # ------------------------------------------------------------------ reading
@@ -394,6 +396,8 @@ def checked_arguments(
             loose[name] = given[name]
         elif default is _REQUIRED:
             raise RecipeError(f"{where} is missing the required argument {name!r}")
+    for name, value in loose.items():
+        _check_loose(target, name, value, where)
     typed = {k: v for k, v in given.items() if k not in loose}
     try:
         namespace = parser.parse_object(typed)
@@ -440,6 +444,67 @@ def _parameters(target) -> dict[str, tuple[Any, Any]]:
         default = _REQUIRED if param.default is param.empty else param.default
         out[name] = (hints.get(name, Any), default)
     return out
+
+
+def _check_loose(target, name: str, value: Any, where: str) -> None:
+    """A value passed as given (its type is not one a file reads whole, or its
+    hints do not resolve: optax's ``float | Array | Callable``) still has to be
+    one of the plain types in its hint (``float``), when the hint names only
+    plain types besides what a file cannot give (arrays, callables)."""
+    from jsonargparse import ArgumentParser
+
+    hint = _annotation(target, name)
+    options = typing.get_args(hint) if typing.get_origin(hint) in _UNIONS else (hint,)
+    plain_types = []
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if option in _PLAIN or origin in (list, dict, tuple, typing.Literal):
+            plain_types.append(option)
+        elif "Callable" in repr(option) or _module(origin).startswith(("jax", "numpy")):
+            continue  # not something a file gives: a number or a list stands for it
+        else:
+            return  # Any, a class of its own: passed as given, unchecked
+    if not plain_types:
+        return
+    parser = ArgumentParser(exit_on_error=False)
+    try:
+        parser.add_argument("--value", type=typing.Union[tuple(plain_types)])  # noqa: UP007
+        parser.parse_object({"value": value})
+    except Exception:
+        kinds = " or ".join(dict.fromkeys(getattr(a, "__name__", repr(a)) for a in plain_types))
+        raise RecipeError(f"{where}.{name}: {value!r} is not a {kinds}") from None
+
+
+_PLAIN = (bool, int, float, complex, str, type(None))
+
+
+def _module(cls) -> str:
+    return getattr(cls, "__module__", "") or ""
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def _annotation(target, name: str) -> Any:
+    """One parameter's type hint, resolved on its own (a function whose other
+    hints name what its module does not import still has this one); Any when
+    it does not resolve."""
+    import inspect
+
+    try:
+        return typing.get_type_hints(target)[name]
+    except Exception:
+        pass
+    target = target if not isinstance(target, type) else target.__init__
+    annotation = inspect.signature(target).parameters[name].annotation
+    if annotation is inspect.Parameter.empty:
+        return Any
+    if isinstance(annotation, str):
+        try:
+            return eval(annotation, getattr(target, "__globals__", {}))  # noqa: S307
+        except Exception:
+            return Any
+    return annotation
 
 
 def _file_readable(hint) -> bool:

@@ -33,6 +33,8 @@ class WithReference(LMObjective):
     """An LM objective with a frozen collection beside the params (a
     reference policy, as DPO keeps): twice the initial weights."""
 
+    init_reads_spec = False  # the seed's init(key), overriding LMObjective's
+
     def init(self, key):
         variables = dict(super().init(key))
         variables["reference"] = jax.tree.map(

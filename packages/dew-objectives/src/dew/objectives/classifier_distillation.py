@@ -107,6 +107,8 @@ class ClassifierDistillationObjective(Objective):
                 f"{self.label_key!r} (keys {sorted(batch)})"
             )
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         if spec is None or self.input_key not in spec:
             raise ValueError(

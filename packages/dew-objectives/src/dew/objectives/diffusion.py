@@ -302,6 +302,8 @@ class DiffusionObjective(TextConditioning, Objective):
             )
 
     # --------------------------------------------------------------------- init
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         shape = self.example_shape() if spec is None or self.input_key not in spec else None
         if shape is None:

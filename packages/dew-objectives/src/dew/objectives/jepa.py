@@ -226,6 +226,8 @@ class JepaObjective(Objective):
         """One example's pixels, ``(H, W, C)`` or ``(F, H, W, C)``."""
         return tuple(self.encoder.grid.pixel_shape(self.encoder.num_channels))
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         if spec is not None and self.input_key in spec:
             given = tuple(spec[self.input_key].shape)

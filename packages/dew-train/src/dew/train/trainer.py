@@ -61,8 +61,8 @@ class Trainer:
     rules: logical-axis -> mesh-axis table; None = ``DEFAULT_RULES``.
     accumulate: split each global batch (or prepared minibatch) into this many
       microbatches and apply one update; losses divide once by the total weight. An
-      objective with ``accumulate_for(data_parallel)`` (``FlowGRPOObjective(device_rows=)``)
-      derives it from the mesh; leave it at 1 then.
+      objective whose ``accumulate_for(data_parallel)`` returns a number derives it from
+      the mesh (``FlowGRPOObjective(device_rows=)``); leave it at 1 then.
     max_rejected: stop with an error after more than this many consecutive
       steps with a non-finite loss or gradient.
     run_dir: where ``metrics.jsonl`` and TensorBoard events go; None = the

@@ -187,6 +187,12 @@ class DiffusionObjective(TextConditioning, Objective):
       at fraction ``f`` of the rho-spaced range (1 = ``sigma_max``).
     eval_seed: the seed of evaluation's noise: the same noise for every batch of a
       shape and every run, so loss curves of two runs compare.
+    loss_bins: the training loss is also reported in this many equal bins of the time
+      fraction (the fractions of ``eval_times``: timestep ``t / (T-1)``, flow time,
+      EDM's rho-spaced sigma), named ``loss_t0-0.33``, ``loss_t0.33-0.67``,
+      ``loss_t0.67-1`` for 3, and printed on the log line (``headline_metrics``); each
+      is the weighted mean over the rows whose drawn time fell in the bin (NaN over a
+      log interval in which none did). 0 = none.
     text_encoder: the :class:`dew.sampling.TextEncoder` that made ``batch['context']``
       (a frozen checkpoint, ``TextEncoder.load``); :meth:`export` puts it in the
       text-to-image/video pipeline and :meth:`preview` encodes ``preview_prompts``
@@ -215,6 +221,7 @@ class DiffusionObjective(TextConditioning, Objective):
     guidance: float = 1.0
     eval_times: tuple[float, ...] = EVAL_FRACTIONS
     eval_seed: int = 0
+    loss_bins: int = 3
     text_encoder: Any = None
     train_text_encoder: bool = False
     text_key: str = "text"
@@ -241,11 +248,19 @@ class DiffusionObjective(TextConditioning, Objective):
             self.sample_shape = tuple(int(s) for s in self.sample_shape)
         if not all(0.0 <= f <= 1.0 for f in self.eval_times):
             raise ValueError(f"eval_times are fractions in [0, 1], got {self.eval_times}")
+        if self.loss_bins < 0:
+            raise ValueError(f"loss_bins must be >= 0 (0 = none), got {self.loss_bins}")
         self.check_guidance(self.guidance)
         if self.preview_count < 0:
             raise ValueError(f"preview_count must be >= 0 samples, got {self.preview_count}")
         self.preview_prompts = tuple(self.preview_prompts)
         self.check_text_options()
+
+    @property
+    def headline_metrics(self) -> tuple[str, ...]:
+        """The training loss by time bin (``loss_bins``), on the printed log line."""
+        edges = np.linspace(0.0, 1.0, self.loss_bins + 1)
+        return tuple(f"loss_t{lo:.2g}-{hi:.2g}" for lo, hi in zip(edges[:-1], edges[1:]))
 
     # ------------------------------------------------------------- model facts
     @property
@@ -439,7 +454,21 @@ class DiffusionObjective(TextConditioning, Objective):
         )
         weights = self._row_weights(batch, rows)
         return Weighted.mean(loss, weights), {
-            k: Weighted.mean(v, weights) for k, v in metrics.items()
+            **{k: Weighted.mean(v, weights) for k, v in metrics.items()},
+            **self._loss_by_time(loss, time, weights),
+        }
+
+    def _loss_by_time(self, loss, time, weights) -> dict[str, Weighted]:
+        """``loss [batch]`` as weighted means over the rows whose ``time [batch]`` falls
+        in each of ``loss_bins`` equal fractions of the time range (edges from
+        ``schedule.time_grid``, increasing in the fraction for every schedule)."""
+        if not self.loss_bins:
+            return {}
+        inner = np.linspace(0.0, 1.0, self.loss_bins + 1)[1:-1]
+        which = jnp.searchsorted(self.schedule.time_grid(inner), time, side="right")  # [batch]
+        return {
+            name: Weighted.mean(loss, weights * (which == b))
+            for b, name in enumerate(self.headline_metrics)
         }
 
     def evaluate(self, variables, batch, step: Step):

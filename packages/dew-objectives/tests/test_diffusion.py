@@ -299,13 +299,15 @@ def test_bad_input_is_refused_before_compiling():
     objective = DiffusionObjective(dit)
     good = {"image": np.zeros((2, 8, 8, 1), np.uint8), "label": np.array([0, 9], np.int32)}
     objective.check_batch(good)
-    with pytest.raises(ValueError, match=r"rank 3.*\[batch, H, W, C\]"):
+    with pytest.raises(
+        ValueError, match=r"\(2, 8, 8\), but DiffusionObjective reads \[rows, height"
+    ):
         objective.check_batch({**good, "image": np.zeros((2, 8, 8), np.uint8)})
     with pytest.raises(ValueError, match="multiples of patch_size 2"):
         objective.check_batch({**good, "image": np.zeros((2, 7, 8, 1), np.uint8)})
     with pytest.raises(ValueError, match=r"0\.\.10.*num_classes=10"):
         objective.check_batch({**good, "label": np.array([0, 10], np.int32)})
-    with pytest.raises(KeyError, match="needs 'label'"):
+    with pytest.raises(KeyError, match=r"reads batch\['label'\] \[rows\] integer.*num_classes=10"):
         objective.check_batch({"image": good["image"]})
     with pytest.raises(TypeError, match="int32"):
         objective.check_batch({**good, "image": np.zeros((2, 8, 8, 1), np.int32)})
@@ -326,8 +328,8 @@ def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="use target='x0'"):
         DiffusionObjective(dit, schedule=EDMSchedule(), target="eps")
     text = DiffusionObjective(DiT(**TINY_DIT, context_features=6))
-    with pytest.raises(ValueError, match=r"\[batch=2, tokens, 6\]"):
+    with pytest.raises(ValueError, match=r"reads \[rows, tokens = 3, 6\]"):
         text.check_batch({"image": good["image"], "context": np.zeros((2, 3, 5), np.float32)})
     video = DiffusionObjective(DiT(**TINY_DIT), input_key="video")
-    with pytest.raises(ValueError, match=r"rank 4.*\[batch, F, H, W, C\]"):
+    with pytest.raises(ValueError, match=r"reads \[rows, frames, height, width, 1\].*VideoDiT"):
         video.check_batch({"video": good["image"]})

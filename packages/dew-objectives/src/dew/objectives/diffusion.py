@@ -280,14 +280,34 @@ class DiffusionObjective(TextConditioning, Objective):
         return self.input_key == "video"
 
     def batch_fields(self):
-        """The data (rank from the model when it has ``in_channels``), optional class
-        labels and per-example weights; ``check_batch`` checks the rest."""
-        dims = ("frames", "height", "width", "channels")[0 if self.is_video else 1 :]
-        shape = self.sample_shape or (dims if hasattr(self.model, "in_channels") else None)
-        optional = [
-            BatchField(k, (), t, required=False) for k, t in (("label", IDS), ("weight", FLOATS))
-        ]
-        return (*([BatchField(self.input_key, shape, PIXELS)] if shape else []), *optional)
+        """The data: rows of ``sample_shape``, else channels last with the model's rank and
+        ``in_channels`` (``[F,] height, width, in_channels``), else any shape (a model that
+        states neither); ``label`` (required by a class-conditional model); an optional
+        per-example ``weight``; and the text fields (:meth:`text_fields`). ``check_batch``
+        checks what a declaration cannot state: label values, the patch grid."""
+        if self.sample_shape is not None:
+            shape, note = self.sample_shape, "sample_shape"
+        elif hasattr(self.model, "in_channels"):
+            dims = ("frames", "height", "width")[0 if self.is_video else 1 :]
+            shape = (*dims, int(self.model.in_channels))
+            note = f"channels last, the model's in_channels={self.model.in_channels}" + (
+                "; images go to DiT, videos to VideoDiT" if self.is_video else ""
+            )
+        else:
+            shape, note = None, ""
+        label = BatchField(
+            "label",
+            (),
+            IDS,
+            required=bool(self.num_classes),
+            note=f"class-conditional, num_classes={self.num_classes}" if self.num_classes else "",
+        )
+        return (
+            BatchField(self.input_key, shape, PIXELS, note=note),
+            label,
+            BatchField("weight", (), FLOATS, required=False, note="one weight per example"),
+            *self.text_fields(),
+        )
 
     def example_shape(self) -> tuple[int, ...]:
         """One example's shape: ``sample_shape``, else the model's."""
@@ -626,56 +646,22 @@ class DiffusionObjective(TextConditioning, Objective):
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
-        key = self.input_key
-        rank = 5 if self.is_video else 4
-        layout = "[batch, F, H, W, C]" if self.is_video else "[batch, H, W, C]"
-        if key not in batch:
-            raise KeyError(
-                f"DiffusionObjective needs batch[{key!r}] {layout}; the batch has keys "
-                f"{sorted(batch)}"
-            )
-        x = np.asarray(batch[key])
-        if not (np.issubdtype(x.dtype, np.floating) or x.dtype == np.uint8):
-            raise TypeError(
-                f"batch[{key!r}] holds {x.dtype}; give uint8 pixels (scaled to [-1, 1] inside) "
-                f"or floats (latents)"
-            )
-        want = self.sample_shape
-        if want is not None:
-            if x.shape[1:] != want:
+        """The declared fields (:meth:`batch_fields`), then what they cannot state: the
+        height and width on the model's patch grid, label values and the text batch's
+        values."""
+        super().check_batch(batch)
+        x = np.asarray(batch[self.input_key])
+        patch = int(getattr(self.model, "patch_size", 1))
+        if self.sample_shape is None and hasattr(self.model, "in_channels"):
+            height, width = x.shape[-3:-1]
+            if height % patch or width % patch:
                 raise ValueError(
-                    f"batch[{key!r}] has shape {x.shape}; this objective samples rows of "
-                    f"{want} (sample_shape): give [batch, {', '.join(map(str, want))}]"
+                    f"batch[{self.input_key!r}] has shape {x.shape}: the model takes a height "
+                    f"and width that are multiples of patch_size {patch}; crop or resize (the "
+                    f"model is built for {self.example_shape()})"
                 )
-        elif hasattr(self.model, "in_channels"):
-            if x.ndim != rank:
-                raise ValueError(
-                    f"batch[{key!r}] has shape {x.shape} (rank {x.ndim}); the model takes "
-                    f"{layout} (rank {rank})"
-                    + ("; images go to DiT, videos to VideoDiT" if x.ndim in (4, 5) else "")
-                )
-            patch = int(getattr(self.model, "patch_size", 1))
-            height, width, channels = x.shape[-3:]
-            if channels != self.model.in_channels or height % patch or width % patch:
-                raise ValueError(
-                    f"batch[{key!r}] has shape {x.shape}: the model takes in_channels="
-                    f"{self.model.in_channels} (channels last) and a height and width that are "
-                    f"multiples of patch_size {patch}; crop or resize (the model is built for "
-                    f"{self.example_shape()})"
-                )
-        rows = x.shape[0]
         if self.num_classes:
-            if "label" not in batch:
-                raise KeyError(
-                    f"the model is class-conditional (num_classes={self.num_classes}); the batch "
-                    f"needs 'label' int32 [batch], has keys {sorted(batch)}"
-                )
             label = np.asarray(batch["label"])
-            if label.shape != (rows,) or not np.issubdtype(label.dtype, np.integer):
-                raise ValueError(
-                    f"batch['label'] must be integer [batch={rows}], got {label.dtype} "
-                    f"{label.shape}"
-                )
             if label.size and (label.min() < 0 or label.max() >= self.num_classes):
                 raise ValueError(
                     f"batch['label'] holds {label.min()}..{label.max()}, the model has "
@@ -684,12 +670,7 @@ class DiffusionObjective(TextConditioning, Objective):
                     f"with more classes"
                 )
         if self.context_features:
-            self.check_text_batch(batch, rows)
-        if "weight" in batch and np.shape(batch["weight"]) != (rows,):
-            raise ValueError(
-                f"batch['weight'] must be one weight per example [batch={rows}], got shape "
-                f"{np.shape(batch['weight'])}"
-            )
+            self.check_text_batch(batch)
 
 
 def guided_context_mask(context_mask, guidance: float):

@@ -290,7 +290,7 @@ FAMILIES = {
 }
 
 
-def fit(case: Case, mesh=ONE, accumulate=1, steps=STEPS, checkpoints=None, val=False):
+def fit(case: Case, mesh=ONE, accumulate=1, steps=STEPS, checkpoints=None, val=False, log_every=0):
     trainer = Trainer(
         case.objective,
         case.optimizer,
@@ -300,7 +300,7 @@ def fit(case: Case, mesh=ONE, accumulate=1, steps=STEPS, checkpoints=None, val=F
         checkpoints=checkpoints,
         progress=False,
     )
-    state = trainer.fit(case.data(val=val), steps=steps, log_every=0)
+    state = trainer.fit(case.data(val=val), steps=steps, log_every=log_every)
     return trainer, state
 
 
@@ -357,3 +357,30 @@ def test_family_contract(family, tmp_path):
     for part in ("params", "opt_state", "averaged"):
         for g, w in zip(leaves(getattr(resumed, part)), leaves(getattr(ref, part)), strict=True):
             np.testing.assert_array_equal(g, w, err_msg=part)
+
+
+HEADLINES = {
+    "diffusion": ("loss_t0-0.33", "loss_t0.33-0.67", "loss_t0.67-1"),
+    "dpo": ("accuracy", "margin"),
+    "jepa": ("target_std", "effective_rank"),
+    "ppo": ("score", "kl"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(HEADLINES))
+def test_headline_metrics_are_on_the_printed_log_line(family, capsys):
+    """Each family's headline metrics follow the loss on the printed line (GRPO's in
+    tests/test_objective_cores.py), as finite numbers: the contract's reference run
+    (the same compiled step), logged at its last step."""
+    case = FAMILIES[family]()
+    assert case.objective.headline_metrics == HEADLINES[family]
+    fit(case, log_every=STEPS)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"step {STEPS}: ")]
+    assert len(lines) == 1, lines
+    # "step 2: loss 0.6931, accuracy 0.5000, margin 0.0012, 1,234 tokens/s, ..."
+    parts = lines[0].split(": ", 1)[1].split(", ")
+    assert parts[0].startswith("loss "), lines[0]
+    values = dict(part.split(" ", 1) for part in parts[1 : 1 + len(HEADLINES[family])])
+    assert tuple(values) == HEADLINES[family], lines[0]
+    assert all(np.isfinite(float(v)) for v in values.values()), lines[0]

@@ -95,12 +95,15 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
     jax.tree.map(np.testing.assert_array_equal, resumed.averaged, whole.averaged)
     # the declared target role comes back from the directory alone: the encoder's
-    # moving average on the encoder's module; the encoder role is the live weights
+    # moving average on the encoder's module; the encoder role is the live weights with
+    # averaged=False, and by default the weights JEPA evaluates with (the average)
     model, target = load_model(tmp_path, role="target")
     assert model == trainer.objective.encoder
     jax.tree.map(np.testing.assert_array_equal, target, resumed.averaged["encoder"])
-    _, encoder = load_model(tmp_path, role="encoder")
+    _, encoder = load_model(tmp_path, role="encoder", averaged=False)
     jax.tree.map(np.testing.assert_array_equal, encoder, resumed.params["encoder"])
+    _, default = load_model(tmp_path, role="encoder")
+    jax.tree.map(np.testing.assert_array_equal, default, resumed.averaged["encoder"])
 
 
 # --------------------------------------------- diagnostics on logged steps only

@@ -106,3 +106,68 @@ def test_a_spec_that_does_not_fit_the_declared_fields_is_refused_before_compilin
     data = Dataset(train=prompts, val=None, records=0, batch=PROMPTS, spec=floats)
     with pytest.raises(TypeError, match=r"batch\['prompt'\] holds float32, but GRPOObjective"):
         trainer.fit(data, steps=1)
+
+
+def _diffusion_case():
+    from dew.nn import DiT
+    from dew.nn.testing import TINY_DIT
+    from dew.objectives.diffusion import DiffusionObjective
+
+    spec = {"image": Field((8, 8, 3), np.uint8), "label": Field((), np.int32)}
+    return DiffusionObjective(DiT(**TINY_DIT, num_classes=10)), spec, "label"
+
+
+def _jepa_case():
+    from dew.nn import ViT, ViTPredictor
+    from dew.nn.testing import TINY_PREDICTOR, TINY_VIT
+    from dew.objectives.jepa import JepaObjective
+    from dew.objectives.jepa_masks import MultiBlock
+
+    objective = JepaObjective(
+        ViT(**TINY_VIT),
+        ViTPredictor(**TINY_PREDICTOR),
+        planned_updates=2,
+        masks=MultiBlock(num_targets=2, min_keep=2),
+    )
+    spec = {"image": Field((12, 12, 3), np.uint8), "label": Field((), np.int32)}
+    return objective, spec, "image"
+
+
+def _classifier_distillation_case():
+    import flax.linen as nn
+
+    from dew.objectives.classifier_distillation import ClassifierDistillationObjective
+
+    teacher = nn.Dense(4)
+    params = teacher.init(jax.random.key(1), np.zeros((1, 3), np.float32))["params"]
+    objective = ClassifierDistillationObjective(nn.Dense(4), teacher=teacher, teacher_params=params)
+    spec = {"image": Field((3,), np.float32), "label": Field((), np.int32)}
+    return objective, spec, "image"
+
+
+MISSING = {
+    "diffusion": _diffusion_case,
+    "jepa": _jepa_case,
+    "classifier_distillation": _classifier_distillation_case,
+}
+
+
+@pytest.mark.parametrize("family", sorted(MISSING))
+def test_a_missing_declared_field_is_refused_by_fit_before_compiling(family):
+    """Diffusion, JEPA and classifier distillation declare their fields
+    (``batch_fields``) as LM, DPO, GRPO and PPO do: a dataset whose spec lacks one is
+    refused by ``fit`` with the one generic error, before anything is compiled."""
+    objective, spec, missing = MISSING[family]()
+    spec = {k: v for k, v in spec.items() if k != missing}
+
+    def train(partition):
+        while True:
+            yield {k: np.zeros((4, *f.shape), f.dtype) for k, f in spec.items()}
+
+    data = Dataset(train=train, val=None, records=0, batch=4, spec=spec)
+    trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
+    name = type(objective).__name__
+    with pytest.raises(KeyError, match=rf"{name} reads batch\['{missing}'\] .*which the data"):
+        trainer.fit(data, steps=1)
+    cache = trainer.programs.cache
+    assert not cache.init and not cache.update and not cache.prepare  # nothing compiled

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer, DiT, Transformer, VideoDiT, ViT, ViTPredictor, models
+from dew.nn.backbones import layer_stack_of
 from dew.nn.backbones._options import BlockOptions, StackOptions
 from dew.nn.mlp import ACTIVATION_FNS, ACTIVATIONS, activate
 
@@ -151,3 +152,15 @@ def test_a_grouped_query_vit_equals_the_vit_with_its_key_value_heads_repeated():
 
     got, want = both(jax.random.key(0))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_stack_of_reads_a_backbone_and_its_lora_wrapping_and_nothing_else():
+    from dew.nn.lora import LoRA
+
+    model = CausalTransformer(
+        vocab_size=16, emb_features=8, num_layers=2, num_heads=1, mlp_features=16, max_seq_len=4
+    )
+    assert layer_stack_of(model) == model.layer_stack()
+    wrapped = LoRA(rank=2, alpha=4.0, targets=("layers/attention",)).apply(model)
+    assert layer_stack_of(wrapped) == model.layer_stack()
+    assert layer_stack_of(nn.Dense(3)) is None

@@ -132,5 +132,5 @@ def test_bad_input_is_refused():
         make(beta=2)
     with pytest.raises(ValueError, match="needs the data's spec with 'image'"):
         make().init(jax.random.key(0))
-    with pytest.raises(KeyError, match="the batch has no labels 'label'"):
+    with pytest.raises(KeyError, match=r"reads batch\['label'\] \[rows\] integer"):
         make().check_batch({"image": X})

@@ -81,3 +81,37 @@ def test_objective_contract(name):
     assert any(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
     assert float(loss) == float(loss_again)
     assert all(jnp.ndim(v) == 0 and np.isfinite(float(v)) for v in metrics.values())
+
+
+class _SeedInit(Objective):
+    """The seed's ``init(key)``: the trainer's ``initialize`` must not pass a spec."""
+
+    model = None
+    calls: list
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, key):
+        self.calls.append(())
+        return {"params": {}}
+
+
+class _SpecInit(_SeedInit):
+    init_reads_spec = True
+
+    def init(self, key, spec=None):
+        self.calls.append((spec,))
+        return {"params": {}}
+
+
+def test_initialize_follows_the_declared_init_form_not_its_signature():
+    spec = {"x": ((3,), np.float32)}
+    seed, reads = _SeedInit(), _SpecInit()
+    seed.initialize(jax.random.key(0), spec)
+    reads.initialize(jax.random.key(0), spec)
+    reads.initialize(jax.random.key(0), None)  # no spec declared: the seed's call
+    assert seed.calls == [()] and reads.calls == [(spec,), (None,)]
+    assert LMObjective.init_reads_spec and not Objective.init_reads_spec
+    # the trainer's own accumulation applies unless an objective derives one
+    assert seed.accumulate_for(8) is None

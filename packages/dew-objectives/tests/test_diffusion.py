@@ -85,6 +85,12 @@ def init(objective, seed=0):
 
 def numpy_loss(objective, params, batch, key):
     """The weighted per-example loss, every formula written out in numpy."""
+    per, w, _ = numpy_rows(objective, params, batch, key)
+    return np.sum(w * per) / np.sum(w)
+
+
+def numpy_rows(objective, params, batch, key):
+    """``(loss per row, row weights, drawn time per row)``, in numpy."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x0 = batch["image"].astype(np.float64) / 127.5 - 1.0
     t, eps, drop = draws(objective, key, x0.shape)
@@ -119,8 +125,19 @@ def numpy_loss(objective, params, batch, key):
             "flow": eps - x0,
         }[objective.target]
         per = np.mean((out - target) ** 2, axis=(1, 2, 3))
-    w = batch["weight"].astype(np.float64)
-    return np.sum(w * per) / np.sum(w)
+    return per, batch["weight"].astype(np.float64), t
+
+
+def numpy_time_edges(schedule, fractions):
+    """Times at fractions of the range, as ``eval_times`` reads them: timestep
+    ``round(f (T-1))``, flow time ``f``, EDM's rho-spaced sigma (``f = 1`` the noisiest)."""
+    f = np.asarray(fractions, np.float64)
+    if schedule.family == "ddpm":
+        return np.round(f * (schedule.num_timesteps - 1))
+    if schedule.family == "flow":
+        return f
+    lo, hi = (s ** (1 / schedule.rho) for s in (schedule.sigma_min, schedule.sigma_max))
+    return (lo + f * (hi - lo)) ** schedule.rho
 
 
 CASES = [
@@ -144,6 +161,22 @@ def test_loss_matches_numpy(schedule, target):
     np.testing.assert_allclose(float(loss.value), want, rtol=1e-5)
     np.testing.assert_allclose(float(loss.weight), batch["weight"].sum(), rtol=1e-6)
     assert np.isclose(float(metrics["mse"].value), want, rtol=1e-5) == (schedule.family != "edm")
+    # the loss by time bin (the log line's headline): rows binned by their drawn time
+    per, w, t = numpy_rows(objective, params, batch, key)
+    names = objective.headline_metrics
+    assert names == ("loss_t0-0.33", "loss_t0.33-0.67", "loss_t0.67-1")
+    edges = numpy_time_edges(schedule, [1 / 3, 2 / 3])
+    which = (t[:, None] >= edges[None]).sum(1)
+    for b, name in enumerate(names):
+        got = metrics[name]
+        np.testing.assert_allclose(float(got.weight), w[which == b].sum(), rtol=1e-6)
+        if (which == b).any():
+            want_bin = np.sum((w * per)[which == b]) / np.sum(w[which == b])
+            np.testing.assert_allclose(float(got.value), want_bin, rtol=1e-5)
+    # the bins add up to the loss
+    np.testing.assert_allclose(
+        sum(float(metrics[n].total) for n in names), float(loss.total), rtol=1e-5
+    )
 
 
 def test_condition_dropout_rate_and_null_condition():
@@ -266,13 +299,15 @@ def test_bad_input_is_refused_before_compiling():
     objective = DiffusionObjective(dit)
     good = {"image": np.zeros((2, 8, 8, 1), np.uint8), "label": np.array([0, 9], np.int32)}
     objective.check_batch(good)
-    with pytest.raises(ValueError, match=r"rank 3.*\[batch, H, W, C\]"):
+    with pytest.raises(
+        ValueError, match=r"\(2, 8, 8\), but DiffusionObjective reads \[rows, height"
+    ):
         objective.check_batch({**good, "image": np.zeros((2, 8, 8), np.uint8)})
     with pytest.raises(ValueError, match="multiples of patch_size 2"):
         objective.check_batch({**good, "image": np.zeros((2, 7, 8, 1), np.uint8)})
     with pytest.raises(ValueError, match=r"0\.\.10.*num_classes=10"):
         objective.check_batch({**good, "label": np.array([0, 10], np.int32)})
-    with pytest.raises(KeyError, match="needs 'label'"):
+    with pytest.raises(KeyError, match=r"reads batch\['label'\] \[rows\] integer.*num_classes=10"):
         objective.check_batch({"image": good["image"]})
     with pytest.raises(TypeError, match="int32"):
         objective.check_batch({**good, "image": np.zeros((2, 8, 8, 1), np.int32)})
@@ -293,8 +328,8 @@ def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="use target='x0'"):
         DiffusionObjective(dit, schedule=EDMSchedule(), target="eps")
     text = DiffusionObjective(DiT(**TINY_DIT, context_features=6))
-    with pytest.raises(ValueError, match=r"\[batch=2, tokens, 6\]"):
+    with pytest.raises(ValueError, match=r"reads \[rows, tokens = 3, 6\]"):
         text.check_batch({"image": good["image"], "context": np.zeros((2, 3, 5), np.float32)})
     video = DiffusionObjective(DiT(**TINY_DIT), input_key="video")
-    with pytest.raises(ValueError, match=r"rank 4.*\[batch, F, H, W, C\]"):
+    with pytest.raises(ValueError, match=r"reads \[rows, frames, height, width, 1\].*VideoDiT"):
         video.check_batch({"video": good["image"]})

@@ -163,9 +163,9 @@ def test_export_save_load_samples_with_the_trained_encoder(setup, tmp_path):
 
 def test_bad_input_is_refused_before_compiling(setup):
     trained, _, batch = setup
-    with pytest.raises(KeyError, match=r"needs 'text' int32 \[batch, 6\]"):
+    with pytest.raises(KeyError, match=r"reads batch\['text'\] \[rows, 6\] integer"):
         trained.check_batch({"image": batch["image"]})
-    with pytest.raises(ValueError, match=r"\[batch=4, max_length=6\]"):
+    with pytest.raises(ValueError, match=r"\(4, 3\), but DiffusionObjective reads \[rows, 6\]"):
         trained.check_batch({"image": batch["image"], "text": batch["text"][:, :3]})
     with pytest.raises(ValueError, match=r"vocabulary is 0..263"):
         trained.check_batch({"image": batch["image"], "text": batch["text"] + 300})

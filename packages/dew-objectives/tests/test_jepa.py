@@ -165,9 +165,11 @@ def test_wrong_batches_are_refused_before_compiling():
     obj = objective()
     with pytest.raises(KeyError, match=r"batch\['image'\]"):
         obj.check_batch({"pixels": np.zeros((2, 8, 8, 1), np.uint8)})
-    with pytest.raises(ValueError, match=r"multiples of patch_size 2"):
+    with pytest.raises(
+        ValueError, match=r"\(2, 7, 7, 1\), but JepaObjective reads \[rows, 8, 8, 1\]"
+    ):
         obj.check_batch({"image": np.zeros((2, 7, 7, 1), np.uint8)})
-    with pytest.raises(ValueError, match=r"rows of \(8, 8, 1\)"):
+    with pytest.raises(ValueError, match=r"reads \[rows, 8, 8, 1\] uint8\|floating \(image_size 8"):
         obj.check_batch({"image": np.zeros((2, 8, 8, 3), np.uint8)})
     with pytest.raises(TypeError, match="int32"):
         obj.check_batch({"image": np.zeros((2, 8, 8, 1), np.int32)})

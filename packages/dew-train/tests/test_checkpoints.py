@@ -33,6 +33,8 @@ class WithReference(LMObjective):
     """An LM objective with a frozen collection beside the params (a
     reference policy, as DPO keeps): twice the initial weights."""
 
+    init_reads_spec = False  # the seed's init(key), overriding LMObjective's
+
     def init(self, key):
         variables = dict(super().init(key))
         variables["reference"] = jax.tree.map(
@@ -201,7 +203,7 @@ def test_unusable_newest_checkpoint_is_set_aside(run, capsys):
     assert f"Resuming from step 2 ({directory}/2)" in out
     kept = directory / "4.unfinished"  # a save that never finished: it held no progress
     assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == files  # nothing deleted
-    _, params = load_model(run.reference, step=4)
+    _, params = load_model(run.reference, step=4, averaged=False)
     for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # 2. truncated data files in the newest checkpoint (the rewritten 4)
@@ -218,13 +220,24 @@ def test_unusable_newest_checkpoint_is_set_aside(run, capsys):
 
 def test_load_model_rebuilds_model_and_weights(run):
     state = run.final
-    model, params = load_model(run.reference)
+    model, params = load_model(run.reference, averaged=False)
     assert models.config_of(model) == models.config_of(run.trainer.objective.model)
     for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(state.params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     _, averaged = load_model(run.reference, averaged=True)
     for x, y in zip(jax.tree.leaves(averaged), jax.tree.leaves(state.averaged), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # the default follows the checkpoint: this run kept an EMA and evaluated with it, so
+    # load_model gives the weights its evaluation, previews and export read
+    _, default = load_model(run.reference)
+    want = state.variables()["params"]
+    for x, y in zip(jax.tree.leaves(default), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(
+        np.asarray(default["lm_head"]["kernel"]), np.asarray(state.params["lm_head"]["kernel"])
+    )
+    meta = json.loads((run.reference / "6" / "meta" / "metadata").read_text())
+    assert meta["averaged"] is True and meta["evaluate_averaged"] is True
     with pytest.raises(
         FileNotFoundError,
         match="no committed checkpoint for step 5 in .*committed steps: \\[2, 4, 6\\]",
@@ -362,7 +375,7 @@ def test_each_kind_of_damage_sets_the_checkpoint_aside(run, kind, capsys):
     assert f"kept as {directory}/{kept}, nothing deleted" in out
     assert f"Resuming from step 2 ({directory}/2)" in out
     assert listing(directory / kept) == files  # set aside as it was
-    _, params = load_model(run.reference, step=4)
+    _, params = load_model(run.reference, step=4, averaged=False)
     for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -424,7 +437,7 @@ def test_no_usable_checkpoint_stops_unless_start_fresh(run, capsys):
     out = capsys.readouterr().out
     assert "Starting from step 0 (Checkpoints(start_fresh=True))" in out
     assert "Training from step 0 to 2" in out
-    _, params = load_model(run.reference, step=2)
+    _, params = load_model(run.reference, step=2, averaged=False)
     for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert (directory / "2.unusable").is_dir() and (directory / "2").is_dir()
@@ -480,7 +493,7 @@ def test_unfinished_saves_never_count_as_progress(run, capsys):
     shutil.copytree(run.reference / "6", directory / "5.orbax-checkpoint-tmp")
     os.remove(directory / "5.orbax-checkpoint-tmp" / "commit_success.txt")  # half written
     (directory / "3.unusable").mkdir()  # what earlier versions named an unfinished save
-    _, at_2 = load_model(run.reference, step=2)
+    _, at_2 = load_model(run.reference, step=2, averaged=False)
     for restart in range(3):
         capsys.readouterr()
         state = run.trainer.fit(grain_data(), steps=2, log_every=0)

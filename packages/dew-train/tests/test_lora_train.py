@@ -151,14 +151,16 @@ def test_reference_is_the_base(run, pretrained):
 
 def test_load_model_rebuilds_the_lora_policy(run):
     t, _, final, _ = run
-    model, params = load_model(str(t.directory))
+    model, params = load_model(str(t.directory), averaged=False)
     assert lora_of(model) == LORA
     tokens = np.asarray(next(batches())["text"])[:, :-1]
-    # load_model gives the live weights by default; state.variables() the EMA's
     live = final.variables(averaged=False)["params"]
     want = jax.jit(t.objective.model.apply)({"params": live}, tokens)
     got = jax.jit(model.apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # by default load_model follows the checkpoint: the EMA weights, as state.variables()
+    _, default = load_model(str(t.directory))
+    jax.tree.map(np.testing.assert_array_equal, default, final.variables()["params"])
     # the declared relations come back too: the reference is the base without adapters
     # (stored once), the target the policy's moving average (the EMA of the adapters)
     base_model, base = load_model(str(t.directory), role="reference")

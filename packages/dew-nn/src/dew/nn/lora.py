@@ -40,6 +40,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dew.nn.backbones import layer_stack_of
+
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
 
@@ -125,9 +127,8 @@ class LoRA:
 def _both_layouts(module: nn.Module, paths: list[str]) -> tuple[str, ...]:
     """Exact patterns for ``paths`` and, in a layer stack, their other layout."""
     patterns = [re.escape(p) for p in paths]
-    stack = getattr(module, "layer_stack", None)
+    stack = layer_stack_of(module)
     if stack is not None:
-        stack = stack()
         for path in paths:
             head, _, rest = path.partition("/")
             if head == stack.name and rest:

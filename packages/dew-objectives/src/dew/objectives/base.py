@@ -466,6 +466,12 @@ class Objective:
         feeds (:class:`Updates`); ignored without it.
       headline_metrics: metric names the trainer prints on each log line after the
         loss (``("reward", "kl")``); every metric is in ``metrics.jsonl`` regardless.
+      init_reads_spec: :meth:`init` takes the data's batch spec (``init(key,
+        spec=...)``). Dew's families set it; an objective of your own that writes
+        ``init(self, key)`` (the seed's form) leaves it False, one that writes
+        ``init(self, key, spec=None)`` sets it True, and a subclass of a Dew family
+        that overrides ``init`` without ``spec`` sets it back to False. The trainer
+        reads the declaration (:meth:`initialize`), never the method's signature.
 
     The loss's value and metrics may carry weights (:mod:`dew.objectives.weighted`):
     a plain scalar means equal weight per example row.
@@ -476,6 +482,7 @@ class Objective:
     evaluate_averaged: bool = True
     prepared_updates: Updates = Updates()
     headline_metrics: tuple[str, ...] = ()
+    init_reads_spec: bool = False
 
     def roles(self) -> tuple[Role, ...]:
         """The models this objective uses, named from :data:`ROLE_NAMES`, with their
@@ -500,10 +507,30 @@ class Objective:
         ``nn.LogicallyPartitioned`` boxes (the trainer shards and unboxes them).
 
         spec: the data's batch spec, ``{key: Field(shape per row, dtype)}``
-          (``dew.data.Dataset.spec``), so shapes are stated once, by the data.
-          An ``init(self, key)`` without it stays valid.
+          (``dew.data.Dataset.spec``; None when the data declares none), so shapes
+          are stated once, by the data. Read only when :attr:`init_reads_spec` is
+          True; the seed's ``init(self, key)`` stays valid (see :meth:`initialize`).
         """
         raise NotImplementedError
+
+    def initialize(self, key: jax.Array, spec: Mapping[str, Any] | None = None) -> Variables:
+        """What the trainer calls to initialise the variables for data of batch spec
+        ``spec``: ``init(key, spec=spec)`` when :attr:`init_reads_spec` and the data
+        declares a spec, else the seed's ``init(key)``. An objective inherits this and
+        implements :meth:`init`; the declaration, not the method's signature, says which
+        form ``init`` has, so an ``init(self, key)`` written against the seed's contract
+        keeps working."""
+        if self.init_reads_spec and spec is not None:
+            return self.init(key, spec=spec)
+        return self.init(key)
+
+    def accumulate_for(self, data_parallel: int) -> int | None:
+        """The trainer's accumulation (microbatches per update) when the objective
+        sizes its own microbatches from the ``data_parallel`` devices
+        (``FlowGRPOObjective(device_rows=...)``); None (the default) = the trainer's own
+        ``accumulate`` applies. A number here replaces it: the trainer's
+        ``accumulate`` must then be 1 or that number."""
+        return None
 
     def prepare(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
         """Optional: turn a data batch into a training batch, compiled and without

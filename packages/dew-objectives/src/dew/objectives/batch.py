@@ -35,7 +35,8 @@ class BatchField:
     key: the batch key.
     shape: one row's shape (no batch axis); each size an int, or a symbol (a
       str) that takes the first size it meets; every use of a symbol in one
-      declaration must agree.
+      declaration must agree. None = any row shape (a model that does not state
+      its input's: only the key and the dtype are matched).
     dtype: the dtypes accepted: kinds ``"integer"``, ``"bool"``, ``"floating"``
       or numpy dtype names (``"uint8"``).
     required: False = read when present (precomputed reference log-probs).
@@ -44,7 +45,7 @@ class BatchField:
     """
 
     key: str
-    shape: tuple[int | str, ...]
+    shape: tuple[int | str, ...] | None
     dtype: tuple[str, ...]
     required: bool = True
     note: str = ""
@@ -58,6 +59,8 @@ class BatchField:
 
     def wanted(self, sizes: Mapping[str, int]) -> str:
         """``[rows, length = 12] integer`` with the sizes bound so far."""
+        if self.shape is None:
+            return f"[rows, ...] {'|'.join(self.dtype)}"
         dims = [f"{d} = {sizes[d]}" if isinstance(d, str) and d in sizes else d for d in self.shape]
         note = f" ({self.note})" if self.note else ""
         return f"{_rows(dims)} {'|'.join(self.dtype)}{note}"
@@ -110,8 +113,9 @@ def check_batch_spec(
             )
         given = spec[field.key]
         shape = tuple(int(s) for s in given.shape)
-        fits = len(shape) == len(field.shape)
-        for want, size in zip(field.shape, shape, strict=False):
+        fits = field.shape is None or len(shape) == len(field.shape)
+        # another rank binds no symbol: the error shows the declaration as it is
+        for want, size in zip(field.shape or (), shape if fits else (), strict=False):
             if isinstance(want, str):
                 fits &= sizes.setdefault(want, size) == size
             else:

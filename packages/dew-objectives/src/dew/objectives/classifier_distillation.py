@@ -90,22 +90,15 @@ class ClassifierDistillationObjective(Objective):
             Role(name="teacher", module=self.teacher, trained=False),
         )
 
-    def batch_fields(self):  # the input's shape is the models' to state
-        if self.label_key is None:
-            return ()
-        return (BatchField(self.label_key, (), IDS, required=bool(self.alpha)),)
+    def batch_fields(self):
+        """The models' input (any row shape: the models state theirs, and ``init`` reads
+        it from the data's spec) and, with ``alpha``, the integer labels."""
+        fields = [BatchField(self.input_key, None, ("bool", "integer", "floating", "bfloat16"))]
+        if self.label_key is not None:
+            fields.append(BatchField(self.label_key, (), IDS, required=bool(self.alpha)))
+        return tuple(fields)
 
-    def check_batch(self, batch):
-        if self.input_key not in batch:
-            raise KeyError(
-                f"{type(self).__name__}: the batch has no {self.input_key!r} (keys "
-                f"{sorted(batch)}); set input_key= to the key of the models' input"
-            )
-        if self.alpha and self.label_key not in batch:
-            raise KeyError(
-                f"{type(self).__name__}(alpha={self.alpha}): the batch has no labels "
-                f"{self.label_key!r} (keys {sorted(batch)})"
-            )
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         if spec is None or self.input_key not in spec:

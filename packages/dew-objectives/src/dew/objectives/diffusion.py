@@ -187,6 +187,12 @@ class DiffusionObjective(TextConditioning, Objective):
       at fraction ``f`` of the rho-spaced range (1 = ``sigma_max``).
     eval_seed: the seed of evaluation's noise: the same noise for every batch of a
       shape and every run, so loss curves of two runs compare.
+    loss_bins: the training loss is also reported in this many equal bins of the time
+      fraction (the fractions of ``eval_times``: timestep ``t / (T-1)``, flow time,
+      EDM's rho-spaced sigma), named ``loss_t0-0.33``, ``loss_t0.33-0.67``,
+      ``loss_t0.67-1`` for 3, and printed on the log line (``headline_metrics``); each
+      is the weighted mean over the rows whose drawn time fell in the bin (NaN over a
+      log interval in which none did). 0 = none.
     text_encoder: the :class:`dew.sampling.TextEncoder` that made ``batch['context']``
       (a frozen checkpoint, ``TextEncoder.load``); :meth:`export` puts it in the
       text-to-image/video pipeline and :meth:`preview` encodes ``preview_prompts``
@@ -215,6 +221,7 @@ class DiffusionObjective(TextConditioning, Objective):
     guidance: float = 1.0
     eval_times: tuple[float, ...] = EVAL_FRACTIONS
     eval_seed: int = 0
+    loss_bins: int = 3
     text_encoder: Any = None
     train_text_encoder: bool = False
     text_key: str = "text"
@@ -241,11 +248,19 @@ class DiffusionObjective(TextConditioning, Objective):
             self.sample_shape = tuple(int(s) for s in self.sample_shape)
         if not all(0.0 <= f <= 1.0 for f in self.eval_times):
             raise ValueError(f"eval_times are fractions in [0, 1], got {self.eval_times}")
+        if self.loss_bins < 0:
+            raise ValueError(f"loss_bins must be >= 0 (0 = none), got {self.loss_bins}")
         self.check_guidance(self.guidance)
         if self.preview_count < 0:
             raise ValueError(f"preview_count must be >= 0 samples, got {self.preview_count}")
         self.preview_prompts = tuple(self.preview_prompts)
         self.check_text_options()
+
+    @property
+    def headline_metrics(self) -> tuple[str, ...]:
+        """The training loss by time bin (``loss_bins``), on the printed log line."""
+        edges = np.linspace(0.0, 1.0, self.loss_bins + 1)
+        return tuple(f"loss_t{lo:.2g}-{hi:.2g}" for lo, hi in zip(edges[:-1], edges[1:]))
 
     # ------------------------------------------------------------- model facts
     @property
@@ -265,14 +280,34 @@ class DiffusionObjective(TextConditioning, Objective):
         return self.input_key == "video"
 
     def batch_fields(self):
-        """The data (rank from the model when it has ``in_channels``), optional class
-        labels and per-example weights; ``check_batch`` checks the rest."""
-        dims = ("frames", "height", "width", "channels")[0 if self.is_video else 1 :]
-        shape = self.sample_shape or (dims if hasattr(self.model, "in_channels") else None)
-        optional = [
-            BatchField(k, (), t, required=False) for k, t in (("label", IDS), ("weight", FLOATS))
-        ]
-        return (*([BatchField(self.input_key, shape, PIXELS)] if shape else []), *optional)
+        """The data: rows of ``sample_shape``, else channels last with the model's rank and
+        ``in_channels`` (``[F,] height, width, in_channels``), else any shape (a model that
+        states neither); ``label`` (required by a class-conditional model); an optional
+        per-example ``weight``; and the text fields (:meth:`text_fields`). ``check_batch``
+        checks what a declaration cannot state: label values, the patch grid."""
+        if self.sample_shape is not None:
+            shape, note = self.sample_shape, "sample_shape"
+        elif hasattr(self.model, "in_channels"):
+            dims = ("frames", "height", "width")[0 if self.is_video else 1 :]
+            shape = (*dims, int(self.model.in_channels))
+            note = f"channels last, the model's in_channels={self.model.in_channels}" + (
+                "; images go to DiT, videos to VideoDiT" if self.is_video else ""
+            )
+        else:
+            shape, note = None, ""
+        label = BatchField(
+            "label",
+            (),
+            IDS,
+            required=bool(self.num_classes),
+            note=f"class-conditional, num_classes={self.num_classes}" if self.num_classes else "",
+        )
+        return (
+            BatchField(self.input_key, shape, PIXELS, note=note),
+            label,
+            BatchField("weight", (), FLOATS, required=False, note="one weight per example"),
+            *self.text_fields(),
+        )
 
     def example_shape(self) -> tuple[int, ...]:
         """One example's shape: ``sample_shape``, else the model's."""
@@ -302,6 +337,8 @@ class DiffusionObjective(TextConditioning, Objective):
             )
 
     # --------------------------------------------------------------------- init
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         shape = self.example_shape() if spec is None or self.input_key not in spec else None
         if shape is None:
@@ -437,7 +474,21 @@ class DiffusionObjective(TextConditioning, Objective):
         )
         weights = self._row_weights(batch, rows)
         return Weighted.mean(loss, weights), {
-            k: Weighted.mean(v, weights) for k, v in metrics.items()
+            **{k: Weighted.mean(v, weights) for k, v in metrics.items()},
+            **self._loss_by_time(loss, time, weights),
+        }
+
+    def _loss_by_time(self, loss, time, weights) -> dict[str, Weighted]:
+        """``loss [batch]`` as weighted means over the rows whose ``time [batch]`` falls
+        in each of ``loss_bins`` equal fractions of the time range (edges from
+        ``schedule.time_grid``, increasing in the fraction for every schedule)."""
+        if not self.loss_bins:
+            return {}
+        inner = np.linspace(0.0, 1.0, self.loss_bins + 1)[1:-1]
+        which = jnp.searchsorted(self.schedule.time_grid(inner), time, side="right")  # [batch]
+        return {
+            name: Weighted.mean(loss, weights * (which == b))
+            for b, name in enumerate(self.headline_metrics)
         }
 
     def evaluate(self, variables, batch, step: Step):
@@ -595,56 +646,22 @@ class DiffusionObjective(TextConditioning, Objective):
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
-        key = self.input_key
-        rank = 5 if self.is_video else 4
-        layout = "[batch, F, H, W, C]" if self.is_video else "[batch, H, W, C]"
-        if key not in batch:
-            raise KeyError(
-                f"DiffusionObjective needs batch[{key!r}] {layout}; the batch has keys "
-                f"{sorted(batch)}"
-            )
-        x = np.asarray(batch[key])
-        if not (np.issubdtype(x.dtype, np.floating) or x.dtype == np.uint8):
-            raise TypeError(
-                f"batch[{key!r}] holds {x.dtype}; give uint8 pixels (scaled to [-1, 1] inside) "
-                f"or floats (latents)"
-            )
-        want = self.sample_shape
-        if want is not None:
-            if x.shape[1:] != want:
+        """The declared fields (:meth:`batch_fields`), then what they cannot state: the
+        height and width on the model's patch grid, label values and the text batch's
+        values."""
+        super().check_batch(batch)
+        x = np.asarray(batch[self.input_key])
+        patch = int(getattr(self.model, "patch_size", 1))
+        if self.sample_shape is None and hasattr(self.model, "in_channels"):
+            height, width = x.shape[-3:-1]
+            if height % patch or width % patch:
                 raise ValueError(
-                    f"batch[{key!r}] has shape {x.shape}; this objective samples rows of "
-                    f"{want} (sample_shape): give [batch, {', '.join(map(str, want))}]"
+                    f"batch[{self.input_key!r}] has shape {x.shape}: the model takes a height "
+                    f"and width that are multiples of patch_size {patch}; crop or resize (the "
+                    f"model is built for {self.example_shape()})"
                 )
-        elif hasattr(self.model, "in_channels"):
-            if x.ndim != rank:
-                raise ValueError(
-                    f"batch[{key!r}] has shape {x.shape} (rank {x.ndim}); the model takes "
-                    f"{layout} (rank {rank})"
-                    + ("; images go to DiT, videos to VideoDiT" if x.ndim in (4, 5) else "")
-                )
-            patch = int(getattr(self.model, "patch_size", 1))
-            height, width, channels = x.shape[-3:]
-            if channels != self.model.in_channels or height % patch or width % patch:
-                raise ValueError(
-                    f"batch[{key!r}] has shape {x.shape}: the model takes in_channels="
-                    f"{self.model.in_channels} (channels last) and a height and width that are "
-                    f"multiples of patch_size {patch}; crop or resize (the model is built for "
-                    f"{self.example_shape()})"
-                )
-        rows = x.shape[0]
         if self.num_classes:
-            if "label" not in batch:
-                raise KeyError(
-                    f"the model is class-conditional (num_classes={self.num_classes}); the batch "
-                    f"needs 'label' int32 [batch], has keys {sorted(batch)}"
-                )
             label = np.asarray(batch["label"])
-            if label.shape != (rows,) or not np.issubdtype(label.dtype, np.integer):
-                raise ValueError(
-                    f"batch['label'] must be integer [batch={rows}], got {label.dtype} "
-                    f"{label.shape}"
-                )
             if label.size and (label.min() < 0 or label.max() >= self.num_classes):
                 raise ValueError(
                     f"batch['label'] holds {label.min()}..{label.max()}, the model has "
@@ -653,12 +670,7 @@ class DiffusionObjective(TextConditioning, Objective):
                     f"with more classes"
                 )
         if self.context_features:
-            self.check_text_batch(batch, rows)
-        if "weight" in batch and np.shape(batch["weight"]) != (rows,):
-            raise ValueError(
-                f"batch['weight'] must be one weight per example [batch={rows}], got shape "
-                f"{np.shape(batch['weight'])}"
-            )
+            self.check_text_batch(batch)
 
 
 def guided_context_mask(context_mask, guidance: float):

@@ -572,6 +572,8 @@ class DistillationObjective(Objective):
             return int(tuple(spec["prompt"].shape)[0]) + (new or 0)
         return int(getattr(self.student, "max_seq_len", None) or 8)
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         length = self._length(spec)
         self.policy.check_positions(length, where="the rows", fix="use shorter rows")

@@ -165,6 +165,8 @@ class DPOObjective(Objective):
         ids = [BatchField(k, ("length",), IDS if k in self.keys[::2] else MASK) for k in self.keys]
         return (*ids, *(BatchField(k, (), FLOATS, required=False) for k in REF_KEYS))
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         chosen = self.keys[0]
         if spec is not None and chosen in spec:

@@ -352,6 +352,8 @@ class FlowGRPOObjective(Objective):
         return (BatchField("label", (), IDS),) if self.num_classes else ()
 
     # ------------------------------------------------------------------- init
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         x = jnp.zeros((1, *self.example_shape()), jnp.float32)
         dummy = {}

@@ -224,6 +224,8 @@ class GRPOObjective(Objective):
     def batch_fields(self):
         return prompt_fields()
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         length = self.max_new_tokens
         if spec is not None and "prompt" in spec:

@@ -219,12 +219,18 @@ class JepaObjective(Objective):
         )
 
     def batch_fields(self):
-        return (BatchField(self.input_key, self.input_shape, PIXELS),)
+        """The encoder's input: rows of :attr:`input_shape`, uint8 pixels or floats."""
+        grid = self.encoder.grid
+        frames = f", {grid.num_frames} frames" if grid.is_video else ""
+        note = f"image_size {grid.image_size}, patch_size {grid.patch_size}{frames}"
+        return (BatchField(self.input_key, self.input_shape, PIXELS, note=note),)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         """One example's pixels, ``(H, W, C)`` or ``(F, H, W, C)``."""
         return tuple(self.encoder.grid.pixel_shape(self.encoder.num_channels))
+
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         if spec is not None and self.input_key in spec:
@@ -317,38 +323,6 @@ class JepaObjective(Objective):
         return {"loss": loss, **metrics}
 
     # ------------------------------------------------------- checks, export
-    def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
-        key = self.input_key
-        if key not in batch:
-            raise KeyError(
-                f"JepaObjective needs batch[{key!r}] "
-                f"({'[batch, F, H, W, C]' if key == 'video' else '[batch, H, W, C]'}); the batch "
-                f"has keys {sorted(batch)}"
-            )
-        pixels = np.asarray(batch[key])
-        want = self.input_shape
-        if pixels.shape[1:] == want:
-            if not (np.issubdtype(pixels.dtype, np.floating) or pixels.dtype == np.uint8):
-                raise TypeError(
-                    f"batch[{key!r}] holds {pixels.dtype}; give uint8 pixels (scaled to [-1, 1] "
-                    f"inside) or floats"
-                )
-            return
-        grid = self.encoder.grid
-        hint = "resize or crop the inputs, or build the encoder for their size"
-        if pixels.ndim == len(want) + 1:
-            sides = pixels.shape[-3:-1]
-            if any(s % grid.patch_size for s in sides):
-                hint = (
-                    f"height and width {tuple(sides)} must be multiples of patch_size "
-                    f"{grid.patch_size}; crop or resize to {want}"
-                )
-        raise ValueError(
-            f"batch[{key!r}] has shape {pixels.shape}; the encoder reads rows of {want} "
-            f"(image_size {grid.image_size}, patch_size {grid.patch_size}"
-            f"{f', {grid.num_frames} frames' if grid.is_video else ''}): {hint}"
-        )
-
     def export(self, variables, *, pooling: str = "mean"):
         """A :class:`dew.sampling.features.FeatureExtractor` of
         ``variables['params']['encoder']``: the target encoder for

@@ -181,6 +181,8 @@ class LMObjective(Objective):
         self._check_seq_len(row, f"the data's {self.text_key!r} row length - 1")
         return row
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         seq_len = self.positions(spec)
         variables = self.model.init(key, jnp.zeros((1, seq_len), jnp.int32))

@@ -249,6 +249,8 @@ class MaskedDiffusionObjective(Objective):
             )
 
     # ------------------------------------------------------------------- init
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         length = self.model_positions(self.length_of(spec))
         inputs = jnp.zeros((1, length), jnp.int32)

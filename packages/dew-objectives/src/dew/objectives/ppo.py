@@ -265,6 +265,8 @@ class PPOObjective(Objective):
     def batch_fields(self):
         return prompt_fields()
 
+    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
+
     def init(self, key, spec=None):
         k_policy, k_value = jax.random.split(key)
         prompt_len = int(tuple(spec["prompt"].shape)[0]) if spec and "prompt" in spec else 1

@@ -31,8 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.objectives.base import Role, with_initial_values
+from dew.objectives.batch import IDS, MASK, BatchField
 from dew.sampling.diffusion_pipelines import TextToImage, TextToVideo
 from dew.sampling.text_encoders import encode_tokens
+
+CONTEXTS = ("floating", "bfloat16")  # text embeddings
 
 
 class TextConditioning:
@@ -135,50 +138,40 @@ class TextConditioning:
         return task(**fields, text_encoder=encoder, null_context=null)
 
     # ------------------------------------------------------------------ checks
-    def check_text_batch(self, batch: Mapping[str, np.ndarray], rows: int) -> None:
-        """A text-conditioned batch: token ids for a trained encoder, else contexts
-        ``[rows, tokens, features]``; and a ``null_context`` of the contexts' shape."""
+    def text_fields(self) -> tuple[BatchField, ...]:
+        """The text batch fields: token ids ``[max_length]`` for a trained encoder, else
+        contexts ``[tokens, context_features]`` (and an optional ``context_mask``
+        ``[tokens]``); none for a model without ``context_features``."""
+        if not self.context_features:
+            return ()
         if self.train_text_encoder:
-            self._check_token_ids(batch, rows)
+            length = self.text_encoder.max_length
+            note = f"max_length={length} token ids: text_encoder.tokenize(captions)"
+            return (BatchField(self.text_key, (length,), IDS, note=note),)
+        features = self.context_features
+        note = f"text embeddings, context_features={features}"
+        return (
+            BatchField("context", ("tokens", features), CONTEXTS, note=note),
+            BatchField("context_mask", ("tokens",), MASK, required=False),
+        )
+
+    def check_text_batch(self, batch: Mapping[str, np.ndarray]) -> None:
+        """The values :meth:`text_fields` cannot state: token ids in the encoder's
+        vocabulary, and a ``null_context`` of the contexts' shape."""
+        if self.train_text_encoder:
+            self._check_token_ids(batch)
             return
-        if "context" not in batch:
-            raise KeyError(
-                f"the model reads text embeddings (context_features="
-                f"{self.context_features}); the batch needs 'context' [batch, tokens, "
-                f"{self.context_features}], has keys {sorted(batch)}"
-            )
         context = np.asarray(batch["context"])
-        if (
-            context.ndim != 3
-            or context.shape[0] != rows
-            or context.shape[2] != self.context_features
-        ):
-            raise ValueError(
-                f"batch['context'] has shape {context.shape}; give [batch={rows}, tokens, "
-                f"{self.context_features}] text embeddings"
-            )
         if self.null_context is not None and np.shape(self.null_context) != context.shape[1:]:
             raise ValueError(
                 f"null_context has shape {np.shape(self.null_context)}, the batch's context "
                 f"rows {context.shape[1:]}: give the null prompt's embeddings at that shape"
             )
 
-    def _check_token_ids(self, batch, rows: int) -> None:
-        """The token ids of a trained text encoder: integer ``[rows, max_length]`` in the
-        encoder's vocabulary."""
+    def _check_token_ids(self, batch) -> None:
+        """The token ids of a trained text encoder in the encoder's vocabulary."""
         length = self.text_encoder.max_length
-        if self.text_key not in batch:
-            raise KeyError(
-                f"the text encoder is trained with the model; the batch needs "
-                f"{self.text_key!r} int32 [batch, {length}] token ids "
-                f"(text_encoder.tokenize(captions)), has keys {sorted(batch)}"
-            )
         ids = np.asarray(batch[self.text_key])
-        if ids.shape != (rows, length) or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(
-                f"batch[{self.text_key!r}] must be integer [batch={rows}, max_length={length}] "
-                f"token ids, got {ids.dtype} {ids.shape}: tokenize with text_encoder.tokenize"
-            )
         vocab = getattr(self.text_encoder.module, "vocab_size", None)
         if vocab and ids.size and (ids.min() < 0 or ids.max() >= vocab):
             raise ValueError(

@@ -19,7 +19,7 @@ def load_model(
     directory: str | os.PathLike,
     *,
     step: int | None = None,
-    averaged: bool = False,
+    averaged: bool | None = None,
     role: str | None = None,
 ) -> tuple[Any, Any]:
     """``(model, params)`` rebuilt from a checkpoint directory alone.
@@ -28,16 +28,21 @@ def load_model(
     checkpoint (``dew.nn.models.build``); params are the newest committed
     checkpoint's (or ``step``'s), on the default device.
 
-    averaged: return the moving-average weights (``TrainState.averaged``)
-      instead of the live ones.
+    averaged: None (the default) follows the checkpoint: the moving-average weights
+      (``TrainState.averaged``) when the run kept an average and evaluated with it
+      (an objective's ``ema``, or an averaged role such as JEPA's ``target``, with
+      ``Objective.evaluate_averaged``), the weights its evaluation, previews and
+      exports read (``TrainState.variables()``); else the live ones. True = the
+      moving average (ValueError when the run kept none); False = the live
+      weights. A frozen role has no average: None gives its weights, True raises.
     role: which of the objective's models (``Objective.roles()``, by their names
       in ``dew.objectives.ROLE_NAMES``): a trained one (``"policy"``,
       ``"encoder"``), a frozen one (``"reference"``, ``"teacher"``), an averaged
       one (``"target"``: the moving average of the role it averages, whatever
       ``averaged`` says) or a LoRA base view (``Role(initial_from=...)`` a LoRA role:
-      the base model without adapters); None = the trained parameters as they are
-      (``TrainState.params``: one role's tree, or a dict by role) with the first
-      trained role's model.
+      the base model without adapters); None = every trained role's parameters
+      (one role's tree, or a dict by role, as ``TrainState.params`` holds them) with
+      the first trained role's model.
     """
     directory = os.path.abspath(os.fspath(directory))
     candidates = [path for s, path in step_dirs(directory) if step is None or s == step]
@@ -71,10 +76,19 @@ def _source(roles: dict, name: str) -> str:
     return roles[name].get("averages", name)
 
 
-def _role_place(path: str, meta: dict, role: str | None, averaged: bool):
+def reads_average(meta: dict) -> bool:
+    """Whether the run of checkpoint ``meta`` evaluated, previewed and exported with
+    its moving average (``load_model``'s default). A checkpoint written before
+    ``evaluate_averaged`` was recorded: whether it keeps one (every Dew family then
+    evaluated with it)."""
+    return bool(meta.get("evaluate_averaged", meta.get("averaged", False)))
+
+
+def _role_place(path: str, meta: dict, role: str | None, averaged: bool | None):
     """``(model record, tree path, LoRA of the adapters there or None)`` of ``role``
-    in the saved state."""
-    field = "averaged" if averaged else "params"
+    in the saved state; ``averaged`` None follows the checkpoint (:func:`reads_average`)."""
+    use_average = reads_average(meta) if averaged is None else averaged
+    field = "averaged" if use_average else "params"
     roles = meta.get("roles")
     if not roles:  # written before roles were recorded: one model
         if role is not None:
@@ -114,7 +128,7 @@ def _role_place(path: str, meta: dict, role: str | None, averaged: bool):
     return record.get("model"), ("frozen", role, "params"), None
 
 
-def _load_model(path: str, *, averaged: bool, role: str | None = None) -> tuple[Any, Any]:
+def _load_model(path: str, *, averaged: bool | None, role: str | None = None) -> tuple[Any, Any]:
     from dew.nn import models
 
     meta = json.loads(read_text(os.path.join(path, "meta", "metadata")))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -124,10 +123,7 @@ class Programs:
     def __post_init__(self):
         # An objective that sizes its own microbatches (FlowGRPOObjective(device_rows=))
         # derives the accumulation from the data-parallel devices.
-        accumulate_for = getattr(self.objective, "accumulate_for", None)
-        derived = accumulate_for and accumulate_for(
-            data_parallel_size(self.device_mesh, self.rules)
-        )
+        derived = self.objective.accumulate_for(data_parallel_size(self.device_mesh, self.rules))
         if derived:
             if self.accumulate not in (1, derived):
                 raise ValueError(
@@ -164,10 +160,9 @@ class Programs:
     def create(self, key: jax.Array, spec=None) -> TrainState:
         """The initial state, parameters still in their logical-axis boxes."""
         k_init, k_run = jax.random.split(key)
-        init = self.objective.init
-        # an objective's own ``init(self, key)`` without ``spec`` stays valid
-        takes_spec = spec is not None and "spec" in inspect.signature(init).parameters
-        variables = dict(init(k_init, spec=spec) if takes_spec else init(k_init))
+        # ``Objective.initialize``: ``init(key, spec=)`` or the seed's ``init(key)``,
+        # as the objective declares (``init_reads_spec``)
+        variables = dict(self.objective.initialize(k_init, spec))
         if "params" not in variables:
             raise ValueError(
                 f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "

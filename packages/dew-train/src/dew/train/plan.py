@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import optax
 
+from dew.nn.backbones import layer_stack_of
 from dew.nn.pipeline import bubble_fraction
 from dew.objectives import Objective
 from dew.train._programs import Programs
@@ -115,8 +116,7 @@ def pipeline_of(objective: Objective) -> tuple[float | None, str]:
     (the largest bubble), ``(None, '')`` when none is pipelined."""
     found = []
     for role in objective.roles():
-        layer_stack = getattr(role.module, "layer_stack", None)
-        stack = layer_stack() if callable(layer_stack) else None
+        stack = layer_stack_of(role.module)
         if stack is None or stack.num_stages <= 1:
             continue
         s, m, r = stack.num_stages, stack.microbatches, stack.num_repeats

@@ -13,7 +13,6 @@ shardings, compiled programs), the loop :func:`~dew.train.training_steps`
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -23,14 +22,13 @@ import optax
 
 from dew.data import Dataset, Partition
 from dew.nn.keywords import check_keywords
-from dew.nn.lora import base_module, lora_of
 from dew.objectives import Objective, check_batch_spec
 from dew.objectives.rl import raising_ratio_errors
 from dew.train import _default_hooks as defaults
+from dew.train._checkpoint_meta import checkpoint_meta, first_trained_record
 from dew.train._fit_input import check_fit_arguments, check_resume, check_spec
 from dew.train._loop import training_steps
 from dew.train._programs import INIT_CPU_OPTIONS, Programs, check_roles
-from dew.train._roles import keeps_average, relations_record
 from dew.train._run import HookRunner, Pending, Saver
 from dew.train.checkpoints import Checkpoints, resume_position
 from dew.train.goodput import Goodput
@@ -61,8 +59,8 @@ class Trainer:
     rules: logical-axis -> mesh-axis table; None = ``DEFAULT_RULES``.
     accumulate: split each global batch (or prepared minibatch) into this many
       microbatches and apply one update; losses divide once by the total weight. An
-      objective with ``accumulate_for(data_parallel)`` (``FlowGRPOObjective(device_rows=)``)
-      derives it from the mesh; leave it at 1 then.
+      objective whose ``accumulate_for(data_parallel)`` returns a number derives it from
+      the mesh (``FlowGRPOObjective(device_rows=)``); leave it at 1 then.
     max_rejected: stop with an error after more than this many consecutive
       steps with a non-finite loss or gradient.
     run_dir: where ``metrics.jsonl`` and TensorBoard events go; None = the
@@ -341,7 +339,7 @@ class Trainer:
             )
         saver = None
         if session is not None:
-            meta = checkpoint_meta(self.objective, self.roles, data, programs.per_batch)
+            meta = checkpoint_meta(programs, data.batch)
             saver = Saver(session, train_iter, meta, restored.step if restored else None)
         rows = data.batch // max(1, jax.process_count())
 
@@ -420,7 +418,7 @@ class Trainer:
                     init_opt_state=jax.jit(
                         self.programs.optimizer.init, out_shardings=shardings.opt_state
                     ),
-                    model=_first_trained_record(self.roles),
+                    model=first_trained_record(self.roles),
                 )
         if restored is None:
             with goodput.measure("init"):
@@ -526,38 +524,6 @@ def as_optax(optimizer) -> optax.GradientTransformation:
     )
 
 
-def checkpoint_meta(objective, roles, data, per_batch: int) -> dict:
-    """What a checkpoint records besides the state: each role's registry name
-    and config (so ``load_model`` can rebuild it), the batch size."""
-    meta: dict[str, Any] = {
-        "averaged": keeps_average(objective, roles),
-        "batch": data.batch,
-        "prepared_updates": per_batch,
-    }
-    records = {}
-    for role in roles:
-        records[role.name] = {
-            "trained": role.trained,
-            **relations_record(role),
-            **_model_record(base_module(role.module)),
-        }
-        if lora_of(role.module) is not None:
-            records[role.name]["lora"] = dataclasses.asdict(lora_of(role.module))
-    meta["roles"] = records
-    trained = [r for r in roles if r.trained]
-    first = records[trained[0].name] if trained else {"model": None}
-    meta["model"] = first.get("model")
-    if "model_note" in first:
-        meta["model_note"] = first["model_note"]
-    return meta
-
-
-def _first_trained_record(roles) -> dict | None:
-    """The first trained role's ``{"name", "config"}`` (a checkpoint's ``model``)."""
-    trained = [r for r in roles if r.trained]
-    return _model_record(base_module(trained[0].module)).get("model") if trained else None
-
-
 def _model_line(abstract, shardings) -> str:
     count = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.params))
     per_device = shard_bytes(abstract.params, shardings.params)
@@ -573,17 +539,6 @@ def _batches_view(restored, per_batch: int):
     if restored is None or per_batch == 1:
         return restored
     return dataclasses.replace(restored, step=restored.step // per_batch)
-
-
-def _model_record(module) -> dict:
-    from dew.nn import models
-
-    try:
-        name, config = models.config_of(module)
-        json.dumps(config)
-    except (ValueError, TypeError) as error:
-        return {"model": None, "model_note": str(error)}
-    return {"model": {"name": name, "config": config}}
 
 
 def _is_typed_key(key) -> bool:

@@ -552,15 +552,11 @@ def _trained(run_dir: str, live: bool):
     raw = load_recipe(os.path.join(run_dir, RECIPE_FILE))
     raw["run_dir"] = run_dir
     recipe, built = prepared(raw, with_data=False)
-    averaged = False
-    if not live:
-        try:
-            model, params = load_model(directory, averaged=True)
-            averaged = True
-        except (ValueError, KeyError, FileNotFoundError):
-            model, params = load_model(directory)
-    else:
-        model, params = load_model(directory)
+    # load_model's default follows the checkpoint: the EMA weights where the run kept
+    # and evaluated with them, as its objective says
+    model, params = load_model(directory, averaged=False if live else None)
+    objective = built.objective
+    averaged = not live and objective.evaluate_averaged and objective.keeps_average
     return recipe, built, model, params, averaged
 
 

@@ -7,6 +7,7 @@ from dew.nn.backbones._options import (
     PreNormOptions,
     StackOptions,
     TransformerOptions,
+    layer_stack_of,
 )
 from dew.nn.backbones.block import DecoderBlock, DiTBlock
 from dew.nn.backbones.causal import CausalTransformer
@@ -34,5 +35,6 @@ __all__ = [
     "VideoDiT",
     "ViT",
     "ViTPredictor",
+    "layer_stack_of",
     "sincos_table",
 ]

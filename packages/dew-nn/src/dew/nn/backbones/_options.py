@@ -243,6 +243,13 @@ class StackOptions(nn.Module, kw_only=True):
         )
 
 
+def layer_stack_of(module: Any) -> LayerStack | None:
+    """The :class:`~dew.nn.stack.LayerStack` of a Dew backbone (a
+    :class:`StackOptions` module, a LoRA-wrapped one included), None for any other
+    module (one without a stack of layers, or not built on ``StackOptions``)."""
+    return module.layer_stack() if isinstance(module, StackOptions) else None
+
+
 class BlockOptions(nn.Module, kw_only=True):
     """What every transformer block reads: widths, heads, the feed-forward block,
     norm epsilon, biases of q/k/v, initialisation and dtypes, shared by every

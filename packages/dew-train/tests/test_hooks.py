@@ -13,7 +13,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.objectives import EMA, Objective, Weighted
-from dew.train import DEFAULT_HOOKS, Checkpoints, MeshSpec, Trainer
+from dew.train import DEFAULT_HOOKS, Checkpointing, Checkpoints, MeshSpec, Trainer
 
 ROWS, IN = 8, 3
 ONE = MeshSpec(data=1, devices=jax.devices()[:1])
@@ -102,27 +102,52 @@ def test_replacing_a_hook_that_does_not_exist_lists_the_ones_that_do():
 
 
 def test_an_own_checkpoint_policy_replaces_the_default_and_resumes_exactly(tmp_path):
-    """The policy saves at steps 3 and 5 only (no final checkpoint: the default
-    that writes it is replaced); a run resumed from step 5 reaches the weights of
-    an uninterrupted run bit for bit."""
+    """The policy saves at steps 3 and 5 only (no final checkpoint: the policy
+    decides); a run resumed from step 5 (the replacement restores it: it owns all of
+    checkpointing) reaches the weights of an uninterrupted run bit for bit."""
 
     def odd_steps_after_two(info):
         if info.step in (3, 5):
             info.save_checkpoint()
+            assert info.checkpoint == str(tmp_path / "run" / str(info.step))
 
-    t = trainer(checkpoints=Checkpoints(tmp_path / "run", use_async=False))
-    t.replace_hook("checkpoints", odd_steps_after_two)
-    t.fit(DATA, steps=6, log_every=0)
+    def own(policy=odd_steps_after_two):
+        t = trainer()
+        spec = Checkpoints(tmp_path / "run", use_async=False)
+        t.replace_hook("checkpoints", Checkpointing(spec, policy=policy))
+        return t
+
+    own().fit(DATA, steps=6, log_every=0)
     assert Checkpoints(tmp_path / "run").steps() == [3, 5]
 
-    resumed = trainer(checkpoints=Checkpoints(tmp_path / "run")).fit(DATA, steps=6, log_every=0)
+    lines = []
+    t = own(policy=lambda info: None)
+    t.add_hook(lambda info: lines.append(info.step))
+    resumed = t.fit(DATA, steps=6, log_every=0)
+    assert lines == [6]  # resumed from step 5
     straight = trainer().fit(DATA, steps=6, log_every=0)
     np.testing.assert_array_equal(resumed.params["w"], straight.params["w"])
 
+    # a function in its place replaces all of it: nothing restores, nothing writes
+    t = trainer()
+    t.replace_hook("checkpoints", odd_steps_after_two)
     with pytest.raises(ValueError, match=r"save_checkpoint needs somewhere to write"):
-        t = trainer()
-        t.replace_hook("checkpoints", odd_steps_after_two)
         t.fit(DATA, steps=3, log_every=0)
+    # and goes without Trainer(checkpoints=), which configures the default it replaced
+    t = trainer(checkpoints=Checkpoints(tmp_path / "other"))
+    t.replace_hook("checkpoints", odd_steps_after_two)
+    with pytest.raises(ValueError, match=r"the replacement owns all of checkpointing"):
+        t.fit(DATA, steps=3, log_every=0)
+    assert not (tmp_path / "other" / "3").exists()
+
+
+def test_checkpointing_bad_arguments_name_their_values(tmp_path):
+    with pytest.raises(TypeError, match=r"needs a dew.train.Checkpoints .*got str"):
+        Checkpointing(str(tmp_path))
+    with pytest.raises(ValueError, match=r"every= must be an int >= 0 steps .*got -2"):
+        Checkpointing(Checkpoints(tmp_path), every=-2)
+    with pytest.raises(ValueError, match=r"the policy decides when to save; drop every="):
+        Checkpointing(Checkpoints(tmp_path), every=2, policy=lambda info: None)
 
 
 def test_leaving_out_the_log_hook_leaves_out_its_lines_only(capsys):

@@ -1,6 +1,7 @@
 """dew.train: the mesh, the compiled step, the loop, checkpoints, logging, goodput."""
 
 from dew.nn.allocator import configure_allocator
+from dew.train._checkpointing import Checkpointing
 from dew.train._loop import StepRecord, training_steps
 from dew.train._programs import Compiled, Programs
 from dew.train._run import NonFiniteError
@@ -12,7 +13,15 @@ from dew.train.checkpoints import (
     load_model,
 )
 from dew.train.goodput import Goodput
-from dew.train.hooks import DEFAULT_HOOKS, EarlyStopping, FitResult, Hook, StepInfo
+from dew.train.hooks import (
+    DEFAULT_HOOKS,
+    EarlyStopping,
+    FitResult,
+    Hook,
+    Resume,
+    RunStart,
+    StepInfo,
+)
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.plan import Plan, plan
 from dew.train.state import TrainState
@@ -29,6 +38,7 @@ __all__ = [
     "Compiled",
     "CheckpointMismatchError",
     "DEFAULT_HOOKS",
+    "Checkpointing",
     "Checkpoints",
     "NoUsableCheckpointError",
     "OptimizerMismatchError",
@@ -41,6 +51,8 @@ __all__ = [
     "MeshSpec",
     "NonFiniteError",
     "Plan",
+    "Resume",
+    "RunStart",
     "Programs",
     "StepRecord",
     "StepInfo",

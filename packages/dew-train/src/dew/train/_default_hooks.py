@@ -1,6 +1,6 @@
 """The trainer's own hooks (:data:`dew.train.hooks.DEFAULT_HOOKS`), each with its
-own state and cadence: rejections, the log, evaluation and previews,
-checkpoints, early stopping, stop signals."""
+own state and cadence: rejections, the log, evaluation and previews, early
+stopping, stop signals (checkpoints: :mod:`dew.train._checkpointing`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 
 from dew.objectives import weighted as wt
-from dew.train._run import ROLLOUT_SAMPLES, ROLLOUT_TOKENS, NonFiniteError, Saver
-from dew.train.goodput import Goodput
-from dew.train.hooks import EarlyStopping, EarlyStoppingState, StepInfo
+from dew.train._run import ROLLOUT_SAMPLES, ROLLOUT_TOKENS, NonFiniteError
+from dew.train.hooks import EarlyStopping, EarlyStoppingState, RunStart, StepInfo
 from dew.train.logs import MetricsLog, format_value
 from dew.train.preemption import StopSignals
 from dew.train.previews import as_pixels
@@ -18,7 +17,18 @@ from dew.train.step import Stream, microbatch_key
 from dew.train.throughput import Throughput
 
 
-class Rejections:
+class _Default:
+    """What the trainer's own hooks (but the checkpoint hook) share: nothing to
+    start (the state is the run's) and nothing to close."""
+
+    def start(self, run: RunStart) -> None:
+        """Nothing: the run's state and data come from elsewhere."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class Rejections(_Default):
     """Counts consecutive steps whose loss or gradients were not finite: a line for
     each, :class:`NonFiniteError` past ``max_rejected``."""
 
@@ -65,7 +75,7 @@ class Rejections:
             )
 
 
-class LogMetrics:
+class LogMetrics(_Default):
     """The interval metrics and the ``step N: loss ...`` line every ``log_every``
     steps; the throughput line (FLOPs, peak) before the first."""
 
@@ -77,7 +87,6 @@ class LogMetrics:
         log: MetricsLog,
         goodput,
         log_every: int,
-        start: int,
         rows: int,
         devices,
         headline: tuple[str, ...] = (),
@@ -88,7 +97,6 @@ class LogMetrics:
         self.notes_fn = notes_fn  # the objective's warnings after the line (JEPA's collapse)
         self.goodput = goodput
         self.log_every = log_every
-        self.start = start
         self.rows = rows  # examples per step
         self.devices = devices
         self.interval = Interval()
@@ -102,8 +110,8 @@ class LogMetrics:
             if info.is_first:
                 self.throughput = Throughput(info.step_flops, self.devices)
                 self.log.print(self.throughput.line())
-                # the log's rates leave out the step that compiled
-                self.interval.restart(untimed=info.step - self.start)
+                # the log's rates leave out the step that compiled (this fit's first)
+                self.interval.restart(untimed=1)
             self.interval.prepare_seconds += info.prepare_seconds
             for _, values in info.step_metrics:
                 self.interval.add(values)
@@ -125,8 +133,8 @@ class LogMetrics:
             self.interval.add(values)
 
     def acts_at(self, step: int) -> bool:
-        """A log step; the first step (the throughput line)."""
-        return bool(self.log_every and step % self.log_every == 0) or step == self.start + 1
+        """A log step; this fit's first step (the throughput line)."""
+        return bool(self.log_every and step % self.log_every == 0) or self.throughput is None
 
     def _rates(self, values: dict) -> str:
         """``12,345 tokens/s, MFU 31.2%`` (examples/s when the objective counts no
@@ -144,7 +152,7 @@ class LogMetrics:
         return f"{rate}, MFU {100 * mfu:.2f}%" if mfu == mfu else f"{rate}, MFU n/a"
 
 
-class Evaluation:
+class Evaluation(_Default):
     """``objective.evaluate`` over the validation data, then a preview, every
     ``eval_every`` steps, on the weights ``state.variables()`` gives (the moving
     average where the objective evaluates with it: ``eval (ema)`` in the log)."""
@@ -208,44 +216,7 @@ class Evaluation:
             )
 
 
-class CheckpointPolicy:
-    """A checkpoint every ``checkpoint_every`` steps at a data-batch boundary
-    (``keep_best`` ranks it by its own step's evaluation), one at the end unless
-    the last step has one, then waits for the writes."""
-
-    name = "checkpoints"
-
-    def __init__(self, *, saver: Saver, checkpoint_every: int, goodput: Goodput):
-        self.saver = saver
-        self.checkpoint_every = checkpoint_every
-        self.goodput = goodput
-        self.last_eval: tuple[int, dict] | None = None
-
-    def run(self, info: StepInfo) -> None:
-        if info.evaluation:
-            self.saver.session.check_best_metric(set(info.evaluation))
-            self.last_eval = (info.step, dict(info.evaluation))
-        every = self.checkpoint_every
-        if info.at_boundary and every and info.step % every == 0:
-            with self.goodput.measure("checkpoint"):
-                self.saver.save(info.step, info.state, info.evaluation)
-
-    def finish(self, info: StepInfo) -> None:
-        with self.goodput.measure("checkpoint"):
-            if self.saver.saved_at != info.step:
-                # keep_best ranks a checkpoint by the evaluation of its own weights only
-                fresh = (
-                    self.last_eval[1] if self.last_eval and self.last_eval[0] == info.step else None
-                )
-                self.saver.save(info.step, info.state, fresh)
-            self.saver.session.wait()
-
-    def acts_at(self, step: int) -> bool:
-        """A checkpoint step (a step with an evaluation is the evaluation's)."""
-        return bool(self.checkpoint_every) and step % self.checkpoint_every == 0
-
-
-class EarlyStop:
+class EarlyStop(_Default):
     """Stops the run when ``spec.metric`` has not improved for ``spec.patience``
     evaluations."""
 
@@ -282,7 +253,7 @@ class EarlyStop:
         return False
 
 
-class StopSignalsHook:
+class StopSignalsHook(_Default):
     """SIGTERM / SIGINT (on any process) end the run at the next data-batch
     boundary (:mod:`dew.train.preemption`)."""
 

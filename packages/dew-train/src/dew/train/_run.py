@@ -1,11 +1,11 @@
 """Running the installed hooks over ``training_steps``' records: the metrics
-that leave the devices, the checkpoint writer the hooks share, the stop
-requests, the end of the run (:mod:`dew.train.hooks`)."""
+that leave the devices, the stop requests, the end of the run
+(:mod:`dew.train.hooks`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,21 +23,6 @@ the log shows ``rollout_samples_per_second``."""
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
-
-
-class Saver:
-    """Writes this run's checkpoints (the session, the data iterator, the
-    metadata) and remembers the step it last wrote."""
-
-    def __init__(self, session, train_iter: Iterator, meta: dict, saved_at: int | None):
-        self.session = session
-        self.train_iter = train_iter
-        self.meta = meta
-        self.saved_at = saved_at
-
-    def save(self, step: int, state, metrics=None) -> None:
-        self.session.save(step, state, self.train_iter, self.meta, metrics=metrics or None)
-        self.saved_at = step
 
 
 @dataclasses.dataclass
@@ -152,12 +137,14 @@ class HookRunner:
         self._run(info, finish=False)
         return record.at_boundary and self.stopped is not None
 
-    def finish(self, step: int, state) -> None:
+    def finish(self, step: int, state) -> StepInfo:
         """The end of the run: the metrics still on the devices, then each hook's
-        ``finish`` (the final checkpoint)."""
+        ``finish`` (the final checkpoint); returns the final step's info."""
         with self.goodput.measure("steps"):
             fetched = self.pending.fetch()
-        self._run(self.info(step, state, fetched), finish=True)
+        info = self.info(step, state, fetched)
+        self._run(info, finish=True)
+        return info
 
     def _run(self, info: StepInfo, *, finish: bool) -> None:
         users: list[str] = []

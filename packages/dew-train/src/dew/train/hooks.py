@@ -10,20 +10,29 @@ in the order they were added::
 
     trainer.add_hook(report, every=50)              # add one
     trainer.hook_names()                            # list them, in order
-    trainer.replace_hook("checkpoints", my_policy)  # replace a default one
-    trainer.replace_hook("log", None)               # or leave it out
+    trainer.replace_hook("log", None)               # leave a default one out
+    trainer.replace_hook("checkpoints",             # or replace it: a checkpoint
+        Checkpointing(Checkpoints(dir), policy=fn)) # policy of one's own
 
 A hook sees :class:`StepInfo`: the step just finished, the state after it,
 the metrics the default hooks read off it (the log interval's on log steps,
 this step's evaluation under ``eval/...``), and ``print`` / ``log`` /
 ``request_stop`` / ``save_checkpoint`` to talk to the run. No subclassing.
 (Levanter's ``Trainer.add_hook`` and its default hooks are the model.)
+
+A hook's life in one ``fit`` (:class:`Installed`): ``start`` before the first
+step (the ``checkpoints`` hook restores the newest checkpoint there and
+provides the state and the data stream: :class:`Resume`), ``run`` after each
+step, ``finish`` at the end, ``close`` always, also after an error. The
+``checkpoints`` hook (:class:`dew.train.Checkpointing`) is the one owner of
+the run's checkpoints: it opens the directory, restores, saves, keeps the
+best, waits for the writes and closes; replacing it replaces all of that.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 DEFAULT_HOOKS = (
@@ -42,8 +51,10 @@ DEFAULT_HOOKS = (
   ``log_every`` steps (``metrics.jsonl``, TensorBoard, trackers);
 - ``evaluation``: ``objective.evaluate`` over the validation data and a preview
   every ``eval_every`` steps;
-- ``checkpoints``: a checkpoint every ``checkpoint_every`` steps (ranked by
-  this step's evaluation for ``keep_best``) and at the end;
+- ``checkpoints``: with ``Trainer(checkpoints=...)``, a
+  :class:`dew.train.Checkpointing`: restores the newest usable checkpoint
+  before the first step, saves every ``checkpoint_every`` steps (ranked by this
+  step's evaluation for ``keep_best``) and at the end;
 - ``early_stopping``: ``Trainer(early_stopping=...)`` on the evaluations;
 - ``stop_signals``: SIGTERM / SIGINT end the run after the step in flight.
 """
@@ -71,6 +82,8 @@ class StepInfo:
     prepare_seconds: seconds of the prepare phase that fed this step (on the
       first update of a prepared batch; 0 otherwise).
     is_first: the first step of this ``fit`` (it compiled the step).
+    checkpoint: the directory of a checkpoint of this step, once the checkpoint
+      hook (or :meth:`save_checkpoint`) has written one; None otherwise.
     """
 
     step: int
@@ -83,6 +96,7 @@ class StepInfo:
     step_flops: float = 0.0
     prepare_seconds: float = 0.0
     is_first: bool = False
+    checkpoint: str | None = None
     _log: Callable[..., None] | None = dataclasses.field(default=None, repr=False)
     _save: Callable[..., None] | None = dataclasses.field(default=None, repr=False)
     # (kind, detail) stop requests of this step, in the order the hooks made them
@@ -106,34 +120,93 @@ class StepInfo:
 
     def save_checkpoint(self, metrics: Mapping[str, float] | None = None) -> None:
         """Write a checkpoint of this step now (with ``keep_best``: ranked by
-        ``metrics``): for a checkpoint policy of one's own
-        (``trainer.replace_hook("checkpoints", ...)``). Needs ``checkpoints=``."""
+        ``metrics``), through the installed checkpoint hook
+        (:class:`dew.train.Checkpointing`): for a checkpoint policy of one's own,
+        ``Checkpointing(Checkpoints(dir), policy=fn)``. Sets :attr:`checkpoint`."""
         if self._save is None:
             raise ValueError(
                 "save_checkpoint needs somewhere to write: pass Trainer(..., "
-                "checkpoints=Checkpoints(directory))"
+                "checkpoints=Checkpoints(directory)), or install a checkpoint hook with a "
+                "policy of its own: trainer.replace_hook('checkpoints', "
+                "Checkpointing(Checkpoints(directory), policy=fn))"
             )
         if not self.at_boundary:
             raise ValueError(
                 f"step {self.step} is inside a prepared batch's updates; a checkpoint is "
                 f"written only at the end of a batch (StepInfo.at_boundary)"
             )
-        self._save(self.step, self.state, metrics)
+        self.checkpoint = self._save(self.step, self.state, metrics)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunStart:
+    """What a hook's ``start`` sees before the first step of a ``fit``.
+
+    abstract: the state's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves).
+    shardings: the state's ``NamedSharding`` tree.
+    root_key: the run's root PRNG key.
+    init_opt_state: ``params -> opt_state``, compiled with the optimizer
+      state's shardings (for ``Checkpoints(reset_optimizer=True)``).
+    model: the first trained role's ``{"name", "config"}`` (None: not a registered model).
+    meta: what a checkpoint of this run records besides the state
+      (:mod:`dew.train._checkpoint_meta`).
+    per_batch: optimizer updates per data batch (a prepare phase's).
+    open_batches: opens this process's training iterator, from its start.
+    context: enters the mesh and the logical-axis rules (``Programs.context``).
+    print: print a line to the run's output.
+    goodput: the run's time buckets (``checkpoint``, ``data``).
+    """
+
+    abstract: Any
+    shardings: Any
+    root_key: Any
+    init_opt_state: Callable[[Any], Any]
+    model: dict | None
+    meta: dict
+    per_batch: int
+    open_batches: Callable[[], Iterator]
+    context: Callable[[], Any]
+    print: Callable[[str], None]
+    goodput: Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Resume:
+    """What the checkpoint hook's ``start`` gives the run (at most one hook does).
+
+    restored: the checkpoint read back (a ``dew.train.checkpoints.Restored``), or
+      None: the run starts from a new state.
+    open_batches: opens the training iterator where ``restored`` left it (called
+      once, after the log's first lines); the hook saves its position with each
+      checkpoint.
+    save: ``save(step, state, metrics) -> directory``, what
+      :meth:`StepInfo.save_checkpoint` calls.
+    """
+
+    restored: Any
+    open_batches: Callable[[], Iterator]
+    save: Callable[[int, Any, Mapping[str, float] | None], str]
 
 
 class Installed(Protocol):
-    """What ``fit`` calls on each installed hook: ``run`` after every step,
-    ``finish`` once at the end (the final step's info; remaining
-    ``step_metrics``), and ``acts_at(step)``: whether ``run`` does anything at
+    """What ``fit`` calls on each installed hook: ``start`` once before the first
+    step (a :class:`Resume` from the checkpoint hook, None from any other),
+    ``run`` after every step, ``finish`` once at the end (the final step's
+    info; remaining ``step_metrics``), ``close`` once after it (also when the
+    run raised), and ``acts_at(step)``: whether ``run`` does anything at
     ``step`` that others see (prints, reads the state, stops the run). On a step
     where no hook acts, the rejection count's fetch leaves that step's metrics
     for the next fetch instead of waiting for the devices to finish it."""
 
     name: str
 
+    def start(self, run: RunStart) -> Resume | None: ...
+
     def run(self, info: StepInfo) -> None: ...
 
     def finish(self, info: StepInfo) -> None: ...
+
+    def close(self) -> None: ...
 
     def acts_at(self, step: int) -> bool: ...
 
@@ -162,6 +235,9 @@ class Hook:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def start(self, run: RunStart) -> None:
+        """Nothing: a function hook starts nothing."""
+
     def acts_at(self, step: int) -> bool:
         return self.due(step)
 
@@ -171,6 +247,9 @@ class Hook:
 
     def finish(self, info: StepInfo) -> None:
         """Nothing: a function hook runs on its steps only."""
+
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,9 +5,11 @@ shardings, compiled programs), the loop :func:`~dew.train.training_steps`
 (data -> prepare -> updates, one record a step) and the hooks
 (:mod:`dew.train.hooks`: the trainer's own, then the user's)::
 
+    hooks: start (the checkpoint hook restores the state and the data stream)
     for record in training_steps(programs, state, ...):
         hooks: rejections, log, evaluation (and preview), checkpoints,
                early stopping, stop signals, then the user's hooks
+    hooks: finish (the final checkpoint), close
 """
 
 from __future__ import annotations
@@ -26,13 +28,23 @@ from dew.objectives import Objective, check_batch_spec
 from dew.objectives.rl import raising_ratio_errors
 from dew.train import _default_hooks as defaults
 from dew.train._checkpoint_meta import checkpoint_meta, first_trained_record
+from dew.train._checkpointing import Checkpointing
 from dew.train._fit_input import check_fit_arguments, check_resume, check_spec
 from dew.train._loop import training_steps
 from dew.train._programs import INIT_CPU_OPTIONS, Programs, check_roles
-from dew.train._run import HookRunner, Pending, Saver
-from dew.train.checkpoints import Checkpoints, resume_position
+from dew.train._run import HookRunner, Pending
+from dew.train.checkpoints import Checkpoints
 from dew.train.goodput import Goodput
-from dew.train.hooks import DEFAULT_HOOKS, EarlyStopping, FitResult, Hook, StepInfo
+from dew.train.hooks import (
+    DEFAULT_HOOKS,
+    EarlyStopping,
+    FitResult,
+    Hook,
+    Installed,
+    Resume,
+    RunStart,
+    StepInfo,
+)
 from dew.train.logs import MetricsLog
 from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, mesh_sizes
 from dew.train.placement import check_batch_rows, layout, shard_bytes
@@ -65,7 +77,9 @@ class Trainer:
       steps with a non-finite loss or gradient.
     run_dir: where ``metrics.jsonl`` and TensorBoard events go; None = the
       checkpoint directory when there is one, else stdout only.
-    checkpoints: a :class:`dew.train.Checkpoints`, or None.
+    checkpoints: a :class:`dew.train.Checkpoints`, or None: the default
+      ``checkpoints`` hook (a :class:`dew.train.Checkpointing`) restores from it
+      and writes to it.
     progress: show a progress bar; None = only on a TTY.
     hooks: :class:`dew.train.Hook` objects (or functions of a
       :class:`dew.train.StepInfo`) run after the trainer's own hooks
@@ -159,25 +173,32 @@ class Trainer:
         return hook
 
     def replace_hook(
-        self, name: str, fn: Callable[[StepInfo], Any] | Hook | None, *, every: int = 1
-    ) -> Hook | None:
+        self,
+        name: str,
+        fn: Callable[[StepInfo], Any] | Hook | Checkpointing | None,
+        *,
+        every: int = 1,
+    ) -> Hook | Checkpointing | None:
         """Run ``fn(StepInfo)`` every ``every`` steps in place of the default hook
         ``name`` (:data:`dew.train.hooks.DEFAULT_HOOKS`), at its place in the order;
-        None leaves it out. E.g. a checkpoint policy of one's own::
+        None leaves it out. Replacing ``checkpoints`` replaces all of checkpointing
+        (restoring included), so it goes without ``Trainer(checkpoints=)``; a
+        checkpoint policy of one's own::
 
             def policy(info):
                 if info.at_boundary and info.metrics.get("eval/loss", 9) < 1.0:
                     info.save_checkpoint(info.evaluation)
 
-            trainer.replace_hook("checkpoints", policy)
+            trainer.replace_hook("checkpoints", Checkpointing(Checkpoints(d), policy=policy))
         """
         if name not in DEFAULT_HOOKS:
             raise ValueError(
                 f"there is no default hook {name!r} to replace; the default hooks are "
                 f"{list(DEFAULT_HOOKS)} (add a new one with Trainer.add_hook)"
             )
-        hook = None if fn is None else fn if isinstance(fn, Hook) else Hook(fn, every=every)
-        if hook is not None and hook.name != name and not isinstance(fn, Hook):
+        own = isinstance(fn, Hook | Checkpointing)
+        hook = None if fn is None else fn if own else Hook(fn, every=every)
+        if hook is not None and hook.name != name and not own:
             hook = dataclasses.replace(hook, name=f"{name} ({hook.name})")
         self._replaced[name] = hook
         return hook
@@ -264,10 +285,8 @@ class Trainer:
         run_dir = self.run_dir
         if run_dir is None and self.checkpoints is not None:
             run_dir = self.checkpoints.directory
-        session = None
-        log = None
-        if self.checkpoints is not None:  # checks the directory can be written
-            session = self.checkpoints.open(print_fn=lambda line: log.print(line))
+        # built first: the checkpoint hook checks its directory can be written
+        checkpointing = self._checkpoint_hook(checkpoint_every)
         log = MetricsLog(
             run_dir,
             is_main=jax.process_index() == 0,
@@ -277,39 +296,39 @@ class Trainer:
             trackers=list(self.trackers),
         )
         self.result = None
+        signals = StopSignals()
+        hooks = self._hooks(
+            data,
+            partition,
+            log,
+            goodput,
+            checkpointing,
+            signals,
+            log_every=log_every,
+            eval_every=eval_every,
+            eval_batches=eval_batches,
+        )
         try:
             return self._fit(
                 data,
                 partition,
                 goodput,
                 log,
-                session,
+                hooks,
+                signals,
                 notes=notes,
                 steps=steps,
                 log_every=log_every,
-                eval_every=eval_every,
-                checkpoint_every=checkpoint_every,
-                eval_batches=eval_batches,
             )
         finally:
-            if session is not None:
-                session.close()
-            log.close()
+            try:
+                for hook in hooks:
+                    hook.close()
+            finally:
+                log.close()
 
     def _fit(
-        self,
-        data,
-        partition,
-        goodput,
-        log,
-        session,
-        *,
-        notes,
-        steps,
-        log_every,
-        eval_every,
-        checkpoint_every,
-        eval_batches,
+        self, data, partition, goodput, log, hooks, signals, *, notes, steps, log_every
     ) -> TrainState:
         programs = self.programs
         spec = dict(data.spec) if data.spec else None
@@ -318,9 +337,29 @@ class Trainer:
                 self.objective.batch_fields(), spec, what=type(self.objective).__name__
             )
         abstract, shardings = self.state_shardings(spec)
-        state, restored = self._restore_or_init(session, abstract, shardings, spec, goodput)
-        if restored is not None:
+        run = RunStart(
+            abstract=abstract,
+            shardings=shardings,
+            root_key=self.key,
+            # reset_optimizer: a new optimizer state for the restored weights
+            init_opt_state=jax.jit(programs.optimizer.init, out_shardings=shardings.opt_state),
+            model=first_trained_record(self.roles),
+            meta=checkpoint_meta(programs, data.batch),
+            per_batch=programs.per_batch,
+            open_batches=lambda: iter(data.train(partition)),
+            context=programs.context,
+            print=log.print,
+            goodput=goodput,
+        )
+        resume = _start(hooks, run)
+        restored = resume.restored if resume is not None else None
+        if restored is None:
+            with goodput.measure("init"):
+                state = self.init_state(spec)
+        else:
             check_resume(restored, data, steps)
+            # the static fields (the tree's structure, not arrays) are this run's
+            state = restored.state.with_structure(abstract)
         start = int(jax.device_get(state.step))
         log.start(start)
         resuming = f"Resuming from step {start} ({restored.path}). " if restored else ""
@@ -332,15 +371,9 @@ class Trainer:
         for note in notes:
             log.print(note)
         with goodput.measure("data"):
-            train_iter: Iterator = resume_position(
-                iter(data.train(partition)),
-                _batches_view(restored, programs.per_batch),
-                print_fn=log.print,
+            train_iter: Iterator = (
+                resume.open_batches() if resume is not None else run.open_batches()
             )
-        saver = None
-        if session is not None:
-            meta = checkpoint_meta(programs, data.batch)
-            saver = Saver(session, train_iter, meta, restored.step if restored else None)
         rows = data.batch // max(1, jax.process_count())
 
         def check_batch(local, first: bool) -> None:
@@ -349,27 +382,14 @@ class Trainer:
             check_spec(spec, local, rows)  # the shapes every batch
 
         step = start
-        with programs.context(), StopSignals() as signals:
-            hooks = self._hooks(
-                data,
-                partition,
-                log,
-                goodput,
-                saver,
-                signals,
-                start=start,
-                log_every=log_every,
-                eval_every=eval_every,
-                checkpoint_every=checkpoint_every,
-                eval_batches=eval_batches,
-            )
+        with programs.context(), signals:
             runner = HookRunner(
                 hooks,
                 pending=Pending(log_every, max(self.max_rejected, 1), steps),
                 goodput=goodput,
                 print_fn=log.print,
                 log_fn=log.log,
-                save_fn=saver.save if saver is not None else None,
+                save_fn=resume.save if resume is not None else None,
             )
             records = training_steps(
                 programs,
@@ -389,14 +409,15 @@ class Trainer:
                 if runner.after_step(record):
                     records.close()
                     break
-            runner.finish(step, state)
+            final = runner.finish(step, state)
         with goodput.measure("steps"):
             jax.block_until_ready(state)
         if signals.received is not None:
             where = (
-                f"checkpoint written to {session.path(step)}"
-                if saver is not None and saver.saved_at == step
-                else "no checkpoint written (no checkpoints= given)"
+                f"checkpoint written to {final.checkpoint}"
+                if final.checkpoint is not None
+                else "no checkpoint written"
+                + (" (no checkpoints= given)" if resume is None else "")
             )
             log.print(f"Stopped by {signals.received} at step {step}; {where}")
         self.result = runner.result(step)
@@ -405,27 +426,22 @@ class Trainer:
         log.log(step, report, kind="goodput")
         return state
 
-    def _restore_or_init(self, session, abstract, shardings, spec, goodput):
-        """``(state, Restored or None)``: the newest usable checkpoint, else a new state."""
-        restored = None
-        if session is not None:
-            with goodput.measure("checkpoint"), self.programs.context():
-                restored = session.restore(
-                    abstract,
-                    shardings,
-                    root_key=self.key,
-                    # reset_optimizer: a new optimizer state for the restored weights
-                    init_opt_state=jax.jit(
-                        self.programs.optimizer.init, out_shardings=shardings.opt_state
-                    ),
-                    model=first_trained_record(self.roles),
+    def _checkpoint_hook(self, checkpoint_every: int) -> Installed | None:
+        """The hook in the ``checkpoints`` place: a replacement, or the default
+        :class:`Checkpointing` of ``Trainer(checkpoints=)`` (None without it)."""
+        if "checkpoints" in self._replaced:
+            if self.checkpoints is not None:
+                raise ValueError(
+                    f"Trainer(checkpoints=Checkpoints({self.checkpoints.directory!r})) "
+                    f"configures the default 'checkpoints' hook, which replace_hook replaced "
+                    f"(with {self._replaced['checkpoints']!r:.80}); the replacement owns all of "
+                    f"checkpointing: give it the Checkpoints (e.g. Checkpointing(Checkpoints("
+                    f"dir), policy=fn)) and drop Trainer(checkpoints=)"
                 )
-        if restored is None:
-            with goodput.measure("init"):
-                return self.init_state(spec), None
-        # the static fields (the tree's structure, not arrays) are this run's
-        state = restored.state.with_structure(abstract)
-        return state, restored
+            return self._replaced["checkpoints"]
+        if self.checkpoints is None:
+            return None
+        return Checkpointing(self.checkpoints, every=checkpoint_every)
 
     def _hooks(
         self,
@@ -433,15 +449,13 @@ class Trainer:
         partition,
         log,
         goodput,
-        saver,
+        checkpointing,
         signals,
         *,
-        start,
         log_every,
         eval_every,
-        checkpoint_every,
         eval_batches,
-    ) -> list:
+    ) -> list[Installed]:
         """The hooks of one ``fit``, in order: the defaults (as replaced), the user's."""
         programs = self.programs
         built = {
@@ -455,7 +469,6 @@ class Trainer:
                 log=log,
                 goodput=goodput,
                 log_every=log_every,
-                start=start,
                 rows=data.batch,
                 devices=self.device_mesh.devices.flat,
                 headline=tuple(self.objective.headline_metrics),
@@ -470,13 +483,7 @@ class Trainer:
                 log=log,
                 goodput=goodput,
             ),
-            "checkpoints": lambda: (
-                defaults.CheckpointPolicy(
-                    saver=saver, checkpoint_every=checkpoint_every, goodput=goodput
-                )
-                if saver is not None
-                else None
-            ),
+            "checkpoints": lambda: checkpointing,
             "early_stopping": lambda: (
                 defaults.EarlyStop(self.early_stopping, print_fn=log.print)
                 if self.early_stopping is not None
@@ -486,7 +493,8 @@ class Trainer:
         }
         hooks = []
         for name in DEFAULT_HOOKS:
-            hook = self._replaced[name] if name in self._replaced else built[name]()
+            replaced = name in self._replaced and name != "checkpoints"
+            hook = self._replaced[name] if replaced else built[name]()
             if hook is not None:
                 hooks.append(hook)
         return hooks + list(self.hooks)
@@ -534,11 +542,20 @@ def _model_line(abstract, shardings) -> str:
     )
 
 
-def _batches_view(restored, per_batch: int):
-    """``restored`` as the data stream sees it: one batch per ``per_batch`` steps."""
-    if restored is None or per_batch == 1:
-        return restored
-    return dataclasses.replace(restored, step=restored.step // per_batch)
+def _start(hooks: list[Installed], run: RunStart) -> Resume | None:
+    """Start every hook; the one :class:`Resume` (the checkpoint hook's), if any."""
+    resume, by = None, None
+    for hook in hooks:
+        got = hook.start(run)
+        if got is None:
+            continue
+        if resume is not None:
+            raise ValueError(
+                f"hooks {by!r} and {hook.name!r} both restore the run's state; install one "
+                f"checkpoint hook (trainer.hook_names() lists them)"
+            )
+        resume, by = got, hook.name
+    return resume
 
 
 def _is_typed_key(key) -> bool:

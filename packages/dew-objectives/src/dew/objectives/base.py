@@ -174,11 +174,10 @@ class Role:
     module: the ``flax.linen.Module``.
     trained: True = its parameters are optimized (in ``TrainState.params``);
       False = frozen: kept in ``TrainState.frozen[name]``, checkpointed, never in
-      the optimizer state.
-    weights: a frozen role's variables (a Hugging Face load, another run's
-      weights), read by :meth:`frozen_variables`, which checks their shapes
-      against the module before anything is compiled; None = the objective
-      initializes it.
+      the optimizer state. A frozen role's variables come from the objective's
+      ``init`` (given weights through the objective's own argument, e.g.
+      ``GRPOObjective(reference=...)`` or a distillation teacher's), or from a
+      relation below.
     initial_from: a declared relation: this frozen role starts as the initial
       weights of the named role (a reference policy: ``initial_from="policy"``).
       The trainer fills ``variables[name]`` from that role when ``init`` does not
@@ -205,7 +204,6 @@ class Role:
     name: str
     module: Any
     trained: bool = True
-    weights: Any = None
     initial_from: str | None = None
     averages: str | None = None
     ema: EMA | None = None
@@ -213,11 +211,6 @@ class Role:
     def __post_init__(self):
         if not self.name or not self.name.isidentifier():
             raise ValueError(f"a role name must be an identifier, got {self.name!r}")
-        if self.trained and self.weights is not None:
-            raise ValueError(
-                f"role {self.name!r} is trained; pass starting weights through the "
-                f"objective's init (e.g. LMObjective(init_params=...)), not Role.weights"
-            )
         if self.initial_from is not None and self.averages is not None:
             raise ValueError(
                 f"role {self.name!r} declares initial_from={self.initial_from!r} and "
@@ -234,11 +227,6 @@ class Role:
                     f"{'initialised from' if relation == 'initial_from' else 'averaging'} "
                     f"another is never optimized: pass trained=False"
                 )
-            if self.weights is not None:
-                raise ValueError(
-                    f"Role({self.name!r}) declares both weights= and {relation}={value!r}; "
-                    f"its weights come from role {value!r}: drop one of them"
-                )
             if value == self.name:
                 raise ValueError(
                     f"Role({self.name!r}, {relation}={value!r}) names itself; name the "
@@ -254,18 +242,6 @@ class Role:
                 f"Role({self.name!r}).ema must be a dew.objectives.EMA, got "
                 f"{type(self.ema).__name__}"
             )
-
-    def frozen_variables(self, key: jax.Array, *inputs) -> Variables:
-        """A frozen role's variables: ``weights`` checked against the module's own
-        shapes, or a fresh ``module.init(key, *inputs)``."""
-        expected = jax.eval_shape(lambda: nn_unbox(self.module.init(key, *inputs)))
-        if self.weights is None:
-            return nn_unbox(self.module.init(key, *inputs))
-        given = self.weights if "params" in self.weights else {"params": self.weights}
-        check_same_shapes(expected, given, what=f"frozen role {self.name!r}")
-        return jax.tree.map(
-            lambda want, value: jnp.asarray(value, want.dtype), expected, dict(given)
-        )
 
 
 def check_roles(objective) -> tuple[Role, ...]:

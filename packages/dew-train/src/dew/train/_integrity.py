@@ -55,7 +55,9 @@ shards it holds whose index was recorded (any process's record: the same mesh
 layout restores every shard verified; on one process, any recorded index of a
 fully addressable array is cut from it). A mismatch raises
 :class:`ChecksumMismatchError`, naming the array; with several processes every
-process learns that one found a mismatch, so all set the checkpoint aside.
+process raises the first process's mismatch (the array, its shard and the process
+that holds it), so all set the checkpoint aside and process 0's line names it
+(``tests/test_multiprocess_restore.py``).
 """
 
 from __future__ import annotations
@@ -80,24 +82,23 @@ class ChecksumMismatchError(ValueError):
     """An array read back from a checkpoint differs from the one saved: its
     files are damaged."""
 
-    def __init__(self, name: str, index: str, saved, read, algorithm: str = ALGORITHM):
-        self.name = name
+    def __init__(
+        self,
+        name: str,
+        index: str,
+        saved,
+        read,
+        algorithm: str = ALGORITHM,
+        *,
+        process: int | None = None,
+    ):
+        self.name, self.index, self.process = name, index, process
+        self.saved, self.read, self.algorithm = saved, read, algorithm
+        held = "" if process is None else f" held by process {process}"
         super().__init__(
-            f"array {name!r} (shard {index}) does not match the checksum saved with it "
-            f"({algorithm} {_shown(saved)} saved, {_shown(read)} read back)"
+            f"array {name!r} (shard {index}){held} does not match the checksum saved with "
+            f"it ({algorithm} {_shown(saved)} saved, {_shown(read)} read back)"
         )
-
-    @classmethod
-    def on_process(cls, process: int) -> ChecksumMismatchError:
-        """The error on a process whose own shards matched while ``process``'s did not."""
-        error = cls.__new__(cls)
-        error.name = None
-        ValueError.__init__(
-            error,
-            f"an array shard held by process {process} does not match the checksum saved "
-            f"with it (its log names the array)",
-        )
-        return error
 
 
 def _shown(value) -> str:
@@ -336,14 +337,36 @@ def verify(tree, recorded: dict[str, dict[str, tuple[str, Any]]]) -> int:
             mismatch = ChecksumMismatchError(name, key, value, got, algorithm)
             break
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32(mismatch is not None))
-        if mismatch is None and np.any(flags):
-            raise ChecksumMismatchError.on_process(int(np.argmax(flags)))
+        mismatch = _first_of_every_process(mismatch)
     if mismatch is not None:
         raise mismatch
     return len(checked)
+
+
+_SHARED_BYTES = 4096  # room for one mismatch's JSON (its array name, shard and sums)
+
+
+def _first_of_every_process(mine: ChecksumMismatchError | None) -> ChecksumMismatchError | None:
+    """The first process's mismatch (by process index), on every process, naming
+    the array and the process that holds it: a process whose own shards matched
+    sets the checkpoint aside too, and process 0, which prints, says why."""
+    from jax.experimental import multihost_utils
+
+    encoded = np.zeros(_SHARED_BYTES, np.uint8)
+    if mine is not None:
+        text = json.dumps([mine.name, mine.index, mine.saved, mine.read, mine.algorithm])
+        data = np.frombuffer(text.encode()[: _SHARED_BYTES - 1], np.uint8)
+        encoded[: len(data)] = data
+    shared = np.asarray(multihost_utils.process_allgather(encoded))
+    for process, row in enumerate(shared.reshape(-1, _SHARED_BYTES)):
+        if not row.any():
+            continue
+        try:
+            name, index, saved, read, algorithm = json.loads(row.tobytes().rstrip(b"\0"))
+        except ValueError:  # cut short (a name over the room): say what is known
+            name, index, saved, read, algorithm = "?", "?", "?", "?", "?"
+        return ChecksumMismatchError(name, index, saved, read, algorithm, process=process)
+    return None
 
 
 # ------------------------------------------------------- the Orbax item

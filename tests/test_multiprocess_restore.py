@@ -1,0 +1,183 @@
+"""Two processes (``jax.distributed`` on 127.0.0.1, 4 CPU devices each, the
+parameters and Adam moments sharded over all 8 along ``fsdp``) save
+checkpoints at steps 2 and 4; each process records the checksums of the
+shards it wrote. One chunk that only the second process wrote is damaged (a
+flipped bit in the middle of its bytes in that process's data file: zstd and
+OCDBT read it back as other numbers, without an error). The restart sets
+checkpoint 4 aside on both processes, naming the array, resumes both from
+checkpoint 2, and ends with the state of the uninterrupted run, bit for bit.
+
+This file is also the child: ``python tests/test_multiprocess_restore.py PORT ID
+DIR OUT`` runs process ``ID`` of 2 on the checkpoint directory ``DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_multiprocess import CONFIG, SEQ, VOCAB, free_port  # noqa: E402
+
+STEPS, BATCH, EVERY = 4, 8, 2
+MESH = dict(fsdp=8)  # every array split over both processes' devices
+
+
+def child(port: int, process_id: int, directory: pathlib.Path, out: pathlib.Path) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+    import optax
+    from jax.experimental import multihost_utils
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
+    )
+    from dew.data import Dataset
+    from dew.nn import CausalTransformer
+    from dew.objectives.lm import LMObjective
+    from dew.train import Checkpoints, MeshSpec, Trainer
+
+    rows = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
+
+    def train_batches(partition):
+        for step in range(STEPS):
+            yield {"text": rows[step][partition.slice(BATCH)]}
+
+    data = Dataset(train=train_batches, val=None, records=STEPS * BATCH, batch=BATCH)
+    trainer = Trainer(
+        LMObjective(CausalTransformer(**CONFIG), seq_len=SEQ),
+        optax.adam(1e-2),
+        key=jax.random.key(0),
+        mesh=MeshSpec(**MESH),
+        checkpoints=Checkpoints(directory, keep=None),
+    )
+    steps = []
+    trainer.add_hook(lambda info: steps.append(info.step))
+    state = trainer.fit(data, steps=STEPS, log_every=1, checkpoint_every=EVERY)
+    gathered = multihost_utils.process_allgather(
+        {"params": state.params, "opt_state": state.opt_state}, tiled=True
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"steps_{process_id}.json").write_text(json.dumps(steps))
+    if process_id == 0:
+        flat = {
+            jax.tree_util.keystr(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_leaves_with_path(gathered)
+        }
+        flat["step"] = np.asarray(jax.device_get(state.step))
+        np.savez(out / "state.npz", **flat)
+    jax.distributed.shutdown()
+
+
+def run_two(directory: pathlib.Path, out: pathlib.Path) -> str:
+    """Both processes on ``directory``; process 0's output (the other prints nothing)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    args = [str(port), "", str(directory), str(out)]
+    procs = []
+    for i in range(2):
+        args[1] = str(i)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=420))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-5000:]}"
+    assert outputs[1][0] == ""  # only process 0 talks
+    return outputs[0][0]
+
+
+def chunks_written_by(state_dir: pathlib.Path, process: int) -> list[tuple[str, bytes]]:
+    """``(zarr chunk key, its stored bytes)`` of the chunks stored outside OCDBT's
+    checksummed b-tree nodes (over 1 KiB) in the files process ``process`` wrote."""
+    import tensorstore as ts
+
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{state_dir}/"}).result()
+    files = [p.read_bytes() for p in (state_dir / f"ocdbt.process_{process}").rglob("*")]
+    found = []
+    for key in store.list().result():
+        value = store.read(key).result().value
+        if len(value) > 1024 and any(value in f for f in files):
+            found.append((key.decode(), value))
+    return found
+
+
+def flip_bit(path: pathlib.Path, offset: int, bit: int = 4) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_of_the_second_process_is_set_aside_on_both(tmp_path):
+    directory = tmp_path / "checkpoints"
+    straight = run_two(directory, tmp_path / "straight")
+    assert "Resuming" not in straight
+    from dew.train import Checkpoints
+
+    assert Checkpoints(directory).steps() == [2, 4]
+    for step in (2, 4):  # each process recorded the sums of its own shards
+        names = sorted(p.name for p in (directory / str(step) / "checksums").iterdir())
+        assert names == ["process_0-of-2.json", "process_1-of-2.json"]
+
+    state_dir = directory / "4" / "state"
+    ours = chunks_written_by(state_dir, 1)
+    assert ours and not set(ours) & set(chunks_written_by(state_dir, 0))
+    key, chunk = max(ours, key=lambda kv: (len(kv[1]), kv[0]))
+    damaged = []
+    for path in state_dir.rglob("*"):  # the process's file and any copy merged from it
+        if path.is_file() and chunk in path.read_bytes():
+            flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
+            damaged.append(path)
+    assert any(f"ocdbt.process_1{os.sep}" in str(p) for p in damaged)
+    array = key.split("/")[0].replace(".", "/")  # zarr's "params.Dense_0.kernel/..."
+
+    resumed = run_two(directory, tmp_path / "resumed")
+    skipped = re.search(
+        rf"Skipping checkpoint {re.escape(str(directory))}/4: it is damaged: array "
+        rf"'([^']+)' \(shard \[[^\]]+\]\) held by process 1 does not match the checksum "
+        rf"saved with it \(xxh3-128-v1 [0-9a-f]{{32}} saved, [0-9a-f]{{32}} read back\); "
+        rf"kept as {re.escape(str(directory))}/4.unusable, nothing deleted",
+        resumed,
+    )
+    assert skipped, resumed
+    assert skipped.group(1) == array
+    assert f"Resuming from step 2 ({directory}/2)" in resumed
+    for process in (0, 1):  # both resumed from step 2: their hooks saw steps 3 and 4
+        seen = json.loads((tmp_path / "resumed" / f"steps_{process}.json").read_text())
+        assert seen == [3, 4], (process, seen)
+    assert Checkpoints(directory).steps() == [2, 4]
+    assert (directory / "4.unusable").is_dir()
+
+    want = np.load(tmp_path / "straight" / "state.npz")
+    got = np.load(tmp_path / "resumed" / "state.npz")
+    assert sorted(got.files) == sorted(want.files) and int(got["step"]) == STEPS
+    for name in want.files:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+if __name__ == "__main__":
+    child(int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3]), pathlib.Path(sys.argv[4]))

@@ -1,11 +1,18 @@
 """Two processes (``jax.distributed`` on 127.0.0.1, 4 CPU devices each, the
 parameters and Adam moments sharded over all 8 along ``fsdp``) save
 checkpoints at steps 2 and 4; each process records the checksums of the
-shards it wrote. One chunk that only the second process wrote is damaged (a
-flipped bit in the middle of its bytes in that process's data file: zstd and
-OCDBT read it back as other numbers, without an error). The restart sets
-checkpoint 4 aside on both processes, naming the array, resumes both from
-checkpoint 2, and ends with the state of the uninterrupted run, bit for bit.
+shards it wrote and its data position. Then what only the second process
+wrote is damaged in checkpoint 4:
+
+- ``flipped-bit``: one bit in the middle of a chunk of an array in that
+  process's data file (stored as it was: zstd and OCDBT read it back as another
+  number, without an error; only the checksum can tell);
+- ``data-position``: its data-position file cut short (an undecodable file, read by
+  that process alone, after Orbax's restore).
+
+The restart sets checkpoint 4 aside on both processes, process 0's line naming
+the array (or the file) and the process, resumes both from checkpoint 2, and
+ends with the state of the uninterrupted run, bit for bit.
 
 This file is also the child: ``python tests/test_multiprocess_restore.py PORT ID
 DIR OUT`` runs process ``ID`` of 2 on the checkpoint directory ``DIR``.
@@ -47,9 +54,26 @@ def child(port: int, process_id: int, directory: pathlib.Path, out: pathlib.Path
 
     rows = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
 
-    def train_batches(partition):
-        for step in range(STEPS):
-            yield {"text": rows[step][partition.slice(BATCH)]}
+    class Batches:
+        """This process's rows of each step's batch; its position saves and restores."""
+
+        def __init__(self, partition):
+            self.partition, self.step = partition, 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.step += 1
+            return {"text": rows[self.step - 1][self.partition.slice(BATCH)]}
+
+        def get_state(self):
+            return {"step": self.step}
+
+        def set_state(self, state):
+            self.step = state["step"]
+
+    train_batches = Batches
 
     data = Dataset(train=train_batches, val=None, records=STEPS * BATCH, batch=BATCH)
     trainer = Trainer(
@@ -141,7 +165,8 @@ def flip_bit(path: pathlib.Path, offset: int, bit: int = 4) -> None:
 
 
 @pytest.mark.slow
-def test_a_damaged_shard_of_the_second_process_is_set_aside_on_both(tmp_path):
+@pytest.mark.parametrize("damage", ["flipped-bit", "data-position"])
+def test_what_the_second_process_wrote_damaged_is_set_aside_on_both(tmp_path, damage):
     directory = tmp_path / "checkpoints"
     straight = run_two(directory, tmp_path / "straight")
     assert "Resuming" not in straight
@@ -154,28 +179,36 @@ def test_a_damaged_shard_of_the_second_process_is_set_aside_on_both(tmp_path):
         shards = [json.loads(p.read_text())["arrays"] for p in records]
         assert all(shards) and shards[0] != shards[1]
 
-    state_dir = directory / "4" / "state"
-    ours = chunks_written_by(state_dir, 1)
-    assert ours and not set(ours) & set(chunks_written_by(state_dir, 0))
-    key, chunk = max(ours, key=lambda kv: (kv[0].startswith("params."), len(kv[1]), kv[0]))
-    damaged = []
-    for path in state_dir.rglob("*"):  # the process's file and any copy merged from it
-        if path.is_file() and chunk in path.read_bytes():
-            flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
-            damaged.append(path)
-    assert any(f"ocdbt.process_1{os.sep}" in str(p) for p in damaged)
-    array = key.split("/")[0].replace(".", "/")  # zarr's "params.Dense_0.kernel/..."
+    if damage == "flipped-bit":
+        state_dir = directory / "4" / "state"
+        ours = chunks_written_by(state_dir, 1)
+        assert ours and not set(ours) & set(chunks_written_by(state_dir, 0))
+        key, chunk = max(ours, key=lambda kv: (kv[0].startswith("params."), len(kv[1]), kv[0]))
+        damaged = []
+        for path in state_dir.rglob("*"):  # the process's file and any copy merged from it
+            if path.is_file() and chunk in path.read_bytes():
+                flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
+                damaged.append(path)
+        assert any(f"ocdbt.process_1{os.sep}" in str(p) for p in damaged)
+        array = key.split("/")[0].replace(".", "/")  # zarr's "params.layers.mlp.up.kernel/..."
+        why = (
+            rf"it is damaged: array '{re.escape(array)}' \(shard \[[^\]]+\]\) held by process 1 "
+            r"does not match the checksum saved with it \(xxh3-128-v1 [0-9a-f]{32} saved, "
+            r"[0-9a-f]{32} read back\)"
+        )
+    else:
+        position = directory / "4" / "data_iter" / "process_1-of-2.json"
+        assert json.loads(position.read_text()) == {"state": {"step": 4}}
+        position.write_text(position.read_text()[:5])
+        why = r"it cannot be read on process 1 \(JSONDecodeError: [^\n]+\)"
 
     resumed = run_two(directory, tmp_path / "resumed")
     skipped = re.search(
-        rf"Skipping checkpoint {re.escape(str(directory))}/4: it is damaged: array "
-        rf"'([^']+)' \(shard \[[^\]]+\]\) held by process 1 does not match the checksum "
-        rf"saved with it \(xxh3-128-v1 [0-9a-f]{{32}} saved, [0-9a-f]{{32}} read back\); "
+        rf"Skipping checkpoint {re.escape(str(directory))}/4: {why}; "
         rf"kept as {re.escape(str(directory))}/4.unusable, nothing deleted",
         resumed,
     )
     assert skipped, resumed
-    assert skipped.group(1) == array
     assert f"Resuming from step 2 ({directory}/2)" in resumed
     for process in (0, 1):  # both resumed from step 2: their hooks saw steps 3 and 4
         seen = json.loads((tmp_path / "resumed" / f"steps_{process}.json").read_text())

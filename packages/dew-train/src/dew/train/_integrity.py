@@ -54,10 +54,10 @@ What is verified: after a restore, each process recomputes the sums of the
 shards it holds whose index was recorded (any process's record: the same mesh
 layout restores every shard verified; on one process, any recorded index of a
 fully addressable array is cut from it). A mismatch raises
-:class:`ChecksumMismatchError`, naming the array; with several processes every
-process raises the first process's mismatch (the array, its shard and the process
-that holds it), so all set the checkpoint aside and process 0's line names it
-(``tests/test_multiprocess_restore.py``).
+:class:`ChecksumMismatchError`, naming the array; with several processes the
+restore shares every process's outcome (:func:`dew.train._restore.agree`), so all
+set the checkpoint aside and process 0's line names the array, its shard and the
+process that holds it (``tests/test_multiprocess_restore.py``).
 """
 
 from __future__ import annotations
@@ -336,40 +336,11 @@ def verify(tree, recorded: dict[str, dict[str, tuple[str, Any]]]) -> int:
         if got != value:
             mismatch = ChecksumMismatchError(name, key, value, got, algorithm)
             break
-    if jax.process_count() > 1:
-        mismatch = _first_of_every_process(mismatch)
     if mismatch is not None:
         raise mismatch
     return len(checked)
 
 
-_SHARED_BYTES = 4096  # room for one mismatch's JSON (its array name, shard and sums)
-
-
-def _first_of_every_process(mine: ChecksumMismatchError | None) -> ChecksumMismatchError | None:
-    """The first process's mismatch (by process index), on every process, naming
-    the array and the process that holds it: a process whose own shards matched
-    sets the checkpoint aside too, and process 0, which prints, says why."""
-    from jax.experimental import multihost_utils
-
-    encoded = np.zeros(_SHARED_BYTES, np.uint8)
-    if mine is not None:
-        text = json.dumps([mine.name, mine.index, mine.saved, mine.read, mine.algorithm])
-        data = np.frombuffer(text.encode()[: _SHARED_BYTES - 1], np.uint8)
-        encoded[: len(data)] = data
-    shared = np.asarray(multihost_utils.process_allgather(encoded))
-    for process, row in enumerate(shared.reshape(-1, _SHARED_BYTES)):
-        if not row.any():
-            continue
-        try:
-            name, index, saved, read, algorithm = json.loads(row.tobytes().rstrip(b"\0"))
-        except ValueError:  # cut short (a name over the room): say what is known
-            name, index, saved, read, algorithm = "?", "?", "?", "?", "?"
-        return ChecksumMismatchError(name, index, saved, read, algorithm, process=process)
-    return None
-
-
-# ------------------------------------------------------- the Orbax item
 def _handler_classes():
     """The Orbax handler and its save/restore args, defined on first use (Orbax
     is imported only by runs that checkpoint)."""

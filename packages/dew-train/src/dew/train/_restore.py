@@ -199,7 +199,7 @@ _TENSORSTORE_DAMAGE = re.compile(
 
 def _is_storage_error(error: BaseException) -> bool:
 
-    if isinstance(error, ChecksumMismatchError):
+    if isinstance(error, ChecksumMismatchError | DamageOnProcess):
         return True
     if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError)):
         return True
@@ -255,7 +255,70 @@ def damaged_because(proof: BaseException) -> str:
 
     if isinstance(proof, ChecksumMismatchError):
         return f"it is damaged: {proof}"
+    if isinstance(proof, DamageOnProcess):
+        return f"it cannot be read on process {proof.process} ({proof.why})"
     return f"it cannot be read ({describe(proof)})"
+
+
+# ------------------------------------------------------- several processes
+class DamageOnProcess(ValueError):
+    """Another process proved a checkpoint damaged while reading its shards."""
+
+    def __init__(self, process: int, why: str):
+        self.process, self.why = process, why
+        super().__init__(f"process {process} found the checkpoint damaged: {why}")
+
+
+_SHARED_BYTES = 4096  # room for one process's outcome (JSON)
+
+
+def agree(error: BaseException | None) -> BaseException | None:
+    """Each process's outcome of reading one checkpoint (``error``: None when it
+    read its shards), shared so that every process decides alike: None when all
+    read it, else the first failing process's error as each process sees it. A
+    checksum mismatch comes back as a :class:`ChecksumMismatchError` naming the
+    array, its shard and the process; other damage as the process's own error
+    there and a :class:`DamageOnProcess` elsewhere; a mistake (not damage) as it
+    was raised there and a ``RuntimeError`` elsewhere, which stops every process.
+    On one process, ``error`` itself."""
+    if jax.process_count() == 1:
+        return error
+    from jax.experimental import multihost_utils
+
+    proof = None if error is None else damage(error)
+    if error is None:
+        mine = None
+    elif isinstance(proof, ChecksumMismatchError):
+        mine = ["mismatch", proof.name, proof.index, proof.saved, proof.read, proof.algorithm]
+    elif proof is not None:
+        mine = ["damage", describe(proof)]
+    else:
+        mine = ["mistake", f"{type(error).__name__}: {error}"[:1000]]
+    encoded = np.zeros(_SHARED_BYTES, np.uint8)
+    if mine is not None:
+        data = np.frombuffer(json.dumps(mine).encode()[: _SHARED_BYTES - 1], np.uint8)
+        encoded[: len(data)] = data
+        encoded[_SHARED_BYTES - 1] = 1  # failed, whatever fits
+    shared = np.asarray(multihost_utils.process_allgather(encoded))
+    for process, row in enumerate(shared.reshape(-1, _SHARED_BYTES)):
+        if not row[-1]:
+            continue
+        try:
+            kind, *fields = json.loads(row[:-1].tobytes().rstrip(b"\0"))
+        except ValueError:  # cut short: what is known
+            kind, fields = "mistake", ["an error too long to share"]
+        if kind == "mismatch":
+            name, index, saved, read, algorithm = fields
+            return ChecksumMismatchError(name, index, saved, read, algorithm, process=process)
+        if process == jax.process_index():
+            return error
+        if kind == "damage":
+            return DamageOnProcess(process, fields[0])
+        return RuntimeError(
+            f"process {process} stopped reading the checkpoint with an error that is not "
+            f"damage ({fields[0]}); its output has the traceback"
+        )
+    return None
 
 
 def no_usable_message(

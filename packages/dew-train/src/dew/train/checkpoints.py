@@ -83,6 +83,7 @@ from dew.train._restore import (
     CheckpointMismatchError,
     NoUsableCheckpointError,
     OptimizerMismatchError,
+    agree,
     check_compatible,
     damage,
     damaged_because,
@@ -315,18 +316,23 @@ class CheckpointSession:
             why = unfinished_because(path)
             unfinished = why is not None
             if not unfinished:
+                failed = None
                 try:
                     with quiet_restore():
                         restored = self._read(
                             step, path, abstract, shardings, key_impl, init_opt_state, model
                         )
                 except Exception as error:
-                    proof = damage(error)
-                    if proof is None:  # a mistake, not damage: nothing is renamed
-                        raise
-                    why = damaged_because(proof)
-                else:
+                    failed, restored = error, None
+                # several processes: each read its own shards; all decide alike
+                failed = agree(failed)
+                if failed is None:
                     break
+                restored = None  # (this process's shards may have read well)
+                proof = damage(failed)
+                if proof is None:  # a mistake, not damage: nothing is renamed
+                    raise failed
+                why = damaged_because(proof)
             unusable.append((step, path, why, unfinished))
         earlier = unusable_names(self.directory, COMMIT_MARKER)
         lost = []  # what held progress: saves that never finished held none

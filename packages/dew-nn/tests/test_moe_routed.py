@@ -103,7 +103,7 @@ def test_every_dispatch_equals_numpy_and_the_dense_reference(case):
     if "capacity_factor" in kw:
         assert 0 < (~kept).sum() < kept.size  # some, not all, dropped
     r = jax.random.normal(jax.random.key(2), X.shape)
-    grads = {}
+    grads, outputs = {}, {}
     for dispatch in ("dense", "capacity", "blocked", "ragged"):
         module = make(dispatch, **kw)
 
@@ -124,8 +124,11 @@ def test_every_dispatch_equals_numpy_and_the_dense_reference(case):
             (dropped,) = sown["dropped_fraction"]  # [batch]: each row's dropped share
             want_dropped = (~kept).reshape(X.shape[0], -1).mean(1)
             np.testing.assert_allclose(np.asarray(dropped), want_dropped, atol=1e-7)
-        grads[dispatch] = g
-    for dispatch in ("capacity", "blocked", "ragged"):
+        grads[dispatch], outputs[dispatch] = g, np.asarray(y)
+    for dispatch in ("capacity", "blocked", "ragged"):  # routed == dense within 1e-5
+        np.testing.assert_allclose(
+            outputs[dispatch], outputs["dense"], rtol=1e-5, atol=1e-6, err_msg=dispatch
+        )
         jax.tree.map(
             lambda a, b, d=dispatch: np.testing.assert_allclose(
                 a, b, rtol=1e-5, atol=1e-6, err_msg=d

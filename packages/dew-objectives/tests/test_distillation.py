@@ -386,6 +386,38 @@ def test_seq_kd_completions_are_the_teachers_own_decode_at_the_step_key(weights)
     assert not np.array_equal(out["completion"], COMPLETION)
 
 
+@pytest.mark.slow  # ~5 s: the student's decode compiled twice (prepare, generate)
+def test_on_policy_completions_are_the_students_decode_with_its_current_weights(weights):
+    """With ``lmbda`` 1 prepare's completions are what ``dew.sampling.generate`` draws
+    with the student and the weights prepare is given (the current ones, not the
+    initial: moved weights give their own decode) at the prepare key, each row up to
+    its end id, then ``pad_id``; the data's completions are not read."""
+    from dew.sampling import generate
+
+    end_ids, pad = tuple(range(1, 9)), 0
+    objective = make(weights, lmbda=1.0, end_ids=end_ids, pad_id=pad)
+    prepare = jax.jit(objective.prepare)
+    prompts = [row[mask].tolist() for row, mask in zip(PROMPT, PROMPT_MASK)]
+    key = jax.random.split(STEP.key)[1]
+    moved = jax.tree.map(
+        lambda x: x + 0.5 * jax.random.normal(jax.random.key(6), x.shape), weights[0]
+    )
+    outs = []
+    for params in (weights[0], moved):
+        both = {"params": params, "teacher": {"params": weights[1]}}
+        out = jax.device_get(prepare(both, BATCH, STEP))
+        want = generate(
+            STUDENT, params, prompts, N, key, sampling=objective.sampling, end_ids=end_ids
+        )
+        assert out["completion_mask"].sum(1).tolist() == want.lengths
+        for r, prompt in enumerate(prompts):
+            new = want.tokens[r][len(prompt) :]
+            assert out["completion"][r].tolist() == new + [pad] * (N - len(new)), r
+        assert np.all(out["on_policy"] == 1)
+        outs.append(out["completion"])
+    assert not np.array_equal(outs[0], outs[1])  # the weights prepare is given decide
+
+
 # ------------------------------------------------------------- bad input
 def test_bad_input_is_refused_before_compiling(weights):
     other_vocab = TEACHER.clone(vocab_size=V + 8)

@@ -203,6 +203,42 @@ def test_loss_on_moved_weights_matches_numpy(setup, convention):
     assert float(metrics["kl"].value) > 0 and abs(float(metrics["ratio"].value) - 1) > 1e-4
 
 
+def test_evaluation_samples_with_the_ode_at_eval_steps_not_the_rollouts_steps(setup):
+    """Rollouts take the sampler's 4 SDE steps; ``sample`` (evaluation, previews) runs
+    the ODE with ``eval_steps`` = 7 Euler steps and the same guidance: a float64 numpy
+    Euler loop over ``t = 1 .. 0`` on the network's guided velocity, from the key's
+    noise; the rollouts' 4 steps give other samples."""
+    _, variables = setup
+    obj = objective(eval_steps=7)
+    assert obj.sampler.num_steps == 4
+    labels = np.asarray([0, 1, 2, 1], np.int32)
+    key = jax.random.key(11)
+    got = np.asarray(obj.sample(variables, key, label=labels), np.float64)
+
+    def velocity(x, t):
+        def net(lbl):
+            out = obj.model.apply(
+                {"params": variables["params"]},
+                jnp.asarray(x, jnp.float32),
+                jnp.full((len(x),), 1000.0 * t, jnp.float32),
+                label=jnp.asarray(lbl),
+            )
+            return np.asarray(out, np.float64)
+
+        null = net(np.full_like(labels, CLASSES))
+        return null + obj.guidance * (net(labels) - null)
+
+    x = np.asarray(jax.random.normal(key, (len(labels), 2), jnp.float32), np.float64)
+    times = np.linspace(1.0, 0.0, 8)
+    for t, t_next in zip(times[:-1], times[1:], strict=True):
+        x = x + (t_next - t) * velocity(x, t)
+    np.testing.assert_allclose(got, x, rtol=1e-4, atol=1e-5)
+    fewer = np.asarray(obj.sample(variables, key, label=labels, num_steps=4))
+    assert np.abs(fewer - got).max() > 1e-3
+    with pytest.raises(ValueError, match="eval_steps must be >= 1, got 0"):
+        objective(eval_steps=0)
+
+
 def test_timestep_fraction_draws_a_subset_per_row(setup):
     _, variables = setup
     obj = objective(timestep_fraction=0.5)

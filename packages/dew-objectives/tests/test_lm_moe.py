@@ -122,3 +122,65 @@ def test_only_models_that_sow_them_report_them(unrolled):
         variables = jax.eval_shape(objective.init, jax.random.key(0))
         _, metrics = jax.eval_shape(objective.loss, variables, {"text": tokens}, STEP)
         assert set(metrics) == want, name
+
+
+def np_balance_loss(x, router, k):
+    """Per row: the load-balancing loss ``E sum_e f_e P_e`` of one MoE layer, float64."""
+    x, router = np.asarray(x, np.float64), np.asarray(router, np.float64)
+    num = router.shape[1]
+    logits = x @ router  # [rows, length, expert]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[..., :k]  # [rows, length, k]
+    fraction = np.stack([(chosen == e).sum((1, 2)) for e in range(num)], -1) / chosen[0].size
+    return num * (fraction * probs.mean(1)).sum(-1)  # [rows]
+
+
+def test_the_backbones_router_z_loss_weight_enters_the_loss_and_its_gradient(unrolled):
+    """``CausalTransformer(moe_router_z_loss_weight=w)``: the ``aux_loss`` term is
+    ``aux_loss_weight * mean_rows(mean_layers(balance + w z))``, the loss moves by
+    ``aux_loss_weight * w * mean(z)`` from ``w = 0``, and the last router's
+    gradient by that term's closed-form gradient ``mean_t 2 lse_t x_t softmax_t^T``
+    (numpy, float64); a negative weight is refused when the model is built."""
+    from dew.objectives.weighted import loss_value
+
+    _, variables, tokens = unrolled
+    w = 0.5
+    losses, grads, metrics, inputs = {}, {}, {}, {}
+    for weight in (0.0, w):
+        model = CausalTransformer(**TINY_MOE, use_scan=False, moe_router_z_loss_weight=weight)
+        objective = LMObjective(model, seq_len=SEQ)
+
+        def total(params, objective=objective):
+            terms, out = objective.loss({"params": params}, {"text": tokens}, STEP)
+            return loss_value(terms), out
+
+        (losses[weight], metrics[weight]), grads[weight] = jax.value_and_grad(total, has_aux=True)(
+            variables["params"]
+        )
+    with nn.intercept_methods(record_moe_inputs(inputs)):  # each layer's router input
+        objective.loss(variables, {"text": tokens}, STEP)
+    routers = {p: variables["params"][p.split("/")[0]]["mlp"]["router"] for p in sorted(inputs)}
+    z = np.mean([np_router_metrics(inputs[p], r, 2, 1.0)[1] for p, r in routers.items()], 0)
+    balance = np.mean([np_balance_loss(inputs[p], r, 2) for p, r in routers.items()], 0)
+    coefficient = objective.aux_loss_weight  # 0.01, the default
+    assert float(metrics[0.0]["aux_loss"].value) == pytest.approx(balance.mean(), rel=1e-5)
+    assert float(metrics[w]["aux_loss"].value) == pytest.approx((balance + w * z).mean(), rel=1e-5)
+    assert float(metrics[w]["moe_z_loss"].value) == pytest.approx(z.mean(), rel=1e-5)
+    assert float(losses[w] - losses[0.0]) == pytest.approx(coefficient * w * z.mean(), rel=1e-4)
+
+    # the last layer's router: only its own z-loss depends on it through the z term
+    x = np.asarray(inputs["layer_1/mlp"], np.float64)  # [rows, length, embed]
+    logits = x @ np.asarray(routers["layer_1/mlp"], np.float64)
+    top = logits.max(-1, keepdims=True)
+    soft = np.exp(logits - top)
+    lse = top[..., 0] + np.log(soft.sum(-1))
+    soft /= soft.sum(-1, keepdims=True)
+    dz = np.einsum("rt,rte,rtx->ex", 2 * lse, x, soft) / (ROWS * SEQ)  # d mean_rows(z) / dR
+    want = coefficient * w * dz / TINY_LM["num_layers"]  # the mean over the 2 MoE layers
+    got = grads[w]["layer_1"]["mlp"]["router"] - grads[0.0]["layer_1"]["mlp"]["router"]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-3, atol=1e-8)
+    assert np.abs(want).max() > 1e-4  # a gradient the tolerance can see
+
+    with pytest.raises(ValueError, match=r"moe_router_z_loss_weight must be .* got -0.1"):
+        CausalTransformer(**TINY_MOE, moe_router_z_loss_weight=-0.1)

@@ -79,6 +79,32 @@ def test_hf_format_round_trip(tiny, tmp_path, family):
     assert back.tokenizer.decode(back.tokenizer.encode(text)) == text
 
 
+def test_router_z_loss_weight_is_a_training_setting_of_a_hugging_face_moe(tiny, tmp_path):
+    """A Mixtral checkpoint loads with the z-loss off (config.json has no field for
+    it), ``clone`` turns it on over the same weights and logits, and saving the
+    trained model writes the same Mixtral checkpoint (the Dew format keeps it)."""
+    moe = dict(num_experts=4, experts_per_token=2, moe_norm_topk_prob=True)
+    model, params = tiny("llama", **moe, moe_router_z_loss_weight=0.1)
+    path = Pretrained(model=model, params=params, format="mixtral").save(tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and not any("z_loss" in k for k in config)
+    back = Pretrained.load(path)
+    assert back.model.moe_router_z_loss_weight == 0.0
+    trained = back.model.clone(moe_router_z_loss_weight=0.1)
+    assert trained == model
+    same_params(back.params, params)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    np.testing.assert_array_equal(
+        trained.apply({"params": back.params}, tokens),
+        back.model.apply({"params": back.params}, tokens),
+    )
+    again = Pretrained(model=trained, params=back.params, format="mixtral").save(tmp_path / "2")
+    assert json.loads((again / "config.json").read_text()) == config
+    same_params(Pretrained.load(again).params, params)
+    dew = Pretrained(model=trained, params=back.params).save(tmp_path / "dew")
+    assert Pretrained.load(dew).model == model
+
+
 def test_dew_format_round_trip_keeps_dtype_and_tokenizer(tiny, tmp_path):
     model, params = tiny("gpt2", param_dtype=jnp.bfloat16, use_scan=False, max_seq_len=40)
     path = Pretrained(model=model, params=params, tokenizer=ByteTokenizer()).save(tmp_path)

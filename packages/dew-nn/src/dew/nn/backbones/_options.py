@@ -141,6 +141,7 @@ class BlockConfig:
     moe_gating, moe_norm_topk_prob, moe_shared_features, moe_shared_gate:
       :class:`dew.nn.moe.MoE`'s ``gating``, ``norm_topk_prob``,
       ``shared_features`` and ``shared_expert_gate``.
+    moe_router_z_loss_weight: :class:`dew.nn.moe.MoE`'s ``router_z_loss_weight``.
     qk_norm: an RMSNorm over each head's queries and keys (:class:`dew.nn.Attention`).
     """
 
@@ -167,6 +168,7 @@ class BlockConfig:
     moe_norm_topk_prob: bool | None = None
     moe_shared_features: int = 0
     moe_shared_gate: bool = True
+    moe_router_z_loss_weight: float = 0.0
     qk_norm: bool = False
 
     def __post_init__(self):

@@ -90,6 +90,7 @@ def feed_forward(c: BlockConfig, name: str = "mlp") -> nn.Module:
             norm_topk_prob=c.moe_norm_topk_prob,
             shared_features=c.moe_shared_features,
             shared_expert_gate=c.moe_shared_gate,
+            router_z_loss_weight=c.moe_router_z_loss_weight,
             **shared,
         )
     return MLP(use_bias=c.use_bias, **shared)

@@ -13,6 +13,7 @@ bidirectional :class:`dew.nn.Transformer` runs the same blocks and stack.
 from __future__ import annotations
 
 import dataclasses
+from math import inf
 
 import flax.linen as nn
 import jax
@@ -60,6 +61,14 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         through (Qwen2-MoE, DeepSeek-MoE); 0 = none.
       moe_shared_gate: scale the shared expert by a learned per-token
         ``sigmoid(x w)`` (Qwen2-MoE); False adds it ungated.
+      moe_router_z_loss_weight: the router z-loss (ST-MoE), ``mean_t
+        logsumexp(router_logits_t)^2`` per row, added to each MoE layer's sown
+        ``aux_loss`` with this weight relative to the load-balancing loss, so
+        ``LMObjective`` trains on ``aux_loss_weight * (balance + weight * z)``;
+        0 = not trained on (still logged as ``moe_z_loss``). ST-MoE's 1e-3 is
+        0.1 here with ``LMObjective(aux_loss_weight=0.01)``. A training setting:
+        Hugging Face configs have no field for it, so set it after loading
+        (``pre.model.clone(moe_router_z_loss_weight=0.1)``).
       qk_norm: an RMSNorm (epsilon ``norm_eps``) over each head's queries and
         keys before the rotary embedding (Qwen3, Qwen3-MoE).
       moe_layers: the layers (0-based, ascending) whose feed-forward block is
@@ -88,6 +97,7 @@ class CausalTransformer(TransformerOptions, kw_only=True):
     moe_norm_topk_prob: bool | None = None
     moe_shared_features: int = 0
     moe_shared_gate: bool = True
+    moe_router_z_loss_weight: float = 0.0
     qk_norm: bool = False
     moe_layers: tuple[int, ...] | None = None
     dense_mlp_features: int | None = None
@@ -118,6 +128,12 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             raise ValueError(
                 f"moe_capacity_factor must be > 0 (slots per expert as a multiple of the "
                 f"balanced load) or None for dropless routing, got {factor}"
+            )
+        weight = self.moe_router_z_loss_weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < inf:
+            raise ValueError(
+                f"moe_router_z_loss_weight must be a finite number >= 0 (the router "
+                f"z-loss's weight relative to the load-balancing loss; 0 = off), got {weight!r}"
             )
 
     @property
@@ -179,6 +195,7 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             moe_norm_topk_prob=self.moe_norm_topk_prob,
             moe_shared_features=self.moe_shared_features,
             moe_shared_gate=self.moe_shared_gate,
+            moe_router_z_loss_weight=self.moe_router_z_loss_weight,
             qk_norm=self.qk_norm,
         )
 

@@ -92,26 +92,81 @@ def compilation_cache(setting: str | bool) -> str | None:
     return setting
 
 
+DISTRIBUTED = "DEW_DISTRIBUTED"  # 1: always jax.distributed.initialize(); 0: never
+
+
+def detected_cluster() -> tuple[str, int] | None:
+    """``(environment, process count)`` of the cluster JAX's own detection finds here
+    (what ``jax.distributed.initialize()`` without arguments would use: JAX's
+    ``ClusterEnv`` subclasses in JAX's order, opt-in ones such as mpi4py left out):
+    Open MPI, SLURM, a GKE TPU slice, a Cloud TPU VM, a Kubernetes Job / JobSet.
+    None where none is present. An environment whose detection itself fails (a
+    metadata server that does not answer) counts as absent, with a warning."""
+    from jax._src import clusters  # JAX's cluster environments (no public list)
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        try:
+            present = env.is_env_present()
+        except Exception as error:  # JAX's detection of one environment
+            print(
+                f"dew: JAX's detection of {env.__name__} failed ({type(error).__name__}: "
+                f"{error}); running as one process unless {DISTRIBUTED}=1 or --coordinator",
+                file=sys.stderr,
+            )
+            continue
+        if not present:
+            continue
+        try:
+            count = int(env.get_process_count())
+        except Exception as error:
+            raise RecipeError(
+                f"JAX detected a {env.__name__} environment but could not read its process "
+                f"count ({type(error).__name__}: {error}); give --coordinator, "
+                f"--num-processes and --process-id, or {DISTRIBUTED}=0 to run one process"
+            ) from None
+        return env.__name__, count
+    return None
+
+
 def _distributed(args) -> None:
-    """``jax.distributed`` from ``--coordinator/--num-processes/--process-id``, or
-    from the environment where JAX detects a cluster (SLURM with more than one
-    task, Kubernetes / JobSet, TPU VMs: ``DEW_DISTRIBUTED=1`` asks for detection)."""
+    """``jax.distributed.initialize`` before anything is built, or not at all:
+
+    - ``--coordinator`` / ``--num-processes`` / ``--process-id``: with those (any
+      left out JAX detects from the environment);
+    - else ``DEW_DISTRIBUTED=1``: ``initialize()`` (JAX's detection, its errors);
+      ``DEW_DISTRIBUTED=0``: one process, whatever the environment;
+    - else where JAX's detection finds a cluster of more than one process
+      (:func:`detected_cluster`: SLURM with several tasks, a Kubernetes JobSet of
+      several pods, a multi-host TPU slice): ``initialize()``. One process (a
+      single-host TPU VM, one pod, one SLURM task) or no cluster: nothing.
+
+    CPU processes reduce over gloo (accelerators use their own collectives)."""
     import jax
 
-    coordinator = getattr(args, "coordinator", None)
-    if coordinator or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        # CPU processes reduce over gloo (accelerators use their own collectives)
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if coordinator:
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
+    given = {
+        "coordinator_address": getattr(args, "coordinator", None),
+        "num_processes": getattr(args, "num_processes", None),
+        "process_id": getattr(args, "process_id", None),
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    setting = os.environ.get(DISTRIBUTED, "").strip().lower()
+    if setting not in ("", "0", "1"):
+        raise RecipeError(
+            f"{DISTRIBUTED}={os.environ[DISTRIBUTED]!r}: use 1 (always initialise "
+            f"jax.distributed from the environment), 0 (one process) or leave it unset "
+            f"(JAX's cluster detection decides)"
         )
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("DEW_DISTRIBUTED"):
-        if os.environ.get("DEW_DISTRIBUTED"):
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize()
+    if not given:
+        if setting == "0":
+            return
+        if setting == "":
+            found = detected_cluster()
+            if found is None or found[1] <= 1:
+                return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**given)
 
 
 def is_run(run_dir: str) -> bool:

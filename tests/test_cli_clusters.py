@@ -21,6 +21,7 @@ from jax._src.clusters import cloud_tpu_cluster, k8s_cluster
 
 from dew.cli import _parser, main
 from dew.cli.commands import _distributed, detected_cluster
+from dew.cli.recipe import RecipeError
 
 # the variables any cluster environment JAX knows would read
 CLUSTER_VARIABLES = (
@@ -183,6 +184,30 @@ def test_gke_tpu_slice_is_detected_one_host_is_not(calls, monkeypatch):
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
     monkeypatch.setenv("TPU_WORKER_ID", "0")
     start()
+    assert calls == []
+
+
+def test_gke_tpu_host_without_a_metadata_server_is_one_process(calls, monkeypatch, capsys):
+    """A single-host GKE TPU v5e machine as it is (TPU_WORKER_HOSTNAMES=localhost,
+    TPU_SKIP_MDS_QUERY=true, no metadata server: JAX's process count asks it for the
+    slices and fails): one process and a warning. With several hosts listed that is
+    a bad configuration, not N separate runs."""
+
+    def unreachable(key):
+        raise ConnectionError("metadata.google.internal unreachable")
+
+    monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
+    monkeypatch.setattr(cloud_tpu_cluster, "get_metadata", unreachable)
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "true")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    monkeypatch.setenv("TPU_WORKER_ID", "0")
+    assert detected_cluster() == ("GkeTpuCluster", 1)
+    start()
+    assert calls == []
+    assert "could not read its process count (ConnectionError" in capsys.readouterr().err
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "h0,h1")
+    with pytest.raises(RecipeError, match="GkeTpuCluster environment of 2 hosts"):
+        start()
     assert calls == []
 
 

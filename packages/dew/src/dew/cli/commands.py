@@ -101,7 +101,9 @@ def detected_cluster() -> tuple[str, int] | None:
     ``ClusterEnv`` subclasses in JAX's order, opt-in ones such as mpi4py left out):
     Open MPI, SLURM, a GKE TPU slice, a Cloud TPU VM, a Kubernetes Job / JobSet.
     None where none is present. An environment whose detection itself fails (a
-    metadata server that does not answer) counts as absent, with a warning."""
+    metadata server that does not answer) counts as absent, and one whose process
+    count cannot be read as one process, each with a warning; except a GKE TPU slice
+    whose variables list several hosts (a configuration error: say how many)."""
     from jax._src import clusters  # JAX's cluster environments (no public list)
 
     for env in clusters.ClusterEnv._cluster_types:
@@ -121,13 +123,30 @@ def detected_cluster() -> tuple[str, int] | None:
         try:
             count = int(env.get_process_count())
         except Exception as error:
-            raise RecipeError(
-                f"JAX detected a {env.__name__} environment but could not read its process "
-                f"count ({type(error).__name__}: {error}); give --coordinator, "
-                f"--num-processes and --process-id, or {DISTRIBUTED}=0 to run one process"
-            ) from None
+            # e.g. a GKE TPU host whose metadata server does not answer JAX's question
+            # about slices: one process, unless its variables list several hosts
+            hosts = _tpu_hosts_in_variables() if env.__name__ == "GkeTpuCluster" else 0
+            if hosts > 1:
+                raise RecipeError(
+                    f"JAX detected a {env.__name__} environment of {hosts} hosts but could "
+                    f"not read its process count ({type(error).__name__}: {error}); give "
+                    f"--coordinator, --num-processes and --process-id"
+                ) from None
+            print(
+                f"dew: JAX detected {env.__name__} but could not read its process count "
+                f"({type(error).__name__}: {str(error)[:200]}); running as one process "
+                f"unless {DISTRIBUTED}=1 or --coordinator",
+                file=sys.stderr,
+            )
+            return env.__name__, 1
         return env.__name__, count
     return None
+
+
+def _tpu_hosts_in_variables() -> int:
+    """The hosts of a GKE TPU slice as GKE's variables list them (no network)."""
+    names = os.environ.get("TPU_PROCESS_ADDRESSES") or os.environ.get("TPU_WORKER_HOSTNAMES")
+    return len(names.split(",")) if names else 0
 
 
 def _distributed(args) -> None:

@@ -65,7 +65,33 @@ def tiny_llama(tmp_path_factory):
     return str(out / "hf")
 
 
-def recipe_of(name, overrides=(), tiny_llama=None):
+CLASSIFIER = str(RECIPES / "classifier_distillation.yaml")
+# toy size: one layer, 6 steps, an evaluation of all 64 validation rows at the end
+CLASSIFIER_TOY = [
+    "model.config.num_layers=1",
+    "trainer.steps=6",
+    "trainer.log_every=1",
+    "trainer.eval_every=6",
+    "optimizer.schedule.warmup_steps=1",
+]
+
+
+@pytest.fixture(scope="module")
+def digits_teacher(tmp_path_factory):
+    """The classifier recipe's own first steps, through the command: a wider ViT
+    classifier trained on the labels alone (alpha=1, no teacher), exported as a Dew
+    checkpoint directory. ``(run_dir, exported directory)``."""
+    root = tmp_path_factory.mktemp("digits")
+    run, out = str(root / "teacher"), str(root / "teacher-dew")
+    overrides = ["objective.args.alpha=1", "objective.models={}", "model.config.emb_features=64"]
+    overrides += ["trainer.steps=30", "trainer.eval_every=30", "optimizer.learning_rate=3e-3"]
+    code = main(["--quiet", "train", CLASSIFIER, *CLASSIFIER_TOY, *overrides, f"run_dir={run}"])
+    assert code == 0
+    assert main(["--quiet", "export", run, "--to", "dew", out]) == 0
+    return run, out
+
+
+def recipe_of(name, overrides=(), tiny_llama=None, teacher=None):
     raw = load_recipe(str(RECIPES / name))
     if tiny_llama is not None and name == "lm_lora.yaml":
         overrides = [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}", *overrides]
@@ -75,14 +101,19 @@ def recipe_of(name, overrides=(), tiny_llama=None):
             f"tokenizer.path={tiny_llama}",
             *overrides,
         ]
+    if teacher is not None and name == "classifier_distillation.yaml":
+        overrides = [f"objective.models.teacher.pretrained={teacher}", *overrides]
     return anchored(apply_overrides(raw, list(overrides)), str(RECIPES))
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.glob("*.yaml")))
-def test_recipe_builds_and_its_saved_form_rebuilds_the_same(name, tiny_llama, tmp_path):
+def test_recipe_builds_and_its_saved_form_rebuilds_the_same(name, tiny_llama, tmp_path, request):
     """Every shipped recipe is checked against the real signatures and builds its
     objects (nothing compiled); the resolved recipe a run saves parses to itself."""
-    raw = recipe_of(name, [f"run_dir={tmp_path}"], tiny_llama)
+    teacher = None
+    if name == "classifier_distillation.yaml":
+        teacher = request.getfixturevalue("digits_teacher")[1]
+    raw = recipe_of(name, [f"run_dir={tmp_path}"], tiny_llama, teacher)
     built = build(parse_recipe(raw), str(tmp_path))
     again = build(parse_recipe(json.loads(json.dumps(built.resolved))), str(tmp_path))
     assert again.resolved == built.resolved
@@ -473,6 +504,68 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         assert want.startswith("Dew") and len(want) > 3
     if name == "diffusion.yaml":
         sampled_images(str(tmp_path), capsys)
+
+
+def log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_classifier_distillation_recipe_through_the_command(digits_teacher, tmp_path, capsys):
+    """recipes/classifier_distillation.yaml as its comment runs it: the teacher trained on
+    the labels alone (the fixture: its loss falls, no soft-target term), exported, then
+    distilled into the narrow student with an override (T = 4). The student's last
+    evaluation equals numpy float64 from the two checkpoints applied to the 64
+    validation rows (forward KL at T, nll, the teacher's nll, accuracy, agreement);
+    the teacher's nll equals its own run's; the saved recipe rebuilds the same run."""
+    from dew.sampling import Pretrained
+    from dew.train import load_model
+
+    teacher_run, teacher_dir = digits_teacher
+    taught = metrics(teacher_run)
+    first, last = ([taught[s]["loss"] for s in steps] for steps in (range(1, 6), range(26, 31)))
+    assert np.mean(last) < np.mean(first) - 0.1, (first, last)
+    assert all(row["divergence"] == 0 for row in taught.values())  # the labels alone
+    np.testing.assert_allclose(
+        [row["loss"] for row in taught.values()], [row["nll"] for row in taught.values()], 1e-6
+    )
+    run_dir = str(tmp_path / "student")
+    overrides = [
+        *CLASSIFIER_TOY,
+        "objective.args.temperature=4",
+        f"objective.models.teacher.pretrained={teacher_dir}",
+        f"run_dir={run_dir}",
+    ]
+    assert main(["--json", "train", CLASSIFIER, *overrides]) == 0, capsys.readouterr().err
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["step"] for x in lines if x.get("kind") == "train"] == [1, 2, 3, 4, 5, 6]
+    assert lines[-1] == {"status": "finished", "step": 6, "run_dir": run_dir}
+
+    digits = np.load(RECIPES / "data/digits.npz")
+    images, labels = digits["image"][-64:], digits["label"][-64:]  # val_fraction 0.125
+    student, params = load_model(os.path.join(run_dir, "checkpoints"))
+    teacher = Pretrained.load(teacher_dir)
+    assert teacher.model.emb_features == 64 and student.emb_features == 32
+    zs = np.asarray(student.apply({"params": params}, images), np.float64)
+    zt = np.asarray(teacher.model.apply({"params": teacher.params}, images), np.float64)
+    s, t = log_softmax(zs / 4), log_softmax(zt / 4)
+    want = {
+        "divergence": (np.exp(t) * (t - s)).sum(-1).mean(),
+        "nll": -np.take_along_axis(log_softmax(zs), labels[:, None], -1).mean(),
+        "teacher_nll": -np.take_along_axis(log_softmax(zt), labels[:, None], -1).mean(),
+        "accuracy": (zs.argmax(-1) == labels).mean(),
+        "agreement": (zs.argmax(-1) == zt.argmax(-1)).mean(),
+    }
+    got = metrics(run_dir, "eval")[6]
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+    np.testing.assert_allclose(got["teacher_nll"], metrics(teacher_run, "eval")[30]["nll"])
+    saved = load_recipe(os.path.join(run_dir, "recipe.yaml"))
+    assert saved["objective"]["args"]["temperature"] == 4
+    assert saved["objective"]["models"]["teacher"] == {"pretrained": teacher_dir}
+    rebuilt = build(parse_recipe(json.loads(json.dumps(saved))), run_dir, with_data=False)
+    assert rebuilt.resolved == saved
 
 
 def sampled_images(run_dir: str, capsys) -> None:

@@ -17,12 +17,15 @@ VALID = {
     "causal_transformer": TINY_LM,
     "transformer": TINY_ENCODER,
     "vit": TINY_VIT,
+    "vit_classifier": dict(TINY_VIT, num_classes=5),
     "vit_predictor": TINY_PREDICTOR,
     "dit": TINY_DIT,
     "video_dit": dict(TINY_DIT, num_frames=2),
 }
 # Counts where 0 is a documented setting ("off", "none").
 ZERO_ALLOWED = {"num_experts", "moe_shared_features", "num_classes", "context_features"}
+# ... except where a backbone needs one (a classifier's classes).
+ZERO_REFUSED = {("vit_classifier", "num_classes")}
 # Counts read only under another setting (experts_per_token: only with num_experts > 0).
 UNCHECKED = {"experts_per_token"}
 
@@ -41,11 +44,15 @@ def count_fields(name: str) -> list[str]:
     return out
 
 
+def zero_allowed(name: str, field: str) -> bool:
+    return field in ZERO_ALLOWED and (name, field) not in ZERO_REFUSED
+
+
 CASES = [
     (name, field, value)
     for name in sorted(VALID)
     for field in count_fields(name)
-    for value in ((-1, 2.5) if field in ZERO_ALLOWED else (0, -1, 2.5))
+    for value in ((-1, 2.5) if zero_allowed(name, field) else (0, -1, 2.5))
 ]
 
 
@@ -63,7 +70,7 @@ def test_every_model_has_its_counts_checked():
             assert (name, field) in covered
     for name in ("causal_transformer", "transformer"):
         assert {(name, "max_seq_len"), (name, "vocab_size"), (name, "num_kv_heads")} <= covered
-    for name in ("vit", "vit_predictor", "dit", "video_dit"):
+    for name in ("vit", "vit_classifier", "vit_predictor", "dit", "video_dit"):
         assert (name, "patch_size") in covered
 
 
@@ -76,7 +83,7 @@ def test_a_bad_count_is_refused_when_built_with_field_value_and_range(name, fiel
     if name in ("dit", "video_dit") and field == "sample_size":
         assert f"{cls.__name__} sample_size={value!r} must be a whole number >= 1" in message
         return
-    minimum = 0 if field in ZERO_ALLOWED else 1
+    minimum = 0 if zero_allowed(name, field) else 1
     assert message.startswith(f"{cls.__name__} got an invalid count: {field}={value!r}")
     assert f"must be a whole number >= {minimum}" in message
     assert f"Set {field} in range" in message

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.nn import ViT, ViTPredictor, hf, models
+from dew.nn import ViT, ViTClassifier, ViTPredictor, hf, models
 from dew.nn.backbones.vit import PatchGrid, sincos_table
 from dew.nn.testing import TINY_PREDICTOR, TINY_VIT, tiny_predictor, tiny_vit
 
@@ -265,6 +265,34 @@ def test_registry_round_trip():
         assert models.build(name, **options) == model
     assert isinstance(models.build("vit", **TINY_VIT), ViT)
     assert isinstance(models.build("vit_predictor", **TINY_PREDICTOR), ViTPredictor)
+
+
+# ------------------------------------------------------------------ the classifier
+
+
+def test_classifier_is_the_pooled_encoder_and_a_head_and_scales_uint8():
+    """``vit_classifier``: numpy's encoder features, averaged over the patches, times
+    the head; uint8 pixels are read as ``p / 127.5 - 1`` (the JEPA objective's scale),
+    so a JEPA-trained ``vit``'s weights start it; it round-trips the registry."""
+    model = models.build("vit_classifier", **TINY_VIT, num_classes=5)
+    assert isinstance(model, ViTClassifier) and isinstance(model, ViT)
+    name, options = models.config_of(model)
+    assert models.build(name, **options) == model
+    params = init(model, IMAGES)
+    assert set(params) - set(init(tiny_vit(), IMAGES)) == {"head"}
+    got = model.apply({"params": params}, jnp.asarray(IMAGES))
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params["head"])
+    want = np_vit(model, params, IMAGES).mean(1) @ p["kernel"] + p["bias"]
+    assert got.shape == (2, 5) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    pixels = RNG.integers(0, 256, size=IMAGES.shape).astype(np.uint8)
+    np.testing.assert_allclose(
+        model.apply({"params": params}, jnp.asarray(pixels)),
+        model.apply({"params": params}, jnp.asarray(pixels / 127.5 - 1.0, jnp.float32)),
+        atol=1e-6,
+    )
+    boxed = model.init(jax.random.key(0), jnp.asarray(IMAGES))["params"]
+    assert boxed["head"]["kernel"].names == ("embed", None)
 
 
 # ------------------------------------------------------------------ the predictor

@@ -134,3 +134,20 @@ def test_bad_input_is_refused():
         make().init(jax.random.key(0))
     with pytest.raises(KeyError, match=r"reads batch\['label'\] \[rows\] integer"):
         make().check_batch({"image": X})
+
+
+def test_alpha_one_without_a_teacher_is_the_hard_label_cross_entropy():
+    """No teacher weights at ``alpha=1``: one trained role, the loss is numpy's
+    cross-entropy over the unpadded rows (how a teacher of one's own is trained);
+    below 1 the weights are required."""
+    objective = ClassifierDistillationObjective(STUDENT, alpha=1.0)
+    assert [r.name for r in objective.roles()] == ["policy"]
+    variables = objective.init(jax.random.key(4), SPEC)
+    assert set(variables) == {"params"}
+    loss, metrics = jax.jit(lambda v: objective.loss(v, BATCH, STEP))(variables)
+    zs = np.asarray(STUDENT.apply(variables, X), np.float64)
+    nll = -np.take_along_axis(log_softmax(zs), LABELS[:, None], -1)[:, 0]
+    np.testing.assert_allclose(loss.value, nll[MASK].mean(), rtol=1e-5)
+    assert float(metrics["divergence"].value) == 0 and float(metrics["agreement"].value) == 1
+    with pytest.raises(ValueError, match=r"alpha=0.5\) needs the teacher's weights"):
+        ClassifierDistillationObjective(STUDENT, alpha=0.5)

@@ -4,7 +4,7 @@ from dew.nn import axes, backbones, masks, models, stack
 from dew.nn.attention import Attention
 from dew.nn.backbones import CausalTransformer, DiT, VideoDiT
 from dew.nn.backbones.transformer import Transformer
-from dew.nn.backbones.vit import ViT, ViTPredictor
+from dew.nn.backbones.vit import ViT, ViTClassifier, ViTPredictor
 from dew.nn.lora import LoRA
 from dew.nn.masks import MaskPolicy
 from dew.nn.mlp import MLP
@@ -32,6 +32,7 @@ __all__ = [
     "Transformer",
     "VideoDiT",
     "ViT",
+    "ViTClassifier",
     "ValueHead",
     "ViTPredictor",
     "axes",

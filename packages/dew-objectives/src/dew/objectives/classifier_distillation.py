@@ -45,6 +45,9 @@ class ClassifierDistillationObjective(Objective):
     teacher: the teacher's module, the same call and number of classes; another size
       or architecture is fine. None = the student's architecture.
     teacher_params: the teacher's weights (a frozen role, ``variables['teacher']``).
+      None with ``alpha=1``: no teacher, the hard labels alone (plain supervised
+      training, how a teacher of your own is trained; ``divergence`` is then 0 and
+      ``agreement`` 1).
     beta: 0 = Hinton's forward KL, 1 = reverse KL, between them ``D_beta``.
     temperature: > 0, on both models' logits; the divergence is multiplied by ``T^2``.
     alpha: in ``[0, 1]``, the weight of the hard-label cross-entropy (at T = 1).
@@ -80,15 +83,23 @@ class ClassifierDistillationObjective(Objective):
             )
         if self.teacher is None:
             self.teacher = self.student
-        if self.teacher_params is None:
-            raise ValueError(f"{what} needs the teacher's weights: pass teacher_params=")
+        if self.teacher_params is None and self.alpha != 1:
+            raise ValueError(
+                f"{what}(alpha={self.alpha}) needs the teacher's weights: pass "
+                f"teacher_params=, or alpha=1 to train on the hard labels alone (no teacher)"
+            )
         self.model = self.student
 
+    @property
+    def has_teacher(self) -> bool:
+        """False under ``alpha=1`` without ``teacher_params``: hard labels alone."""
+        return self.teacher_params is not None
+
     def roles(self):
-        return (
-            Role(name="policy", module=self.student),
-            Role(name="teacher", module=self.teacher, trained=False),
-        )
+        policy = Role(name="policy", module=self.student)
+        if not self.has_teacher:
+            return (policy,)
+        return (policy, Role(name="teacher", module=self.teacher, trained=False))
 
     def batch_fields(self):
         """The models' input (any row shape: the models state theirs, and ``init`` reads
@@ -112,6 +123,8 @@ class ClassifierDistillationObjective(Objective):
         params = self.student.init(key, x)["params"]
         if self.init_params is not None:
             params = with_initial_values(params, self.init_params, what="init_params")
+        if not self.has_teacher:
+            return {"params": params}
         fresh = jax.eval_shape(lambda: self.teacher.init(key, x))["params"]
         teacher = with_initial_values(fresh, self.teacher_params, what="the teacher's weights")
         return {"params": params, "teacher": {"params": teacher}}
@@ -119,8 +132,11 @@ class ClassifierDistillationObjective(Objective):
     def _terms(self, variables, batch):
         x = batch[self.input_key]
         zs = self.student.apply({"params": variables["params"]}, x)
-        teacher = jax.lax.stop_gradient(variables["teacher"]["params"])
-        zt = self.teacher.apply({"params": teacher}, x)
+        if self.has_teacher:
+            teacher = jax.lax.stop_gradient(variables["teacher"]["params"])
+            zt = self.teacher.apply({"params": teacher}, x)
+        else:  # hard labels alone: the soft-target terms are 0
+            zt = jax.lax.stop_gradient(zs)
         labels = None if self.label_key not in batch else batch[self.label_key]
         terms = distillation_losses(
             zs, zt, labels, beta=self.beta, temperature=self.temperature

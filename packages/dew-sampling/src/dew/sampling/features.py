@@ -32,17 +32,16 @@ import numpy as np
 from flax import traverse_util
 
 from dew.nn import models
+from dew.nn.backbones.vit import scale_pixels
 from dew.sampling.checkpoint_io.files import TensorReader, read_json_object, write_tensors
 
 CONFIG = "features.json"
 POOLINGS = ("mean", "none")
 
 
-def scale_inputs(x: jax.Array) -> jax.Array:
-    """Pixels as float32: ``uint8`` in [0, 255] maps to [-1, 1]; floats pass unchanged."""
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return x.astype(jnp.float32) / 127.5 - 1.0
-    return x.astype(jnp.float32)
+# Pixels as float32: ``uint8`` in [0, 255] maps to [-1, 1]; floats pass unchanged
+# (what ``ViTClassifier`` does to its input).
+scale_inputs = scale_pixels
 
 
 def encode(encoder: nn.Module, params: Any, inputs: jax.Array, keep: jax.Array | None = None):

@@ -139,7 +139,8 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
         except (FileNotFoundError, ValueError) as error:
             raise RecipeError(f"{where}.pretrained: {error}") from None
         module, params = pre.model, pre.params
-        resolved = {"pretrained": section.pretrained}
+        # absolute: the saved recipe reloads it from any directory (dew resume)
+        resolved = {"pretrained": os.path.abspath(section.pretrained)}
     else:
         if not section.name:
             raise RecipeError(

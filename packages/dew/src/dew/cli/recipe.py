@@ -64,6 +64,9 @@ OBJECTIVES = {
     "masked_diffusion": "dew.objectives.masked_diffusion:MaskedDiffusionObjective",
     "block_diffusion": "dew.objectives.block_diffusion:BlockDiffusionObjective",
     "distillation": "dew.objectives.distillation:DistillationObjective",
+    "classifier_distillation": (
+        "dew.objectives.classifier_distillation:ClassifierDistillationObjective"
+    ),
     "flow_grpo": "dew.objectives.flow_grpo:FlowGRPOObjective",
 }
 READERS = {

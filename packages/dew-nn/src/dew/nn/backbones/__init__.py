@@ -14,7 +14,15 @@ from dew.nn.backbones.causal import CausalTransformer
 from dew.nn.backbones.dit import DiT, DiTOptions
 from dew.nn.backbones.transformer import Transformer
 from dew.nn.backbones.video_dit import SpaceTimeBlock, VideoDiT
-from dew.nn.backbones.vit import PatchGrid, PatchOptions, ViT, ViTPredictor, sincos_table
+from dew.nn.backbones.vit import (
+    PatchGrid,
+    PatchOptions,
+    ViT,
+    ViTClassifier,
+    ViTPredictor,
+    scale_pixels,
+    sincos_table,
+)
 
 __all__ = [
     "BackboneOptions",
@@ -34,7 +42,9 @@ __all__ = [
     "TransformerOptions",
     "VideoDiT",
     "ViT",
+    "ViTClassifier",
     "ViTPredictor",
     "layer_stack_of",
+    "scale_pixels",
     "sincos_table",
 ]

@@ -101,7 +101,8 @@ def check_counts(
         value = getattr(module, name)
         if (value is None and may_be_none) or (is_whole_number(value) and value >= minimum):
             continue
-        meaning = COUNT_MEANINGS.get(name)
+        # a backbone's own meaning of a shared name (a class attribute COUNT_MEANINGS)
+        meaning = {**COUNT_MEANINGS, **getattr(type(module), "COUNT_MEANINGS", {})}.get(name)
         allowed = f"a whole number >= {minimum}" + (" or None" if may_be_none else "")
         what = f" ({meaning})" if meaning else ""
         problems.append((name, f"{name}={value!r}{what} must be {allowed}"))

@@ -394,6 +394,47 @@ class ViT(PatchOptions, kw_only=True):
         return self.blocks_and_norm(x, positions).astype(jnp.float32)  # [batch, K, embed]
 
 
+def scale_pixels(x: jax.Array) -> jax.Array:
+    """Pixels as float32: integer (``uint8``) pixels in [0, 255] map to [-1, 1], as the
+    JEPA and diffusion objectives feed them; floats pass unchanged."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(jnp.float32) / 127.5 - 1.0
+    return x.astype(jnp.float32)
+
+
+@models.register("vit_classifier")
+class ViTClassifier(ViT, kw_only=True):
+    """A :class:`ViT` with a classification head: pixels -> logits ``[batch,
+    num_classes]`` (float32), the model of
+    :class:`~dew.objectives.classifier_distillation.ClassifierDistillationObjective`.
+
+    The encoder's features are averaged over the patches (no class token) and
+    projected by ``head`` (a dense layer, ``(embed, None)``); its parameters are the
+    ViT's plus ``head``, so a JEPA-trained ``vit`` encoder's weights start it
+    (``init_params``). ``uint8`` pixels are scaled to [-1, 1] first
+    (:func:`scale_pixels`, what the JEPA objective feeds its encoder); floats pass
+    unchanged.
+
+    Attributes:
+      num_classes: the number of classes (logits per image).
+
+    The rest are :class:`ViT`'s fields, all keyword-only.
+    """
+
+    num_classes: int
+
+    EXTRA_POSITIVE = ("num_classes",)
+    COUNT_MEANINGS = {"num_classes": "the classes the head scores"}
+
+    @nn.compact
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        """Logits ``[batch, num_classes]`` of images ``[batch, H, W, C]`` (or videos)."""
+        features = super().__call__(scale_pixels(pixels))  # [batch, patches, embed]
+        pooled = features.mean(axis=1).astype(self.dtype)  # [batch, embed]
+        logits = self.dense(self.num_classes, axes.EMBED, None, "head")(pooled)
+        return logits.astype(jnp.float32)  # [batch, num_classes]
+
+
 @models.register("vit_predictor")
 class ViTPredictor(PatchOptions, kw_only=True):
     """I-JEPA's predictor (Assran et al., 2023): a narrow ViT over context tokens

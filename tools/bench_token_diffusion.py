@@ -16,6 +16,9 @@ alternating, the same allocator setting for all):
    in CPU seconds of this process (``time.process_time``), ``--steps`` calls a group,
    the sides alternating group by group, medians of ``--repeats`` groups: the work of
    the step without ``fit``'s host loop, and steadier than wall time on a loaded machine.
+   **steady** (not in the default parts): the MDLM step's wall time through ``fit``
+   (20 steps; one more step, from fits of 10 and 50), as its compiled program in a
+   loop, and hand-written: where the ``fit`` figure's time goes.
 3. **bd3**: the BD3-LM step with attention in the mask's pieces against the same step
    with the dense ``2L x 2L`` mask, and against the MDLM step, all through ``Trainer.fit``.
 4. **grad**: the loss's gradient alone (the work the objectives differ in), jitted, BD3
@@ -247,6 +250,40 @@ def program_part(make, length, batch, repeats, calls):
           f"hand {med['bd3 hand'] / med['mdlm hand']:.2f}x")  # fmt: skip
 
 
+def steady_part(make_mdlm, length, batch, repeats):
+    """Where the MDLM step's time through ``fit`` goes, in wall time: ``fit``'s figure
+    (20 steps), what one more step costs through ``fit`` (``(W_50 - W_10) / 40`` from
+    fits of 10 and 50 steps), the same compiled program called in a loop, and the
+    hand-written step; the sides alternating, medians of ``repeats``."""
+    program, hand = dew_program(make_mdlm(), length, batch), hand_callable(length, batch)
+    for step in (program, hand):
+        jax.block_until_ready(step())
+
+    def loop(step, calls=40):
+        begin = time.perf_counter()
+        for _ in range(calls):
+            out = step()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - begin) / calls
+
+    times = {"fit (20 steps)": [], "fit, one more step": [], "program": [], "hand": []}
+    for _ in range(repeats):
+        times["fit (20 steps)"].append(dew_step(make_mdlm(), length, batch, 20))
+        short = dew_step(make_mdlm(), length, batch, 10) * 9
+        times["fit, one more step"].append((dew_step(make_mdlm(), length, batch, 50) * 49
+                                            - short) / 40)  # fmt: skip
+        times["program"].append(loop(program))
+        times["hand"].append(loop(hand))
+    print(f"MDLM step, wall time, {length} tokens x {batch} rows, ms, medians of {repeats}:")
+    for name, values in times.items():
+        print(f"  {name:18s} {statistics.median(values) * 1e3:6.1f}  "
+              + " ".join(f"{v * 1e3:.1f}" for v in values))  # fmt: skip
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"  hand / fit (20 steps) {med['hand'] / med['fit (20 steps)']:.3f}, hand / one more "
+          f"step {med['hand'] / med['fit, one more step']:.3f}, hand / program "
+          f"{med['hand'] / med['program']:.3f}")  # fmt: skip
+
+
 def sampler_seconds(fn, params, repeats=2) -> float:
     jax.block_until_ready(fn(params, jax.random.key(0)))
     times = []
@@ -346,6 +383,8 @@ def main():
             "bd3": lambda: dew_program(bd3(), L, B),
             "bd3 hand": lambda: hand_callable(L, B, block_size=4),
         }, L, B, args.repeats, args.steps)  # fmt: skip
+    if "steady" in args.parts:
+        steady_part(mdlm, L, B, args.repeats)
     if "bd3" in args.parts:
         times = {name: [] for name in sides}
         for _ in range(args.repeats):  # the sides alternate

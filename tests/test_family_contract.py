@@ -207,7 +207,7 @@ def mdlm() -> Case:
     from dew.objectives.masked_diffusion import MaskedDiffusionObjective
 
     objective = MaskedDiffusionObjective(
-        _encoder(), mask_id=7, seq_len=8, attention_mask_key="mask", ema=None
+        _encoder(), mask_id=7, seq_len=8, attention_mask_key="mask"
     )
     return Case(objective, _token_rows(6))
 
@@ -216,7 +216,7 @@ def bd3() -> Case:
     from dew.objectives.block_diffusion import BlockDiffusionObjective
 
     objective = BlockDiffusionObjective(
-        _encoder(), mask_id=7, seq_len=8, block_size=2, attention_mask_key="mask", ema=None
+        _encoder(), mask_id=7, seq_len=8, block_size=2, attention_mask_key="mask"
     )
     return Case(objective, _token_rows(7))
 
@@ -354,6 +354,9 @@ def test_family_contract(family, tmp_path):
     fit(case, steps=1, checkpoints=run)
     _, resumed = fit(case, checkpoints=Checkpoints(str(tmp_path / "run")))
     assert int(resumed.step) == int(ref.step)
+    # the moving average is compared too where the objective keeps one (its default)
+    if getattr(objective, "ema", None) is not None:
+        assert leaves(ref.averaged), f"{family}: ema={objective.ema} but no averaged weights"
     for part in ("params", "opt_state", "averaged"):
         for g, w in zip(leaves(getattr(resumed, part)), leaves(getattr(ref, part)), strict=True):
             np.testing.assert_array_equal(g, w, err_msg=part)

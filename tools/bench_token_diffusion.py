@@ -1,31 +1,44 @@
 """Token-diffusion benchmarks, in one process (medians of ``--repeats`` runs, the sides
 alternating, the same allocator setting for all):
 
-1. **train**: an MDLM training step, Dew's ``Trainer.fit`` with
-   ``MaskedDiffusionObjective`` against a hand-written jax + optax loop doing the same
-   work (masking, SUBS, 1/t-weighted NLL) on the same model. Ratio = hand / Dew (goal
-   >= 0.97).
-2. **bd3**: a BD3-LM step (block 4: the ``2L`` pass, attention in the mask's pieces
-   and the head over the noisy half) against the same step with the dense ``2L x 2L``
-   mask, and against the MDLM step at the same length, all through ``Trainer.fit``.
-   Ratio = BD3 / MDLM (the reference pays 1.70-1.85x, bd3lms #5; goal <= 1.7). With
-   ``--flops`` the compiled steps' FLOPs are printed beside.
-3. **grad**: the loss's gradient alone (the work the objectives differ in), jitted, BD3
+1. **train**: the MDLM and the BD3-LM (block 4) training steps, each Dew's
+   ``Trainer.fit`` against a hand-written jax + optax loop doing the same work on the
+   same model (MDLM: antithetic t per row, masking, SUBS, 1/t-weighted NLL; BD3-LM:
+   antithetic t per (row, block), the ``[z | x]`` pass under
+   ``masks.BlockDiffusionMask`` with ``output_length=L``, SUBS, 1/t NLL). The four
+   sides alternate within each repeat. Ratios = hand / Dew (goal >= 0.97); the same run
+   gives BD3 / MDLM for Dew's steps (goal <= 1.7, the reference pays 1.70-1.85x,
+   bd3lms #5). With ``--flops`` the compiled steps' FLOPs (``dew.train.plan``) at
+   ``--flops-layers`` depths: BD3-LM with the last layer on the noisy half (what Dew
+   runs), with every layer on all ``2L`` slots (before), and MDLM.
+2. **program**: the same four steps' compiled programs alone (Dew's: the update
+   program ``fit`` compiled, called on its own state, on steps the log does not read),
+   in CPU seconds of this process (``time.process_time``), ``--steps`` calls a group,
+   the sides alternating group by group, medians of ``--repeats`` groups: the work of
+   the step without ``fit``'s host loop, and steadier than wall time on a loaded machine.
+   **steady** (not in the default parts): the MDLM step's wall time through ``fit``
+   (20 steps; one more step, from fits of 10 and 50), as its compiled program in a
+   loop, and hand-written: where the ``fit`` figure's time goes.
+3. **bd3**: the BD3-LM step with attention in the mask's pieces against the same step
+   with the dense ``2L x 2L`` mask, and against the MDLM step, all through ``Trainer.fit``.
+4. **grad**: the loss's gradient alone (the work the objectives differ in), jitted, BD3
    pieces vs BD3 dense vs MDLM, in CPU seconds of this process (``time.process_time``,
    best of ``--repeats`` groups): steadier than wall time on a loaded machine.
-4. **cache**: MDLM ancestral sampling of one row (16 L steps, where most steps
+5. **cache**: MDLM ancestral sampling of one row (16 L steps, where most steps
    unmask nothing, as MDLM's T = 5000 over 1024 tokens) with the caching update against
    without; BD3-LM block sampling of ``--sample-length`` tokens with the clean-block
    KV cache against recomputing the prefix. Ratios = without / with (goal >= 3 for
    the KV cache at 256 tokens).
 
-    python tools/bench_token_diffusion.py --repeats 3
+    python tools/bench_token_diffusion.py --parts program train --repeats 5 --steps 20 --flops
     python tools/bench_token_diffusion.py --parts cache --sample-length 256
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import statistics
 import time
@@ -42,6 +55,7 @@ from _timing import best_of, fit_seconds, loop_seconds  # noqa: E402 (tools/, af
 
 from dew import Dataset, Trainer  # noqa: E402
 from dew.nn import Transformer, masks  # noqa: E402
+from dew.nn.stack import LayerStack  # noqa: E402
 from dew.objectives import Step  # noqa: E402
 from dew.objectives.block_diffusion import BlockDiffusionObjective  # noqa: E402
 from dew.objectives.masked_diffusion import MaskedDiffusionObjective  # noqa: E402
@@ -57,16 +71,31 @@ VOCAB, MASK = 264, 258
 ONE = MeshSpec(data=1, devices=jax.devices()[:1])
 
 
-def model(length: int) -> Transformer:
-    return Transformer(
+def model(length: int, layers: int = 2, cls=Transformer) -> Transformer:
+    return cls(
         vocab_size=VOCAB,
         emb_features=128,
-        num_layers=2,
+        num_layers=layers,
         num_heads=4,
         mlp_features=512,
         max_seq_len=length,
         position_embedding="learned",
     )
+
+
+class FullLastStack(LayerStack):
+    """A layer stack whose last layer runs on every slot (``last_call`` dropped)."""
+
+    def __call__(self, *args, last_call=None, **kw):
+        return super().__call__(*args, **kw)
+
+
+class EveryLayerOnEverySlot(Transformer):
+    """The Transformer before its last layer was cut to the output slots: every layer
+    on all ``2L`` slots, then the final norm and the head on the noisy half."""
+
+    def layer_stack(self):
+        return FullLastStack(**dataclasses.asdict(super().layer_stack()))
 
 
 def data(length: int, batch: int) -> Dataset:
@@ -106,38 +135,153 @@ def grad_seconds(objective, length, batch, repeats) -> float:
                    calls=4, clock=time.process_time)  # fmt: skip
 
 
-def hand_step(length, batch, steps) -> float:
-    """MDLM's step written out: antithetic t, masking, SUBS, 1/t NLL, adamw."""
-    start = time.perf_counter()
+def hand_program(length, batch, block_size=None, ema=True):
+    """``(step, state)``: MDLM's step written out (``block_size`` None: antithetic t
+    per row, masking, SUBS, 1/t NLL, adamw, the objectives' default EMA 0.9999 with
+    warm-up), or BD3-LM's (t per (row, block), antithetic over all of them, the
+    ``[z | x]`` pass under the block-diffusion mask, the noisy half's logits)."""
     net = model(length)
     params = net.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                           is_leaf=lambda x: hasattr(x, "unbox"))  # fmt: skip
     opt = optax.adamw(1e-3)
     rows = jnp.asarray(np.random.default_rng(0).integers(0, 256, (batch, length)), jnp.int32)
+    draws = batch if block_size is None else batch * (length // block_size)
+    positions = jnp.tile(jnp.arange(length, dtype=jnp.int32), (batch, 2))  # [batch, 2L]
 
-    @jax.jit
-    def step(carry, key):
-        p, s = carry
+    def logits_of(p, z):
+        if block_size is None:
+            return net.apply({"params": p}, z)
+        return net.apply({"params": p}, jnp.concatenate([z, rows], axis=1), positions=positions,
+                         query_key_mask=masks.BlockDiffusionMask(length, block_size),
+                         output_length=length)  # fmt: skip
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def step(carry, key, index):
+        p, s, avg = carry
         k_t, k_m = jax.random.split(key)
-        u = jnp.mod(jax.random.uniform(k_t, ()) + jnp.arange(batch) / batch, 1.0)
-        t = 1e-3 + (1 - 1e-3) * u
-        masked = jax.random.uniform(k_m, rows.shape) < (1 - 1e-3) * t[:, None]
+        u = jnp.mod(jax.random.uniform(k_t, ()) + jnp.arange(draws) / draws, 1.0)
+        t = 1e-3 + (1 - 1e-3) * u  # [batch] or [batch * blocks]
+        t = t[:, None] if block_size is None else jnp.repeat(t.reshape(batch, -1), block_size, 1)
+        masked = jax.random.uniform(k_m, rows.shape) < (1 - 1e-3) * t
         z = jnp.where(masked, MASK, rows)
 
         def loss(p):
-            logits = net.apply({"params": p}, z).at[..., MASK].set(-1e6)
+            logits = logits_of(p, z).at[..., MASK].set(-1e6)
             lp = jax.nn.log_softmax(logits, -1)
             nll = -jnp.take_along_axis(lp, rows[..., None], -1)[..., 0]
-            return jnp.sum(jnp.where(masked, nll / t[:, None], 0.0)) / rows.size
+            return jnp.sum(jnp.where(masked, nll / t, 0.0)) / rows.size
 
         g = jax.grad(loss)(p)
         u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s
+        p = optax.apply_updates(p, u)
+        if ema:  # min(0.9999, (1 + n) / (10 + n)) after update n
+            decay = jnp.minimum(0.9999, (1.0 + index) / (10.0 + index))
+            avg = jax.tree.map(lambda a, q: decay * a + (1 - decay) * q, avg, p)
+        return p, s, avg
 
-    state = (params, opt.init(params))
+    return step, (params, opt.init(params), jax.tree.map(jnp.copy, params) if ema else None)
+
+
+def hand_step(length, batch, steps, block_size=None) -> float:
+    """Seconds per step of :func:`hand_program`'s loop."""
+    start = time.perf_counter()
+    step, state = hand_program(length, batch, block_size)
     keys = jax.random.split(jax.random.key(1), steps)
-    return loop_seconds(start, lambda c, i: step(c, keys[i]), state, steps)[1]
+    return loop_seconds(start, lambda c, i: step(c, keys[i], i), state, steps)[1]
+
+
+def dew_program(objective, length, batch):
+    """``step() -> state``: Dew's compiled update program (the one ``fit`` runs, on
+    steps the log does not read) called on its own state, after a 2-step ``fit``."""
+    trainer = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), mesh=ONE,
+                      progress=False)  # fmt: skip
+    data_ = data(length, batch)
+    state = trainer.fit(data_, steps=2, log_every=0)
+    (compiled,) = trainer.programs.cache.update.values()
+    shardings = compiled.program.input_shardings[0][1]
+    rows = jax.device_put({"text": next(data_.train(None))["text"]}, shardings)
+    logged = jax.device_put(jnp.asarray(False), compiled.program.input_shardings[0][2])
+    holder = [state]
+
+    def step():
+        holder[0], _ = compiled.program(holder[0], rows, logged)
+        return holder[0]
+
+    return step
+
+
+def hand_callable(length, batch, block_size=None):
+    """``step() -> state`` of :func:`hand_program`, threading its own state."""
+    fn, state = hand_program(length, batch, block_size)
+    keys = jax.random.split(jax.random.key(1), 1000)
+    holder, count = [state], [0]
+
+    def step():
+        holder[0] = fn(holder[0], keys[count[0] % 1000], count[0])
+        count[0] += 1
+        return holder[0]
+
+    return step
+
+
+def program_part(make, length, batch, repeats, calls):
+    """CPU seconds per step (``time.process_time``) of each compiled step, the sides
+    alternating group by group (``calls`` steps a group, ``repeats`` groups)."""
+    steps = {name: build() for name, build in make.items()}
+    for step in steps.values():  # warm
+        jax.block_until_ready(step())
+    times = {name: [] for name in steps}
+    for r in range(repeats):
+        for name in list(steps)[r % len(steps) :] + list(steps)[: r % len(steps)]:
+            begin = time.process_time()
+            for _ in range(calls):
+                out = steps[name]()
+            jax.block_until_ready(out)
+            times[name].append((time.process_time() - begin) / calls)
+    print(f"compiled steps, CPU time, {length} tokens x {batch} rows, ms per step, "
+          f"{repeats} groups of {calls}:")  # fmt: skip
+    for name, values in times.items():
+        print(f"  {name:9s} median {statistics.median(values) * 1e3:7.1f}  min "
+              f"{min(values) * 1e3:7.1f}")  # fmt: skip
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"  hand / Dew: MDLM {med['mdlm hand'] / med['mdlm']:.3f}, BD3-LM "
+          f"{med['bd3 hand'] / med['bd3']:.3f}; BD3 / MDLM: Dew {med['bd3'] / med['mdlm']:.2f}x, "
+          f"hand {med['bd3 hand'] / med['mdlm hand']:.2f}x")  # fmt: skip
+
+
+def steady_part(make_mdlm, length, batch, repeats):
+    """Where the MDLM step's time through ``fit`` goes, in wall time: ``fit``'s figure
+    (20 steps), what one more step costs through ``fit`` (``(W_50 - W_10) / 40`` from
+    fits of 10 and 50 steps), the same compiled program called in a loop, and the
+    hand-written step; the sides alternating, medians of ``repeats``."""
+    program, hand = dew_program(make_mdlm(), length, batch), hand_callable(length, batch)
+    for step in (program, hand):
+        jax.block_until_ready(step())
+
+    def loop(step, calls=40):
+        begin = time.perf_counter()
+        for _ in range(calls):
+            out = step()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - begin) / calls
+
+    times = {"fit (20 steps)": [], "fit, one more step": [], "program": [], "hand": []}
+    for _ in range(repeats):
+        times["fit (20 steps)"].append(dew_step(make_mdlm(), length, batch, 20))
+        short = dew_step(make_mdlm(), length, batch, 10) * 9
+        times["fit, one more step"].append((dew_step(make_mdlm(), length, batch, 50) * 49
+                                            - short) / 40)  # fmt: skip
+        times["program"].append(loop(program))
+        times["hand"].append(loop(hand))
+    print(f"MDLM step, wall time, {length} tokens x {batch} rows, ms, medians of {repeats}:")
+    for name, values in times.items():
+        print(f"  {name:18s} {statistics.median(values) * 1e3:6.1f}  "
+              + " ".join(f"{v * 1e3:.1f}" for v in values))  # fmt: skip
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"  hand / fit (20 steps) {med['hand'] / med['fit (20 steps)']:.3f}, hand / one more "
+          f"step {med['hand'] / med['fit, one more step']:.3f}, hand / program "
+          f"{med['hand'] / med['program']:.3f}")  # fmt: skip
 
 
 def sampler_seconds(fn, params, repeats=2) -> float:
@@ -180,32 +324,67 @@ def cache_part(length: int, sample_length: int):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["train", "bd3", "grad", "cache"])
+    parser.add_argument("--parts", nargs="+", default=["train", "program", "bd3", "grad", "cache"])
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sample-length", type=int, default=256)
     parser.add_argument("--flops", action="store_true", help="print the steps' FLOPs")
+    parser.add_argument("--flops-layers", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     L, B, S = args.length, args.batch, args.steps
 
-    def mdlm():
-        return MaskedDiffusionObjective(model(L), mask_id=MASK, seq_len=L)
+    def mdlm(layers=2):
+        return MaskedDiffusionObjective(model(L, layers), mask_id=MASK, seq_len=L)
 
-    def bd3(cls=BlockDiffusionObjective):
-        return cls(model(L), mask_id=MASK, seq_len=L, block_size=4)
+    def bd3(cls=BlockDiffusionObjective, layers=2, net=Transformer):
+        return cls(model(L, layers, net), mask_id=MASK, seq_len=L, block_size=4)
 
     sides = {"pieces": bd3, "dense": lambda: bd3(DenseBD3), "mdlm": mdlm}
 
     if "train" in args.parts:
-        dew, hand = [], []
-        for _ in range(args.repeats):
-            dew.append(dew_step(mdlm(), L, B, S))
-            hand.append(hand_step(L, B, S))
-        d, h = statistics.median(dew), statistics.median(hand)
-        print(f"MDLM train step ({L} tokens x {B} rows): Dew {d * 1e3:.1f} ms, hand-written "
-              f"{h * 1e3:.1f} ms: ratio {h / d:.3f}")  # fmt: skip
+        runs = {
+            "mdlm": lambda: dew_step(mdlm(), L, B, S),
+            "mdlm hand": lambda: hand_step(L, B, S),
+            "bd3": lambda: dew_step(bd3(), L, B, S),
+            "bd3 hand": lambda: hand_step(L, B, S, block_size=4),
+        }
+        times = {name: [] for name in runs}
+        for r in range(args.repeats):  # the four sides alternate, the first in turn
+            for name in list(runs)[r % 4 :] + list(runs)[: r % 4]:
+                times[name].append(runs[name]())
+        print(f"train steps, {L} tokens x {B} rows, ms per step over {args.repeats} repeats:")
+        for name, values in times.items():
+            print(f"  {name:9s} median {statistics.median(values) * 1e3:7.1f}  "
+                  + " ".join(f"{v * 1e3:.1f}" for v in values))  # fmt: skip
+        med = {name: statistics.median(v) for name, v in times.items()}
+        print(f"  hand / Dew: MDLM {med['mdlm hand'] / med['mdlm']:.3f}, BD3-LM "
+              f"{med['bd3 hand'] / med['bd3']:.3f} (goal >= 0.97); BD3 / MDLM: Dew "
+              f"{med['bd3'] / med['mdlm']:.2f}x, hand {med['bd3 hand'] / med['mdlm hand']:.2f}x "
+              f"(goal <= 1.7)")  # fmt: skip
+        if args.flops:
+            for layers in args.flops_layers:
+                flops = {
+                    "bd3": step_flops(bd3(layers=layers), L, B),
+                    "bd3 every slot": step_flops(
+                        bd3(layers=layers, net=EveryLayerOnEverySlot), L, B
+                    ),
+                    "mdlm": step_flops(mdlm(layers=layers), L, B),
+                }
+                print(f"  GFLOP per step, {layers} layers: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in flops.items()) + f": BD3 / MDLM "
+                    f"{flops['bd3'] / flops['mdlm']:.3f} (every slot "
+                    f"{flops['bd3 every slot'] / flops['mdlm']:.3f})")  # fmt: skip
+    if "program" in args.parts:
+        program_part({
+            "mdlm": lambda: dew_program(mdlm(), L, B),
+            "mdlm hand": lambda: hand_callable(L, B),
+            "bd3": lambda: dew_program(bd3(), L, B),
+            "bd3 hand": lambda: hand_callable(L, B, block_size=4),
+        }, L, B, args.repeats, args.steps)  # fmt: skip
+    if "steady" in args.parts:
+        steady_part(mdlm, L, B, args.repeats)
     if "bd3" in args.parts:
         times = {name: [] for name in sides}
         for _ in range(args.repeats):  # the sides alternate

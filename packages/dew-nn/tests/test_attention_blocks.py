@@ -175,3 +175,65 @@ def test_block_diffusion_pieces_equal_the_dense_mask_and_numpy():
     # the head over the noisy half only (what block diffusion reads)
     noisy = logits(structure, output_length=length)
     np.testing.assert_allclose(noisy, dense_logits[:, :length], atol=2e-6)
+
+
+def test_block_diffusion_last_layer_on_the_noisy_half_equals_every_slot():
+    """With output_length=L the last layer computes queries, attention output and MLP
+    for the noisy half alone (its clean half giving keys and values only: fewer FLOPs
+    in the compiled program): the noisy half's logits and the parameters' gradients
+    equal the full 2L computation sliced (1e-6 / 1e-5), with GQA,
+    padding and remat (the scanned stack: the path that splits its parameters); the
+    noisy-half attention equals the pieces' first half."""
+    from dew.nn import Transformer
+
+    length, block = 8, 2
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, length, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2 * length, 2, 8)).astype(np.float32) for _ in range(2))
+    visible = masks.block_diffusion_mask(length, block)[:, None]
+    full_q = np.concatenate([q, rng.standard_normal(q.shape).astype(np.float32)], axis=1)
+    np.testing.assert_allclose(
+        attention.attend_noisy_half(q, k, v, visible, block),
+        attention.attend_block_diffusion(full_q, k, v, visible, block)[:, :length],
+        rtol=1e-6, atol=1e-6,
+    )  # fmt: skip
+
+    model = Transformer(vocab_size=11, emb_features=16, num_layers=3, num_heads=4,
+                        num_kv_heads=2, mlp_features=32, max_seq_len=length,
+                        mask=masks.block_causal(block), use_remat=True)  # fmt: skip
+    tokens = rng.integers(0, 11, (2, 2 * length)).astype(np.int32)
+    valid = np.ones((2, 2 * length), bool)
+    valid[1, length - 3 : length] = valid[1, -3:] = False
+    positions = np.tile(np.arange(length), 2)[None].repeat(2, 0)
+    structure = masks.BlockDiffusionMask(length, block)
+    params = nn.unbox(model.init(jax.random.key(0), tokens[:, :length]))["params"]
+    params = jax.tree.map(lambda a: 3.0 * a, params)  # attention far from uniform
+    w = rng.standard_normal((2, length, 11)).astype(np.float32)
+
+    def loss(params, **kw):
+        logits = model.apply({"params": params}, tokens, positions=positions,
+                             attention_mask=valid, query_key_mask=structure, **kw)  # fmt: skip
+        return jnp.sum(logits[:, :length] * w), logits[:, :length]
+
+    short_step = jax.jit(jax.value_and_grad(lambda p: loss(p, output_length=length),
+                                            has_aux=True)).lower(params).compile()  # fmt: skip
+    full_step = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile()
+    (_, short), short_grads = short_step(params)
+    (_, full), full_grads = full_step(params)
+    # the work skipped: the last layer's clean-half queries, attention output and MLP
+    flops = [step.cost_analysis()["flops"] for step in (short_step, full_step)]
+    assert flops[0] < 0.95 * flops[1], flops
+    assert short.shape == (2, length, 11)
+    np.testing.assert_allclose(short, full, rtol=1e-6, atol=1e-6)
+    for (path, got), want in zip(jax.tree.leaves_with_path(short_grads),
+                                 jax.tree.leaves(full_grads), strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(path))
+    # the parameter tree is the plain stack's, created through the short path too
+    short_init = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, positions=positions,
+                                query_key_mask=structure, output_length=length))  # fmt: skip
+    assert jax.tree.structure(nn.unbox(short_init)["params"]) == jax.tree.structure(params)
+    with pytest.raises(ValueError, match=r"query_length 20 must be in \[1, 16\]"):
+        attention.Attention(num_heads=2, num_kv_heads=2, head_dim=4, mask=masks.full()).init(
+            jax.random.key(0), jnp.zeros((1, 16, 8)), jnp.zeros((1, 16), jnp.int32),
+            jnp.ones((1, 16), bool), query_length=20,
+        )  # fmt: skip

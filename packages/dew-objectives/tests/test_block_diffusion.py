@@ -3,6 +3,8 @@ per-block recomputation; block_size = L is MDLM's loss and block_size = 1 (t = 1
 autoregressive NLL of the same network; the times per (row, block); the clipped
 schedule's variance search; bad input."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -104,6 +106,34 @@ def test_block_size_L_is_mdlm_and_block_size_1_is_the_lm_loss(params):
     np.testing.assert_allclose(np.asarray(terms), np.stack(nll, 1), rtol=1e-5, atol=1e-6)
     loss, _ = bd3(1).loss({"params": params}, {"text": X}, STEP)
     assert float(loss.value) == pytest.approx(np.mean(nll), rel=1e-5)
+
+
+class EveryLayerOnEverySlot(Transformer):
+    """MODEL computing every layer on all 2L slots, then slicing the output: the
+    computation before the last layer was cut to the noisy half's work."""
+
+    def __call__(self, inputs, *, output_length=None, **kw):
+        out = super().__call__(inputs, **kw)
+        return out if output_length is None else out[:, :output_length]
+
+
+def test_the_last_layer_on_the_noisy_half_gives_the_full_loss_and_gradients(params):
+    """The objective's pass (the last layer's clean half read as keys and values only)
+    against every layer on every slot: the loss within 1e-6, the gradients 1e-5."""
+    full_model = EveryLayerOnEverySlot(**{f.name: getattr(MODEL, f.name)
+                                          for f in dataclasses.fields(MODEL)
+                                          if f.name not in ("parent", "name")})  # fmt: skip
+    grads = []
+    for model in (MODEL, full_model):
+        obj = BlockDiffusionObjective(model, mask_id=MASK, seq_len=L, block_size=2)
+        grad = jax.jit(jax.value_and_grad(
+            lambda p, o=obj: o.loss({"params": p}, {"text": X}, STEP)[0].value))  # fmt: skip
+        grads.append(grad(params))
+    (short_loss, short), (full_loss, full) = grads
+    assert float(short_loss) == pytest.approx(float(full_loss), rel=1e-6)
+    for (path, got), want in zip(jax.tree.leaves_with_path(short), jax.tree.leaves(full),
+                                 strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(path))
 
 
 def test_times_per_row_and_block_are_antithetic_and_clipped():

@@ -13,7 +13,7 @@ from dew.nn import models
 from dew.nn.testing import TINY_LM
 from dew.objectives.diffusion import DiffusionObjective
 from dew.sampling import ClassToImage, DDPMSchedule, TextEncoder, TextToImage, sample_grid
-from dew.sampling.diffusion_pipelines import to_pixels
+from dew.sampling.diffusion.pipelines import to_pixels
 
 DIT = dict(
     sample_size=8, patch_size=4, in_channels=1, emb_features=16, num_layers=1, num_heads=2,

@@ -15,8 +15,8 @@ from dew.nn.testing import TINY_LM
 from dew.objectives.base import Step
 from dew.objectives.diffusion import DiffusionObjective
 from dew.sampling import DDPMSchedule, Pretrained, TextEncoder, TextToImage
-from dew.sampling.diffusion_pipelines import to_pixels
-from dew.sampling.text_encoders import encode_tokens
+from dew.sampling.diffusion.pipelines import to_pixels
+from dew.sampling.diffusion.text_encoders import encode_tokens
 
 DIT = dict(
     sample_size=8, patch_size=4, in_channels=1, emb_features=16, num_layers=1, num_heads=2,

@@ -15,7 +15,7 @@ from dew.objectives.grpo import GRPOObjective, group_advantages
 from dew.objectives.rewards import RewardError, TextReward, TokenReward
 from dew.objectives.rollouts import rollout_logprobs
 from dew.sampling import Sampling
-from dew.sampling.generate import decode
+from dew.sampling.causal.generate import decode
 
 V, G, NEW = 16, 4, 5
 MODEL = CausalTransformer(

@@ -12,8 +12,8 @@ from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
 from dew.objectives import logprobs as lp
 from dew.sampling import Sampling
-from dew.sampling.generate import decode
-from dew.sampling.sampling import filter_logits, sample_logits
+from dew.sampling.causal.generate import decode
+from dew.sampling.causal.sampling import filter_logits, sample_logits
 
 MODEL = CausalTransformer(**TINY_LM)
 

@@ -98,6 +98,7 @@ class Attention(nn.Module):
         query_key_mask=None,
         decode: bool = False,
         visible=None,
+        query_length: int | None = None,
     ):
         """``x [batch, length, embed] -> [batch, length, embed]``.
 
@@ -113,15 +114,25 @@ class Attention(nn.Module):
           policy): a backbone computes it once for all its layers. When given,
           ``valid``, ``segment_ids`` and ``query_key_mask`` are not read, and
           ``positions`` only rotate (RoPE). Not with ``decode``.
+        query_length: only the first ``query_length`` slots query, and the output is
+          theirs, ``[batch, query_length, embed]``; every slot still gives keys and
+          values (the last layer of block diffusion's ``[noisy | clean]`` pass, whose
+          clean half is read as keys only). None = every slot. Not with ``decode``.
         """
         length = x.shape[1]
+        queries = length if query_length is None else query_length
+        if query_length is not None and (decode or not 1 <= query_length <= length):
+            raise ValueError(
+                f"Attention query_length {query_length} must be in [1, {length}] (the "
+                f"input's length) and not used with decode=True; use None for every slot"
+            )
         coordinates = None
         if positions.ndim == 3:
             coordinates = positions
             positions = self._grid_mask_positions(coordinates, decode)
         q = self._project(
-            "query", x, self.num_heads, axes.HEADS
-        )  # [batch, length, heads, head_dim]
+            "query", x[:, :queries], self.num_heads, axes.HEADS
+        )  # [batch, queries, heads, head_dim]
         k = self._project("key", x, self.num_kv_heads, axes.KV_HEADS)
         v = self._project("value", x, self.num_kv_heads, axes.KV_HEADS)
         if self.qk_norm:
@@ -134,11 +145,11 @@ class Attention(nn.Module):
             q = RMSNorm(**norm, name="query_norm")(q)
             k = RMSNorm(**norm, name="key_norm")(k)
         if self.rope_theta is not None and coordinates is not None:
-            q = apply_axial_rope(q, coordinates, self.rope_theta)
+            q = apply_axial_rope(q, coordinates[:, :queries], self.rope_theta)
             k = apply_axial_rope(k, coordinates, self.rope_theta)
         elif self.rope_theta is not None:
             inv_freq = inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-            q = apply_rope(q, positions, inv_freq)
+            q = apply_rope(q, positions[:, :queries], inv_freq)
             k = apply_rope(k, positions, inv_freq)
 
         kernel = self._param(
@@ -180,22 +191,24 @@ class Attention(nn.Module):
                     query_key_mask=query_key_mask,
                 )  # [batch, 1, query, key]
             block = causal_query_block(length) if self.mask.is_causal else None
-            if halves is not None:
+            if halves is not None and queries == halves.length:  # the noisy half only
+                out = attend_noisy_half(q, k, v, visible, halves.block_size)
+            elif halves is not None and queries == length:
                 out = attend_block_diffusion(q, k, v, visible, halves.block_size)
-            elif block is None:
-                out = attend(q, k, v, visible)  # [batch, length, heads, head_dim]
+            elif block is None or queries < length:
+                out = attend(q, k, v, visible[:, :, :queries])  # [batch, queries, heads, hd]
             else:
                 out = attend_in_query_blocks(q, k, v, visible, block)
             y = jax.lax.dot_general(
                 token_rows(out, 2).astype(self.dtype),
                 kernel.astype(self.dtype),
                 (((1, 2), (0, 1)), ((), ())),
-            ).reshape(x.shape)  # [batch, length, embed]
+            ).reshape(*x.shape[:1], queries, x.shape[-1])  # [batch, queries, embed]
         if self.use_out_bias:
             y = y + self._param(
                 "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)
             ).astype(self.dtype)
-        return y  # [batch, length, embed]
+        return y  # [batch, queries, embed]
 
     def _grid_mask_positions(self, coordinates, decode: bool):
         """``[batch, length]`` slot indices standing in for the positions of tokens
@@ -352,20 +365,45 @@ def attend_block_diffusion(q, k, v, visible, block_size: int):
     AND anything else), computing only the pieces it can make visible: of ``2L`` slots
     ``[noisy | clean]``, a clean query attends to the ``L`` clean keys, a noisy one to
     the ``block_size`` noisy keys of its own block and the ``L`` clean keys (one
-    softmax over both). ``2 L^2 + L block_size`` scores per head instead of ``4 L^2``;
-    the same values (a hidden key adds ``exp(min - max) = 0`` to a softmax).
+    softmax over both, :func:`attend_noisy_half`). ``2 L^2 + L block_size`` scores per
+    head instead of ``4 L^2``; the same values (a hidden key adds ``exp(min - max) = 0``
+    to a softmax).
 
     q, k, v: as :func:`attend`, ``2L`` slots each; visible: broadcastable to
     ``[batch, 1, 2L, 2L]``.
     """
-    batch, slots, heads, head_dim = q.shape
-    length, kv_heads = slots // 2, k.shape[2]
-    groups, blocks = heads // kv_heads, length // block_size
+    slots = q.shape[1]
+    length = slots // 2
     xp = np if isinstance(visible, np.ndarray) else jnp  # a constant mask stays one
     visible = xp.broadcast_to(visible, (*visible.shape[:2], slots, slots))
     clean = attend(q[:, length:], k[:, length:], v[:, length:], visible[:, :, length:, length:])
+    noisy = attend_noisy_half(q[:, :length], k, v, visible, block_size)
+    return jnp.concatenate([noisy, clean], axis=1)  # [batch, 2L, heads, head_dim]
 
-    q_noisy = q[:, :length].reshape(batch, blocks, block_size, kv_heads, groups, head_dim)
+
+def attend_noisy_half(q, k, v, visible, block_size: int):
+    """The noisy half of :func:`attend_block_diffusion`: queries ``q`` of the ``L``
+    noisy slots alone, each over the ``block_size`` noisy keys of its own block and
+    the ``L`` clean keys (one softmax over both): ``L block_size + L^2`` scores per
+    head. The last layer of the ``[noisy | clean]`` pass needs no more, its clean
+    half being read as keys and values only.
+
+    q: ``[batch, L, heads, head_dim]``; k, v: ``[batch, 2L, kv_heads, head_dim]``;
+    visible: broadcastable to ``[batch, 1, L or 2L, 2L]`` (rows past ``L`` unread).
+    Returns ``[batch, L, heads, head_dim]``.
+    """
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape[1] != 2 * length:
+        raise ValueError(
+            f"the noisy half of block diffusion has {length} queries over [noisy | clean] "
+            f"keys, so 2 x {length} keys; got {k.shape[1]}"
+        )
+    groups, blocks = heads // kv_heads, length // block_size
+    xp = np if isinstance(visible, np.ndarray) else jnp  # a constant mask stays one
+    visible = visible[:, :, :length]
+    visible = xp.broadcast_to(visible, (*visible.shape[:2], length, 2 * length))
+    q_noisy = q.reshape(batch, blocks, block_size, kv_heads, groups, head_dim)
     k_own = k[:, :length].reshape(batch, blocks, block_size, kv_heads, head_dim)
     v_own = v[:, :length].reshape(batch, blocks, block_size, kv_heads, head_dim)
     k_clean, v_clean = k[:, length:], v[:, length:]
@@ -374,9 +412,9 @@ def attend_block_diffusion(q, k, v, visible, block_size: int):
     seen = jnp.einsum("bnqkgd,bskd->bkgnqs", q_noisy, k_clean, preferred_element_type=jnp.float32)
     # the mask's pieces: noisy -> own block's noisy keys (the diagonal blocks), -> clean
     diagonal = np.arange(blocks)
-    noisy = visible[:, :, :length, :length].reshape(-1, blocks, block_size, blocks, block_size)
+    noisy = visible[:, :, :, :length].reshape(-1, blocks, block_size, blocks, block_size)
     own_visible = xp.moveaxis(noisy[:, diagonal, :, diagonal, :], 0, 1)  # [b, n, q, s]
-    seen_visible = visible[:, :, :length, length:].reshape(-1, blocks, block_size, length)
+    seen_visible = visible[:, :, :, length:].reshape(-1, blocks, block_size, length)
     minimum = jnp.finfo(jnp.float32).min
     scores = jnp.concatenate(
         [
@@ -389,5 +427,4 @@ def attend_block_diffusion(q, k, v, visible, block_size: int):
     out = jnp.einsum("bkgnqs,bnskd->bnqkgd", probs[..., :block_size], v_own) + jnp.einsum(
         "bkgnqs,bskd->bnqkgd", probs[..., block_size:], v_clean
     )
-    noisy_out = out.reshape(batch, length, heads, head_dim)
-    return jnp.concatenate([noisy_out, clean], axis=1)  # [batch, 2L, heads, head_dim]
+    return out.reshape(batch, length, heads, head_dim)

@@ -133,6 +133,7 @@ class LayerStack:
         x: jax.Array,
         *args: Any,
         use_pipeline: bool = True,
+        last_call: dict[str, Any] | None = None,
     ) -> jax.Array:
         """Run the stack inside ``parent``'s compact ``__call__``: ``x [batch,
         length, embed] -> [batch, length, embed]``.
@@ -143,6 +144,12 @@ class LayerStack:
         args: passed to every block after ``x``; arrays or None.
         use_pipeline: False runs the plain stack even when ``num_stages > 1``
           (decoding, whose cache the pipeline does not thread).
+        last_call: keyword arguments of the last block's call alone (e.g.
+          :class:`~dew.nn.backbones.block.DecoderBlock`'s ``output_length``, for a
+          last layer that does less work); the scanned stack then runs its first
+          ``num_layers - 1`` layers as one scan over the same ``[layers, ...]``
+          parameters and the last on its slice (the same tree and values). Not with
+          a pipeline, nor with a block that sows intermediates.
         """
         per_layer = isinstance(block_kwargs, (list, tuple))
         if per_layer and (self.use_scan or len(block_kwargs) != self.num_layers):
@@ -150,14 +157,25 @@ class LayerStack:
                 f"per-layer block options ({len(block_kwargs)}) need use_scan=False and one "
                 f"dict for each of the {self.num_layers} layers"
             )
+        if last_call and self.num_stages > 1 and use_pipeline:
+            raise ValueError(
+                f"last_call {sorted(last_call)} (a last layer that differs) does not run in "
+                f"a pipeline of {self.num_stages} stages; call without it"
+            )
         if self.num_stages > 1 and use_pipeline and not parent.is_initializing():
             return self._pipelined(parent, block, block_kwargs, x, args)
+        if last_call and self.use_scan:
+            return self._scanned_then_last(parent, block, block_kwargs, x, args, last_call)
 
-        def body(module, carry, *a):
-            return module(carry, *a), None
+        def body_with(call):
+            def body(module, carry, *a):
+                return module(carry, *a, **call), None
 
-        if self.use_remat:
-            body = nn.remat(body, prevent_cse=not self.use_scan, policy=self.policy)
+            if self.use_remat:
+                return nn.remat(body, prevent_cse=not self.use_scan, policy=self.policy)
+            return body
+
+        body = body_with({})
         if self.use_scan:
             scanned = nn.scan(
                 body,
@@ -172,8 +190,45 @@ class LayerStack:
             return x
         for i in range(self.num_layers):
             kwargs = block_kwargs[i] if per_layer else block_kwargs
-            x, _ = body(block(**kwargs, name=self.layer_name(i)), x, *args)
+            last = last_call and i == self.num_layers - 1
+            x, _ = (body_with(last_call) if last else body)(
+                block(**kwargs, name=self.layer_name(i)), x, *args
+            )
         return x
+
+    def _scanned_then_last(self, parent, block, block_kwargs, x, args, last_call):
+        """The scanned stack with a last layer that differs (``last_call``): layers
+        ``0 .. num_layers - 2`` as one scan over their slice of the ``[layers, ...]``
+        parameters, then the last layer on its own (the parameters the plain scan
+        creates, so the tree and the values are the same)."""
+        if parent.is_initializing():  # create the parameters as the plain stack does
+            self(parent, block, block_kwargs, x, *args, use_pipeline=False)
+        params = nn.meta.unbox(parent.variables["params"][self.name])
+        module = block(**block_kwargs, parent=None)
+
+        def layer(h, p, call):
+            h, sown = module.apply({"params": p}, h, *args, **dict(call), mutable=["intermediates"])
+            if jax.tree_util.tree_leaves(sown):
+                raise ValueError(
+                    f"last_call {sorted(last_call)}: {block.__name__} sows intermediates "
+                    f"(a mixture of experts' losses), which a stack with a last layer that "
+                    f"differs does not gather; call without last_call"
+                )
+            return h
+
+        if self.use_remat:
+            layer = jax.checkpoint(layer, policy=self.policy, static_argnums=(2,),
+                                   prevent_cse=False)  # fmt: skip
+        if self.num_layers > 1:
+            head = jax.tree_util.tree_map(lambda p: p[:-1], params)
+            x, _ = jax.lax.scan(
+                lambda h, p: (layer(h, p, ()), None),
+                x,
+                head,
+                unroll=min(self.unroll, self.num_layers - 1),
+            )
+        last = jax.tree_util.tree_map(lambda p: p[-1], params)
+        return layer(x, last, tuple(sorted(last_call.items())))
 
     def _pipelined(self, parent, block, block_kwargs, x, args):
         """The stack as a pipeline over the ``[layers, ...]`` parameters that the

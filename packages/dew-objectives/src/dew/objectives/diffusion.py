@@ -2,8 +2,8 @@
 
 For data ``x0`` (a batch of images or videos, or latents), noise ``eps ~ N(0, I)``
 and a time ``t`` drawn from the step key, the schedule
-(:mod:`dew.sampling.noise_schedules`) mixes ``x_t = alpha(t) x0 + sigma(t) eps`` and
-the denoiser regresses its target (:mod:`dew.sampling.diffusion_targets`)::
+(:mod:`dew.sampling.diffusion.schedules`) mixes ``x_t = alpha(t) x0 + sigma(t) eps`` and
+the denoiser regresses its target (:mod:`dew.sampling.diffusion.targets`)::
 
     loss_i = mean over non-batch dims of (F(x_t, t, c) - target)^2     eps / v / x0 / flow
     loss_i = lambda(sigma) mean of (D(x_t, sigma, c) - x0)^2           EDM (x0 target)
@@ -32,7 +32,7 @@ read) whose contexts come precomputed in ``batch['context']``; or, with
 trained role ``text_encoder`` (``variables['params'] = {'policy': ..., 'text_encoder':
 ...}``): batches carry token ids ``batch['text'] int32 [batch, max_length]`` (optional
 ``context_mask``), the loss encodes them, ``c = E_phi(ids)``
-(:func:`dew.sampling.text_encoders.encode_tokens`), so the gradient of the diffusion
+(:func:`dew.sampling.diffusion.text_encoders.encode_tokens`), so the gradient of the diffusion
 loss reaches ``phi``; dropout replaces ``E_phi(ids)`` by ``null_context``. The route
 lives in :mod:`dew.objectives.text_conditioning`.
 
@@ -64,20 +64,20 @@ from dew.objectives.base import EMA, Objective, Step
 from dew.objectives.batch import FLOATS, IDS, PIXELS, BatchField
 from dew.objectives.text_conditioning import TextConditioning
 from dew.objectives.weighted import Weighted
-from dew.sampling.diffusion.schedules import DDPMSchedule, Schedule, per_row
-from dew.sampling.diffusion_pipelines import (
+from dew.sampling.diffusion.pipelines import (
     ClassToImage,
     ClassToVideo,
     sample_grid,
     to_pixels,
 )
-from dew.sampling.diffusion_samplers import (
+from dew.sampling.diffusion.samplers import (
     check_target_for,
     make_sampler,
     model_denoiser,
     sample_diffusion,
 )
-from dew.sampling.diffusion_targets import predictions_of, target_of
+from dew.sampling.diffusion.schedules import DDPMSchedule, Schedule, per_row
+from dew.sampling.diffusion.targets import predictions_of, target_of
 
 DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
 EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -3,7 +3,7 @@
 
 A data batch holds ``B`` conditions (class labels, text contexts, or nothing for an
 unconditional model); each is sampled ``G`` times (a group, rows ``b * G + g``) with
-the SDE sampler of :mod:`dew.sampling.flow_sde` on the pre-update weights, keeping
+the SDE sampler of :mod:`dew.sampling.diffusion.flow_sde` on the pre-update weights, keeping
 every stochastic step's states and log-prob. The samples get rewards
 ``r = sum_k w_k r_k(x)`` (:class:`ImageReward`, jittable; :class:`HostImageReward`,
 host Python; each logged as ``reward/<name>``) and the advantages
@@ -32,7 +32,7 @@ under LoRA: a view, stored once), read without gradient.
 
 **Invariance.** Every draw of a rollout is a function of the run's key, the step and the
 row's index in the global rollout batch: the sampler's noise
-(:func:`dew.sampling.flow_sde.row_keys`) and the training-step subset. A rollout
+(:func:`dew.sampling.diffusion.flow_sde.row_keys`) and the training-step subset. A rollout
 computed in chunks (``rollout_rows``), on 8 devices or on 1, draws the same. The old
 log-probs are the sampler's, and the loss recomputes them with the same denoiser (the
 same guidance, clipping and float32 step math), so the first update's ratio is 1
@@ -91,10 +91,10 @@ from dew.objectives.rollouts import (
 )
 from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import FlowEuler, FlowSDE, model_denoiser, sample_diffusion, sample_flow_sde
-from dew.sampling.diffusion_pipelines import ClassToImage, sample_grid, to_pixels
-from dew.sampling.diffusion_samplers import check_target_for
-from dew.sampling.flow_sde import transition_log_prob
-from dew.sampling.noise_schedules import FlowSchedule
+from dew.sampling.diffusion.flow_sde import transition_log_prob
+from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
+from dew.sampling.diffusion.samplers import check_target_for
+from dew.sampling.diffusion.schedules import FlowSchedule
 
 __all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward", "RolloutSizes"]
 

@@ -33,7 +33,7 @@ from dew.objectives.rewards import (
     _check_reward,
     gather_rewards,
 )
-from dew.sampling.diffusion_pipelines import to_pixels
+from dew.sampling.diffusion.pipelines import to_pixels
 
 __all__ = ["HostImageReward", "ImageReward", "ImageRewards", "pixels_of"]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dew.sampling.decoding import prompt_positions
+from dew.sampling.causal.decoding import prompt_positions
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:

@@ -9,7 +9,7 @@ encoder is the user's choice (``docs/diffusion.md``):
   (``variables['params'] = {'policy': ..., 'text_encoder': ...}``), started from its
   ``params`` or a fresh init; batches carry token ids ``batch[text_key] int32 [batch,
   max_length]`` and the loss encodes them, ``c = E_phi(ids)``
-  (:func:`dew.sampling.text_encoders.encode_tokens`), so the gradient of the diffusion
+  (:func:`dew.sampling.diffusion.text_encoders.encode_tokens`), so the gradient of the diffusion
   loss reaches ``phi``.
 
 Either way, sampling from prompts, previews and the exported ``TextToImage`` /
@@ -32,8 +32,8 @@ import numpy as np
 
 from dew.objectives.base import Role, with_initial_values
 from dew.objectives.batch import IDS, MASK, BatchField
-from dew.sampling.diffusion_pipelines import TextToImage, TextToVideo
-from dew.sampling.text_encoders import encode_tokens
+from dew.sampling.diffusion.pipelines import TextToImage, TextToVideo
+from dew.sampling.diffusion.text_encoders import encode_tokens
 
 CONTEXTS = ("floating", "bfloat16")  # text embeddings
 

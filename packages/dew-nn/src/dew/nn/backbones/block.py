@@ -104,10 +104,27 @@ class DecoderBlock(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, valid, segment_ids=None, query_key_mask=None, visible=None):
+    def __call__(
+        self,
+        x,
+        positions,
+        valid,
+        segment_ids=None,
+        query_key_mask=None,
+        visible=None,
+        *,
+        output_length: int | None = None,
+    ):
         """``x [batch, length, embed] -> [batch, length, embed]``; the rest as
         :class:`dew.nn.Attention` takes them (``visible``: the mask its backbone
-        computed once for every layer)."""
+        computed once for every layer).
+
+        output_length: only the first ``output_length`` slots come out, ``[batch,
+          output_length, embed]``: every slot gives the attention its keys and values,
+          but the queries, the attention output, the second norm and the
+          feed-forward block run on those slots alone (the last layer of block
+          diffusion's ``[noisy | clean]`` pass). None = every slot.
+        """
         c = self.config
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "attention_norm")(x)
         h = self_attention(c)(
@@ -118,8 +135,9 @@ class DecoderBlock(nn.Module):
             query_key_mask=query_key_mask,
             decode=self.decode,
             visible=visible,
+            query_length=output_length,
         )
-        x = x + h
+        x = x[:, : h.shape[1]] + h
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
         h = feed_forward(c)(h)
         return nn.with_logical_constraint(x + h, ACTIVATION_AXES)

@@ -103,9 +103,13 @@ class Transformer(TransformerOptions, kw_only=True):
           ``time_conditioning`` and refused without it.
         decode: read and append to the ``cache`` collection (:class:`dew.nn.Attention`);
           give ``positions``.
-        output_length: only the first ``output_length`` slots are output (the final
-          norm and the head run on them alone: block diffusion's ``[noisy | clean]``
-          pass reads the noisy half); None = every slot.
+        output_length: only the first ``output_length`` slots are output: the last
+          layer's queries, attention output and feed-forward block, the final norm
+          and the head run on them alone, the other slots giving the last layer its
+          keys and values (block diffusion's ``[noisy | clean]`` pass reads the
+          noisy half). The same values as every slot's output sliced. A pipelined
+          stack or a mixture of experts runs the last layer on every slot. None =
+          every slot.
         """
         if (time is not None) != self.time_conditioning:
             raise ValueError(
@@ -136,23 +140,35 @@ class Transformer(TransformerOptions, kw_only=True):
         if time is not None:
             x = x + self._time_embedding(time, batch, length)
 
-        x = self.layer_stack()(
+        if output_length is not None and not 1 <= output_length <= length:
+            raise ValueError(
+                f"output_length {output_length} must be in [1, {length}] (the input's "
+                f"length); use None for every slot"
+            )
+        stack, config = self.layer_stack(), self.block_config()
+        # The last layer computes its queries, attention output and feed-forward block
+        # for the output slots alone (the other slots give keys and values), where the
+        # stack allows it: not decoding, not pipelined, no experts' sown losses.
+        short_last = (
+            output_length is not None
+            and output_length < length
+            and not decode
+            and stack.num_stages == 1
+            and not config.num_experts
+        )
+        x = stack(
             self,
             DecoderBlock,
-            dict(config=self.block_config(), decode=decode),
+            dict(config=config, decode=decode),
             x,
             positions,
             valid,
             segment_ids,
             query_key_mask,
             use_pipeline=not decode,
+            last_call={"output_length": output_length} if short_last else None,
         )
         if output_length is not None:
-            if not 1 <= output_length <= length:
-                raise ValueError(
-                    f"output_length {output_length} must be in [1, {length}] (the input's "
-                    f"length); use None for every slot"
-                )
             x = x[:, :output_length]
         x = self.norm_output(x)
         if self.head_features is not None:

@@ -54,7 +54,9 @@ def digits_data():
 
 
 def digits_setup(**changes):
-    """examples/jepa_digits.py's sizes and settings."""
+    """The digits settings docs/jepa.md's ablation table varies: examples/jepa_digits.py's
+    until 2026-12-05 (predictor 64 x 2, lr 1e-3, momentum 0.99 -> 1); the example's
+    now are the variant "predictor 128 x 4 + lr 1e-4 + momentum 0.996"."""
     from dew.nn import ViT, ViTPredictor
 
     grid = dict(image_size=8, patch_size=1, num_channels=1, position_embedding="learned")
@@ -107,6 +109,8 @@ def vary(setup, changes):
     )
 
 
+WIDE = {"predictor_emb_features": 128, "predictor_mlp_features": 256, "predictor_num_layers": 4}
+
 # name: (side, setup changes, JepaObjective options)
 VARIANTS = {
     "reference": ("reference", {}, {}),
@@ -158,6 +162,13 @@ VARIANTS = {
         {},
     ),
     "reference 1000 steps": ("reference", {"steps": 1000}, {}),
+    "predictor 128 x 4 + lr 1e-4": ("dew", {**WIDE, "learning_rate": 1e-4}, {}),
+    "predictor 128 x 4 + lr 1e-4 + momentum 0.996": (
+        "dew",
+        {**WIDE, "learning_rate": 1e-4, "momentum": (0.996, 1.0)},
+        {},
+    ),
+    "lr 1e-4 + momentum 0.996": ("dew", {"learning_rate": 1e-4, "momentum": (0.996, 1.0)}, {}),
 }
 
 
@@ -166,8 +177,9 @@ def run(side, setup, sample, seed, options):
     if side == "reference":
         initial, trained, _ = ref.train_reference(setup, sample, seed)
     else:
-        initial, trained = ref.train_dew(setup, sample, seed, **options)
-    return initial, trained, time.perf_counter() - start
+        initial, trained, target = ref.train_dew(setup, sample, seed, with_target=True, **options)
+        return initial, trained, time.perf_counter() - start, target
+    return initial, trained, time.perf_counter() - start, None
 
 
 def features(encoder, params, x):
@@ -190,8 +202,11 @@ def main():
     from dew.sampling.features import knn_accuracy, linear_probe_accuracy
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    print(f"| {args.task} | seeds | random init linear / k-NN | trained linear / k-NN | s |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| {args.task} | seed | random init linear / k-NN | context linear / k-NN "
+        "| target linear / k-NN | s |"
+    )
+    print("|---|---|---|---|---|---|")
     for name in args.variants.split(","):
         side, changes, options = VARIANTS[name]
         rows = []
@@ -199,9 +214,12 @@ def main():
             if args.task == "digits":
                 sample, ((xa, ya), (xb, yb)) = digits_data()
                 setup = digits_setup(**changes)
-                initial, trained, seconds = run(side, setup, sample, seed, options)
+                initial, trained, seconds, target = run(side, setup, sample, seed, options)
                 scores = []
-                for params in (initial, trained):
+                for params in (initial, trained, target):
+                    if params is None:  # the reference loop's target: not probed
+                        scores += [np.nan, np.nan]
+                        continue
                     fa, fb = (
                         features(setup.encoder, params, xa),
                         features(setup.encoder, params, xb),
@@ -213,17 +231,24 @@ def main():
             else:
                 sample = ref.TOYS[args.task][0]
                 setup = toy_setup(args.task, **changes)
-                initial, trained, seconds = run(side, setup, sample, seed, options)
+                initial, trained, seconds, target = run(side, setup, sample, seed, options)
                 scores = []
-                for params in (initial, trained):
-                    scores += [ref.probe_accuracy(setup.encoder, params, sample, seed), np.nan]
+                for params in (initial, trained, target):
+                    accuracy = (
+                        np.nan
+                        if params is None
+                        else ref.probe_accuracy(setup.encoder, params, sample, seed)
+                    )
+                    scores += [accuracy, np.nan]
             rows.append([*scores, seconds])
-        mean = np.mean(rows, axis=0)
-        print(
-            f"| {name} | {args.seeds} | {mean[0]:.3f} / {mean[1]:.3f} | "
-            f"{mean[2]:.3f} / {mean[3]:.3f} | {mean[4]:.0f} |",
-            flush=True,
-        )
+            if len(seeds) > 1:
+                print(f"| {name} | {seed} | " + _cells(rows[-1]), flush=True)
+        print(f"| {name} | mean of {args.seeds} | " + _cells(np.mean(rows, axis=0)), flush=True)
+
+
+def _cells(row) -> str:
+    pairs = [f"{row[i]:.3f} / {row[i + 1]:.3f}" for i in (0, 2, 4)]
+    return " | ".join(pairs) + f" | {row[6]:.0f} |"
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ computed in chunks (``rollout_rows``), on 8 devices or on 1, draws the same. The
 log-probs are the sampler's, and the loss recomputes them with the same denoiser (the
 same guidance, clipping and float32 step math), so the first update's ratio is 1
 (``check_first_ratio=True`` or ``DEW_DEBUG=1`` asserts it,
-:func:`dew.objectives.rl.check_first_update`).
+:func:`dew.objectives.rl.check_first_update`, to :data:`FIRST_RATIO_TOLERANCE`).
 
 **Sizes.** The recipe states the global group count (``groups``, the data batch ``B``)
 and ``group_size``, and, for memory, ``device_rows``: the samples one device computes
@@ -95,6 +95,15 @@ from dew.sampling.diffusion.flow_sde import transition_log_prob
 from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
 from dew.sampling.diffusion.samplers import check_target_for
 from dew.sampling.diffusion.schedules import FlowSchedule
+
+FIRST_RATIO_TOLERANCE = 1e-5
+"""The first update's largest relative log-prob gap (``check_first_ratio``): 10 times the
+language policies' (:data:`dew.objectives.rl.RATIO_TOLERANCE`). A step's Gaussian
+log-prob divides the rounding of the step's mean by the step's standard deviation, so
+the rollout's program and the loss's, partitioned differently over a mesh, differ by
+more units in the last place than a token's log-softmax does (1.03e-6 seen on a
+2 x 2 x 2 mesh under LoRA); a reconstruction bug (another guidance scale, time step,
+clipping or noise level) is off by a fraction of the log-prob itself."""
 
 __all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward", "RolloutSizes"]
 
@@ -524,6 +533,7 @@ class FlowGRPOObjective(Objective):
                 step=step.index,
                 updates_per_batch=self.prepared_updates.per_batch,
                 what=type(self).__name__,
+                tolerance=FIRST_RATIO_TOLERANCE,
             )
         metrics = {}
         if self.beta > 0:

@@ -177,8 +177,8 @@ def run(side, setup, sample, seed, options):
     if side == "reference":
         initial, trained, _ = ref.train_reference(setup, sample, seed)
     else:
-        initial, trained, target = ref.train_dew(setup, sample, seed, with_target=True, **options)
-        return initial, trained, time.perf_counter() - start, target
+        run = ref.train_dew(setup, sample, seed, **options)
+        return run.initial, run.context, time.perf_counter() - start, run.target
     return initial, trained, time.perf_counter() - start, None
 
 

@@ -4,7 +4,8 @@ flow MLP (2-D samples) with classifier-free guidance 2.
 - The log-prob the loss recomputes for a stored transition equals the sampler's within
   1e-6 whether the 24-row rollout (3 conditions x 8) is drawn 1 row at a time or all at
   once, and both draw the same samples (draws are fold_in(key, global row index)); the
-  first update's ratio is 1 (max |rho - 1| <= 1e-6).
+  first update's ratio is 1 (max |rho - 1| <= 1e-6); ``check_first_ratio`` lets 5e-6 of
+  rounding through and refuses a loss that reconstructs with another guidance scale.
 - The loss on moved weights against a float64 numpy transcription: the velocity from the
   network, the SDE step's mean and Gaussian log-prob, global-std group advantages
   (clipped), the clipped ratio and the KL with either Delta t convention.
@@ -26,6 +27,7 @@ from dew.nn.backbones.dit import timestep_embedding
 from dew.objectives import Step, Updates
 from dew.objectives.flow_grpo import FlowGRPOObjective, HostImageReward, ImageReward
 from dew.objectives.rewards import RewardError
+from dew.objectives.rl import RatioError, raising_ratio_errors, relative_logprob_gap
 from dew.sampling import DDPMSchedule, FlowSDE
 
 CLASSES, G, CONDITIONS = 3, 8, 3
@@ -100,6 +102,25 @@ def test_recomputed_log_probs_equal_the_samplers_at_rollout_rows_1_and_24(setup)
     # the groups differ inside and rows of one condition share its label
     assert np.all(np.asarray(batch["label"]) == np.repeat([0, 1, 2], G))
     assert np.std(np.asarray(whole["samples"])[:G, 0]) > 0.05
+
+
+def test_first_ratio_check_allows_rounding_and_refuses_another_guidance(setup):
+    """``check_first_ratio``: old log-probs off by 5e-6 of themselves (rounding that a
+    step's 1/std amplifies; over the language policies' 1e-6) pass at
+    ``FIRST_RATIO_TOLERANCE``; a loss that reconstructs the rollout with another
+    guidance scale is a ``RatioError``."""
+    obj, variables = setup
+    _, batch = prepared_batch(obj, variables)
+    step = Step(index=jnp.int32(0), key=jax.random.key(1))
+    checked = objective(check_first_ratio=True)
+    rounded = {**batch, "old_logps": batch["old_logps"] * (1 + 5e-6)}
+    assert float(relative_logprob_gap(batch["old_logps"], rounded["old_logps"], True)) > 1e-6
+    with raising_ratio_errors():
+        jax.block_until_ready(jax.jit(checked.loss)(variables, rounded, step))
+    other_guidance = objective(check_first_ratio=True, guidance=1.0)
+    with pytest.raises(RatioError, match="FlowGRPOObjective: the first update"):
+        with raising_ratio_errors():
+            jax.block_until_ready(jax.jit(other_guidance.loss)(variables, batch, step))
 
 
 @pytest.mark.slow  # ~7 s: a DiT's rollout and loss compiled

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,7 +214,7 @@ def train_reference(setup: Setup, data, seed: int, initial: dict | None = None):
         initial["predictor"] = pred.init(
             k_pred, context, positions, jnp.zeros((1, setup.target_keep), jnp.int32)
         )["params"]
-    params = jax.tree.map(jnp.asarray, _unboxed(initial))
+    params = jax.tree.map(jnp.asarray, nn.unbox(initial))
     target = params["encoder"]
     step = _reference_step(setup)
     opt_state = step.optimizer.init(params)
@@ -229,21 +230,19 @@ def train_reference(setup: Setup, data, seed: int, initial: dict | None = None):
 
 
 # ------------------------------------------------------------------ Dew's side
-def _unboxed(tree):
-    return jax.tree.map(
-        lambda x: getattr(x, "value", x), tree, is_leaf=lambda x: hasattr(x, "value")
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class DewRun:
-    """What :func:`train_dew` gives: the encoder's initial, context (trained) and
-    target (moving-average) params, and every trained role's initial params."""
+    """What :func:`train_dew` gives: every trained role's initial params, and the
+    encoder's context (trained) and target (moving-average) params."""
 
-    initial: dict
+    initial_params: dict
     context: dict
     target: dict
-    initial_params: dict
+
+    @property
+    def initial(self) -> dict:
+        """The encoder's initial params."""
+        return self.initial_params["encoder"]
 
 
 def train_dew(setup: Setup, data, seed: int, **objective_options) -> DewRun:
@@ -286,10 +285,9 @@ def train_dew(setup: Setup, data, seed: int, **objective_options) -> DewRun:
     initial = jax.device_get(trainer.init_state())
     state = trainer.fit(Dataset(train, None, records=0, batch=setup.batch), steps=setup.steps)
     return DewRun(
-        initial=initial.params["encoder"],
+        initial_params=nn.unbox(initial.params),
         context=jax.device_get(state.params["encoder"]),
         target=jax.device_get(state.averaged["encoder"]),
-        initial_params=_unboxed(initial.params),
     )
 
 
@@ -298,8 +296,6 @@ _POOLED: dict[int, tuple[object, object]] = {}  # one compiled feature function 
 
 def probe_accuracy(encoder, params, data, seed=0, n_train=512, n_test=512) -> float:
     """Linear probe on mean-pooled features of fresh labelled examples."""
-    import flax.linen as nn
-
     params = nn.unbox(params)
     if id(encoder) not in _POOLED:
         pooled = jax.jit(lambda p, x: encoder.apply({"params": p}, x).mean(axis=1))

@@ -174,12 +174,13 @@ VARIANTS = {
 
 def run(side, setup, sample, seed, options):
     start = time.perf_counter()
-    if side == "reference":
+    if side == "reference":  # the loop's target encoder is not probed
         initial, trained, _ = ref.train_reference(setup, sample, seed)
+        target = None
     else:
-        run = ref.train_dew(setup, sample, seed, **options)
-        return run.initial, run.context, time.perf_counter() - start, run.target
-    return initial, trained, time.perf_counter() - start, None
+        dew = ref.train_dew(setup, sample, seed, **options)
+        initial, trained, target = dew.initial, dew.context, dew.target
+    return initial, trained, time.perf_counter() - start, target
 
 
 def features(encoder, params, x):
@@ -217,7 +218,7 @@ def main():
                 initial, trained, seconds, target = run(side, setup, sample, seed, options)
                 scores = []
                 for params in (initial, trained, target):
-                    if params is None:  # the reference loop's target: not probed
+                    if params is None:
                         scores += [np.nan, np.nan]
                         continue
                     fa, fb = (

@@ -6,7 +6,10 @@ alternating, the same allocator setting for all):
    same model (MDLM: antithetic t per row, masking, SUBS, 1/t-weighted NLL; BD3-LM:
    antithetic t per (row, block), the ``[z | x]`` pass under
    ``masks.BlockDiffusionMask`` with ``output_length=L``, SUBS, 1/t NLL). The four
-   sides alternate within each repeat. Ratios = hand / Dew (goal >= 0.97); the same run
+   sides alternate within each repeat. Ratios = hand / Dew (goal >= 0.97), for ``fit``'s
+   own figure (the wall after its first step over the steps after it, which holds
+   whatever a fit costs once after its first step) and for one more step through
+   ``fit`` (from a second fit of a quarter the steps: :func:`dew_steps`); the same run
    gives BD3 / MDLM for Dew's steps (goal <= 1.7, the reference pays 1.70-1.85x,
    bd3lms #5). With ``--flops`` the compiled steps' FLOPs (``dew.train.plan``) at
    ``--flops-layers`` depths: BD3-LM with the last layer on the noisy half (what Dew
@@ -108,6 +111,18 @@ def dew_step(objective, length, batch, steps) -> float:
     trainer = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), mesh=ONE,
                       progress=False)  # fmt: skip
     return fit_seconds(trainer, data(length, batch), steps)[1]
+
+
+def dew_steps(make, length, batch, steps) -> tuple[float, float]:
+    """``(fit's figure, one more step)``: ``fit``'s seconds per step after the first
+    (:func:`dew_step`, ``steps`` steps), and what one more step costs through ``fit``,
+    ``(W_steps - W_short) / (steps - short)`` from that fit and one of ``short = steps //
+    4`` steps (the wall after their first steps): the step without what a ``fit`` costs
+    once after its first step."""
+    short = max(2, steps // 4)
+    long_ = dew_step(make(), length, batch, steps)
+    brief = dew_step(make(), length, batch, short)
+    return long_, (long_ * (steps - 1) - brief * (short - 1)) / (steps - short)
 
 
 class DenseBD3(BlockDiffusionObjective):
@@ -345,15 +360,18 @@ def main():
 
     if "train" in args.parts:
         runs = {
-            "mdlm": lambda: dew_step(mdlm(), L, B, S),
+            "mdlm": lambda: dew_steps(mdlm, L, B, S),
             "mdlm hand": lambda: hand_step(L, B, S),
-            "bd3": lambda: dew_step(bd3(), L, B, S),
+            "bd3": lambda: dew_steps(bd3, L, B, S),
             "bd3 hand": lambda: hand_step(L, B, S, block_size=4),
         }
-        times = {name: [] for name in runs}
+        times = {name: [] for name in [*runs, "mdlm +1", "bd3 +1"]}
         for r in range(args.repeats):  # the four sides alternate, the first in turn
             for name in list(runs)[r % 4 :] + list(runs)[: r % 4]:
-                times[name].append(runs[name]())
+                got = runs[name]()
+                if isinstance(got, tuple):  # Dew: fit's figure and one more step
+                    got, times[f"{name} +1"] = got[0], [*times[f"{name} +1"], got[1]]
+                times[name].append(got)
         print(f"train steps, {L} tokens x {B} rows, ms per step over {args.repeats} repeats:")
         for name, values in times.items():
             print(f"  {name:9s} median {statistics.median(values) * 1e3:7.1f}  "
@@ -363,6 +381,9 @@ def main():
               f"{med['bd3 hand'] / med['bd3']:.3f} (goal >= 0.97); BD3 / MDLM: Dew "
               f"{med['bd3'] / med['mdlm']:.2f}x, hand {med['bd3 hand'] / med['mdlm hand']:.2f}x "
               f"(goal <= 1.7)")  # fmt: skip
+        print(f"  hand / one more step through fit: MDLM "
+              f"{med['mdlm hand'] / med['mdlm +1']:.3f}, BD3-LM "
+              f"{med['bd3 hand'] / med['bd3 +1']:.3f} (goal >= 0.97)")  # fmt: skip
         if args.flops:
             for layers in args.flops_layers:
                 flops = {

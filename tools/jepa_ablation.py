@@ -170,6 +170,17 @@ VARIANTS = {
     ),
     "lr 1e-4 + momentum 0.996": ("dew", {"learning_rate": 1e-4, "momentum": (0.996, 1.0)}, {}),
 }
+# the example's setting (wide predictor, lr 1e-4, momentum 0.996 -> 1) run longer, and at
+# a lower momentum: runs where the target encoder keeps less of its initial weights
+EXAMPLE = {**WIDE, "learning_rate": 1e-4, "momentum": (0.996, 1.0)}
+VARIANTS |= {
+    "example 700 steps": ("dew", {**EXAMPLE, "steps": 700}, {}),
+    "example 500 steps + momentum 0.99": (
+        "dew",
+        {**EXAMPLE, "steps": 500, "momentum": (0.99, 1.0)},
+        {},
+    ),
+}
 
 
 def run(side, setup, sample, seed, options):

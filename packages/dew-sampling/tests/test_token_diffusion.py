@@ -18,6 +18,7 @@ from dew.sampling.token_diffusion import (
     sample_entropy,
     sample_masked,
     subs_log_probs,
+    subs_nll,
 )
 
 L, V, MASK = 8, 6, 6
@@ -57,6 +58,26 @@ def test_subs_carries_unmasked_tokens_and_never_predicts_the_mask():
     lp = np.asarray(subs_log_probs(logits, z, MASK))
     assert lp[0, 0, 2] == 0.0 and lp[0, 2, 4] == 0.0 and lp[0, 0].max() == 0.0
     assert lp[0, 1, MASK] < -1e5 and np.exp(lp[0, 1]).sum() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_subs_nll_is_the_log_probs_at_the_data_without_the_full_tensor():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 7, V + 1)).astype(np.float32) * 4
+    x = rng.integers(0, V, (3, 7))
+    z = np.where(rng.random((3, 7)) < 0.5, MASK, x)
+    z[0, 0] = (x[0, 0] + 1) % V  # an unmasked token that is not the data: 1e6
+    got = np.asarray(subs_nll(jnp.asarray(logits), jnp.asarray(z), jnp.asarray(x), MASK))
+    # numpy, float64: log-softmax with the mask removed at masked positions
+    kept = np.delete(logits.astype(np.float64), MASK, axis=-1)
+    top = kept.max(-1)
+    lse = top + np.log(np.exp(kept - top[..., None]).sum(-1))
+    picked = np.take_along_axis(logits, x[..., None], -1)[..., 0]
+    want = np.where(z == MASK, lse - picked, np.where(z == x, 0.0, 1e6))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert (got[z == x] == 0.0).all() and got[0, 0] == 1e6
+    # and the entries of subs_log_probs at the data
+    lp = np.asarray(subs_log_probs(jnp.asarray(logits), jnp.asarray(z), MASK))
+    np.testing.assert_allclose(got, -np.take_along_axis(lp, x[..., None], -1)[..., 0], atol=2e-5)
 
 
 def run_masked(params, sampler, *, rows=16, key=2):

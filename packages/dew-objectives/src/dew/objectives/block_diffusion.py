@@ -43,7 +43,7 @@ from dew.objectives.masked_diffusion import (
     uniforms_at,
 )
 from dew.objectives.weighted import Weighted
-from dew.sampling.token_diffusion import MaskSchedule, subs_log_probs
+from dew.sampling.token_diffusion import MaskSchedule
 
 
 def check_clip(clip, *, what: str) -> tuple[float, float]:
@@ -147,14 +147,14 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         :func:`~dew.nn.masks.block_diffusion_mask` gives the same values)."""
         return masks.BlockDiffusionMask(length, self.block_size)
 
-    def denoiser_log_probs(self, params, z, x, valid, t_tokens, times):
+    def denoiser_logits(self, params, z, x, valid, t_tokens, times):
         """The vectorised pass: ``[z | x]`` under the BD3 mask, logits of ``z``'s half."""
         rows, length = z.shape
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
         extra = {"time": jnp.concatenate([t_tokens, t_tokens], axis=1)} if self.is_timed else {}
         if self.attention_mask_key is not None:
             extra["attention_mask"] = jnp.concatenate([valid, valid], axis=1) > 0
-        logits = self.model.apply(
+        return self.model.apply(
             {"params": params},
             jnp.concatenate([z, x], axis=1),  # [rows, 2 length]
             positions=jnp.concatenate([positions, positions], axis=1),
@@ -162,7 +162,6 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
             output_length=length,  # the head reads the noisy half only
             **extra,
         )  # [rows, length, vocab]
-        return subs_log_probs(logits, z, self.mask_id)
 
     def token_terms(self, params, batch, t_tokens, noise, times=None):
         if self.block_size == 1:  # t = 1: every token masked (an AR model)

@@ -48,6 +48,7 @@ from dew.sampling.token_diffusion import (
     MaskSchedule,
     TokenDiffusionGeneration,
     subs_log_probs,
+    subs_nll,
 )
 
 # odd multipliers of a row hash (uint32 arithmetic wraps): a row's evaluation masking
@@ -309,12 +310,16 @@ class MaskedDiffusionObjective(Objective):
         T = self.num_timesteps
         return jnp.clip(jnp.ceil(t * T), 1, T) / T
 
-    def denoiser_log_probs(self, params, z, x, valid, t_tokens, times) -> jax.Array:
-        """``log p(x | z)`` ``[rows, length, vocab]`` of the noisy rows ``z``."""
+    def denoiser_logits(self, params, z, x, valid, t_tokens, times) -> jax.Array:
+        """The model's logits ``[rows, length, vocab]`` for the noisy rows ``z``."""
         extra = {"time": times} if self.is_timed else {}
         if self.attention_mask_key is not None:
             extra["attention_mask"] = valid > 0
-        logits = self.model.apply({"params": params}, z, **extra)
+        return self.model.apply({"params": params}, z, **extra)
+
+    def denoiser_log_probs(self, params, z, x, valid, t_tokens, times) -> jax.Array:
+        """``log p(. | z)`` ``[rows, length, vocab]`` of the noisy rows ``z`` (SUBS)."""
+        logits = self.denoiser_logits(params, z, x, valid, t_tokens, times)
         return subs_log_probs(logits, z, self.mask_id)
 
     def token_terms(self, params, batch, t_tokens, noise, times=None):
@@ -328,8 +333,8 @@ class MaskedDiffusionObjective(Objective):
         z = jnp.where(masked, self.mask_id, x)
         if times is None:
             times = t_tokens[:, 0]
-        log_probs = self.denoiser_log_probs(params, z, x, valid, t_tokens, times)
-        nll = -jnp.take_along_axis(log_probs, x[..., None], axis=-1)[..., 0]  # [rows, length]
+        logits = self.denoiser_logits(params, z, x, valid, t_tokens, times)
+        nll = subs_nll(logits, z, x, self.mask_id)  # [rows, length]
         weighted = self.weights_at(t_tokens) * nll * valid
         return weighted, valid, masked.astype(jnp.float32), nll * valid
 

@@ -66,6 +66,7 @@ from dew.sampling.token_diffusion import (
     sample_entropy,
     sample_masked,
     subs_log_probs,
+    subs_nll,
 )
 
 # The modules' former flat paths (dew.sampling.generate, .noise_schedules, .pretrained,
@@ -149,5 +150,6 @@ __all__ = [
     "sample_masked",
     "sample_logits",
     "subs_log_probs",
+    "subs_nll",
     "target_of",
 ]

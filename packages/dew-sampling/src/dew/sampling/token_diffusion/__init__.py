@@ -14,6 +14,7 @@ from dew.sampling.token_diffusion.samplers import (
     sample_entropy,
     sample_masked,
     subs_log_probs,
+    subs_nll,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "sample_entropy",
     "sample_masked",
     "subs_log_probs",
+    "subs_nll",
 ]

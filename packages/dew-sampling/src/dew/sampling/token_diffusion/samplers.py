@@ -115,6 +115,21 @@ def subs_log_probs(logits: jax.Array, z: jax.Array, mask_id: int) -> jax.Array:
     return jnp.where((z == mask_id)[..., None], log_probs, carried)
 
 
+def subs_nll(logits: jax.Array, z: jax.Array, x: jax.Array, mask_id: int) -> jax.Array:
+    """``-log p(x | z)`` ``[batch, length]`` (float32) under SUBS: the entries of
+    :func:`subs_log_probs` at the data ``x``, negated, without the ``[batch, length,
+    vocab]`` log-probabilities: at a masked position ``logsumexp - logit[x]`` (the
+    mask's logit -1e6), at an unmasked one 0 where ``z == x`` (1e6 where it is not).
+    The training loss reads only these, so it saves the full tensor's passes."""
+    # a select, not a scatter, removes the mask: it fuses into the passes that read it
+    is_mask = jnp.arange(logits.shape[-1]) == mask_id
+    logits = jnp.where(is_mask, NEG_INF, logits.astype(jnp.float32))
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1)) + top[..., 0]
+    nll = lse - jnp.take_along_axis(logits, x[..., None], axis=-1)[..., 0]
+    return jnp.where(z == mask_id, nll, jnp.where(z == x, 0.0, -NEG_INF))
+
+
 def _uniform46(key: jax.Array, shape) -> jax.Array:
     """Uniforms in ``[0, 1)`` with 46 bits near 0: ``(k + u) / 2^23``, ``k`` a 23-bit
     integer and ``u`` a float32 uniform, so ``P(U < x) = x`` down to ``x ~ 1e-14``."""

@@ -124,9 +124,8 @@ def subs_nll(logits: jax.Array, z: jax.Array, x: jax.Array, mask_id: int) -> jax
     # a select, not a scatter, removes the mask: it fuses into the passes that read it
     is_mask = jnp.arange(logits.shape[-1]) == mask_id
     logits = jnp.where(is_mask, NEG_INF, logits.astype(jnp.float32))
-    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1)) + top[..., 0]
-    nll = lse - jnp.take_along_axis(logits, x[..., None], axis=-1)[..., 0]
+    picked = jnp.take_along_axis(logits, x[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - picked
     return jnp.where(z == mask_id, nll, jnp.where(z == x, 0.0, -NEG_INF))
 
 

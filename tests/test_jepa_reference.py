@@ -245,12 +245,10 @@ class DewRun:
         return self.initial_params["encoder"]
 
 
-def train_dew(setup: Setup, data, seed: int, **objective_options) -> DewRun:
-    """The same through ``JepaObjective`` and ``Trainer``."""
-    from dew.data import Dataset
+def dew_objective(setup: Setup, **objective_options):
+    """``setup`` as a ``JepaObjective``: its modules, masks, momentum and length."""
     from dew.objectives.jepa import JepaObjective
     from dew.objectives.jepa_masks import MultiBlock
-    from dew.train import MeshSpec, Trainer
 
     masks = MultiBlock(
         num_targets=setup.num_targets,
@@ -260,13 +258,21 @@ def train_dew(setup: Setup, data, seed: int, **objective_options) -> DewRun:
         min_keep=min(4, setup.context_keep),
     )
     objective_options = {"momentum": setup.momentum, **objective_options}
-    objective = JepaObjective(
+    return JepaObjective(
         setup.encoder,
         setup.predictor,
         planned_updates=setup.steps,
         masks=masks,
         **objective_options,
     )
+
+
+def train_dew(setup: Setup, data, seed: int, **objective_options) -> DewRun:
+    """The same through ``JepaObjective`` and ``Trainer``."""
+    from dew.data import Dataset
+    from dew.train import MeshSpec, Trainer
+
+    objective = dew_objective(setup, **objective_options)
     layout = objective.layout  # Dew's default sizes are the loop's
     assert (layout.context_keep, layout.target_keep) == (setup.context_keep, setup.target_keep)
 

@@ -22,6 +22,11 @@ alternating, the same allocator setting for all):
    **steady** (not in the default parts): the MDLM step's wall time through ``fit``
    (20 steps; one more step, from fits of 10 and 50), as its compiled program in a
    loop, and hand-written: where the ``fit`` figure's time goes.
+   **paired** (not in the default parts): the MDLM and BD3-LM steps through ``fit``
+   against the hand-written ones paired in time: inside one ``fit``, a hook after every
+   ``--steps`` steps runs as many hand-written steps; hand / Dew per pair, wall and CPU
+   time, medians of ``--repeats`` pairs (:func:`paired_part`): steadier on a machine
+   whose load comes and goes.
 3. **bd3**: the BD3-LM step with attention in the mask's pieces against the same step
    with the dense ``2L x 2L`` mask, and against the MDLM step, all through ``Trainer.fit``.
 4. **grad**: the loss's gradient alone (the work the objectives differ in), jitted, BD3
@@ -35,13 +40,16 @@ alternating, the same allocator setting for all):
 
     python tools/bench_token_diffusion.py --parts program train --repeats 5 --steps 20 --flops
     python tools/bench_token_diffusion.py --parts cache --sample-length 256
+    python tools/bench_token_diffusion.py --parts paired --repeats 40 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import io
 import itertools
 import statistics
 import time
@@ -202,7 +210,7 @@ def hand_step(length, batch, steps, block_size=None) -> float:
     """Seconds per step of :func:`hand_program`'s loop."""
     start = time.perf_counter()
     step, state = hand_program(length, batch, block_size)
-    keys = jax.random.split(jax.random.key(1), steps)
+    keys = list(jax.random.split(jax.random.key(1), steps))  # indexed without a dispatch
     return loop_seconds(start, lambda c, i: step(c, keys[i], i), state, steps)[1]
 
 
@@ -229,7 +237,7 @@ def dew_program(objective, length, batch):
 def hand_callable(length, batch, block_size=None):
     """``step() -> state`` of :func:`hand_program`, threading its own state."""
     fn, state = hand_program(length, batch, block_size)
-    keys = jax.random.split(jax.random.key(1), 1000)
+    keys = list(jax.random.split(jax.random.key(1), 1000))  # indexed without a dispatch
     holder, count = [state], [0]
 
     def step():
@@ -297,6 +305,44 @@ def steady_part(make_mdlm, length, batch, repeats):
     print(f"  hand / fit (20 steps) {med['hand'] / med['fit (20 steps)']:.3f}, hand / one more "
           f"step {med['hand'] / med['fit, one more step']:.3f}, hand / program "
           f"{med['hand'] / med['program']:.3f}")  # fmt: skip
+
+
+def paired_part(make, length, batch, chunks, chunk, block_size=None):
+    """hand / Dew per chunk, paired in time: inside one ``fit`` of ``(chunks + 1) *
+    chunk`` steps, a hook after every ``chunk`` steps waits for them, then runs
+    ``chunk`` steps of the hand-written loop; Dew's chunk is the wall between the
+    end of one hook and the end of the next one's wait (the whole of ``fit`` for
+    those steps, its hooks, fetches and syncs included), the hand chunk the wall of
+    its steps. Each pair runs back to back, so load that comes and goes on a shared
+    machine falls on both sides of it; the median of the per-pair ratios is the
+    figure (the first chunk, which compiles, is dropped)."""
+    hand = hand_callable(length, batch, block_size)
+    jax.block_until_ready(hand())
+    pairs, mark = {"wall": [], "cpu": []}, [None]
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+
+    def hook(info):
+        jax.block_until_ready(info.state)
+        now = {name: clock() for name, clock in clocks.items()}
+        for _ in range(chunk):
+            out = hand()
+        jax.block_until_ready(out)
+        for name, clock in clocks.items():
+            if mark[0] is not None:
+                dew_seconds, hand_seconds = now[name] - mark[0][name], clock() - now[name]
+                pairs[name].append((dew_seconds / chunk, hand_seconds / chunk))
+        mark[0] = {name: clock() for name, clock in clocks.items()}
+
+    trainer = Trainer(make(), optax.adamw(1e-3), key=jax.random.key(0), mesh=ONE,
+                      progress=False)  # fmt: skip
+    trainer.add_hook(hook, every=chunk)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.fit(data(length, batch), steps=(chunks + 1) * chunk, log_every=0)
+    return {name: ([h / d for d, h in got], [d for d, _ in got], [h for _, h in got])
+            for name, got in pairs.items()}  # fmt: skip
+
+
+GOAL = " (goal >= 0.97)"
 
 
 def sampler_seconds(fn, params, repeats=2) -> float:
@@ -404,6 +450,18 @@ def main():
             "bd3": lambda: dew_program(bd3(), L, B),
             "bd3 hand": lambda: hand_callable(L, B, block_size=4),
         }, L, B, args.repeats, args.steps)  # fmt: skip
+    if "paired" in args.parts:
+        for name, make, block_size in (("MDLM", mdlm, None), ("BD3-LM", bd3, 4)):
+            print(f"{name} step, {L} tokens x {B} rows, paired chunks of {S} steps (fit, "
+                  f"then the hand-written loop), {args.repeats} pairs:")  # fmt: skip
+            for clock, (ratios, dew, hand) in paired_part(make, L, B, args.repeats, S,
+                                                          block_size).items():  # fmt: skip
+                quartiles = " ".join(f"{q:.3f}" for q in statistics.quantiles(ratios))
+                print(
+                    f"  {clock:4s} Dew median {statistics.median(dew) * 1e3:6.1f} ms, hand "
+                    f"{statistics.median(hand) * 1e3:6.1f} ms; hand / Dew per pair: median "
+                    f"{statistics.median(ratios):.3f}{GOAL}, quartiles {quartiles}"
+                )
     if "steady" in args.parts:
         steady_part(mdlm, L, B, args.repeats)
     if "bd3" in args.parts:

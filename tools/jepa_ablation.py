@@ -175,6 +175,7 @@ VARIANTS = {
 EXAMPLE = {**WIDE, "learning_rate": 1e-4, "momentum": (0.996, 1.0)}
 VARIANTS |= {
     "example 700 steps": ("dew", {**EXAMPLE, "steps": 700}, {}),
+    "example 1000 steps": ("dew", {**EXAMPLE, "steps": 1000}, {}),  # the example's default now
     "example 500 steps + momentum 0.99": (
         "dew",
         {**EXAMPLE, "steps": 500, "momentum": (0.99, 1.0)},

@@ -81,7 +81,8 @@ def peak_hbm() -> float:
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
-def run_dew(s: dict, steps: int, remat: str, kernel: str, param_dtype: str):
+def run_dew(s: dict, steps: int, remat: str, kernel: str, param_dtype: str, stack: str = "scan",
+            with_plan: bool = True):
     import itertools
 
     import jax
@@ -102,12 +103,16 @@ def run_dew(s: dict, steps: int, remat: str, kernel: str, param_dtype: str):
         "causal_transformer", vocab_size=s["vocab"], emb_features=s["emb"],
         num_layers=s["layers"], num_heads=s["heads"], mlp_features=s["mlp"],
         max_seq_len=s["seq"], dtype=jnp.bfloat16, param_dtype=jnp.dtype(param_dtype),
-        attention_kernel=kernel, remat_policy=remat, **style,
+        attention_kernel=kernel, remat_policy=remat, use_scan=stack != "loop", **style,
     )  # fmt: skip
+    if stack == "unrolled":  # the scanned [layers, ...] parameters, the loop unrolled
+        type(model).UNROLL_UP_TO = s["layers"]
     objective = LMObjective(model, seq_len=s["seq"])
     optimizer = optax.adamw(3e-4)
-    planned = plan(objective, optimizer, mesh=MeshSpec(),
-                   batch={"text": ((s["batch"], s["seq"] + 1), jnp.int32)})  # fmt: skip
+    planned = None
+    if with_plan:
+        planned = plan(objective, optimizer, mesh=MeshSpec(),
+                       batch={"text": ((s["batch"], s["seq"] + 1), jnp.int32)})  # fmt: skip
     r = rows(s)
     data = Dataset(train=lambda p: ({"text": x} for x in itertools.cycle(r)), val=None,
                    records=4 * s["batch"], batch=s["batch"])  # fmt: skip
@@ -123,6 +128,8 @@ def run_dew(s: dict, steps: int, remat: str, kernel: str, param_dtype: str):
     state = trainer.fit(data, steps=steps, log_every=0)
     jax.block_until_ready(state.params)
     seconds = (time.perf_counter() - marks["t"]) / (steps - 1)
+    if planned is None:
+        return seconds, float("nan"), float("nan")
     return seconds, planned.temporary_bytes, planned.peak_bytes
 
 
@@ -239,10 +246,12 @@ def one(a) -> dict:
     for key in ("emb", "layers", "heads", "kv_heads", "mlp"):
         if getattr(a, key) is not None:
             s[key] = getattr(a, key)
-    res = dict(side=a.side, remat=a.remat, kernel=a.kernel, param_dtype=a.param_dtype, **s)
+    res = dict(side=a.side, remat=a.remat, kernel=a.kernel, param_dtype=a.param_dtype,
+               stack=a.stack, **s)
     try:
         if a.side == "dew":
-            sec, temp, peak = run_dew(s, a.steps, a.remat, a.kernel, a.param_dtype)
+            sec, temp, peak = run_dew(s, a.steps, a.remat, a.kernel, a.param_dtype, a.stack,
+                                      not a.no_plan)
         else:
             sec, temp, peak = run_hand(s, a.steps, a.remat, a.side == "splash", a.param_dtype)
         res.update(step_s=sec, tokens_per_s=s["batch"] * s["seq"] / sec,
@@ -337,6 +346,9 @@ def main() -> None:
     p.add_argument("--remat", default="none", help="none, full or minimal (Dew: any name)")
     p.add_argument("--kernel", default="auto", help="Dew's attention_kernel")
     p.add_argument("--param-dtype", default="float32")
+    p.add_argument("--stack", choices=["scan", "loop", "unrolled"], default="scan",
+                   help="Dew's layer stack: scanned (default), a loop, the scan unrolled")
+    p.add_argument("--no-plan", action="store_true", help="Dew: skip plan's compile")
     a = p.parse_args()
     if a.suite:
         suite(a.suite, a.steps, a.out, set(a.only.split(",")) if a.only else None)

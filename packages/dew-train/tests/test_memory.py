@@ -18,8 +18,7 @@ from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
 from dew.objectives.lm import LMObjective
-from dew.train import Checkpoints, MeshSpec, StepDoesNotFit, Trainer, plan
-from dew.train import memory
+from dew.train import Checkpoints, MeshSpec, StepDoesNotFit, Trainer, memory, plan
 
 SEQ, BATCH = 8, 8
 ONE = MeshSpec(data=1, devices=jax.devices()[:1])

@@ -50,6 +50,7 @@ from dew.train._programs import Programs
 from dew.train.memory import peak_bytes  # noqa: F401  (re-exported: dew.train.plan.peak_bytes)
 from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, data_parallel_size, mesh_sizes
 from dew.train.placement import abstract_batch, shard_bytes
+from dew.train.throughput import device_peak
 from dew.train.trainer import as_optax
 
 
@@ -83,6 +84,12 @@ class Plan:
       halved, recomputation not counted); None when they could not be counted.
     device_memory_bytes: bytes one device may hold; None when unknown (a CPU with
       no size given).
+    device_kind: the devices' kind (``'TPU v5 lite'``, ``'cpu'``).
+    peak_flops: the devices' bf16 peak FLOP/s together
+      (:func:`dew.train.throughput.device_peak`); None on a CPU (``fit``'s log
+      measures one) or for a kind the table does not know (``peak_source`` says
+      how to pass it).
+    peak_source: where ``peak_flops`` comes from, or why there is none.
     """
 
     mesh: dict[str, int]
@@ -99,6 +106,9 @@ class Plan:
     pipeline_schedule: str = ""
     model_flops: float | None = None
     device_memory_bytes: int | None = None
+    device_kind: str = ""
+    peak_flops: float | None = None
+    peak_source: str = ""
 
     @property
     def devices(self) -> int:
@@ -111,10 +121,12 @@ class Plan:
             return None
         return self.peak_bytes <= self.device_memory_bytes
 
-    def mfu(self, step_seconds: float, peak_flops_per_device: float) -> float:
-        """MFU of a step that takes ``step_seconds`` on devices of that peak."""
+    def mfu(self, step_seconds: float) -> float | None:
+        """MFU of a step that takes ``step_seconds`` (None: no peak known)."""
+        if self.peak_flops is None:
+            return None
         flops = self.flops if self.model_flops is None else self.model_flops
-        return flops / step_seconds / (peak_flops_per_device * self.devices)
+        return flops / step_seconds / self.peak_flops
 
     def __str__(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
@@ -130,6 +142,13 @@ class Plan:
         ]
         if self.model_flops is not None:
             rows.append(("model FLOPs (MFU; MaxText count)", f"{self.model_flops:.3e}"))
+        if self.peak_flops is not None:
+            flops = self.flops if self.model_flops is None else self.model_flops
+            seconds = flops / self.peak_flops
+            rows.append(("peak", f"{self.peak_flops / 1e12:g} TFLOP/s ({self.peak_source})"))
+            rows.append(("step time at 50% MFU", f"{2 * seconds * 1e3:.2f} ms"))
+        elif self.peak_source:
+            rows.append(("peak", self.peak_source))
         if self.device_memory_bytes is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             rows.append(("device memory", f"{_bytes(self.device_memory_bytes)}: {verdict}"))
@@ -227,6 +246,7 @@ def plan(
     memory = compiled.program.memory_analysis()  # peak_bytes: read at compile
     devices = device_mesh.devices.size
     bubble, schedule = pipeline_of(objective)
+    kind, peak, source = _peak(device_mesh.devices.flat)
     return Plan(
         mesh=mesh_sizes(device_mesh),
         parameters=sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.params)),
@@ -245,7 +265,21 @@ def plan(
         pipeline_schedule=schedule,
         model_flops=None if compiled.model_flops is None else compiled.model_flops.flops,
         device_memory_bytes=programs.memory_limit,
+        device_kind=kind,
+        peak_flops=peak,
+        peak_source=source,
     )
+
+
+def _peak(devices) -> tuple[str, float | None, str]:
+    """``(device kind, peak FLOP/s of them all or None, its source)``; a CPU's is
+    not probed here (``fit``'s log measures it)."""
+    devices = list(devices)
+    kind = getattr(devices[0], "device_kind", "") or devices[0].platform
+    if devices[0].platform == "cpu":
+        return kind, None, ""
+    peak, source = device_peak(devices)
+    return kind, (peak if peak > 0 else None), source
 
 
 def _any_key() -> jax.Array:

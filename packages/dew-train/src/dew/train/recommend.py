@@ -44,6 +44,9 @@ class Recommendation:
     tried: ``(policy, accumulate, peak bytes or None when XLA refused to compile)``
       in the order compiled.
     skipped: policies the objective's models do not take, with why.
+    model_settings: the recommended setting as the models' fields:
+      ``{'remat_policy': name}``, or ``{'use_remat': bool}`` for a model that
+      takes no named policies; empty when nothing fits.
     """
 
     remat_policy: str | None
@@ -52,6 +55,7 @@ class Recommendation:
     device_memory_bytes: int
     tried: tuple[tuple[str, int, int | None], ...] = ()
     skipped: tuple[str, ...] = ()
+    model_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -191,14 +195,15 @@ def recommend(
         candidate = _candidate(objective, policy, optimizer, mesh, shapes, rules, skipped)
         if candidate is None:
             continue
+        candidate, settings = candidate
         most = attempt(candidate, policy, accumulates[-1])
         if most is None:
             continue  # not even with the most microbatches
         for accumulate in accumulates[:-1]:
             found = attempt(candidate, policy, accumulate)
             if found is not None:
-                return _found(policy, accumulate, found, limit, tried, skipped)
-        return _found(policy, accumulates[-1], most, limit, tried, skipped)
+                return _found(policy, accumulate, found, limit, tried, skipped, settings)
+        return _found(policy, accumulates[-1], most, limit, tried, skipped, settings)
     return Recommendation(
         remat_policy=None,
         accumulate=None,
@@ -209,8 +214,9 @@ def recommend(
     )
 
 
-def _found(policy, accumulate, found, limit, tried, skipped) -> Recommendation:
+def _found(policy, accumulate, found, limit, tried, skipped, settings) -> Recommendation:
     return Recommendation(
+        model_settings=settings,
         remat_policy=policy,
         accumulate=accumulate,
         plan=found,
@@ -221,12 +227,13 @@ def _found(policy, accumulate, found, limit, tried, skipped) -> Recommendation:
 
 
 def _candidate(objective, policy, optimizer, mesh, shapes, rules, skipped):
-    """``objective`` under ``policy``, or None (noted in ``skipped``) when its models
-    take neither the named policy nor, for ``none`` / ``full``, ``use_remat``."""
+    """``(objective under policy, its models' settings)``, or None (noted in
+    ``skipped``) when its models take neither the named policy nor, for ``none`` /
+    ``full``, ``use_remat``."""
     try:  # building the model or tracing its initialisation validates the policy name
         named = with_remat_policy(objective, policy)
         plan_shapes_only(named, optimizer, mesh, shapes, rules)
-        return named
+        return named, {"remat_policy": policy}
     except ValueError as error:
         if "remat_policy" not in str(error):
             raise
@@ -234,7 +241,7 @@ def _candidate(objective, policy, optimizer, mesh, shapes, rules, skipped):
             reason = str(error).split(";")[0]
             skipped.append(f"{policy!r}: the model takes no named remat policies ({reason})")
             return None
-        return _with_legacy_remat(objective, policy)
+        return _with_legacy_remat(objective, policy), {"use_remat": LEGACY[policy]}
 
 
 def plan_shapes_only(objective, optimizer, mesh, shapes, rules) -> None:

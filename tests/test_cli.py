@@ -796,3 +796,10 @@ def test_non_finite_steps_exit_3(tmp_path, capsys):
     assert main(["--quiet", "train", LM, *overrides, f"run_dir={run_dir}"]) == 3
     assert "NonFiniteError" in capsys.readouterr().err
     assert json.load(open(os.path.join(run_dir, "status.json")))["status"] == "non_finite"
+
+
+def test_a_step_refused_for_memory_exits_4():
+    from dew.cli.commands import exit_code_of
+    from dew.train import StepDoesNotFit
+
+    assert exit_code_of(StepDoesNotFit("needs 2 bytes, has 1")) == EXIT["does_not_fit"] == 4

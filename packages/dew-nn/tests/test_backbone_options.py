@@ -47,6 +47,8 @@ SHARED = dict(
     num_stages=1,
     pipeline_microbatches=None,
     pipeline_repeats=1,
+    attention_kernel="auto",
+    attention_block_size=None,
 )
 
 

@@ -9,10 +9,21 @@ import numpy as np
 
 from dew.nn import axes
 from dew.nn.dense import token_rows
+from dew.nn.fused_attention import (
+    check_kernel_options,
+    choose_kernel,
+    cudnn_attention,
+    segments_of,
+    splash_attention,
+)
 from dew.nn.masks import BlockDiffusionMask, MaskPolicy, attention_mask, causal, full
 from dew.nn.norms import RMSNorm
 from dew.nn.rope import RopeScaling, apply_axial_rope, apply_rope, inverse_frequencies
 from dew.nn.shards import shard_count
+
+# What a named remat policy (dew.nn.stack.REMAT_POLICIES) may keep: the projections'
+# outputs carry these names (jax.ad_checkpoint.checkpoint_name), MaxText's.
+checkpoint_name = jax.ad_checkpoint.checkpoint_name
 
 
 class Attention(nn.Module):
@@ -38,6 +49,14 @@ class Attention(nn.Module):
     tokens or more runs in blocks of queries (:func:`attend_in_query_blocks`):
     the same values in less time.
 
+    ``kernel``: which attention kernel runs outside cached decoding: ``'auto'``
+    (splash on a TPU, cuDNN on a GPU, the XLA path on the CPU, when that kernel can
+    serve the mask), ``'xla'``, ``'splash'`` or ``'cudnn'``
+    (:mod:`dew.nn.fused_attention`, which says what each serves);
+    ``kernel_block_size``: splash's block size (a multiple of 128; None = the
+    largest of 512, 256, 128 dividing the length). Cached decoding always runs the
+    XLA path over the cache.
+
     ``qk_norm``: an RMSNorm over each head's features of the queries and keys,
     after the projection and before the rotary embedding (Qwen3, OLMo 2);
     parameters ``query_norm/scale`` and ``key_norm/scale`` ``[head_dim]``, epsilon
@@ -57,6 +76,12 @@ class Attention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     qk_norm: bool = False
     qk_norm_eps: float = 1e-6
+    kernel: str = "auto"
+    kernel_block_size: int | None = None
+
+    def __post_init__(self):
+        check_kernel_options(self.kernel, self.kernel_block_size)
+        super().__post_init__()
 
     def _param(self, name, init, shape, names):
         return self.param(name, nn.with_logical_partitioning(init, names), shape, self.param_dtype)
@@ -111,9 +136,11 @@ class Attention(nn.Module):
           key (``keys`` = the cache length when decoding).
         visible: optional boolean ``[batch or 1, 1, length, length]``, the whole mask
           already combined (:func:`dew.nn.masks.attention_mask` of this module's
-          policy): a backbone computes it once for all its layers. When given,
-          ``valid``, ``segment_ids`` and ``query_key_mask`` are not read, and
-          ``positions`` only rotate (RoPE). Not with ``decode``.
+          policy): a backbone computes it once for all its layers. When given, the
+          XLA path reads it instead of ``valid``, ``segment_ids`` and
+          ``query_key_mask`` (a fused kernel reads those, and a numpy ``visible``
+          tells it that nothing varies by row), and ``positions`` only rotate
+          (RoPE). Not with ``decode``.
         query_length: only the first ``query_length`` slots query, and the output is
           theirs, ``[batch, query_length, embed]``; every slot still gives keys and
           values (the last layer of block diffusion's ``[noisy | clean]`` pass, whose
@@ -135,6 +162,9 @@ class Attention(nn.Module):
         )  # [batch, queries, heads, head_dim]
         k = self._project("key", x, self.num_kv_heads, axes.KV_HEADS)
         v = self._project("value", x, self.num_kv_heads, axes.KV_HEADS)
+        q = checkpoint_name(q, "query_proj")
+        k = checkpoint_name(k, "key_proj")
+        v = checkpoint_name(v, "value_proj")
         if self.qk_norm:
             norm = dict(
                 eps=self.qk_norm_eps,
@@ -152,7 +182,7 @@ class Attention(nn.Module):
             q = apply_rope(q, positions[:, :queries], inv_freq)
             k = apply_rope(k, positions, inv_freq)
 
-        kernel = self._param(
+        out_kernel = self._param(
             "out_kernel",
             nn.initializers.normal(self.init_std),
             (self.num_heads, self.head_dim, x.shape[-1]),
@@ -170,14 +200,30 @@ class Attention(nn.Module):
             heads_dim = self.num_heads * self.head_dim
             y = jax.lax.dot_general(
                 out.reshape(*out.shape[:2], heads_dim).astype(self.dtype),
-                kernel.reshape(heads_dim, -1).astype(self.dtype),
+                out_kernel.reshape(heads_dim, -1).astype(self.dtype),
                 (((2,), (0,)), ((), ())),
             )
         else:
             halves = query_key_mask if isinstance(query_key_mask, BlockDiffusionMask) else None
             if halves is not None and (visible is not None or shard_count(axes.LENGTH) > 1):
                 halves = None  # a precomputed mask, or halves split over devices: dense
-            if visible is None:
+            # what varies by row: padding and segments (a numpy constant mask does not)
+            varies = not isinstance(visible, np.ndarray) and not (
+                isinstance(valid, np.ndarray) and valid.all() and segment_ids is None
+            )
+            chosen = choose_kernel(
+                self.kernel,
+                policy=self.mask,
+                query_key_mask=query_key_mask,
+                queries=queries,
+                keys=length,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                decode=False,
+                varies_by_batch=varies,
+                block_size=self.kernel_block_size,
+            )
+            if visible is None and chosen == "xla":
                 index = jnp.arange(length)
                 visible = attention_mask(
                     self.mask,
@@ -191,7 +237,21 @@ class Attention(nn.Module):
                     query_key_mask=query_key_mask,
                 )  # [batch, 1, query, key]
             block = causal_query_block(length) if self.mask.is_causal else None
-            if halves is not None and queries == halves.length:  # the noisy half only
+            if chosen == "splash":
+                segments = segments_of(valid, segment_ids) if varies else None
+                out = splash_attention(
+                    q,
+                    k,
+                    v,
+                    policy=self.mask,
+                    query_key_mask=query_key_mask,
+                    query_segments=None if segments is None else segments[:, :queries],
+                    key_segments=segments,
+                    block_size=self.kernel_block_size,
+                )
+            elif chosen == "cudnn":
+                out = cudnn_attention(q, k, v, policy=self.mask)
+            elif halves is not None and queries == halves.length:  # the noisy half only
                 out = attend_noisy_half(q, k, v, visible, halves.block_size)
             elif halves is not None and queries == length:
                 out = attend_block_diffusion(q, k, v, visible, halves.block_size)
@@ -199,11 +259,13 @@ class Attention(nn.Module):
                 out = attend(q, k, v, visible[:, :, :queries])  # [batch, queries, heads, hd]
             else:
                 out = attend_in_query_blocks(q, k, v, visible, block)
+            out = checkpoint_name(out, "context")
             y = jax.lax.dot_general(
                 token_rows(out, 2).astype(self.dtype),
-                kernel.astype(self.dtype),
+                out_kernel.astype(self.dtype),
                 (((1, 2), (0, 1)), ((), ())),
             ).reshape(*x.shape[:1], queries, x.shape[-1])  # [batch, queries, embed]
+            y = checkpoint_name(y, "out_proj")
         if self.use_out_bias:
             y = y + self._param(
                 "out_bias", nn.initializers.zeros, (x.shape[-1],), (axes.EMBED,)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import axes
 from dew.nn.dense import token_rows
@@ -79,12 +80,16 @@ class MLP(nn.Module):
         # over the tokens flattened (dew.nn.dense): the kernels' gradients then
         # contract one token axis, which XLA:CPU does without transposing copies
         rows = token_rows(x)  # [tokens, embed]
+        # the names a remat policy keeps or drops (dew.nn.stack.REMAT_POLICIES, MaxText's)
         up = self._dense("up", self.features, axes.EMBED, axes.MLP, rows)  # [tokens, mlp]
+        up = checkpoint_name(up, "mlpwi")
         gate = None
         if is_gated(self.activation):
             gate = self._dense("gate", self.features, axes.EMBED, axes.MLP, rows)  # [tokens, mlp]
+            gate = checkpoint_name(gate, "mlpwi")
         hidden = activate(self.activation, up, gate)
         hidden = hidden.reshape(*x.shape[:-1], self.features)
         hidden = nn.with_logical_constraint(hidden, (axes.BATCH, axes.LENGTH, axes.MLP))
         out = self._dense("down", x.shape[-1], axes.MLP, axes.EMBED, token_rows(hidden))
+        out = checkpoint_name(out, "mlpwo")
         return out.reshape(x.shape)  # [batch, length, embed]

@@ -38,6 +38,64 @@ from dew.nn import axes
 from dew.nn.keywords import check_keywords
 from dew.nn.pipeline import check_pipeline, pipeline
 
+# Named remat policies (MaxText's `remat_policy` names): what each layer keeps for the
+# backward pass; the rest it recomputes. The names kept are those Dew's blocks give their
+# activations with jax.ad_checkpoint.checkpoint_name: query_proj, key_proj, value_proj
+# (the projections, before RoPE), context (the attention's output), out_proj, mlpwi (the
+# MLP's up and gate projections) and mlpwo (its down projection).
+_PROJECTIONS = ("query_proj", "key_proj", "value_proj")
+REMAT_POLICIES = {
+    "none": "no recomputation: the backward pass reads every activation kept from the "
+    "forward (fastest; most memory)",
+    "full": "each layer's input only: the whole layer runs again in the backward pass "
+    "(least memory; about 1/3 more compute)",
+    "minimal": "every matrix product without batch dimensions (the q/k/v, output and MLP "
+    "projections); norms, activations and attention are recomputed",
+    "save_dot_with_context_except_mlp": "q/k/v projections, the attention output "
+    "(context) and its output projection; the MLP is recomputed",
+    "save_dot_except_mlpwi": "q/k/v and output projections and the MLP's down projection; "
+    "the MLP's up/gate projections are recomputed",
+    "save_dot_except_mlp": "q/k/v and output projections; the attention and the MLP are "
+    "recomputed",
+    "save_qkv_proj": "the q/k/v projections only",
+    "qkv_proj_offloaded": "the q/k/v projections, moved to host memory and back (a TPU or "
+    "GPU backend)",
+    "minimal_offloaded": "as 'minimal', moved to host memory and back (a TPU or GPU backend)",
+}
+"""Remat policy names -> what a layer keeps for the backward pass
+(:class:`LayerStack`'s ``remat_policy``; docs/performance.md, "Memory")."""
+
+_SAVED_NAMES = {
+    "save_dot_with_context_except_mlp": (*_PROJECTIONS, "context", "out_proj"),
+    "save_dot_except_mlpwi": (*_PROJECTIONS, "out_proj", "mlpwo"),
+    "save_dot_except_mlp": (*_PROJECTIONS, "out_proj"),
+    "save_qkv_proj": _PROJECTIONS,
+}
+
+
+def remat_policy_fn(name: str | None) -> Callable | None:
+    """The ``jax.checkpoint`` policy of a :data:`REMAT_POLICIES` name (or of a
+    ``jax.checkpoint_policies`` attribute name); None for ``'full'`` / None (keep
+    nothing)."""
+    policies = jax.checkpoint_policies
+    if name in (None, "full"):
+        return None
+    if name == "minimal":
+        return policies.dots_with_no_batch_dims_saveable
+    if name in _SAVED_NAMES:
+        return policies.save_only_these_names(*_SAVED_NAMES[name])
+    if name == "qkv_proj_offloaded":
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(_PROJECTIONS),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    if name == "minimal_offloaded":
+        return policies.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host")
+    return getattr(policies, name)
+
+
 # The collections a scanned block's variables stack along the layer axis.
 SCANNED_COLLECTIONS = ("params", "cache", "intermediates")
 # The per-row intermediates a pipelined stack hands back (a mixture of experts' loss
@@ -53,10 +111,14 @@ class LayerStack:
     num_layers: blocks in the stack.
     use_scan: one scanned block with a leading ``layers`` parameter axis (fast
       compiles); False = a Python loop of ``num_layers`` named blocks.
-    use_remat: recompute each block's activations in the backward pass.
-    remat_policy: with ``use_remat``, the name of a ``jax.checkpoint_policies``
-      policy saying what to keep (e.g. ``'dots_with_no_batch_dims_saveable'``);
-      None = keep nothing but the block inputs.
+    use_remat: recompute each block's activations in the backward pass, keeping
+      what ``remat_policy`` names (None = ``'full'``: the block inputs only).
+    remat_policy: what each block keeps for the backward pass: a name of
+      :data:`REMAT_POLICIES` (MaxText's: ``'none'``, ``'full'``, ``'minimal'``,
+      ``'save_dot_except_mlp'``, ``'save_qkv_proj'``, ...) or of a
+      ``jax.checkpoint_policies`` policy (e.g. ``'dots_with_no_batch_dims_saveable'``).
+      A name other than ``'none'`` turns remat on by itself; None = ``use_remat``
+      decides (``'full'`` when True, ``'none'`` when False).
     num_stages: pipeline stages (GPipe); 1 = no pipeline. Needs ``use_scan``
       and ``num_layers`` a multiple of it.
     num_microbatches: microbatches of the pipeline; None = ``num_stages``.
@@ -92,13 +154,20 @@ class LayerStack:
                 f"unroll {self.unroll} must be between 1 and num_layers {self.num_layers} "
                 f"(layers per iteration of the scanned loop)"
             )
-        if self.remat_policy is not None and not hasattr(
-            jax.checkpoint_policies, self.remat_policy
+        policy = self.remat_policy
+        if policy is not None and (
+            not isinstance(policy, str)
+            or (policy not in REMAT_POLICIES and not hasattr(jax.checkpoint_policies, policy))
         ):
             known = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
             raise ValueError(
-                f"unknown remat_policy {self.remat_policy!r}; use None or one of "
-                f"jax.checkpoint_policies: {', '.join(known)}"
+                f"unknown remat_policy {policy!r}; use None, one of {list(REMAT_POLICIES)} "
+                f"or a jax.checkpoint_policies name ({', '.join(known)})"
+            )
+        if self.use_remat and policy == "none":
+            raise ValueError(
+                "use_remat=True with remat_policy='none' (no recomputation) contradict; "
+                "drop use_remat, or name the policy to keep (e.g. 'full', 'minimal')"
             )
         if self.num_stages > 1 and not self.use_scan:
             raise ValueError(
@@ -114,12 +183,26 @@ class LayerStack:
         return self.num_microbatches or self.num_stages
 
     @property
+    def is_remat(self) -> bool:
+        """Whether blocks recompute activations in the backward pass."""
+        return self.use_remat or self.remat_policy not in (None, "none")
+
+    @property
+    def remat_name(self) -> str:
+        """The policy in effect, by name: ``'none'``, ``'full'``, or the one given."""
+        if not self.is_remat:
+            return "none"
+        return self.remat_policy or "full"
+
+    @property
     def policy(self) -> Callable | None:
-        return (
-            None
-            if self.remat_policy is None
-            else getattr(jax.checkpoint_policies, self.remat_policy)
-        )
+        if self.remat_name.endswith("_offloaded") and jax.default_backend() == "cpu":
+            raise ValueError(
+                f"remat_policy {self.remat_name!r} moves activations to host memory, which "
+                f"the cpu backend does not have apart from its own; use 'minimal' or "
+                f"'save_qkv_proj' (the same kept, on the device) or run on a TPU or GPU"
+            )
+        return remat_policy_fn(self.remat_name)
 
     def layer_name(self, index: int) -> str:
         """The name of looped block ``index``."""
@@ -171,7 +254,7 @@ class LayerStack:
             def body(module, carry, *a):
                 return module(carry, *a, **call), None
 
-            if self.use_remat:
+            if self.is_remat:
                 return nn.remat(body, prevent_cse=not self.use_scan, policy=self.policy)
             return body
 
@@ -216,7 +299,7 @@ class LayerStack:
                 )
             return h
 
-        if self.use_remat:
+        if self.is_remat:
             layer = jax.checkpoint(layer, policy=self.policy, static_argnums=(2,),
                                    prevent_cse=False)  # fmt: skip
         if self.num_layers > 1:
@@ -252,7 +335,7 @@ class LayerStack:
             # a block that sows nothing gives the pipeline one scalar 0, as it always has
             return (h, *a), (found or jnp.zeros((), jnp.float32))
 
-        if self.use_remat:
+        if self.is_remat:
             layer_fn = jax.checkpoint(layer_fn, policy=self.policy)
         (x, *_), aux = pipeline(
             layer_fn,

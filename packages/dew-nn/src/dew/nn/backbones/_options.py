@@ -35,6 +35,7 @@ import numpy as np
 
 from dew.nn import axes, masks
 from dew.nn._moe_dispatch import GATINGS
+from dew.nn.fused_attention import check_kernel_options
 from dew.nn.keywords import is_whole_number
 from dew.nn.mlp import ACTIVATIONS
 from dew.nn.norms import NORMS, make_norm
@@ -144,6 +145,8 @@ class BlockConfig:
       ``shared_features`` and ``shared_expert_gate``.
     moe_router_z_loss_weight: :class:`dew.nn.moe.MoE`'s ``router_z_loss_weight``.
     qk_norm: an RMSNorm over each head's queries and keys (:class:`dew.nn.Attention`).
+    attention_kernel, attention_block_size: :class:`dew.nn.Attention`'s ``kernel``
+      and ``kernel_block_size`` (:mod:`dew.nn.fused_attention`).
     """
 
     num_heads: int
@@ -171,6 +174,8 @@ class BlockConfig:
     moe_shared_gate: bool = True
     moe_router_z_loss_weight: float = 0.0
     qk_norm: bool = False
+    attention_kernel: str = "auto"
+    attention_block_size: int | None = None
 
     def __post_init__(self):
         if self.num_experts < 0:
@@ -194,8 +199,11 @@ class StackOptions(nn.Module, kw_only=True):
       use_scan: one scanned layer with a leading ``layers`` parameter axis (one
         compile whatever the depth); False = a Python loop (``layer_0/...``).
       use_remat: recompute each layer's activations in the backward pass.
-      remat_policy: with ``use_remat``, a ``jax.checkpoint_policies`` name saying
-        what to keep (:class:`dew.nn.stack.LayerStack`); None = nothing.
+      remat_policy: what each layer keeps for the backward pass, by name
+        (:data:`dew.nn.stack.REMAT_POLICIES`, MaxText's names: 'none', 'full',
+        'minimal', 'save_dot_except_mlp', 'save_qkv_proj', ...; or a
+        ``jax.checkpoint_policies`` name); a name other than 'none' turns remat
+        on. None = ``use_remat`` decides ('full' or 'none').
       num_stages: pipeline stages of the layer stack (:mod:`dew.nn.pipeline`,
         a GPipe schedule); 1 = no pipeline. Needs ``use_scan`` and
         ``num_layers`` a multiple of it; the trainer's ``stage`` mesh axis
@@ -273,6 +281,12 @@ class BlockOptions(nn.Module, kw_only=True):
         ``emb_features ** -0.5`` (0.125 at width 64, 0.016 at 4096).
       dtype: computation dtype; outputs are returned in float32.
       param_dtype: parameter dtype.
+      attention_kernel: which attention kernel the self-attention runs
+        (:mod:`dew.nn.fused_attention`): 'auto' (splash on a TPU, cuDNN on a GPU,
+        XLA on the CPU, where that kernel serves the mask; XLA otherwise), 'xla',
+        'splash' or 'cudnn' (an error names the mask when it cannot serve it).
+      attention_block_size: splash's query and key block size, a multiple of 128;
+        None = the largest of 512, 256, 128 that divides the sequence.
     """
 
     emb_features: int
@@ -286,6 +300,8 @@ class BlockOptions(nn.Module, kw_only=True):
     init_std: float | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    attention_kernel: str = "auto"
+    attention_block_size: int | None = None
 
     BLOCK_POSITIVE = ("emb_features", "num_heads", "mlp_features")
     BLOCK_OPTIONAL = ("num_kv_heads", "head_dim")
@@ -322,6 +338,8 @@ class BlockOptions(nn.Module, kw_only=True):
             init_std=self.weight_std,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            attention_kernel=self.attention_kernel,
+            attention_block_size=self.attention_block_size,
         )
 
 
@@ -406,6 +424,7 @@ class BackboneOptions(StackOptions, BlockOptions, kw_only=True):
                 f"{self.num_heads}; use a multiple of num_heads or set head_dim explicitly"
             )
         check_layer_kinds(self)
+        check_kernel_options(self.attention_kernel, self.attention_block_size)
         self.layer_stack()
 
 
@@ -528,6 +547,11 @@ class TransformerOptions(BackboneOptions, PreNormOptions, kw_only=True):
         ``is_default`` (positions ``0..length-1``, nothing masked): the policy
         alone, a ``[1, 1, query, key]`` constant of the compiled program."""
         index = jnp.arange(length)
+        fused = self.attention_kernel != "xla" and (
+            self.attention_kernel != "auto" or jax.default_backend() != "cpu"
+        )
+        if fused and not is_default:
+            return None  # a fused kernel reads padding and segments; an XLA layer builds it
         if is_default:
             # numpy: a constant of the program, computed without compiling any op
             slots = np.arange(length)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew.nn import axes
 from dew.nn.attention import Attention
@@ -65,6 +66,8 @@ def self_attention(c: BlockConfig, name: str = "attention") -> Attention:
         param_dtype=c.param_dtype,
         qk_norm=c.qk_norm,
         qk_norm_eps=c.norm_eps,
+        kernel=c.attention_kernel,
+        kernel_block_size=c.attention_block_size,
         name=name,
     )
 
@@ -199,7 +202,8 @@ class DiTBlock(nn.Module):
         if position_embed is not None:
             h = h + position_embed.astype(h.dtype)[None]
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        h = self_attention(c)(h, positions, jnp.ones((batch, length), jnp.bool_))
+        # numpy: no padding, known while tracing (a fused kernel then needs no segments)
+        h = self_attention(c)(h, positions, np.ones((batch, length), bool))
         x = x + gate1[:, None] * h
         if self.use_cross_attention:
             h = plain_norm(c.norm_eps, c.dtype, "cross_attention_norm")(x)

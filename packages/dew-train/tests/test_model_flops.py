@@ -53,8 +53,10 @@ def step_flops(model, *, accumulate=1):
         {"use_remat": True},
         {"use_scan": False},
         {"use_scan": False, "use_remat": True},
+        {"remat_policy": "save_qkv_proj"},
+        {"remat_policy": "minimal"},
     ],
-    ids=["scan", "scan+remat", "unrolled", "unrolled+remat"],
+    ids=["scan", "scan+remat", "unrolled", "unrolled+remat", "save_qkv_proj", "minimal"],
 )
 def test_a_tiny_gpt_step_counts_the_hand_worked_number(variant):
     counted = step_flops(CausalTransformer(**GPT, max_seq_len=SEQ, **variant))

@@ -410,9 +410,11 @@ class Programs:
                 )
             except Exception as error:  # XLA on a TPU refuses at compile time
                 if is_out_of_memory(error):
+                    limit = self.memory_limit
+                    available = "" if limit is None else f" ({limit:,} bytes available)"
                     raise StepDoesNotFit(
-                        f"the training step does not fit one device ({self.memory_limit} "
-                        f"bytes available); XLA said: {str(error)[:400]}. {ADVICE}"
+                        f"the training step does not fit one device{available}; XLA said "
+                        f"when compiling it: {str(error)[:400]}. {ADVICE}"
                     ) from error
                 raise
             peak = peak_bytes(program.memory_analysis())

@@ -416,7 +416,8 @@ def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_p
 def test_plan_reports_the_step_and_whether_it_fits(capsys):
     import jax
 
-    assert main(["--json", "plan", LM, *TOY, "mesh.fsdp=2", "--device-memory", "1KiB"]) == 0
+    code = main(["--json", "plan", LM, *TOY, "mesh.fsdp=2", "--device-memory", "1KiB"])
+    assert code == EXIT["does_not_fit"] == 4
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["mesh"]["fsdp"] == 2 and result["fits"] is False
     assert result["peak_bytes"] > 1024
@@ -427,6 +428,20 @@ def test_plan_reports_the_step_and_whether_it_fits(capsys):
     model = models.build(raw["model"]["name"], **raw["model"]["config"], vocab_size=320)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), "int32"))
     assert result["parameters"] == sum(np.prod(x.shape) for x in jax.tree.leaves(shapes))
+    assert result["model_flops"] > 0 and result["device_kind"] == "cpu"
+
+
+def test_plan_recommends_the_fastest_setting_that_fits(capsys):
+    """On a roomy device the fastest setting (no remat, one microbatch) is the answer,
+    printed as the recipe's overrides; on a tiny one nothing fits: exit 4."""
+    assert main(["--json", "plan", LM, *TOY, "--device-memory", "1TiB", "--recommend"]) == 0
+    found = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert found["fits"] and (found["remat_policy"], found["accumulate"]) == ("none", 1)
+    assert found["plan"]["peak_bytes"] <= found["device_memory_bytes"] == 2**40
+    assert "trainer.accumulate=1" in found["overrides"]
+    code = main(["plan", LM, *TOY, "--device-memory", "1KiB", "--recommend"])
+    assert code == EXIT["does_not_fit"]
+    assert "nothing fits 1.00 KiB per device" in capsys.readouterr().out
 
 
 FAMILIES = {
@@ -781,3 +796,10 @@ def test_non_finite_steps_exit_3(tmp_path, capsys):
     assert main(["--quiet", "train", LM, *overrides, f"run_dir={run_dir}"]) == 3
     assert "NonFiniteError" in capsys.readouterr().err
     assert json.load(open(os.path.join(run_dir, "status.json")))["status"] == "non_finite"
+
+
+def test_a_step_refused_for_memory_exits_4():
+    from dew.cli.commands import exit_code_of
+    from dew.train import StepDoesNotFit
+
+    assert exit_code_of(StepDoesNotFit("needs 2 bytes, has 1")) == EXIT["does_not_fit"] == 4

@@ -196,7 +196,8 @@ def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
     from dew.train.step import logged_flag, microbatch_key
 
     trainer, states, pixels, _ = logged_run
-    ((step, _, packing),) = trainer.programs.cache.update.values()
+    (update,) = trainer.programs.cache.update.values()
+    step, packing = update.program, update.packing
     _, shardings = trainer.state_shardings()
     mesh = trainer.device_mesh
     batch = to_global({"image": pixels[1]}, Partition(0, 1), 8, mesh, trainer.rules)

@@ -274,7 +274,7 @@ def bench_compiled_steps(sizes, steps, repeats) -> list[str]:
         encoder, predictor, images, data, objective, trainer = dew_training(size, steps)
         with contextlib.redirect_stdout(io.StringIO()):
             state = trainer.fit(data, steps=2, log_every=0)
-        ((dew_step, _, _),) = trainer.programs.cache.update.values()
+        (dew_step,) = [c.program for c in trainer.programs.cache.update.values()]
         batches = [
             to_global({"image": x}, Partition(0, 1), len(x), trainer.device_mesh, trainer.rules)
             for x in images

@@ -91,7 +91,8 @@ def test_plan_measures_the_step_fit_runs(family):
     optimizer = optax.adam(1e-3)
     trainer = Trainer(objective, optimizer, key=jax.random.key(0), mesh=ONE, progress=False)
     trainer.fit(data, steps=steps, log_every=0)
-    ((program, flops, _),) = trainer.programs.cache.update.values()
+    (update,) = trainer.programs.cache.update.values()
+    program, flops = update.program, update.flops
     memory = program.memory_analysis()
 
     report = plan(objective, optimizer, mesh=ONE, batch=shapes)

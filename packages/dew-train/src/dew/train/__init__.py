@@ -22,8 +22,10 @@ from dew.train.hooks import (
     RunStart,
     StepInfo,
 )
+from dew.train.memory import StepDoesNotFit
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.plan import Plan, plan
+from dew.train.recommend import Recommendation, recommend
 from dew.train.state import TrainState
 from dew.train.step import build_train_step
 from dew.train.trainer import Trainer
@@ -51,6 +53,8 @@ __all__ = [
     "MeshSpec",
     "NonFiniteError",
     "Plan",
+    "Recommendation",
+    "StepDoesNotFit",
     "Resume",
     "RunStart",
     "Programs",
@@ -61,5 +65,6 @@ __all__ = [
     "build_train_step",
     "load_model",
     "plan",
+    "recommend",
     "training_steps",
 ]

@@ -89,6 +89,7 @@ class LogMetrics(_Default):
         log_every: int,
         rows: int,
         devices,
+        peak_flops: float | None = None,
         headline: tuple[str, ...] = (),
         notes_fn=lambda step, values: [],
     ):
@@ -99,6 +100,7 @@ class LogMetrics(_Default):
         self.log_every = log_every
         self.rows = rows  # examples per step
         self.devices = devices
+        self.peak_flops = peak_flops
         self.interval = Interval()
         self.throughput: Throughput | None = None
 
@@ -108,7 +110,12 @@ class LogMetrics(_Default):
             return  # nothing to add up or show at this step
         with self.goodput.measure("logging"):
             if info.is_first:
-                self.throughput = Throughput(info.step_flops, self.devices)
+                self.throughput = Throughput(
+                    info.step_flops,
+                    self.devices,
+                    peak_flops=self.peak_flops,
+                    is_model_flops=info.is_model_flops,
+                )
                 self.log.print(self.throughput.line())
                 # the log's rates leave out the step that compiled (this fit's first)
                 self.interval.restart(untimed=1)

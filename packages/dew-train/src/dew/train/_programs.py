@@ -32,6 +32,14 @@ from dew.objectives import weighted as wt
 from dew.train._roles import averaged_roles, initial_variables, keeps_average
 from dew.train.adapters import split_lora
 from dew.train.goodput import Goodput
+from dew.train.memory import (
+    ADVICE,
+    StepDoesNotFit,
+    check_fits,
+    device_memory_bytes,
+    is_out_of_memory,
+    peak_bytes,
+)
 from dew.train.mesh import (
     MeshSpec,
     Rules,
@@ -42,6 +50,7 @@ from dew.train.mesh import (
     optimizer_specs,
     unbox_abstract,
 )
+from dew.train.model_flops import ModelFlops, step_model_flops
 from dew.train.packing import Packing, packed_step
 from dew.train.placement import (
     abstract_batch,
@@ -77,14 +86,27 @@ class Compiled(NamedTuple):
     """One compiled program and what was read off it when it was compiled.
 
     program: the ``jax.stages.Compiled``.
-    flops: matrix-product FLOPs of one call (:func:`dew.train.throughput.program_flops`).
+    flops: matrix-product FLOPs of one call (:func:`dew.train.throughput.program_flops`),
+      recomputation included.
     packing: how the update step packs its metrics (:mod:`dew.train.packing`);
       None for the other programs.
+    peak_bytes: what one device holds at the program's peak
+      (:func:`dew.train.memory.peak_bytes`); the update step only, 0 for the others.
+    model_flops: the update step's model FLOPs as MaxText counts them
+      (:mod:`dew.train.model_flops`); None for the other programs, or when they
+      could not be counted (the MFU then divides ``flops``).
     """
 
     program: Any
     flops: float
     packing: Packing | None = None
+    peak_bytes: int = 0
+    model_flops: ModelFlops | None = None
+
+    @property
+    def mfu_flops(self) -> float:
+        """The FLOPs the MFU divides: the model FLOPs when counted, else ``flops``."""
+        return self.model_flops.flops if self.model_flops is not None else self.flops
 
 
 @dataclasses.dataclass
@@ -110,6 +132,10 @@ class Programs:
 
     learning_rate: the schedule the log reads the rate from (as in ``Trainer``);
       it is part of the compiled update step.
+    device_memory_bytes: bytes one device may hold (as in ``Trainer``); None = the
+      device's own limit (:func:`dew.train.memory.device_memory_bytes`).
+    check_memory: refuse an update step that needs more than that, when it is
+      compiled (:class:`dew.train.memory.StepDoesNotFit`); ``plan`` reports instead.
     """
 
     objective: Objective
@@ -118,6 +144,8 @@ class Programs:
     rules: Rules
     accumulate: int = 1
     learning_rate: Callable | float | None = None
+    device_memory_bytes: int | str | None = None
+    check_memory: bool = True
     cache: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
 
     def __post_init__(self):
@@ -137,6 +165,11 @@ class Programs:
     @functools.cached_property
     def device_mesh(self) -> jax.sharding.Mesh:
         return self.mesh.make()
+
+    @functools.cached_property
+    def memory_limit(self) -> int | None:
+        """Bytes one device of the mesh may hold; None when unknown (a CPU)."""
+        return device_memory_bytes(self.device_mesh.devices.flat, self.device_memory_bytes)
 
     @functools.cached_property
     def roles(self) -> tuple[Role, ...]:
@@ -363,18 +396,35 @@ class Programs:
         compiled = self.cache.update.get(key)
         if compiled is None:
             step_fn, packing = packed_step(self.step_fn())
-            program, flops = compile_with_flops(
-                step_fn,
-                (state, batch, LOGGED_SPEC),
-                in_shardings=(
-                    shardings,
-                    jax.tree.map(lambda x: x.sharding, batch),
-                    replicated(self.device_mesh),
-                ),
-                out_shardings=(shardings, replicated(self.device_mesh)),
-                donate_argnums=(0,),
-            )
-            compiled = self.cache.update[key] = Compiled(program, flops, packing)
+            try:
+                program, flops = compile_with_flops(
+                    step_fn,
+                    (state, batch, LOGGED_SPEC),
+                    in_shardings=(
+                        shardings,
+                        jax.tree.map(lambda x: x.sharding, batch),
+                        replicated(self.device_mesh),
+                    ),
+                    out_shardings=(shardings, replicated(self.device_mesh)),
+                    donate_argnums=(0,),
+                )
+            except Exception as error:  # XLA on a TPU refuses at compile time
+                if is_out_of_memory(error):
+                    limit = self.memory_limit
+                    available = "" if limit is None else f" ({limit:,} bytes available)"
+                    raise StepDoesNotFit(
+                        f"the training step does not fit one device{available}; XLA said "
+                        f"when compiling it: {str(error)[:400]}. {ADVICE}"
+                    ) from error
+                raise
+            peak = peak_bytes(program.memory_analysis())
+            if self.check_memory:
+                check_fits(peak, self.memory_limit)
+            try:
+                model = step_model_flops(self.objective, state, batch, accumulate=self.accumulate)
+            except Exception:  # a loss the counter cannot trace apart: the MFU divides flops
+                model = None
+            compiled = self.cache.update[key] = Compiled(program, flops, packing, peak, model)
         return compiled
 
     def step_fn(self) -> Callable:

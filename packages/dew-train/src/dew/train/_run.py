@@ -97,6 +97,7 @@ class HookRunner:
         *,
         at_boundary: bool = True,
         step_flops: float = 0.0,
+        is_model_flops: bool = False,
         prepare_seconds: float = 0.0,
         is_first: bool = False,
     ) -> StepInfo:
@@ -108,6 +109,7 @@ class HookRunner:
             at_boundary=at_boundary,
             step_metrics=step_metrics,
             step_flops=step_flops,
+            is_model_flops=is_model_flops,
             prepare_seconds=prepare_seconds,
             is_first=is_first,
             _log=self.log_fn,
@@ -130,7 +132,8 @@ class HookRunner:
             record.state,
             fetched,
             at_boundary=record.at_boundary,
-            step_flops=record.compiled.flops,
+            step_flops=record.compiled.mfu_flops,
+            is_model_flops=record.compiled.model_flops is not None,
             prepare_seconds=record.prepare_seconds,
             is_first=record.is_first,
         )

@@ -78,7 +78,10 @@ class StepInfo:
       the devices after this one (on log steps and at the end; about every
       ``max_rejected`` steps, where a step at which no hook acts leaves its own
       for the next fetch; empty otherwise), each step once.
-    step_flops: matrix-product FLOPs of the compiled update step.
+    step_flops: FLOPs of the update step the MFU divides: its model FLOPs
+      (:mod:`dew.train.model_flops`) where ``is_model_flops``, else the matrix
+      products of the compiled step (:func:`dew.train.throughput.program_flops`).
+    is_model_flops: see ``step_flops``.
     prepare_seconds: seconds of the prepare phase that fed this step (on the
       first update of a prepared batch; 0 otherwise).
     is_first: the first step of this ``fit`` (it compiled the step).
@@ -94,6 +97,7 @@ class StepInfo:
     evaluation: Mapping[str, float] | None = None
     step_metrics: list[tuple[int, Mapping[str, Any]]] = dataclasses.field(default_factory=list)
     step_flops: float = 0.0
+    is_model_flops: bool = False
     prepare_seconds: float = 0.0
     is_first: bool = False
     checkpoint: str | None = None

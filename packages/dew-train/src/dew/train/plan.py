@@ -13,9 +13,17 @@ prepared minibatch, after an abstract prepare phase), and reads
   workspace;
 - FLOPs of the step by counting the matrix products (``dot_general``) of
   its jaxpr, forward and backward, with every loop body multiplied by its
-  trip count (:func:`dew.train.throughput.program_flops`, the number the log's
-  MFU divides). (XLA's own ``cost_analysis()`` counts a loop body once, so it
-  undercounts a scanned layer stack.)
+  trip count (:func:`dew.train.throughput.program_flops`: what the chip
+  computes, recomputation included). (XLA's own ``cost_analysis()`` counts a
+  loop body once, so it undercounts a scanned layer stack.)
+- the step's model FLOPs as MaxText counts them (:mod:`dew.train.model_flops`:
+  causal attention halved, recomputation not counted): the number the log's
+  MFU divides;
+- whether the step fits one device: ``peak_bytes`` against the device's
+  memory (:func:`dew.train.memory.device_memory_bytes`, or a size given).
+
+:func:`recommend` compiles candidates over remat policy x microbatches
+(``accumulate``) and returns the fastest that fits.
 
 Devices are whatever this process has: a CPU process emulates N devices
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before JAX
@@ -39,8 +47,10 @@ from dew.nn.backbones import layer_stack_of
 from dew.nn.pipeline import bubble_fraction
 from dew.objectives import Objective
 from dew.train._programs import Programs
+from dew.train.memory import peak_bytes  # noqa: F401  (re-exported: dew.train.plan.peak_bytes)
 from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, data_parallel_size, mesh_sizes
 from dew.train.placement import abstract_batch, shard_bytes
+from dew.train.throughput import device_peak
 from dew.train.trainer import as_optax
 
 
@@ -69,6 +79,17 @@ class Plan:
       of the objective; None without a pipeline.
     pipeline_schedule: how that pipeline runs, e.g. ``'2 stages, 4
       microbatches, GPipe'`` or ``'..., circular x 2'``; empty without one.
+    model_flops: the step's model FLOPs (all devices) as MaxText counts them
+      (:class:`dew.train.model_flops.ModelFlops`: 3 x forward, causal attention
+      halved, recomputation not counted); None when they could not be counted.
+    device_memory_bytes: bytes one device may hold; None when unknown (a CPU with
+      no size given).
+    device_kind: the devices' kind (``'TPU v5 lite'``, ``'cpu'``).
+    peak_flops: the devices' bf16 peak FLOP/s together
+      (:func:`dew.train.throughput.device_peak`); None on a CPU (``fit``'s log
+      measures one) or for a kind the table does not know (``peak_source`` says
+      how to pass it).
+    peak_source: where ``peak_flops`` comes from, or why there is none.
     """
 
     mesh: dict[str, int]
@@ -83,10 +104,29 @@ class Plan:
     compile_seconds: float
     pipeline_bubble: float | None = None
     pipeline_schedule: str = ""
+    model_flops: float | None = None
+    device_memory_bytes: int | None = None
+    device_kind: str = ""
+    peak_flops: float | None = None
+    peak_source: str = ""
 
     @property
     def devices(self) -> int:
         return math.prod(self.mesh.values())
+
+    @property
+    def fits(self) -> bool | None:
+        """``peak_bytes <= device_memory_bytes``; None when the device's memory is unknown."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.peak_bytes <= self.device_memory_bytes
+
+    def mfu(self, step_seconds: float) -> float | None:
+        """MFU of a step that takes ``step_seconds`` (None: no peak known)."""
+        if self.peak_flops is None:
+            return None
+        flops = self.flops if self.model_flops is None else self.model_flops
+        return flops / step_seconds / self.peak_flops
 
     def __str__(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
@@ -100,6 +140,18 @@ class Plan:
             ("step FLOPs (all devices)", f"{self.flops:.3e}"),
             ("step FLOPs / device", f"{self.flops_per_device:.3e}"),
         ]
+        if self.model_flops is not None:
+            rows.append(("model FLOPs (MFU; MaxText count)", f"{self.model_flops:.3e}"))
+        if self.peak_flops is not None:
+            flops = self.flops if self.model_flops is None else self.model_flops
+            seconds = flops / self.peak_flops
+            rows.append(("peak", f"{self.peak_flops / 1e12:g} TFLOP/s ({self.peak_source})"))
+            rows.append(("step time at 50% MFU", f"{2 * seconds * 1e3:.2f} ms"))
+        elif self.peak_source:
+            rows.append(("peak", self.peak_source))
+        if self.device_memory_bytes is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            rows.append(("device memory", f"{_bytes(self.device_memory_bytes)}: {verdict}"))
         if self.pipeline_bubble is not None:
             bubble = f"{self.pipeline_bubble:.1%} idle ({self.pipeline_schedule})"
             rows.append(("pipeline bubble", bubble))
@@ -140,6 +192,7 @@ def plan(
     batch: Mapping[str, jax.ShapeDtypeStruct | tuple[tuple[int, ...], Any]],
     rules: Rules | None = None,
     accumulate: int = 1,
+    device_memory_bytes: int | str | None = None,
 ) -> Plan:
     """Compile one training step of ``objective`` with ``optimizer`` on ``mesh``
     and report its per-device memory and FLOPs; nothing is allocated or run.
@@ -147,7 +200,11 @@ def plan(
     batch: the global batch, ``{name: ShapeDtypeStruct}`` or ``{name: (shape,
       dtype)}``, e.g. ``{"text": ((256, 2049), jnp.int32)}`` for an LM with
       ``seq_len=2048``.
-    rules, accumulate: as in :class:`Trainer`.
+    rules, accumulate, device_memory_bytes: as in :class:`Trainer` (the last: what
+      :attr:`Plan.fits` compares with; None = the device's own memory).
+
+    A step that XLA refuses to compile for want of memory (on a TPU) raises
+    :class:`dew.train.StepDoesNotFit`.
     """
     programs = Programs(
         objective=objective,
@@ -155,6 +212,8 @@ def plan(
         mesh=mesh,
         rules=DEFAULT_RULES if rules is None else rules,
         accumulate=accumulate,
+        device_memory_bytes=device_memory_bytes,
+        check_memory=False,
     )
     device_mesh = programs.device_mesh
     batch = {
@@ -184,9 +243,10 @@ def plan(
         prepared = programs.abstract_prepared(state, batch, shardings)
         compiled = programs.update(state, prepared, shardings)
     seconds = time.perf_counter() - start
-    memory = compiled.program.memory_analysis()
+    memory = compiled.program.memory_analysis()  # peak_bytes: read at compile
     devices = device_mesh.devices.size
     bubble, schedule = pipeline_of(objective)
+    kind, peak, source = _peak(device_mesh.devices.flat)
     return Plan(
         mesh=mesh_sizes(device_mesh),
         parameters=sum(math.prod(a.shape) for a in jax.tree.leaves(abstract.params)),
@@ -197,23 +257,29 @@ def plan(
             (shardings.averaged, shardings.frozen, shardings.key, shardings.step),
         ),
         temporary_bytes=int(memory.temp_size_in_bytes),
-        peak_bytes=peak_bytes(memory),
+        peak_bytes=compiled.peak_bytes,
         flops=compiled.flops,
         flops_per_device=compiled.flops / devices,
         compile_seconds=seconds,
         pipeline_bubble=bubble,
         pipeline_schedule=schedule,
+        model_flops=None if compiled.model_flops is None else compiled.model_flops.flops,
+        device_memory_bytes=programs.memory_limit,
+        device_kind=kind,
+        peak_flops=peak,
+        peak_source=source,
     )
 
 
-def peak_bytes(memory) -> int:
-    """arguments + outputs - donated (aliased) + temporaries of XLA's ``memory_analysis()``."""
-    return int(
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
+def _peak(devices) -> tuple[str, float | None, str]:
+    """``(device kind, peak FLOP/s of them all or None, its source)``; a CPU's is
+    not probed here (``fit``'s log measures it)."""
+    devices = list(devices)
+    kind = getattr(devices[0], "device_kind", "") or devices[0].platform
+    if devices[0].platform == "cpu":
+        return kind, None, ""
+    peak, source = device_peak(devices)
+    return kind, (peak if peak > 0 else None), source
 
 
 def _any_key() -> jax.Array:

@@ -5,9 +5,13 @@ second divided by the devices' peak:
 
     MFU = step_flops / step_seconds / (devices * peak_per_device)
 
-``step_flops`` is counted on the step's program (:func:`program_flops`):
-every matrix product (``dot_general``: ``2 * batch * M * N * K``; the forward
-pass, its gradient and the optimizer's, as XLA compiles them), with each
+``step_flops`` are the step's model FLOPs as MaxText counts them
+(:mod:`dew.train.model_flops`: three times the forward pass's products with
+a weight operand plus attention, causal attention halved, recomputation not
+counted). Where those cannot be counted, the step's program is
+(:func:`program_flops`): every matrix product (``dot_general``:
+``2 * batch * M * N * K``; the forward pass, its gradient and the
+optimizer's, as XLA compiles them), with each
 ``scan`` body counted once per iteration. XLA's own cost analysis of a
 compiled step (``compiled.cost_analysis()["flops"]``) counts a ``while``
 loop's body only once, so it under-counts a scanned layer stack by the
@@ -15,9 +19,13 @@ number of layers; on an unrolled program the two agree up to the
 elementwise operations XLA adds (see the tests).
 
 The peak (:func:`device_peak`) comes from a table of dense bf16 peaks for
-known accelerators; on a CPU, from a matrix-multiply probe measured once per
-machine (:func:`cpu_peak`) and cached on disk (``~/.cache/dew/cpu_peak.json``,
-or ``$DEW_CACHE_DIR``), named as such in the log.
+known accelerators (TPU v3, v4, v5e = ``'TPU v5 lite'``, v5p, v6e = ``'TPU v6
+lite'``; A100, H100, H200, ...); on a CPU, from a matrix-multiply probe measured
+once per machine (:func:`cpu_peak`) and cached on disk
+(``~/.cache/dew/cpu_peak.json``, or ``$DEW_CACHE_DIR``), named as such in the
+log. ``Trainer(peak_flops=)`` or ``$DEW_PEAK_FLOPS`` (FLOP/s of one device)
+overrides both; a device kind the table does not know shows MFU as unknown,
+with how to pass its peak.
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ PEAKS = {
 # 1024: on a 2-core AMD EPYC a 512 probe read 62-103 GFLOP/s a core when quiet and 23.8
 # under load (too small to keep the cores busy); 1024 read 100-104 (docs/performance.md)
 PROBE_SIZE = 1024
+PEAK_ENV = "DEW_PEAK_FLOPS"
+UNKNOWN_PEAK_HELP = (
+    "pass Trainer(peak_flops=<bf16 FLOP/s of one device>) or set DEW_PEAK_FLOPS (e.g. 197e12)"
+)
 CACHE_NAME = "cpu_peak.json"
 
 
@@ -63,7 +75,8 @@ def program_flops(jaxpr) -> float:
     for every ``dot_general`` (a convolution: ``2 * prod(output) * in / groups x
     window``), scan bodies times their length, a ``shard_map`` body (per-device
     shapes) times the devices it runs on (its manual mesh axes), other nested
-    programs (jit, remat, custom derivatives, the larger ``cond`` branch) once."""
+    programs (jit, remat, custom derivatives, the larger ``cond`` branch) once; a
+    Pallas kernel (``pallas_call``) not at all."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0.0
     for eqn in jaxpr.eqns:
@@ -91,6 +104,8 @@ def program_flops(jaxpr) -> float:
         if name == "cond":
             total += max(program_flops(b) for b in eqn.params["branches"])
             continue
+        if name == "pallas_call":
+            continue  # a kernel's body holds one block's products, not the call's
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
@@ -98,16 +113,26 @@ def program_flops(jaxpr) -> float:
     return total
 
 
-def device_peak(devices) -> tuple[float, str]:
+def device_peak(devices, peak_flops: float | None = None) -> tuple[float, str]:
     """``(peak FLOP/s of ``devices`` together, where the number comes from)``.
 
-    Accelerators: the table's peak per chip times the chips. CPU devices
-    (emulated ones share the machine's cores): the probe's per-core peak times
-    the cores this process may run on, whatever the device count.
+    ``peak_flops`` (or ``$DEW_PEAK_FLOPS``): one device's peak, times the devices.
+    Accelerators: the table's peak per chip times the chips; NaN for a device kind
+    the table does not know. CPU devices (emulated ones share the machine's
+    cores): the probe's per-core peak times the cores this process may run on,
+    whatever the device count.
     """
     devices = list(devices)
     if not devices:
         return float("nan"), "no devices"
+    if peak_flops is None and os.environ.get(PEAK_ENV):
+        peak_flops = float(os.environ[PEAK_ENV])
+    if peak_flops is not None:
+        if not peak_flops > 0:
+            raise ValueError(f"peak_flops must be > 0 FLOP/s per device, got {peak_flops}")
+        return peak_flops * len(devices), (
+            f"{len(devices)} x {peak_flops / 1e12:g} TFLOP/s as given"
+        )
     device = devices[0]
     if device.platform == "cpu":
         per_core, source = cpu_peak()
@@ -118,7 +143,7 @@ def device_peak(devices) -> tuple[float, str]:
         if name.lower() in kind.lower():
             peak = PEAKS[name] * len(devices)
             return peak, f"{len(devices)} x {name} at {PEAKS[name] / 1e12:g} TFLOP/s (bf16 dense)"
-    return float("nan"), f"no peak known for device kind {kind!r}"
+    return float("nan"), f"no peak known for device kind {kind!r}: {UNKNOWN_PEAK_HELP}"
 
 
 def available_cores() -> int:
@@ -193,19 +218,33 @@ def probe_cpu(size: int = PROBE_SIZE, repeats: int = 5) -> float:
 class Throughput:
     """The step's FLOPs and the devices' peak, for the log line's rates and MFU.
 
-    step_flops: FLOPs of one training step (:func:`program_flops`).
+    step_flops: FLOPs of one training step: model FLOPs
+      (:mod:`dew.train.model_flops`), or :func:`program_flops` of the step.
     devices: the devices the step runs on.
+    peak_flops: one device's peak FLOP/s; None = :func:`device_peak`'s.
+    is_model_flops: ``step_flops`` are model FLOPs (else the compiled step's products).
     """
 
-    def __init__(self, step_flops: float, devices):
+    def __init__(self, step_flops: float, devices, *, peak_flops=None, is_model_flops: bool = True):
         self.step_flops = float(step_flops)
-        self.peak, self.source = device_peak(devices)
+        self.is_model_flops = is_model_flops
+        self.peak, self.source = device_peak(devices, peak_flops)
 
     def line(self) -> str:
         """What the log says once, before the first step."""
+        counted = (
+            "model FLOPs: 3 x forward, causal attention halved, recomputation not counted"
+            if self.is_model_flops
+            else "matrix products of the compiled step, recomputation included"
+        )
+        if not self.peak > 0:
+            return (
+                f"Throughput: {self.step_flops / 1e9:,.3f} GFLOP per step ({counted}); MFU "
+                f"unknown ({self.source})"
+            )
         return (
-            f"Throughput: {self.step_flops / 1e9:,.3f} GFLOP per step (matrix products of the "
-            f"compiled step); MFU against {self.peak / 1e9:,.1f} GFLOP/s ({self.source})"
+            f"Throughput: {self.step_flops / 1e9:,.3f} GFLOP per step ({counted}); MFU against "
+            f"{self.peak / 1e9:,.1f} GFLOP/s ({self.source})"
         )
 
     def mfu(self, step_seconds: float) -> float:

@@ -91,6 +91,16 @@ class Trainer:
       the log only; None = read ``learning_rate`` from an
       ``optax.inject_hyperparams`` state when there is one.
     early_stopping: an :class:`dew.train.EarlyStopping` on an evaluation metric.
+    device_memory_bytes: bytes one device may hold (an int, or a size such as
+      ``'16GiB'``); None = ``$DEW_DEVICE_MEMORY`` when set, else the device's own
+      limit (``memory_stats()['bytes_limit']`` on a TPU or GPU; a CPU has none and
+      is not checked). When the compiled update step needs more (its
+      ``memory_analysis()``: arguments + outputs - donated + temporaries), ``fit``
+      raises :class:`dew.train.StepDoesNotFit` before the first step, naming the
+      bytes and what to change, instead of running out of memory.
+    peak_flops: one device's peak FLOP/s for the log's MFU; None = ``$DEW_PEAK_FLOPS``
+      when set, else the table of bf16 peaks by device kind
+      (:data:`dew.train.throughput.PEAKS`; MFU shown as unknown for a kind it lacks).
 
     :attr:`programs` (:class:`dew.train.Programs`) owns the device mesh, the state
     shardings and the compiled programs; :func:`dew.train.plan` compiles the same.
@@ -113,6 +123,8 @@ class Trainer:
     trackers: Sequence[Tracker] = dataclasses.field(default=(), kw_only=True)
     learning_rate: Callable | float | None = dataclasses.field(default=None, kw_only=True)
     early_stopping: EarlyStopping | None = dataclasses.field(default=None, kw_only=True)
+    device_memory_bytes: int | str | None = dataclasses.field(default=None, kw_only=True)
+    peak_flops: float | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self):
         if not isinstance(self.objective, Objective):
@@ -157,6 +169,7 @@ class Trainer:
             rules=self.rules,
             accumulate=self.accumulate,
             learning_rate=self.learning_rate,
+            device_memory_bytes=self.device_memory_bytes,
         )
         self.accumulate = self.programs.accumulate  # an objective may derive it
         self.roles = self.programs.roles
@@ -471,6 +484,7 @@ class Trainer:
                 log_every=log_every,
                 rows=data.batch,
                 devices=self.device_mesh.devices.flat,
+                peak_flops=self.peak_flops,
                 headline=tuple(self.objective.headline_metrics),
                 notes_fn=self.objective.log_notes,
             ),
@@ -502,8 +516,13 @@ class Trainer:
     def throughput(self, batch) -> Throughput:
         """The compiled step's FLOPs for ``batch``'s layout and the mesh's peak
         (:mod:`dew.train.throughput`): what the log's MFU divides."""
-        flops = self.programs.cache.update[layout(batch)].flops
-        return Throughput(flops, self.device_mesh.devices.flat)
+        compiled = self.programs.cache.update[layout(batch)]
+        return Throughput(
+            compiled.mfu_flops,
+            self.device_mesh.devices.flat,
+            peak_flops=self.peak_flops,
+            is_model_flops=compiled.model_flops is not None,
+        )
 
     # ------------------------------------------------------------ evaluation
     def evaluate(self, state: TrainState, data: Dataset, *, max_batches: int = 0) -> dict:

@@ -3,7 +3,7 @@ runs from one recipe file (docs/command-line.md).
 
     dew train RECIPE [key=value ...]     a new run, or continue the one in its run_dir
     dew resume RUN_DIR [key=value ...]   continue from the run's saved recipe
-    dew plan RECIPE [key=value ...] [--device-memory 80GiB]
+    dew plan RECIPE [key=value ...] [--device-memory 80GiB] [--recommend]
     dew runs [DIR]
     dew sample RUN_DIR --prompt TEXT | --labels 0 1 2
     dew export RUN_DIR --to hf|diffusers|dew OUT
@@ -12,7 +12,8 @@ runs from one recipe file (docs/command-line.md).
 
 Exit codes (:data:`EXIT`): 0 finished, 75 preempted and checkpointed (SIGTERM,
 EX_TEMPFAIL: requeue and rerun the same command), 2 bad configuration, 3 stopped
-by non-finite steps, 1 any other failure. Errors print one line without a
+by non-finite steps, 4 does not fit the device's memory (``plan``, or ``train``
+refused before its first step), 1 any other failure. Errors print one line without a
 traceback unless ``--debug``.
 """
 
@@ -25,7 +26,14 @@ import sys
 
 __all__ = ["EXIT", "entry", "main"]
 
-EXIT = {"finished": 0, "failed": 1, "bad_config": 2, "non_finite": 3, "preempted": 75}
+EXIT = {
+    "finished": 0,
+    "failed": 1,
+    "bad_config": 2,
+    "non_finite": 3,
+    "does_not_fit": 4,
+    "preempted": 75,
+}
 
 
 _GLOBAL = ("--debug", "--quiet", "--json")
@@ -58,7 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="per-device memory and step FLOPs, from compilation")
     plan.add_argument("recipe")
     plan.add_argument("overrides", nargs="*", metavar="key=value")
-    plan.add_argument("--device-memory", help="does it fit a device of this size (e.g. 80GiB)")
+    plan.add_argument(
+        "--device-memory",
+        help="does it fit a device of this size (e.g. 16GiB); default: the device's own "
+        "memory (TPU, GPU) or $DEW_DEVICE_MEMORY",
+    )
+    plan.add_argument(
+        "--recommend",
+        action="store_true",
+        help="find the fastest remat policy x accumulate that fits the device",
+    )
     runs = sub.add_parser("runs", help="list the runs under a directory")
     runs.add_argument("directory", nargs="?", default="runs")
     sample = sub.add_parser("sample", help="sample a trained run (EMA weights when kept)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -29,6 +28,7 @@ def exit_code_of(error: BaseException) -> int:
         NonFiniteError,
         NoUsableCheckpointError,
         OptimizerMismatchError,
+        StepDoesNotFit,
     )
 
     if isinstance(error, NonFiniteError):
@@ -37,6 +37,8 @@ def exit_code_of(error: BaseException) -> int:
         error, CheckpointMismatchError | OptimizerMismatchError | NoUsableCheckpointError
     ):
         return EXIT["bad_config"]
+    if isinstance(error, StepDoesNotFit):
+        return EXIT["does_not_fit"]
     return EXIT["failed"]
 
 
@@ -479,51 +481,86 @@ def _flatten(tree, prefix="") -> dict:
 # ------------------------------------------------------------------ plan
 
 
-def _bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)i?B?\s*", text, re.I)
-    if not match:
-        raise RecipeError(f"--device-memory {text!r}: give a size such as 80GiB or 16GB")
-    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[match.group(2).upper()]
-    return int(float(match.group(1)) * scale)
-
-
 def plan(args) -> int:
+    """Print the plan of the recipe's step; with a device memory (given, the
+    device's own or ``$DEW_DEVICE_MEMORY``) whether it fits (exit 4 when not), and
+    with ``--recommend`` the fastest remat policy x accumulate that fits."""
+    import dataclasses
+
     import jax
 
     from dew.train import plan as compile_plan
+    from dew.train import recommend
+    from dew.train.memory import device_memory_bytes, parse_bytes
 
     raw = read_recipe(args.recipe, args.overrides)
     recipe, built = prepared(raw)
     rows = recipe.data.batch
     batch = {
-        key: ((rows, *field.shape), field.dtype) for key, field in (built.data.spec or {}).items()
+        key: jax.ShapeDtypeStruct((rows, *field.shape), field.dtype)
+        for key, field in (built.data.spec or {}).items()
     }
     if not batch:
         raise RecipeError(f"reader {recipe.data.name!r} states no batch spec to plan with")
     try:
-        result = compile_plan(
-            built.objective,
-            built.optimizer,
-            mesh=built.mesh,
-            batch={k: jax.ShapeDtypeStruct(*v) for k, v in batch.items()},
-            accumulate=recipe.trainer.accumulate,
+        limit = device_memory_bytes(
+            built.mesh.make().devices.flat,
+            parse_bytes(args.device_memory) if args.device_memory else None,
         )
     except ValueError as error:
+        raise RecipeError(f"--device-memory: {error}") from None
+    settings = dict(mesh=built.mesh, batch=batch, device_memory_bytes=limit)
+    try:
+        if args.recommend:
+            if limit is None:
+                raise RecipeError(
+                    "plan --recommend: no device memory known on a CPU; give --device-memory "
+                    "(e.g. 16GiB) or set DEW_DEVICE_MEMORY"
+                )
+            found = recommend(built.objective, built.optimizer, **settings)
+        else:
+            result = compile_plan(
+                built.objective,
+                built.optimizer,
+                accumulate=recipe.trainer.accumulate,
+                **settings,
+            )
+    except ValueError as error:
         raise RecipeError(f"plan: {error}") from None
-    fits = None
-    if args.device_memory:
-        fits = result.peak_bytes <= _bytes(args.device_memory)
+    if args.recommend:
+        overrides = [f"model.config.{k}={v}" for k, v in found.model_settings.items()]
+        if found.fits:
+            overrides.append(f"trainer.accumulate={found.accumulate}")
+        if args.json:
+            print_json(
+                {
+                    "fits": found.fits,
+                    "remat_policy": found.remat_policy,
+                    "accumulate": found.accumulate,
+                    "overrides": overrides,
+                    "device_memory_bytes": found.device_memory_bytes,
+                    "tried": found.tried,
+                    "plan": dataclasses.asdict(found.plan) if found.plan else None,
+                }
+            )
+        else:
+            if found.plan is not None:
+                print(found.plan)
+            print(found)
+            if found.fits:
+                print(f"  as overrides: {' '.join(overrides)}")
+        return EXIT["finished"] if found.fits else EXIT["does_not_fit"]
+    fits = result.fits
     if args.json:
-        import dataclasses
-
         print_json({**dataclasses.asdict(result), "fits": fits})
     else:
         print(result)
-        if fits is not None:
-            verdict = "fits" if fits else "does NOT fit"
-            peak = result.peak_bytes / 2**30
-            print(f"  peak {peak:.3f} GiB {verdict} a {args.device_memory} device")
-    return EXIT["finished"]
+        if not fits and fits is not None:
+            print(
+                "  to fit: a remat policy (model.config), trainer.accumulate, mesh.fsdp; "
+                "`dew plan RECIPE --recommend` finds the fastest that fits"
+            )
+    return EXIT["does_not_fit"] if fits is False else EXIT["finished"]
 
 
 # ------------------------------------------------------------------ runs

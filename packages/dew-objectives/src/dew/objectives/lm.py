@@ -21,6 +21,7 @@ a mixture of experts' router z-loss and dropped fraction are metrics
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dew.nn.token_scores import check_chunk_size
 from dew.objectives.base import EMA, Objective, Step, with_initial_values
 from dew.objectives.batch import IDS, MASK, BatchField
 from dew.objectives.policy import CausalPolicy
@@ -41,6 +43,28 @@ MOE_METRICS = {"z_loss": "moe_z_loss", "dropped_fraction": "moe_dropped_fraction
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """NLL of ``targets [batch, length]`` under ``logits [batch, length, vocab]`` (float32)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+
+
+def check_chunked_model(model, chunk_size, *, what: str) -> None:
+    """``logits_chunk_size`` must be None or an int >= 1, and a chunk size needs a model
+    that scores targets itself (``model(tokens, targets=, logits_chunk_size=)``, as
+    :class:`dew.nn.CausalTransformer` does); a ValueError naming both otherwise."""
+    check_chunk_size(chunk_size, what=what)
+    if chunk_size is None:
+        return
+    try:
+        parameters = inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):  # no signature to read: let the model say at trace time
+        return
+    if "logits_chunk_size" not in parameters and not any(
+        p.kind is p.VAR_KEYWORD for p in parameters.values()
+    ):
+        raise ValueError(
+            f"{what}: logits_chunk_size={chunk_size} needs a model that scores targets over "
+            f"the vocabulary in chunks (model(tokens, targets=..., logits_chunk_size=...), as "
+            f"dew.nn.CausalTransformer), but {type(model).__name__} takes no "
+            f"logits_chunk_size; use logits_chunk_size=None (the whole logits at once)"
+        )
 
 
 def target_weights(batch, tokens, *, loss_mask_key=None, segment_ids_key=None) -> jax.Array:
@@ -106,6 +130,13 @@ class LMObjective(Objective):
       balance): ``loss = nll_sum / tokens + aux_loss_weight * mean_rows(aux_loss)``;
       the mean is reported as the ``aux_loss`` metric. Models that sow none
       add nothing.
+    logits_chunk_size: score the targets this many positions of every row at a time
+      (:func:`dew.nn.token_scores.chunked_scores`): the ``[batch, seq_len, vocab]``
+      float32 logits are never held whole, in the forward or the backward pass,
+      for one more output-head matmul per step (the backward pass recomputes
+      each chunk). None (the default) = the whole logits at once: no recompute,
+      and on the CPU the faster choice for small vocabularies (docs/performance.md).
+      Needs a model that takes ``logits_chunk_size`` (:class:`dew.nn.CausalTransformer`).
 
     A mixture of experts also reports, next to ``aux_loss`` and weighted the
     same way (rows), the diagnostics in :data:`MOE_METRICS`: ``moe_z_loss``,
@@ -131,6 +162,7 @@ class LMObjective(Objective):
     preview_tokens: int = 32
     init_params: Any = None
     aux_loss_weight: float = 0.01
+    logits_chunk_size: int | None = None
 
     # printed on the log line when the model reports them (a mixture of experts)
     headline_metrics = ("aux_loss", "moe_dropped_fraction")
@@ -138,6 +170,7 @@ class LMObjective(Objective):
     def __post_init__(self):
         self.policy = CausalPolicy(model=self.model, what="LMObjective", tokenizer=self.tokenizer)
         self.tokenizer = self.policy.tokenizer
+        check_chunked_model(self.model, self.logits_chunk_size, what="LMObjective")
         if self.seq_len is not None:
             self._check_seq_len(self.seq_len, "seq_len")
 
@@ -205,18 +238,28 @@ class LMObjective(Objective):
         packed = packed_inputs(
             batch, segment_ids_key=self.segment_ids_key, positions_key=self.positions_key
         )
+        targets = tokens[:, 1:]
+        weights = self._weights(batch, tokens)
+        if self.logits_chunk_size is not None:  # the model scores the targets, in chunks
+            scores, sown = self.model.apply(
+                {"params": variables["params"]},
+                tokens[:, :-1],
+                targets=targets,
+                logits_chunk_size=self.logits_chunk_size,
+                mutable=["intermediates"],
+                **packed,
+            )
+            return scores.is_argmax, sown, weights, -scores.log_probs
         logits, sown = self.model.apply(
             {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"], **packed
         )
-        targets = tokens[:, 1:]
-        weights = self._weights(batch, tokens)
         nll = token_nll(logits, targets)  # [batch, seq_len]
-        return logits, sown, targets, weights, nll
+        return jnp.argmax(logits, axis=-1) == targets, sown, weights, nll
 
     def loss(self, variables, batch, step: Step):
         from dew.nn.moe import collect_sown
 
-        _, sown, _, weights, nll = self._forward(variables, batch)
+        _, sown, weights, nll = self._forward(variables, batch)
         nll_mean = Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights))
         metrics = {"nll": nll_mean, "tokens": Summed(jnp.sum(weights))}
         # What the model sowed decides, at trace time, which terms and metrics exist:
@@ -233,8 +276,8 @@ class LMObjective(Objective):
         return (nll_mean, metrics["aux_loss"].scale(self.aux_loss_weight)), metrics
 
     def evaluate(self, variables, batch, step: Step):
-        logits, _, targets, weights, nll = self._forward(variables, batch)
-        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+        is_argmax, _, weights, nll = self._forward(variables, batch)
+        correct = is_argmax.astype(jnp.float32)
         return {
             "loss": Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights)),
             "accuracy": Weighted(total=jnp.sum(correct * weights), weight=jnp.sum(weights)),

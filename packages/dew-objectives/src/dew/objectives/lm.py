@@ -21,7 +21,6 @@ a mixture of experts' router z-loss and dropped fraction are metrics
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,10 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew.nn.token_scores import check_chunk_size
 from dew.objectives.base import EMA, Objective, Step, with_initial_values
 from dew.objectives.batch import IDS, MASK, BatchField
-from dew.objectives.policy import CausalPolicy
+from dew.objectives.policy import CausalPolicy, check_chunked_model
 from dew.objectives.weighted import Summed, Weighted
 
 # A mixture of experts' sown diagnostics (dew.nn.moe.MoE) and their metric names.
@@ -43,28 +41,6 @@ MOE_METRICS = {"z_loss": "moe_z_loss", "dropped_fraction": "moe_dropped_fraction
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """NLL of ``targets [batch, length]`` under ``logits [batch, length, vocab]`` (float32)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-
-
-def check_chunked_model(model, chunk_size, *, what: str) -> None:
-    """``logits_chunk_size`` must be None or an int >= 1, and a chunk size needs a model
-    that scores targets itself (``model(tokens, targets=, logits_chunk_size=)``, as
-    :class:`dew.nn.CausalTransformer` does); a ValueError naming both otherwise."""
-    check_chunk_size(chunk_size, what=what)
-    if chunk_size is None:
-        return
-    try:
-        parameters = inspect.signature(model.__call__).parameters
-    except (TypeError, ValueError):  # no signature to read: let the model say at trace time
-        return
-    if "logits_chunk_size" not in parameters and not any(
-        p.kind is p.VAR_KEYWORD for p in parameters.values()
-    ):
-        raise ValueError(
-            f"{what}: logits_chunk_size={chunk_size} needs a model that scores targets over "
-            f"the vocabulary in chunks (model(tokens, targets=..., logits_chunk_size=...), as "
-            f"dew.nn.CausalTransformer), but {type(model).__name__} takes no "
-            f"logits_chunk_size; use logits_chunk_size=None (the whole logits at once)"
-        )
 
 
 def target_weights(batch, tokens, *, loss_mask_key=None, segment_ids_key=None) -> jax.Array:

@@ -268,3 +268,22 @@ def test_export_is_a_text_generation_of_the_policy(weights):
 
     task = objective(weights).export(variables_of(weights))
     assert isinstance(task, TextGeneration) and task.params is weights[0]
+
+
+def test_logits_in_chunks_give_todays_loss_and_gradient(weights, rpo_loss):
+    batch = make_batch()
+    chunked = objective(weights, rpo_alpha=0.5, logits_chunk_size=3)
+
+    def total(loss_fn, params):
+        terms, _ = loss_fn({**variables_of(weights), "params": params}, batch, STEP)
+        return sum(t.value for t in terms)
+
+    value, grads = jax.jit(jax.value_and_grad(lambda p: total(rpo_loss, p)))(weights[0])
+    chunked_value, chunked_grads = jax.jit(jax.value_and_grad(lambda p: total(chunked.loss, p)))(
+        weights[0]
+    )
+    assert float(chunked_value) == pytest.approx(float(value), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="DPOObjective: logits_chunk_size must be"):
+        objective(weights, logits_chunk_size=0)

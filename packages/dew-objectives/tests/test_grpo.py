@@ -310,3 +310,36 @@ def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="at most 7 tokens"):
         obj.init(jax.random.key(0), spec={"prompt": Field((8,), np.int32)})
     obj.check_batch({"prompt": np.zeros((2, 7), np.int32), "prompt_mask": np.ones((2, 7), bool)})
+
+
+def test_logits_in_chunks_give_todays_log_probs_and_gradient(prepared):
+    """Completions scored in chunks of 3 positions (not dividing prompt 4 + new 5): the
+    rollout's old log-probs again (the first update's ratio is 1), and the loss and its
+    gradient of the whole-logits objective, on unequal completion lengths."""
+    from dew.objectives.rollouts import Rollout, rollout_logprobs
+
+    variables, _, batch = prepared
+    chunked = objective(beta=0.05, logits_chunk_size=3)
+    rollout = Rollout.from_batch(batch)
+    again = rollout_logprobs(
+        MODEL, variables["params"], rollout, sampling=SAMPLING, logits_chunk_size=3
+    )
+    np.testing.assert_allclose(again, batch["old_logps"], atol=1e-5)
+    advantages = jnp.asarray(np.linspace(-1.5, 1.5, again.shape[0]), jnp.float32)
+    moved = {**batch, "advantages": advantages}
+
+    def total(obj, params):
+        loss, _ = obj.loss(
+            {**variables, "params": params}, moved, Step(index=jnp.int32(1), key=KEY)
+        )
+        return loss.value
+
+    value, grads = jax.jit(jax.value_and_grad(lambda p: total(OBJ, p)))(variables["params"])
+    chunked_value, chunked_grads = jax.jit(jax.value_and_grad(lambda p: total(chunked, p)))(
+        variables["params"]
+    )
+    assert float(chunked_value) == pytest.approx(float(value), rel=1e-5, abs=1e-7)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match=r"truncates \(top_k=4.*logits_chunk_size=None"):
+        objective(sampling=Sampling(temperature=0.8, top_k=4), logits_chunk_size=3)

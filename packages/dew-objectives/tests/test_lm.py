@@ -93,3 +93,53 @@ def test_init_params_start_from_given_weights(setup):
     tuned = LMObjective(MODEL, seq_len=8, init_params=shifted)
     got = nn.unbox(tuned.init(jax.random.key(5)))["params"]
     jax.tree.map(np.testing.assert_array_equal, got, shifted)
+
+
+def test_logits_in_chunks_give_todays_loss_gradient_and_evaluation(setup):
+    _, variables, tokens = setup
+    rng = np.random.default_rng(2)
+    mask = rng.integers(0, 2, (4, 9)).astype(np.int32)  # unequal weights per row
+    mask[:, -1] = 1
+    segments = np.repeat(np.array([[1, 1, 1, 2, 2, 2, 2, 0, 0]]), 4, axis=0)
+    positions = np.array([[0, 1, 2, 0, 1, 2, 3, 0, 0]] * 4, np.int32)
+    batch = {
+        "text": tokens,
+        "mask": mask,
+        "segments": segments,
+        "positions": positions,
+        "example_mask": np.array([True, True, False, True]),
+    }
+    keys = dict(loss_mask_key="mask", segment_ids_key="segments", positions_key="positions")
+    whole = LMObjective(MODEL, seq_len=8, **keys)
+    chunked = LMObjective(MODEL, seq_len=8, logits_chunk_size=3, **keys)  # 3 does not divide 8
+
+    def loss(objective, params):
+        return objective.loss({"params": params}, batch, STEP)[0].value
+
+    value, grads = jax.jit(jax.value_and_grad(lambda p: loss(whole, p)))(variables["params"])
+    chunked_value, chunked_grads = jax.jit(jax.value_and_grad(lambda p: loss(chunked, p)))(
+        variables["params"]
+    )
+    assert float(chunked_value) == pytest.approx(float(value), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    results = chunked.evaluate(variables, batch, STEP)
+    for name, metric in whole.evaluate(variables, batch, STEP).items():
+        assert float(results[name].total) == pytest.approx(float(metric.total), rel=1e-6), name
+        assert getattr(results[name], "weight", None) == getattr(metric, "weight", None), name
+
+
+@pytest.mark.parametrize("bad", [0, 2.0, "64"])
+def test_a_bad_logits_chunk_size_is_refused_when_built(bad):
+    with pytest.raises(ValueError, match=r"LMObjective: logits_chunk_size must be .*got"):
+        LMObjective(MODEL, seq_len=8, logits_chunk_size=bad)
+
+
+def test_logits_in_chunks_need_a_model_that_scores_targets():
+    class Plain(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            return nn.Embed(24, 24)(tokens)
+
+    with pytest.raises(ValueError, match=r"Plain takes no logits_chunk_size; use .*None"):
+        LMObjective(Plain(), seq_len=8, logits_chunk_size=4)

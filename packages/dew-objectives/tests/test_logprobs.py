@@ -153,3 +153,29 @@ def test_k3_clamp_keeps_it_finite():
     assert float(lp.kl_k3(jnp.float32(0.0), jnp.float32(-200.0))) == pytest.approx(19.0, rel=1e-5)
     assert not np.isfinite(lp.kl_k3(jnp.float32(-200.0), jnp.float32(0.0), clamp=None))
     assert float(lp.kl_k3(jnp.float32(-1.0), jnp.float32(-1.0))) == 0.0
+
+
+def test_logprobs_in_chunks_equal_the_whole_logits(params):
+    """The model scoring the ids in chunks of 3 positions (not dividing 8) gives
+    today's log-probs, at a temperature, with left-padded prompts; and its gradient."""
+    prompts = [[3, 4, 5, 6, 7], [9, 2], [1, 1, 1], [30]]
+    ids, mask = left_pad(prompts, 5)
+    new = jnp.asarray(np.random.default_rng(6).integers(0, 32, (4, 3)), jnp.int32)
+    weights = jnp.asarray(np.random.default_rng(7).uniform(0, 2, (4, 3)), jnp.float32)
+
+    def total(p, chunk):
+        scored = lp.completion_logprobs(
+            MODEL, p, ids, mask, new, temperature=0.8, logits_chunk_size=chunk
+        )
+        return jnp.sum(scored * weights), scored
+
+    (value, scored), grads = jax.jit(jax.value_and_grad(total, has_aux=True), static_argnums=1)(
+        params, None
+    )
+    (chunked_value, chunked), chunked_grads = jax.jit(
+        jax.value_and_grad(total, has_aux=True), static_argnums=1
+    )(params, 3)
+    np.testing.assert_allclose(chunked, scored, atol=1e-5)
+    assert float(chunked_value) == pytest.approx(float(value), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -333,3 +333,22 @@ def test_bad_input_is_refused_before_compiling():
         ppo.check_batch({"prompt": PROMPT})
     with pytest.raises(ValueError, match="vocabulary"):
         ppo.check_batch({"prompt": PROMPT[:6] + VOCAB, "prompt_mask": PROMPT_MASK[:6]})
+
+
+def test_logits_in_chunks_give_todays_loss_and_gradient(prepared):
+    """The policy's log-probs (and, on the trunk, the value head's states) from the model
+    scoring in chunks of 3 positions: the loss and its gradient of the whole logits."""
+    ppo, variables, out, fns = prepared
+    chunked = objective(critic=ppo.critic, logits_chunk_size=3)
+    moved = jax.tree.map(lambda x: x * 0.9, variables["params"])
+    later = Step(index=jnp.int32(1), key=jax.random.key(8))
+
+    def total(obj, params):
+        loss, _ = obj.loss({**variables, "params": params}, out, later)
+        return sum(t.value for t in loss) if isinstance(loss, tuple) else loss.value
+
+    value, grads = jax.jit(jax.value_and_grad(lambda p: total(ppo, p)))(moved)
+    chunked_value, chunked_grads = jax.jit(jax.value_and_grad(lambda p: total(chunked, p)))(moved)
+    assert float(chunked_value) == pytest.approx(float(value), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

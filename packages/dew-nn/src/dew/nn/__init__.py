@@ -1,6 +1,6 @@
 """dew.nn: Flax modules whose parameters name logical axes, and the model registry."""
 
-from dew.nn import axes, backbones, masks, models, stack
+from dew.nn import axes, backbones, masks, models, stack, token_scores
 from dew.nn.attention import Attention
 from dew.nn.backbones import CausalTransformer, DiT, VideoDiT
 from dew.nn.backbones.transformer import Transformer
@@ -12,6 +12,7 @@ from dew.nn.moe import MoE
 from dew.nn.norms import LayerNorm, RMSNorm
 from dew.nn.rope import RopeScaling
 from dew.nn.stack import LayerStack
+from dew.nn.token_scores import TokenScores
 from dew.nn.value import Critic, ValueHead
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "MoE",
     "RMSNorm",
     "RopeScaling",
+    "TokenScores",
     "Transformer",
     "VideoDiT",
     "ViT",
@@ -40,4 +42,5 @@ __all__ = [
     "masks",
     "models",
     "stack",
+    "token_scores",
 ]

@@ -55,7 +55,7 @@ import numpy as np
 from dew.objectives.base import Objective, Role, Step
 from dew.objectives.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.logprobs import masked_sum, sequence_logprobs
-from dew.objectives.policy import CausalPolicy
+from dew.objectives.policy import CausalPolicy, check_chunked_model
 from dew.objectives.weighted import Summed, Weighted
 
 LOSSES = ("sigmoid", "cdpo", "ipo")
@@ -87,6 +87,11 @@ class DPOObjective(Objective):
       an SFT run) instead of a random initialisation.
     tokenizer: for previews and the exported pipeline; None = ``ByteTokenizer()``.
     keys: the batch keys ``(chosen, chosen_mask, rejected, rejected_mask)``.
+    logits_chunk_size: the policy (and a reference run in the loss) score the ids this
+      many positions of every row at a time (:func:`dew.objectives.logprobs.sequence_logprobs`),
+      never holding the ``[rows, length, vocab]`` float32 logits whole; None (the
+      default) = the whole logits. Needs models that take it
+      (:class:`dew.nn.CausalTransformer`).
     """
 
     model: Any
@@ -100,6 +105,7 @@ class DPOObjective(Objective):
     init_params: Any = None
     tokenizer: Any = None
     keys: tuple[str, str, str, str] = KEYS
+    logits_chunk_size: int | None = None
 
     headline_metrics = ("accuracy", "margin")  # printed on the log line
 
@@ -146,6 +152,11 @@ class DPOObjective(Objective):
             reference_model=self.reference_model,
         )
         self.tokenizer, self.reference_model = self.policy.tokenizer, self.policy.reference_model
+        check_chunked_model(self.model, self.logits_chunk_size, what="DPOObjective")
+        if not self.reference_free:
+            check_chunked_model(
+                self.reference_model, self.logits_chunk_size, what="DPOObjective reference_model"
+            )
 
     # ------------------------------------------------------------- roles, init
     def roles(self) -> tuple[Role, ...]:
@@ -189,7 +200,10 @@ class DPOObjective(Objective):
         # batch-sharded mesh, and one forward pass scores both completions.
         ids = jnp.stack([chosen, rejected], axis=1).reshape(2 * pairs, length)
         mask = jnp.stack([chosen_mask, rejected_mask], axis=1).reshape(2 * pairs, length)
-        tokens = sequence_logprobs(self.model, variables["params"], ids)  # [2 pairs, length]
+        chunk = self.logits_chunk_size
+        tokens = sequence_logprobs(
+            self.model, variables["params"], ids, logits_chunk_size=chunk
+        )  # [2 pairs, length]
         policy = masked_sum(tokens, mask).reshape(pairs, 2)
         chosen_tokens = tokens.reshape(pairs, 2, length)[:, 0]
         nll_sum = -masked_sum(chosen_tokens, chosen_mask)  # [pairs]
@@ -200,7 +214,7 @@ class DPOObjective(Objective):
             reference = jnp.stack([batch[k].astype(jnp.float32) for k in REF_KEYS], axis=1)
         else:
             ref_tokens = sequence_logprobs(
-                self.reference_model, variables["reference"]["params"], ids
+                self.reference_model, variables["reference"]["params"], ids, logits_chunk_size=chunk
             )
             reference = masked_sum(ref_tokens, mask).reshape(pairs, 2)
         return policy, jax.lax.stop_gradient(reference), nll_sum, count

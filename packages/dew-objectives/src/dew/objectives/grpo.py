@@ -60,7 +60,7 @@ import numpy as np
 
 from dew.objectives.base import Objective, Role, Step, Updates
 from dew.objectives.logprobs import kl_k3
-from dew.objectives.policy import CausalPolicy
+from dew.objectives.policy import CausalPolicy, check_chunked_model
 from dew.objectives.rewards import READER, Rewards
 from dew.objectives.rl import (
     SCALE_REWARDS,
@@ -73,6 +73,7 @@ from dew.objectives.rl import (
 from dew.objectives.rollouts import (
     PROMPT_KEYS,
     Rollout,
+    check_chunked_sampling,
     check_rollout_options,
     check_rollout_rows,
     debug_enabled,
@@ -144,6 +145,11 @@ class GRPOObjective(Objective):
       (``rows / minibatches``), so the loss's first forward pass has the rollout
       scoring's shapes and the first update's ratio is 1 bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
+    logits_chunk_size: score completions this many positions of every row at a time
+      (:func:`dew.objectives.rollouts.chunked_rollout_logprobs`), in prepare and in the
+      loss alike, so the ``[rows, length, vocab]`` float32 logits are never held whole;
+      None (the default) = the whole logits. Needs a model that takes it
+      (:class:`dew.nn.CausalTransformer`) and sampling without top-k/top-p/min-p.
     """
 
     model: Any
@@ -166,6 +172,7 @@ class GRPOObjective(Objective):
     tokenizer: Any = None
     check_first_ratio: bool | None = None
     scoring_rows: int | None = None
+    logits_chunk_size: int | None = None
 
     headline_metrics = ("reward", "kl")  # printed on the log line
 
@@ -201,6 +208,8 @@ class GRPOObjective(Objective):
             reference=self.reference,
         )
         self.tokenizer = self.policy.tokenizer
+        check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
+        check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
         self.debug = debug_enabled(self.check_first_ratio)
 
     @property
@@ -267,7 +276,13 @@ class GRPOObjective(Objective):
 
         def scores(r):
             return {
-                name: rollout_logprobs(self.model, p, r, sampling=self.sampling)
+                name: rollout_logprobs(
+                    self.model,
+                    p,
+                    r,
+                    sampling=self.sampling,
+                    logits_chunk_size=self.logits_chunk_size,
+                )
                 for name, p in scored.items()
             }
 
@@ -306,7 +321,11 @@ class GRPOObjective(Objective):
         rollout = Rollout.from_batch(batch)
         mask = rollout.completion_mask
         logps = rollout_logprobs(
-            self.model, variables["params"], rollout, sampling=self.sampling
+            self.model,
+            variables["params"],
+            rollout,
+            sampling=self.sampling,
+            logits_chunk_size=self.logits_chunk_size,
         )  # [rows, new]
         per_token, ratio, clipped = clipped_policy_loss(
             logps,

@@ -31,7 +31,7 @@ import optax
 
 from dew.objectives.base import EMA, Objective, Step, with_initial_values
 from dew.objectives.batch import IDS, MASK, BatchField
-from dew.objectives.policy import CausalPolicy
+from dew.objectives.policy import CausalPolicy, check_chunked_model
 from dew.objectives.weighted import Summed, Weighted
 
 # A mixture of experts' sown diagnostics (dew.nn.moe.MoE) and their metric names.
@@ -106,6 +106,13 @@ class LMObjective(Objective):
       balance): ``loss = nll_sum / tokens + aux_loss_weight * mean_rows(aux_loss)``;
       the mean is reported as the ``aux_loss`` metric. Models that sow none
       add nothing.
+    logits_chunk_size: score the targets this many positions of every row at a time
+      (:func:`dew.nn.token_scores.chunked_scores`): the ``[batch, seq_len, vocab]``
+      float32 logits are never held whole, in the forward or the backward pass,
+      for one more output-head matmul per step (the backward pass recomputes
+      each chunk). None (the default) = the whole logits at once: no recompute,
+      and on the CPU the faster choice for small vocabularies (docs/performance.md).
+      Needs a model that takes ``logits_chunk_size`` (:class:`dew.nn.CausalTransformer`).
 
     A mixture of experts also reports, next to ``aux_loss`` and weighted the
     same way (rows), the diagnostics in :data:`MOE_METRICS`: ``moe_z_loss``,
@@ -131,6 +138,7 @@ class LMObjective(Objective):
     preview_tokens: int = 32
     init_params: Any = None
     aux_loss_weight: float = 0.01
+    logits_chunk_size: int | None = None
 
     # printed on the log line when the model reports them (a mixture of experts)
     headline_metrics = ("aux_loss", "moe_dropped_fraction")
@@ -138,6 +146,7 @@ class LMObjective(Objective):
     def __post_init__(self):
         self.policy = CausalPolicy(model=self.model, what="LMObjective", tokenizer=self.tokenizer)
         self.tokenizer = self.policy.tokenizer
+        check_chunked_model(self.model, self.logits_chunk_size, what="LMObjective")
         if self.seq_len is not None:
             self._check_seq_len(self.seq_len, "seq_len")
 
@@ -205,18 +214,28 @@ class LMObjective(Objective):
         packed = packed_inputs(
             batch, segment_ids_key=self.segment_ids_key, positions_key=self.positions_key
         )
+        targets = tokens[:, 1:]
+        weights = self._weights(batch, tokens)
+        if self.logits_chunk_size is not None:  # the model scores the targets, in chunks
+            scores, sown = self.model.apply(
+                {"params": variables["params"]},
+                tokens[:, :-1],
+                targets=targets,
+                logits_chunk_size=self.logits_chunk_size,
+                mutable=["intermediates"],
+                **packed,
+            )
+            return scores.is_argmax, sown, weights, -scores.log_probs
         logits, sown = self.model.apply(
             {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"], **packed
         )
-        targets = tokens[:, 1:]
-        weights = self._weights(batch, tokens)
         nll = token_nll(logits, targets)  # [batch, seq_len]
-        return logits, sown, targets, weights, nll
+        return jnp.argmax(logits, axis=-1) == targets, sown, weights, nll
 
     def loss(self, variables, batch, step: Step):
         from dew.nn.moe import collect_sown
 
-        _, sown, _, weights, nll = self._forward(variables, batch)
+        _, sown, weights, nll = self._forward(variables, batch)
         nll_mean = Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights))
         metrics = {"nll": nll_mean, "tokens": Summed(jnp.sum(weights))}
         # What the model sowed decides, at trace time, which terms and metrics exist:
@@ -233,8 +252,8 @@ class LMObjective(Objective):
         return (nll_mean, metrics["aux_loss"].scale(self.aux_loss_weight)), metrics
 
     def evaluate(self, variables, batch, step: Step):
-        logits, _, targets, weights, nll = self._forward(variables, batch)
-        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+        is_argmax, _, weights, nll = self._forward(variables, batch)
+        correct = is_argmax.astype(jnp.float32)
         return {
             "loss": Weighted(total=jnp.sum(nll * weights), weight=jnp.sum(weights)),
             "accuracy": Weighted(total=jnp.sum(correct * weights), weight=jnp.sum(weights)),

@@ -74,6 +74,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     positions: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
+    logits_chunk_size: int | None = None,
 ) -> jax.Array:
     """Per-token log-probs of rows of ids under a causal model, aligned with the ids.
 
@@ -82,6 +83,10 @@ def sequence_logprobs(
     ids: ``[batch, length]``; the model reads the whole row once.
     positions, attention_mask: passed to the model (left-padded rows); None = the
       model's defaults (positions ``0..length-1``, every token real).
+    logits_chunk_size: None = the whole logits at once; a number = the model scores
+      the ids itself, that many positions of every row at a time, never holding the
+      ``[batch, length, vocab]`` float32 logits whole (``CausalTransformer(...,
+      targets=, logits_chunk_size=)``, :mod:`dew.nn.token_scores`).
 
     Returns ``[batch, length]`` float32: entry ``t >= 1`` is
     ``log p(ids[t] | ids[<t])``, entry 0 is 0 (the first id has no context). Mask
@@ -93,6 +98,17 @@ def sequence_logprobs(
         extra["positions"] = positions
     if attention_mask is not None:
         extra["attention_mask"] = attention_mask
+    if logits_chunk_size is not None:
+        targets = jnp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)  # the last is not scored
+        scores = model.apply(
+            {"params": params},
+            ids,
+            targets=targets,
+            logits_chunk_size=logits_chunk_size,
+            temperature=temperature,
+            **extra,
+        )
+        return jnp.pad(scores.log_probs[:, :-1], ((0, 0), (1, 0)))  # [batch, length]
     logits = model.apply({"params": params}, ids, **extra)  # [batch, length, vocab]
     scored = token_logprobs(logits[:, :-1], ids[:, 1:], temperature=temperature)
     return jnp.pad(scored, ((0, 0), (1, 0)))  # [batch, length]
@@ -123,12 +139,14 @@ def completion_logprobs(
     completion: jax.Array,
     *,
     temperature: float = 1.0,
+    logits_chunk_size: int | None = None,
 ) -> jax.Array:
     """Log-probs of each completion token given its left-padded prompt.
 
     prompt, prompt_mask: ``[batch, prompt]`` left-padded ids and their mask (False on
       padding), as :func:`dew.sampling.decode` takes them.
     completion: ``[batch, completion]`` the new tokens ``decode`` returned.
+    logits_chunk_size: as in :func:`sequence_logprobs`.
 
     Returns ``[batch, completion]`` float32: ``log p_T(completion[:, j] | prompt,
     completion[:, :j])`` with the positions and mask ``decode`` uses, so it equals
@@ -138,7 +156,13 @@ def completion_logprobs(
     ids = jnp.concatenate([prompt, completion], axis=1)  # [batch, prompt + completion]
     positions, mask = rollout_positions(prompt_mask, completion.shape[1])
     scored = sequence_logprobs(
-        model, params, ids, temperature=temperature, positions=positions, attention_mask=mask
+        model,
+        params,
+        ids,
+        temperature=temperature,
+        positions=positions,
+        attention_mask=mask,
+        logits_chunk_size=logits_chunk_size,
     )
     return scored[:, prompt.shape[1] :]
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from dew.nn.token_scores import check_chunk_size
 from dew.objectives.base import with_initial_values
 from dew.objectives.batch import check_token_ids
 
@@ -127,6 +129,28 @@ def resolve_tokenizer(tokenizer, model, *, what: str):
             f"tokenizer, or build the model with vocab_size >= {ids}"
         )
     return tokenizer
+
+
+def check_chunked_model(model, chunk_size, *, what: str) -> None:
+    """``logits_chunk_size`` must be None or an int >= 1, and a chunk size needs a model
+    that scores targets itself (``model(tokens, targets=, logits_chunk_size=)``, as
+    :class:`dew.nn.CausalTransformer` does); a ValueError naming both otherwise."""
+    check_chunk_size(chunk_size, what=what)
+    if chunk_size is None:
+        return
+    try:
+        parameters = inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):  # no signature to read: let the model say at trace time
+        return
+    if "logits_chunk_size" not in parameters and not any(
+        p.kind is p.VAR_KEYWORD for p in parameters.values()
+    ):
+        raise ValueError(
+            f"{what}: logits_chunk_size={chunk_size} needs a model that scores targets over "
+            f"the vocabulary in chunks (model(tokens, targets=..., logits_chunk_size=...), as "
+            f"dew.nn.CausalTransformer), but {type(model).__name__} takes no "
+            f"logits_chunk_size; use logits_chunk_size=None (the whole logits at once)"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

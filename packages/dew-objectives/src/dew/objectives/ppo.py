@@ -56,7 +56,7 @@ import numpy as np
 
 from dew.objectives.base import Objective, Role, Step, Updates, nn_unbox
 from dew.objectives.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
-from dew.objectives.policy import CausalPolicy
+from dew.objectives.policy import CausalPolicy, check_chunked_model
 from dew.objectives.rewards import READER, Rewards
 from dew.objectives.rl import (
     check_epsilons,
@@ -69,8 +69,10 @@ from dew.objectives.rl import (
 from dew.objectives.rollouts import (
     PROMPT_KEYS,
     Rollout,
+    check_chunked_sampling,
     check_rollout_options,
     check_rollout_rows,
+    chunked_rollout_logprobs,
     debug_enabled,
     in_chunks,
     prompt_fields,
@@ -176,6 +178,11 @@ class PPOObjective(Objective):
       so the first update's log-probs equal the rollout's bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
     clip_range_high: the policy clip above 1 (DAPO's clip-higher); None = ``clip_range``.
+    logits_chunk_size: score completions this many positions of every row at a time
+      (:func:`dew.objectives.rollouts.chunked_rollout_logprobs`), in prepare and in the
+      loss alike, so the ``[rows, length, vocab]`` float32 logits are never held whole;
+      None (the default) = the whole logits. Needs a model that takes it
+      (:class:`dew.nn.CausalTransformer`) and sampling without top-k/top-p/min-p.
     """
 
     model: Any
@@ -202,6 +209,7 @@ class PPOObjective(Objective):
     tokenizer: Any = None
     debug: bool | None = None
     scoring_rows: int | None = None
+    logits_chunk_size: int | None = None
     clip_range_high: float | None = None
 
     headline_metrics = ("score", "kl")  # printed on the log line
@@ -241,6 +249,8 @@ class PPOObjective(Objective):
                 )
         check_rollout_options(self.scoring_rows, self.prepared_updates)
         self.end_ids = tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
+        check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
+        check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
         self.debug = debug_enabled(self.debug)
 
     @property
@@ -296,7 +306,17 @@ class PPOObjective(Objective):
         positions, mask = rollout_positions(rollout.prompt_mask, new)
         scored = slice(prompt_len - 1, prompt_len - 1 + new)  # the states before o_0 .. o_new-1
         valid = rollout.completion_mask
-        if self.critic is None:
+        if self.critic is None and self.logits_chunk_size is not None:
+            logps, hidden = chunked_rollout_logprobs(
+                self.model,
+                params["policy"],
+                rollout,
+                self.sampling,
+                self.logits_chunk_size,
+                return_hidden=True,
+            )  # [rows, new], [rows, length, embed]
+            values = self.value_head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
+        elif self.critic is None:
             logits, hidden = self.model.apply(
                 {"params": nn_unbox(params["policy"])},
                 tokens,
@@ -308,7 +328,13 @@ class PPOObjective(Objective):
             logps = jnp.where(valid, logps, 0.0)
             values = self.value_head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
         else:
-            logps = rollout_logprobs(self.model, params["policy"], rollout, sampling=self.sampling)
+            logps = rollout_logprobs(
+                self.model,
+                params["policy"],
+                rollout,
+                sampling=self.sampling,
+                logits_chunk_size=self.logits_chunk_size,
+            )
             values = self.critic.apply(
                 {"params": nn_unbox(params["value"])},
                 tokens,
@@ -340,7 +366,17 @@ class PPOObjective(Objective):
 
         def scores(r):  # the policy and the reference in one loop iteration per chunk
             logps, values = self.evaluate_rollout(params, r)
-            return logps, values, rollout_logprobs(self.model, reference, r, sampling=self.sampling)
+            return (
+                logps,
+                values,
+                rollout_logprobs(
+                    self.model,
+                    reference,
+                    r,
+                    sampling=self.sampling,
+                    logits_chunk_size=self.logits_chunk_size,
+                ),
+            )
 
         logps, values, ref_logps = in_chunks(scores, rollout, chunk)
         out = dict(rollout.as_dict(), old_logps=logps, old_values=values, ref_logps=ref_logps)

@@ -189,7 +189,9 @@ def sample_completions(
     )
 
 
-def rollout_logprobs(model, params, rollout: Rollout, *, sampling: Sampling) -> jax.Array:
+def rollout_logprobs(
+    model, params, rollout: Rollout, *, sampling: Sampling, logits_chunk_size: int | None = None
+) -> jax.Array:
     """``[rows, max_new_tokens]`` float32 ``log pi(o_t | q, o_<t)`` of each completion
     token under ``params``, with the sampler's temperature and truncation; 0 on
     positions after a row ended.
@@ -200,7 +202,12 @@ def rollout_logprobs(model, params, rollout: Rollout, *, sampling: Sampling) -> 
     position ``prompt_len - 1 + t`` score completion token ``t``
     (:func:`scored_logprobs`). Differentiable in ``params``: the loss calls it
     for the new log-probs, a rollout for the old and the reference ones.
+
+    logits_chunk_size: None = the whole logits; a number = the model scores the
+    completion in chunks of that many positions (:func:`chunked_rollout_logprobs`).
     """
+    if logits_chunk_size is not None:
+        return chunked_rollout_logprobs(model, params, rollout, sampling, logits_chunk_size)
     prompt_len = rollout.prompt.shape[1]
     new = rollout.completion.shape[1]
     tokens = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)  # [rows, length]
@@ -211,6 +218,50 @@ def rollout_logprobs(model, params, rollout: Rollout, *, sampling: Sampling) -> 
     logits = logits[:, prompt_len - 1 : prompt_len - 1 + new]  # [rows, new, vocab]
     logps = scored_logprobs(logits, rollout.completion, sampling)
     return jnp.where(rollout.completion_mask, logps, 0.0)
+
+
+def check_chunked_sampling(sampling: Sampling, logits_chunk_size, *, what: str) -> None:
+    """Scoring in chunks computes ``log softmax(logits / T)``; a sampler that truncates
+    (top-k, top-p, min-p) renormalises over tokens only the whole logits show."""
+    truncates = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
+    if logits_chunk_size is not None and truncates and not sampling.is_greedy:
+        raise ValueError(
+            f"{what}: logits_chunk_size={logits_chunk_size} scores completions under "
+            f"softmax(logits / temperature), but the sampling truncates (top_k="
+            f"{sampling.top_k}, top_p={sampling.top_p}, min_p={sampling.min_p}), whose "
+            f"log-probs need the whole logits; use logits_chunk_size=None or sampling "
+            f"without top-k/top-p/min-p"
+        )
+
+
+def chunked_rollout_logprobs(
+    model, params, rollout: Rollout, sampling: Sampling, logits_chunk_size: int, **apply_options
+):
+    """:func:`rollout_logprobs` with the model scoring the completion itself,
+    ``logits_chunk_size`` positions at a time (``CausalTransformer(..., targets=,
+    logits_chunk_size=)``), at the sampler's temperature (no truncation:
+    :func:`check_chunked_sampling`). ``apply_options`` (``return_hidden=True``) go to
+    the model; with them the result is ``(log-probs, what the model returned besides)``.
+    """
+    prompt_len = rollout.prompt.shape[1]
+    new = rollout.completion.shape[1]
+    tokens = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)  # [rows, length]
+    positions, mask = rollout_positions(rollout.prompt_mask, new)
+    targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # the last is not scored
+    out = model.apply(
+        {"params": nn.meta.unbox(params)},
+        tokens,
+        positions=positions,
+        attention_mask=mask,
+        targets=targets,
+        logits_chunk_size=logits_chunk_size,
+        temperature=1.0 if sampling.is_greedy else sampling.temperature,
+        **apply_options,
+    )
+    scores, rest = (out[0], out[1:]) if apply_options else (out, None)
+    logps = scores.log_probs[:, prompt_len - 1 : prompt_len - 1 + new]  # [rows, new]
+    logps = jnp.where(rollout.completion_mask, logps, 0.0)
+    return (logps, *rest) if apply_options else logps
 
 
 def scored_logprobs(logits: jax.Array, targets: jax.Array, sampling: Sampling) -> jax.Array:

@@ -32,6 +32,7 @@ from dew.nn.dense import token_rows
 from dew.nn.keywords import is_whole_number
 from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
+from dew.nn.token_scores import TokenScores, chunked_scores, scores_of_logits
 
 
 @models.register("causal_transformer")
@@ -210,7 +211,10 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         query_key_mask: jax.Array | None = None,
         decode: bool = False,
         return_hidden: bool = False,
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        targets: jax.Array | None = None,
+        logits_chunk_size: int | None = None,
+        temperature: float = 1.0,
+    ) -> jax.Array | TokenScores | tuple[jax.Array | TokenScores, jax.Array]:
         """Logits ``[batch, length, vocab]`` (float32) for ``tokens [batch, length]``.
 
         positions: ``[batch, length]`` position of each token (default 0..length-1);
@@ -225,6 +229,14 @@ class CausalTransformer(TransformerOptions, kw_only=True):
         return_hidden: also return the final hidden states (after the output norm,
           what the output projection reads): ``(logits, hidden [batch, length, embed])``,
           for a value head on the trunk (:class:`dew.nn.value.ValueHead`).
+        targets: ``[batch, length]`` ids; given, the result is their
+          :class:`~dew.nn.token_scores.TokenScores` (``log_probs``, ``logsumexp``,
+          ``is_argmax``, each ``[batch, length]``) instead of the logits.
+        logits_chunk_size: with ``targets``, project this many positions of every
+          row at a time (:func:`dew.nn.token_scores.chunked_scores`), so the
+          ``[batch, length, vocab]`` float32 logits are never held whole, in the
+          forward or the backward pass; None = the whole logits at once.
+        temperature: with ``targets``, score under ``softmax(logits / temperature)``.
         """
         batch, length = tokens.shape
         if not decode:
@@ -266,22 +278,38 @@ class CausalTransformer(TransformerOptions, kw_only=True):
             use_pipeline=not decode,
         )
         x = self.norm_output(x)
+        if targets is not None and logits_chunk_size is not None:
+            scores = chunked_scores(
+                self,
+                lambda mdl, rows: mdl.project(embed, rows),
+                x,
+                targets,
+                chunk_size=logits_chunk_size,
+                temperature=temperature,
+            )
+            return (scores, x) if return_hidden else scores
         rows = token_rows(x)  # [batch * length, embed]: one token axis (dew.nn.dense)
-        if self.tie_embeddings:
-            logits = embed.attend(rows)
-        else:
-            logits = nn.Dense(
-                self.vocab_size,
-                use_bias=False,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(self.weight_std), (axes.EMBED, axes.VOCAB)
-                ),
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                name="lm_head",
-            )(rows)
+        logits = self.project(embed, rows)
         logits = logits.reshape(batch, length, -1).astype(jnp.float32)  # [batch, length, vocab]
         # split as the residual stream was before the flattening (batch, and length
         # under a sequence mesh axis), which the reshape back does not carry
         logits = nn.with_logical_constraint(logits, (axes.BATCH, axes.LENGTH, axes.VOCAB))
+        if targets is not None:
+            logits = scores_of_logits(logits, targets, temperature=temperature)
         return (logits, x) if return_hidden else logits
+
+    def project(self, embed: nn.Embed, rows: jax.Array) -> jax.Array:
+        """The output projection of ``rows [tokens, embed]``: ``[tokens, vocab]`` logits
+        in ``dtype``, through ``lm_head`` or the tied ``embed``; call from ``__call__``."""
+        if self.tie_embeddings:
+            return embed.attend(rows)
+        return nn.Dense(
+            self.vocab_size,
+            use_bias=False,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.normal(self.weight_std), (axes.EMBED, axes.VOCAB)
+            ),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="lm_head",
+        )(rows)

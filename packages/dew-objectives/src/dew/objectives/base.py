@@ -36,6 +36,8 @@ class Step:
       step's whole batch (row ``r`` of microbatch ``j`` of ``k`` is ``r * k + j``),
       the step's key for per-row draws (microbatch 0's ``key``) and the whole batch's
       row count; :meth:`row_keys` combines them. None (0) outside the trainer.
+      In :meth:`Objective.evaluate` ``rows`` is each row's index in the whole
+      evaluation set (``row_key`` None), so per-row draws follow the row, not its batch.
     is_logged: whether the log reads this step's metrics: in ``Trainer.fit`` a
       traced bool scalar, True on the steps ``log_every`` divides and on the last
       step (one compiled program serves both); True (a Python bool) everywhere

@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn.keywords import is_whole_number
 from dew.objectives.base import EMA, Objective, Role, Step, Updates, with_initial_values
 from dew.objectives.batch import IDS, BatchField
 from dew.objectives.diffusion import guided_context_mask, model_conditions
@@ -228,7 +229,7 @@ class FlowGRPOObjective(Objective):
             raise ValueError(f"rollout_rows must be >= 1 or None, got {self.rollout_rows!r}")
         for name in ("groups", "device_rows"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and not is_whole_number(value):
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

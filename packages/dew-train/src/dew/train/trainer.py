@@ -23,7 +23,7 @@ import jax
 import optax
 
 from dew.data import Dataset, Partition
-from dew.nn.keywords import check_keywords
+from dew.nn.keywords import check_keywords, is_whole_number
 from dew.objectives import Objective, check_batch_spec
 from dew.objectives.rl import raising_ratio_errors
 from dew.train import _default_hooks as defaults
@@ -126,7 +126,7 @@ class Trainer:
                 f"{type(self.key).__name__} {self.key!r:.60}; a legacy uint32 PRNGKey converts "
                 f"with jax.random.wrap_key_data(k)"
             )
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
+        if not is_whole_number(self.accumulate):
             raise TypeError(f"accumulate must be an int, got {self.accumulate!r}")
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 microbatches, got {self.accumulate}")

@@ -15,6 +15,7 @@ shardings, compiled programs), the loop :func:`~dew.train.training_steps`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -353,6 +354,23 @@ class Trainer:
         )
         resume = _start(hooks, run)
         restored = resume.restored if resume is not None else None
+        rows = data.batch // max(1, jax.process_count())
+
+        def check_batch(local, first: bool) -> None:
+            if first:  # the values once (dew.data readers check their own rows)
+                self.objective.check_batch(local)
+            check_spec(spec, local, rows)  # the shapes every batch
+
+        with goodput.measure("data"):
+            train_iter: Iterator = (
+                resume.open_batches() if resume is not None else run.open_batches()
+            )
+            # the first batch's values (ids beyond the vocabulary, the mask id as data,
+            # ties, empty completions) are refused before the state's creation compiles
+            first = next(train_iter, None)
+            if first is not None:
+                check_batch(first, True)
+                train_iter = itertools.chain([first], train_iter)
         if restored is None:
             with goodput.measure("init"):
                 state = self.init_state(spec)
@@ -370,17 +388,6 @@ class Trainer:
         log.print(_model_line(abstract, shardings))
         for note in notes:
             log.print(note)
-        with goodput.measure("data"):
-            train_iter: Iterator = (
-                resume.open_batches() if resume is not None else run.open_batches()
-            )
-        rows = data.batch // max(1, jax.process_count())
-
-        def check_batch(local, first: bool) -> None:
-            if first:  # the values once (dew.data readers check their own rows)
-                self.objective.check_batch(local)
-            check_spec(spec, local, rows)  # the shapes every batch
-
         step = start
         with programs.context(), signals:
             runner = HookRunner(
@@ -401,7 +408,8 @@ class Trainer:
                 steps=steps,
                 log_every=log_every,
                 goodput=goodput,
-                check_batch=check_batch,
+                # the first batch's values are checked above, the shapes every batch
+                check_batch=lambda local, first: check_spec(spec, local, rows),
             )
             for record in records:
                 state, step = record.state, record.step

@@ -114,8 +114,11 @@ CONDITION_KEYS = ("label", "context", "context_mask")
 
 # -------------------------------------------------------------------- objective
 def default_ema() -> EMA:
-    """0.99 per update (the reference: 0.9 every 8 steps, ~0.987 per step)."""
-    return EMA(decay=0.99)
+    """0.99 per update (the reference: 0.9 every 8 steps, ~0.987 per step) with the
+    ``(1 + u) / (10 + u)`` warm-up (the reference's ``EMAModuleWrapper`` too): without it
+    the average of a 30-update run still held 74% of the initial weights, and its
+    reward was 0.08 where the live policy's was 0.44."""
+    return EMA(decay=0.99, use_warmup=True)
 
 
 @dataclasses.dataclass(eq=False)

@@ -220,8 +220,14 @@ def test_evaluation_and_preview_use_averaged_weights_when_asked(use_averaged, ca
         float(np.sum(weights["w"])), rel=1e-6
     )
     np.testing.assert_array_equal(objective.previews[-1], weights["w"])
-    line = "eval (ema) step 3: w_sum" if use_averaged else "eval step 3: w_sum"
-    assert line in capsys.readouterr().out
+    live = trainer.evaluate(state, data(set()), averaged=False)["w_sum"]
+    assert live == pytest.approx(float(np.sum(state.params["w"])), rel=1e-6)
+    out = capsys.readouterr().out
+    if use_averaged:  # the log shows both: the average's and, as live/, the live weights'
+        line = "eval (ema; live/ = the live weights) step 3: w_sum "
+        assert line in out and "live/w_sum -" in out, out
+    else:
+        assert "eval step 3: w_sum" in out and "live/" not in out
 
 
 def test_pipeline_wraps_averaged_weights():

@@ -392,11 +392,13 @@ class Programs:
         return step_fn
 
     # ------------------------------------------------------------- evaluate
-    def evaluate(self, state: TrainState, val, partition: Partition, max_batches: int) -> dict:
+    def evaluate(
+        self, state: TrainState, val, partition: Partition, max_batches: int, *, averaged=None
+    ) -> dict:
         """One pass of ``objective.evaluate`` over ``val(partition)``: the reduced
         metrics after ``objective.summarize`` ({} without evaluation). Reads the
-        weights :meth:`TrainState.variables` gives by default (the moving average
-        when the objective evaluates with it)."""
+        weights ``state.variables(averaged=averaged)`` gives (None: the moving average
+        when the objective evaluates with it; False: the live weights)."""
         objective = self.objective
         if val is None or not objective.has_evaluate:
             return {}
@@ -414,7 +416,7 @@ class Programs:
                 return wt.as_metrics(metrics, rows)
 
             self.cache.evaluate = jax.jit(evaluate)
-        variables = state.variables()
+        variables = state.variables(averaged=averaged)
         totals, first_row = None, 0
         for i, local in enumerate(val(partition)):
             if max_batches and i >= max_batches:

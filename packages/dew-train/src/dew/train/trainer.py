@@ -514,15 +514,20 @@ class Trainer:
         return Throughput(flops, self.device_mesh.devices.flat)
 
     # ------------------------------------------------------------ evaluation
-    def evaluate(self, state: TrainState, data: Dataset, *, max_batches: int = 0) -> dict:
+    def evaluate(
+        self, state: TrainState, data: Dataset, *, max_batches: int = 0, averaged=None
+    ) -> dict:
         """One pass of ``objective.evaluate`` over ``data.val``: the reduced metrics
         (weighted means divided once over the whole pass) after
-        ``objective.summarize``. Uses the weights ``state.variables()`` gives: the
-        averaged ones when the objective evaluates with them and there are any
-        (``eval (ema)`` in the log)."""
+        ``objective.summarize``. Uses the weights ``state.variables(averaged=averaged)``
+        gives: by default the averaged ones when the objective evaluates with them and
+        there are any (``eval (ema)`` in the log, which adds the live weights' metrics
+        as ``live/<name>``); ``averaged=False`` the live weights."""
         partition = Partition(jax.process_index(), jax.process_count())
         with self.programs.context():
-            return self.programs.evaluate(state, data.val, partition, max_batches)
+            return self.programs.evaluate(
+                state, data.val, partition, max_batches, averaged=averaged
+            )
 
 
 def as_optax(optimizer) -> optax.GradientTransformation:

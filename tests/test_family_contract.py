@@ -387,3 +387,26 @@ def test_headline_metrics_are_on_the_printed_log_line(family, capsys):
     values = dict(part.split(" ", 1) for part in parts[1 : 1 + len(HEADLINES[family])])
     assert tuple(values) == HEADLINES[family], lines[0]
     assert all(np.isfinite(float(v)) for v in values.values()), lines[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_numeric_options_accept_numpy_scalars(family):
+    """Every int or float option of each family's objective, given as a numpy scalar or a
+    0-d array of its default value, builds (issue 42: numbers in every numeric form)."""
+    objective = FAMILIES[family]().objective
+    # __post_init__ fills in a default tokenizer; building again takes it from None
+    again = {"tokenizer": None} if hasattr(objective, "tokenizer") else {}
+    try:
+        dataclasses.replace(objective, **again)
+    except ValueError:
+        pytest.skip(f"{family}'s case objective cannot be rebuilt from its fields alone")
+    checked = 0
+    for field in dataclasses.fields(objective):
+        value = getattr(objective, field.name) if field.init else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        forms = (np.int64, np.array) if isinstance(value, int) else (np.float32, np.array)
+        for form in forms:
+            dataclasses.replace(objective, **again, **{field.name: form(value)})
+        checked += 1
+    assert checked > 0, family

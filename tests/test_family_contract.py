@@ -410,3 +410,37 @@ def test_numeric_options_accept_numpy_scalars(family):
             dataclasses.replace(objective, **again, **{field.name: form(value)})
         checked += 1
     assert checked > 0, family
+
+
+ID_FIELDS = {
+    "lm": "text", "mdlm": "text", "bd3": "text", "distill": "completion", "dpo": "chosen",
+    "grpo": "prompt", "ppo": "prompt",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(ID_FIELDS))
+def test_an_id_beyond_the_vocabulary_is_refused_before_anything_compiles(family):
+    """``fit`` checks the first batch's values before the state's creation compiles
+    (issue 42 item 4): an id beyond the vocabulary stops the run with its value and
+    no compilation event (XLA compile or persistent-cache load) at all."""
+    case = FAMILIES[family]()
+    key = ID_FIELDS[family]
+    first = dict(case.batches[0])
+    first[key] = first[key].copy()
+    first[key][1, 1] = 1000
+    case = dataclasses.replace(case, batches=[first, *case.batches[1:]])
+    events = []
+
+    def listen(event, seconds, **kw):
+        if event.startswith(("/jax/core/compile/backend_compile", "/jax/compilation_cache/")):
+            events.append(event)
+
+    trainer = Trainer(case.objective, case.optimizer, key=jax.random.key(0), mesh=ONE,
+                      progress=False)  # fmt: skip
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id 1000 outside"):
+            trainer.fit(case.data(), steps=STEPS, log_every=0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert events == [], events

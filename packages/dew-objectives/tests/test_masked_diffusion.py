@@ -447,6 +447,10 @@ def test_bad_input_is_refused_before_compiling(params):
         objective().export({"params": params}).sample_ids(
             np.zeros((1, 9), np.int32), jax.random.key(0)
         )
+    for bad in (0, -1, 2.0, True):  # evaluation draws: a whole number >= 1
+        with pytest.raises(ValueError, match=rf"eval_times={bad!r} must be a whole number >= 1"):
+            objective(eval_times=bad)
+    assert objective(eval_times=np.int64(4)).eval_times == 4
     with pytest.raises(ValueError, match=r"rows of 9 ids need 9 positions, more than"):
         MaskedDiffusionObjective(MODEL, mask_id=MASK).check_batch(
             {"text": np.zeros((2, 9), np.int32)}

@@ -20,8 +20,8 @@ read in the SUBS parameterisation, as :mod:`dew.objectives.masked_diffusion`.
 
 Evaluation reports the NELBO per token over the full range ``t in [time_eps, 1]``
 (the likelihood bound, estimated without bias as MDLM's: stratified times with a
-shift per row, one time for all of a row's blocks, row-hashed masking, and its standard
-error ``nelbo_stderr``) and,
+shift per row, one time for all of a row's blocks, masking drawn from the row's
+index, and its standard error ``nelbo_stderr``) and,
 for each ``(beta, omega)`` of ``clip_search``, the variance of the per-row training
 loss under ``t ~ U[beta, omega]``; :meth:`BlockDiffusionObjective.summarize` names the
 pair of least variance (``clip_beta``, ``clip_omega``), the data-driven schedule to

@@ -4,14 +4,14 @@ Three models of the same size are trained on the same byte windows of a local te
 file (through ``TokenWindows``; by default this repository's own docs/*.md, joined)
 for the same steps, then evaluated on the same held-out windows: the AR model's
 perplexity, and the diffusion models' perplexity bounds (``exp(NELBO per token)``,
-on MDLM's fixed grid). Each diffusion model then samples 8 rows, scored by the AR
-model (generative perplexity) beside their unigram entropy.
+MDLM's unbiased estimate, with its standard error). Each diffusion model then samples
+8 rows, scored by the AR model (generative perplexity) beside their unigram entropy.
 
     uv run --locked python examples/masked_diffusion.py [--text FILE] [--steps 400] [--blocks 4,16]
 
 Options: ``--text`` a .txt file; ``--steps`` training steps per model; ``--seq-len``
 ids per window (a multiple of every block size); ``--blocks`` BD3-LM block sizes;
-``--batch`` rows per step; ``--eval-times`` points of the evaluation's time grid.
+``--batch`` rows per step; ``--eval-times`` stratified times per held-out row.
 Prints one table row per model (docs/token-diffusion.md shows a run's table).
 """
 
@@ -80,7 +80,10 @@ def main():
         states[name] = (trainer, state)
         result = trainer.evaluate(state, data)
         figure = result.get("perplexity", result.get("perplexity_bound"))
-        rows.append([name, figure, "bound" if "perplexity_bound" in result else "exact"])
+        # the bound's standard error over held-out rows, as a factor on the perplexity
+        spread = float(np.exp(result["nelbo_stderr"])) if "nelbo_stderr" in result else None
+        kind = "bound" if "perplexity_bound" in result else "exact"
+        rows.append([name, figure, kind, spread])
     judge, judge_state = states["AR"]
     for row in rows[1:]:
         objective = objectives[row[0]]
@@ -94,11 +97,15 @@ def main():
         )
         nll = float(scored["loss"].value)
         row += [float(np.exp(min(nll, 80.0))), float(sample_entropy(ids).mean())]
-    print("| model | held-out perplexity | kind | generative perplexity (AR judge) | entropy |")
+    print(
+        "| model | held-out perplexity | kind (standard error, x/÷) | generative perplexity "
+        "(AR judge) | entropy |"
+    )
     print("|---|---|---|---|---|")
     for row in rows:
-        extra = [f"{row[3]:.2f}", f"{row[4]:.2f}"] if len(row) > 3 else ["", ""]
-        print(f"| {row[0]} | {row[1]:.2f} | {row[2]} | {extra[0]} | {extra[1]} |")
+        kind = row[2] + (f" ({row[3]:.4f})" if row[3] is not None else "")
+        extra = [f"{row[4]:.2f}", f"{row[5]:.2f}"] if len(row) > 4 else ["", ""]
+        print(f"| {row[0]} | {row[1]:.2f} | {kind} | {extra[0]} | {extra[1]} |")
     print(f"trained {len(rows)} models for {args.steps} steps on {windows.paths}")
 
 

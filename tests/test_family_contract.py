@@ -387,3 +387,60 @@ def test_headline_metrics_are_on_the_printed_log_line(family, capsys):
     values = dict(part.split(" ", 1) for part in parts[1 : 1 + len(HEADLINES[family])])
     assert tuple(values) == HEADLINES[family], lines[0]
     assert all(np.isfinite(float(v)) for v in values.values()), lines[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_numeric_options_accept_numpy_scalars(family):
+    """Every int or float option of each family's objective, given as a numpy scalar or a
+    0-d array of its default value, builds (issue 42: numbers in every numeric form)."""
+    objective = FAMILIES[family]().objective
+    # __post_init__ fills in a default tokenizer; building again takes it from None
+    again = {"tokenizer": None} if hasattr(objective, "tokenizer") else {}
+    try:
+        dataclasses.replace(objective, **again)
+    except ValueError:
+        pytest.skip(f"{family}'s case objective cannot be rebuilt from its fields alone")
+    checked = 0
+    for field in dataclasses.fields(objective):
+        value = getattr(objective, field.name) if field.init else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        forms = (np.int64, np.array) if isinstance(value, int) else (np.float32, np.array)
+        for form in forms:
+            dataclasses.replace(objective, **again, **{field.name: form(value)})
+        checked += 1
+    assert checked > 0, family
+
+
+ID_FIELDS = {
+    "lm": "text", "mdlm": "text", "bd3": "text", "distill": "completion", "dpo": "chosen",
+    "grpo": "prompt", "ppo": "prompt",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(ID_FIELDS))
+def test_an_id_beyond_the_vocabulary_is_refused_before_anything_compiles(family):
+    """``fit`` checks the first batch's values before the state's creation compiles
+    (issue 42 item 4): an id beyond the vocabulary stops the run with its value and
+    no compilation event (XLA compile or persistent-cache load) at all."""
+    case = FAMILIES[family]()
+    key = ID_FIELDS[family]
+    first = dict(case.batches[0])
+    first[key] = first[key].copy()
+    first[key][1, 1] = 1000
+    case = dataclasses.replace(case, batches=[first, *case.batches[1:]])
+    events = []
+
+    def listen(event, seconds, **kw):
+        if event.startswith(("/jax/core/compile/backend_compile", "/jax/compilation_cache/")):
+            events.append(event)
+
+    trainer = Trainer(case.objective, case.optimizer, key=jax.random.key(0), mesh=ONE,
+                      progress=False)  # fmt: skip
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id 1000 outside"):
+            trainer.fit(case.data(), steps=STEPS, log_every=0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert events == [], events

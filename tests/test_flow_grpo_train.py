@@ -11,6 +11,7 @@
   host reward stage (between rollout and update) resumes bit-identically.
 """
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -144,6 +145,45 @@ def test_ring_mode_reward_rises_threefold_with_the_first_ratio_asserted(ring_mod
     print("ODE reward", before, "->", after)
     assert 0.05 <= before <= 0.25, before
     assert after >= 3 * before, (before, after)
+
+
+@pytest.mark.slow
+def test_the_default_average_follows_a_short_run(ring_model):
+    """After 30 updates the default EMA's weights (what ``evaluate``, ``export`` and
+    ``state.variables()`` read) keep at least 80% of the live policy's gain in ODE reward:
+    the average warms up from the first update (``EMA(use_warmup=True)``). The flat 0.99
+    average of before, run alongside on the same trajectory, kept under half of it."""
+    model, params = ring_model
+    objective = FlowGRPOObjective(
+        model,
+        rewards=[ImageReward(fn=near_mode_0, pixels=False)],
+        group_size=16,
+        sample_shape=(2,),
+        sampler=FlowSDE(num_steps=10, noise_level=0.7),
+        epsilon=0.2,
+        beta=0.04,
+        timestep_fraction=1.0,
+        init_params=params,
+    )
+    assert objective.ema == EMA(decay=0.99, use_warmup=True)
+
+    def ode_reward(p):
+        x = objective.sample({"params": p}, jax.random.key(5), num=2000, num_steps=20)
+        return float(np.mean(np.linalg.norm(np.asarray(x) - CENTRES[0], axis=-1) < 0.6))
+
+    before = ode_reward(params)
+    gains = {}
+    for name, ema in (("warmup", objective.ema), ("flat", EMA(decay=0.99))):
+        run = dataclasses.replace(objective, ema=ema)
+        trainer = Trainer(run, optax.adam(1e-3), key=jax.random.key(0), mesh=ONE, progress=False)
+        state = trainer.fit(groups(8), steps=30, log_every=0)
+        live = ode_reward(state.params) - before
+        gains[name] = (live, ode_reward(state.variables()["params"]) - before)
+    print("ODE reward gain (live, averaged) from", before, gains)
+    live, averaged = gains["warmup"]
+    assert live > 0.1, gains  # the run moved
+    assert averaged >= 0.8 * live, gains
+    assert gains["flat"][1] < 0.5 * gains["flat"][0], gains  # the lag this removes
 
 
 # --------------------------------------------- mesh equivalence and resume

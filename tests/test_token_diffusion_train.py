@@ -11,6 +11,7 @@ array's largest entry for parameters near zero: one entry of -0.0018 in an array
 scale 0.65 differed by 1.02e-6 with the per-row draws).
 """
 
+import dataclasses
 import itertools
 import json
 
@@ -86,3 +87,54 @@ def test_eight_devices_train_as_one(kind, mesh, tmp_path):
         got,
         want,
     )
+
+
+# a width no other test builds, so nothing of this model is in the in-process caches
+_FRESH = Transformer(
+    vocab_size=V, emb_features=24, num_layers=1, num_heads=2, mlp_features=40, max_seq_len=L
+)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (MASK, r"batch\['text'\] holds the mask id 7 as data \(row 1, 1 rows in all\)"),
+        (V + 2, r"holds token id 10 outside .*vocabulary \(vocab_size 8, largest id 10"),
+    ],
+    ids=["mask-id", "beyond-vocab"],
+)
+def test_bad_values_are_refused_before_anything_is_compiled(value, message, tmp_path):
+    """The first batch's values (the mask id in the data, an id beyond the vocabulary)
+    are checked before the state's creation compiles: no compilation event at all."""
+    events = []
+
+    def listen(event, seconds, **kw):
+        if event.startswith(("/jax/core/compile/backend_compile", "/jax/compilation_cache/")):
+            events.append(event)
+
+    bad = ROWS[0].copy()
+    bad[1, 3] = value
+    data = Dataset(
+        train=lambda p: iter(itertools.repeat({"text": bad[p.slice(BATCH)]})),
+        val=None, records=STEPS * BATCH, batch=BATCH,
+    )  # fmt: skip
+    objective = MaskedDiffusionObjective(_FRESH, mask_id=MASK, seq_len=L, ema=None)
+    trainer = Trainer(
+        objective, optax.sgd(0.5), key=jax.random.key(0), run_dir=str(tmp_path), progress=False,
+        mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
+    )  # fmt: skip
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(ValueError, match=message) as error:
+            trainer.fit(data, steps=2, log_every=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert events == [], (events, str(error.value))
+    # the control: the same run on good rows compiles (the listener does hear it)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        good = dataclasses.replace(data, train=lambda p: iter(itertools.repeat({"text": ROWS[0]})))
+        trainer.fit(good, steps=1, log_every=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert events

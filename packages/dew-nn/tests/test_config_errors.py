@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import numpy as np
 import pytest
 
 from dew.nn import models
@@ -149,3 +150,38 @@ def test_a_saved_config_with_a_zero_count_is_refused_by_build():
     name, config = models.config_of(models.build("causal_transformer", **TINY_LM))
     with pytest.raises(ValueError, match="vocab_size=0 .*must be a whole number >= 1"):
         models.build(name, **{**config, "vocab_size": 0})
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_every_count_accepts_numpy_integers(name):
+    """A count given as a numpy integer or a 0-d array builds the same model (issue 42)."""
+    cls = models.get(name)
+    for field in count_fields(name):
+        value = VALID[name].get(field, None)
+        if value is None:
+            value = next(f.default for f in dataclasses.fields(cls) if f.name == field)
+        if value is None or isinstance(value, tuple):
+            continue
+        for form in (np.int64, np.int32, np.array):
+            models.build(name, **{**VALID[name], field: form(value)})
+
+
+def test_numbers_in_every_numeric_form():
+    from dew.nn.keywords import is_real_number, is_whole_number, real_number, whole_number
+
+    for value in (3, np.int64(3), np.int8(3), np.uint16(3), np.array(3)):
+        assert is_whole_number(value) and is_real_number(value)
+        assert whole_number(value, "n", low=1) == 3 and type(whole_number(value, "n")) is int
+    for value in (0.5, np.float32(0.5), np.float16(0.5), np.array(0.5)):
+        assert is_real_number(value) and not is_whole_number(value)
+        assert real_number(value, "x", low=0, high=1) == 0.5
+    for value in (True, np.bool_(False), np.array(True), "3", None, 1j, [3], np.zeros(2)):
+        assert not is_whole_number(value) and not is_real_number(value), value
+    for value in (float("nan"), np.float32("inf"), -np.inf):
+        assert not is_real_number(value)
+    with pytest.raises(
+        ValueError, match=r"^W: x=1.5 must be a finite number in \[0, 1\) \(a share\)$"
+    ):
+        real_number(1.5, "x", low=0, high=1, high_open=True, meaning="a share", what="W")
+    with pytest.raises(ValueError, match=r"^n=0 must be a whole number >= 1$"):
+        whole_number(0, "n", low=1)

@@ -149,13 +149,21 @@ def test_times_per_row_and_block_are_antithetic_and_clipped():
 
 def test_evaluation_reports_the_bound_and_the_least_variance_clip(params):
     obj = bd3(4, eval_times=2, clip_search=((0.0, 1.0), (0.45, 0.55)))
-    evaluate = jax.jit(lambda p, b: obj.evaluate({"params": p}, b, STEP))
+
+    def evaluate(p, b, first):  # rows[first:]: their indices in the evaluation set
+        step = dataclasses.replace(STEP, rows=first + jnp.arange(len(b["text"])))
+        return obj.evaluate({"params": p}, b, step)
+
+    evaluate = jax.jit(evaluate)
     rows = np.concatenate([X, X[::-1]])
-    whole = evaluate(params, {"text": rows})
-    parts = weighted.add(evaluate(params, {"text": rows[:2]}), evaluate(params, {"text": rows[2:]}))
+    whole = evaluate(params, {"text": rows}, 0)
+    parts = weighted.add(
+        evaluate(params, {"text": rows[:2]}, 0), evaluate(params, {"text": rows[2:]}, 2)
+    )
     for key in whole:
         assert float(parts[key].total) == pytest.approx(float(whole[key].total), rel=1e-5), key
     summary = obj.summarize(weighted.to_float(whole))
+    assert 0 < summary["nelbo_stderr"] < summary["nelbo"]
     assert summary["perplexity_bound"] == pytest.approx(np.exp(summary["nelbo"]), rel=1e-6)
     variances = [summary["clip0_variance"], summary["clip1_variance"]]
     best = obj.clip_search[int(np.argmin(variances))]

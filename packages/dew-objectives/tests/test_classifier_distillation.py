@@ -128,7 +128,7 @@ def test_bad_input_is_refused():
         make(label_key=None)
     with pytest.raises(ValueError, match=r"temperature=0 must be a finite number > 0"):
         make(temperature=0)
-    with pytest.raises(ValueError, match=r"beta=2 must be a number in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"beta=2 must be a finite number in \[0, 1\]"):
         make(beta=2)
     with pytest.raises(ValueError, match="needs the data's spec with 'image'"):
         make().init(jax.random.key(0))

@@ -432,13 +432,23 @@ def test_bad_input_is_refused_before_compiling(weights):
             STUDENT, teacher=other_vocab, teacher_params=weights[1], teacher_ids=np.arange(V) + 9
         )
     for bad in dict(beta=-0.1), dict(beta=1.5), dict(beta=float("nan")):
-        with pytest.raises(ValueError, match=r"beta=.* must be a number in \[0, 1\]"):
+        with pytest.raises(ValueError, match=r"beta=.* must be a finite number in \[0, 1\]"):
             make(weights, **bad)
     for t in (0.0, -1.0, float("inf")):
         with pytest.raises(ValueError, match=r"temperature=.* must be a finite number > 0"):
             make(weights, temperature=t)
+    # numbers in every numeric form (issue 42); bools are not numbers
+    for form in (np.float32, np.float64, np.array):
+        objective = make(weights, temperature=form(2.0), beta=form(0.5), lmbda=form(0.25))
+        assert (objective.temperature, objective.beta, objective.lmbda) == (2.0, 0.5, 0.25)
+        assert type(objective.temperature) is float
+    assert make(weights, temperature=np.int64(2)).temperature == 2.0
+    with pytest.raises(ValueError, match=r"temperature=True must be a finite number > 0"):
+        make(weights, temperature=True)
+    with pytest.raises(ValueError, match=r"beta=np.float32\(nan\) must be a finite number in"):
+        make(weights, beta=np.float32("nan"))
     for lmbda in (-0.5, 1.01):
-        with pytest.raises(ValueError, match=r"lmbda=.* must be a number in \[0, 1\]"):
+        with pytest.raises(ValueError, match=r"lmbda=.* must be a finite number in \[0, 1\]"):
             make(weights, lmbda=lmbda)
     with pytest.raises(ValueError, match="alpha"):
         make(weights, alpha=2.0)

@@ -359,7 +359,7 @@ def test_bad_rewards_name_the_function_and_the_sample(setup):
 def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="noise_level"):
         FlowSDE(noise_level=-0.5)
-    with pytest.raises(ValueError, match="num_steps >= 2"):
+    with pytest.raises(ValueError, match=r"num_steps=1 must be a whole number >= 2"):
         FlowSDE(num_steps=1)
     with pytest.raises(ValueError, match="window"):
         FlowSDE(num_steps=10, window=(8, 12))

@@ -107,11 +107,13 @@ def test_class_pipeline_round_trips_through_pretrained(class_pipeline, tmp_path)
 
 def test_bad_input_is_refused_before_compiling(class_pipeline):
     pipe = class_pipeline
-    with pytest.raises(ValueError, match=r"num_steps must be an int >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"num_steps=0 must be a whole number >= 1 \(sampling steps\)"
+    ):
         pipe([0], num_steps=0)
     with pytest.raises(ValueError, match=r"label 3 is outside the model's classes 0\.\.2"):
         pipe([0, 3])
-    with pytest.raises(ValueError, match=r"guidance must be a finite scale >= 0.*-1"):
+    with pytest.raises(ValueError, match=r"guidance=-1.* must be a finite number >= 0 \(a scale"):
         pipe([0], guidance=-1.0)
     with pytest.raises(ValueError, match=r"sampler FlowEuler samples 'flow' models.*DDPMSchedule"):
         pipe([0], sampler="euler")

@@ -296,9 +296,9 @@ def test_edm_sigma_and_preconditioning():
 
 
 def test_bad_pairs_and_steps_are_errors_before_compiling():
-    with pytest.raises(ValueError, match="num_steps must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"num_steps=0 must be a whole number >= 1"):
         DDIM(num_steps=0)
-    with pytest.raises(ValueError, match="num_steps must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"num_steps=0 must be a whole number >= 1"):
         make_sampler("ddim", schedule=DDPMSchedule(), num_steps=0)
     with pytest.raises(ValueError, match=r"EDMHeun samples 'edm' models.*DDPMSchedule"):
         make_sampler("edm_heun", schedule=DDPMSchedule())

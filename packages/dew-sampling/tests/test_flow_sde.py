@@ -185,7 +185,12 @@ def test_window_keeps_the_other_steps_deterministic():
     "options, message",
     [
         (dict(noise_level=-0.1), "noise_level"),
-        (dict(num_steps=1), "num_steps >= 2"),
+        (dict(num_steps=1), r"num_steps=1 must be a whole number >= 2 \(FlowSDE"),
+        (dict(num_steps=0), r"num_steps=0 must be a whole number >= 2 \(FlowSDE"),
+        (dict(num_steps=True), r"num_steps=True must be a whole number >= 2"),
+        (dict(num_steps=8.0), r"num_steps=8.0 must be a whole number >= 2"),
+        (dict(noise_level=float("nan")), r"noise_level=nan must be a finite number >= 0"),
+        (dict(shift=np.float32(0)), r"shift=np.float32\(0.0\) must be a finite number > 0"),
         (dict(num_steps=8, window=(3, 9)), "window"),
         (dict(num_steps=8, window=(4, 4)), "window"),
         (dict(num_steps=8, kind="cps", window=(0, 8)), "last CPS step"),
@@ -196,3 +201,17 @@ def test_window_keeps_the_other_steps_deterministic():
 def test_bad_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         FlowSDE(**options)
+
+
+def test_numbers_in_every_numeric_form_are_accepted():
+    """numpy scalars and 0-d arrays are numbers (issue 42): stored as Python numbers."""
+    plain = FlowSDE(num_steps=8, noise_level=float(np.float32(0.7)), shift=3.0, window=(1, 4))
+    for num_steps, noise_level in (
+        (np.int64(8), np.float32(0.7)),
+        (np.int32(8), np.array(np.float32(0.7))),
+        (np.array(8), np.float64(np.float32(0.7))),
+    ):
+        sde = FlowSDE(num_steps=num_steps, noise_level=noise_level, shift=np.float32(3.0),
+                      window=(np.int64(1), np.int64(4)))  # fmt: skip
+        assert sde == plain and hash(sde) == hash(plain)
+        assert type(sde.num_steps) is int and type(sde.noise_level) is float

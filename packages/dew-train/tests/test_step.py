@@ -127,8 +127,9 @@ def test_non_finite_step_changes_nothing_but_the_step_counter():
     [
         EMA(decay=0.8, warmup_steps=2, include=lambda path: path.endswith("w")),
         EMA(decay=lambda updates: 0.5 + 0.1 * jnp.minimum(updates, 4.0)),
+        EMA(decay=np.float32(0.5), use_warmup=True),
     ],
-    ids=["constant-warmup-include", "schedule"],
+    ids=["constant-warmup-include", "schedule", "use-warmup"],
 )
 def test_moving_average_matches_numpy(ema):
     objective, optimizer = Linear(ema=ema), optax.sgd(0.3)
@@ -137,7 +138,12 @@ def test_moving_average_matches_numpy(ema):
     averaged = as_numpy(state.params)
     for i in range(5):
         state, _ = step(state, batch_at(i))
-        decay = (0.8 * min(1.0, i / 2)) if ema.warmup_steps else 0.5 + 0.1 * min(i, 4)
+        if ema.use_warmup:  # min(decay, (1 + u) / (10 + u)): 0.1, 0.18, 0.25, ...
+            decay = min(0.5, (1 + i) / (10 + i))
+        elif ema.warmup_steps:
+            decay = 0.8 * min(1.0, i / 2)
+        else:
+            decay = 0.5 + 0.1 * min(i, 4)
         averaged = {
             name: decay * averaged[name] + (1 - decay) * np.asarray(state.params[name])
             for name in averaged
@@ -149,6 +155,18 @@ def test_moving_average_matches_numpy(ema):
     if ema.include is not None:
         np.testing.assert_array_equal(state.averaged["b"], state.params["b"])
     assert not np.allclose(state.averaged["w"], state.params["w"])
+
+
+def test_bad_ema_options_are_refused_with_the_range():
+    with pytest.raises(ValueError, match=r"EMA: warmup_steps=-1 must be a whole number >= 0"):
+        EMA(warmup_steps=-1)
+    with pytest.raises(ValueError, match=r"EMA: decay=1.0 must be a finite number in \[0, 1\)"):
+        EMA(decay=1.0)
+    with pytest.raises(ValueError, match=r"EMA: decay=nan must be a finite number"):
+        EMA(decay=float("nan"))
+    with pytest.raises(TypeError, match=r"use_warmup must be True or False, got 1"):
+        EMA(use_warmup=1)
+    assert EMA(decay=np.float32(0.5), warmup_steps=np.int64(3)) == EMA(decay=0.5, warmup_steps=3)
 
 
 def data(poisoned: set[int]) -> Dataset:
@@ -202,8 +220,14 @@ def test_evaluation_and_preview_use_averaged_weights_when_asked(use_averaged, ca
         float(np.sum(weights["w"])), rel=1e-6
     )
     np.testing.assert_array_equal(objective.previews[-1], weights["w"])
-    line = "eval (ema) step 3: w_sum" if use_averaged else "eval step 3: w_sum"
-    assert line in capsys.readouterr().out
+    live = trainer.evaluate(state, data(set()), averaged=False)["w_sum"]
+    assert live == pytest.approx(float(np.sum(state.params["w"])), rel=1e-6)
+    out = capsys.readouterr().out
+    if use_averaged:  # the log shows both: the average's and, as live/, the live weights'
+        line = "eval (ema; live/ = the live weights) step 3: w_sum "
+        assert line in out and "live/w_sum -" in out, out
+    else:
+        assert "eval step 3: w_sum" in out and "live/" not in out
 
 
 def test_pipeline_wraps_averaged_weights():

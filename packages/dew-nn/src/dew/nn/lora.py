@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn.backbones import layer_stack_of
+from dew.nn.keywords import is_whole_number
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
@@ -67,7 +68,7 @@ class LoRA:
         if isinstance(self.targets, str):
             object.__setattr__(self, "targets", (self.targets,))
         object.__setattr__(self, "targets", tuple(self.targets))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+        if not is_whole_number(self.rank) or self.rank < 1:
             raise ValueError(f"LoRA rank must be an int >= 1, got {self.rank!r}")
         if not self.alpha > 0:
             raise ValueError(

@@ -19,7 +19,9 @@ its non-empty pieces only) gives every block's logits at once; the logits of the
 read in the SUBS parameterisation, as :mod:`dew.objectives.masked_diffusion`.
 
 Evaluation reports the NELBO per token over the full range ``t in [time_eps, 1]``
-(the likelihood bound, on the same fixed grid and row-hashed masking as MDLM) and,
+(the likelihood bound, estimated without bias as MDLM's: stratified times with a
+shift per row, one time for all of a row's blocks, masking drawn from the row's
+index, and its standard error ``nelbo_stderr``) and,
 for each ``(beta, omega)`` of ``clip_search``, the variance of the per-row training
 loss under ``t ~ U[beta, omega]``; :meth:`BlockDiffusionObjective.summarize` names the
 pair of least variance (``clip_beta``, ``clip_omega``), the data-driven schedule to
@@ -170,7 +172,8 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
 
     # ----------------------------------------------------------- evaluation
     def evaluate(self, variables, batch, step):
-        """MDLM's fixed-grid NELBO over ``[time_eps, 1]`` (``nelbo``) and, per pair of
+        """MDLM's unbiased NELBO over ``[time_eps, 1]`` (``nelbo``, its sums for
+        ``nelbo_stderr``) and, per pair of
         ``clip_search``, the mean and mean square of the per-row loss at one time per
         block drawn from ``U[beta, omega]`` with fixed, row-hashed draws."""
         out = super().evaluate(variables, batch, step)

@@ -26,8 +26,8 @@ import numpy as np
 from dew.objectives.base import Objective, Role, Step, with_initial_values
 from dew.objectives.batch import IDS, BatchField
 from dew.objectives.distillation import (
-    _check_fraction,
     check_beta,
+    check_fraction,
     check_temperature,
     distillation_losses,
 )
@@ -73,9 +73,11 @@ class ClassifierDistillationObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        check_beta(self.beta)
-        check_temperature(self.temperature)
-        _check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy")
+        self.beta = check_beta(self.beta)
+        self.temperature = check_temperature(self.temperature)
+        self.alpha = check_fraction(
+            "alpha", self.alpha, "the weight of the hard-label cross-entropy"
+        )
         if self.alpha and self.label_key is None:
             raise ValueError(
                 f"{what}(alpha={self.alpha}) weighs a hard-label cross-entropy but "

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import EMA, Objective, Step
+from dew.objectives.base import EMA, Objective, Step, warmup_ema_decay  # noqa: F401 (public here too)
 from dew.objectives.batch import FLOATS, IDS, PIXELS, BatchField
 from dew.objectives.text_conditioning import TextConditioning
 from dew.objectives.weighted import Weighted
@@ -83,17 +83,9 @@ DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
 EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
-def warmup_ema_decay(updates: jax.Array, max_decay: float = 0.9999) -> jax.Array:
-    """``min(max_decay, (1 + u) / (10 + u))`` at update ``u``: the average follows the
-    weights early and reaches ``max_decay`` after ``~9 / (1 - max_decay)`` updates
-    (diffusers ``EMAModel`` / timm warm-up)."""
-    u = jnp.asarray(updates, jnp.float32)
-    return jnp.minimum(max_decay, (1.0 + u) / (10.0 + u))
-
-
 def default_ema() -> EMA:
     """EMA 0.9999 (DiT, Latte) with the ``(1 + u) / (10 + u)`` warm-up."""
-    return EMA(decay=functools.partial(warmup_ema_decay, max_decay=0.9999))
+    return EMA(decay=0.9999, use_warmup=True)
 
 
 def normal_kl(mean1, logvar1, mean2, logvar2):

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.dense import token_rows
+from dew.nn.keywords import real_number
 from dew.objectives.base import Objective, Role, Step, with_initial_values
 from dew.objectives.batch import FLOATS, IDS, MASK, BatchField
 from dew.objectives.lm import check_packed_positions, packed_inputs, target_weights
@@ -195,30 +196,34 @@ def topk_divergence(
 
 
 # --------------------------------------------------------------------- checks
-def check_beta(beta) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(
-            f"beta={beta!r} must be a number in [0, 1]: 0 = forward KL(teacher || student), "
-            f"1 = reverse KL(student || teacher), between them the generalized JSD"
-        )
+def check_beta(beta) -> float:
+    """``beta`` as a float in ``[0, 1]`` (any numeric form), or a ValueError."""
+    return real_number(
+        beta,
+        "beta",
+        low=0.0,
+        high=1.0,
+        meaning=(
+            "0 = forward KL(teacher || student), 1 = reverse KL(student || teacher), between "
+            "them the generalized JSD"
+        ),
+    )
 
 
-def check_temperature(temperature) -> None:
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(
-            f"temperature={temperature!r} must be a finite number > 0 (both models' logits are "
-            f"divided by it; 1 = their own distributions)"
-        )
+def check_temperature(temperature) -> float:
+    """``temperature`` as a float > 0 (any numeric form), or a ValueError."""
+    return real_number(
+        temperature,
+        "temperature",
+        low=0.0,
+        low_open=True,
+        meaning=("both models' logits are divided by it; 1 = their own distributions"),
+    )
 
 
-def _check_fraction(name: str, value, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"{name}={value!r} must be a number in [0, 1] ({meaning})")
+def check_fraction(name: str, value, meaning: str) -> float:
+    """``value`` as a float in ``[0, 1]`` (any numeric form), or a ValueError."""
+    return real_number(value, name, low=0.0, high=1.0, meaning=meaning)
 
 
 # -------------------------------------------------------------- output heads
@@ -434,10 +439,14 @@ class DistillationObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        check_beta(self.beta)
-        check_temperature(self.temperature)
-        _check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy")
-        _check_fraction("lmbda", self.lmbda, "the fraction of batches the student samples")
+        self.beta = check_beta(self.beta)
+        self.temperature = check_temperature(self.temperature)
+        self.alpha = check_fraction(
+            "alpha", self.alpha, "the weight of the hard-label cross-entropy"
+        )
+        self.lmbda = check_fraction(
+            "lmbda", self.lmbda, "the fraction of batches the student samples"
+        )
         if self.chunk_size is not None and (
             isinstance(self.chunk_size, bool) or int(self.chunk_size) < 1
         ):
@@ -698,9 +707,15 @@ class DistillationObjective(Objective):
                 return jnp.sum(per_token * w), out
 
             total, sums_ = chunked_sums(
-                stored_sums, self.chunk_size, student, kernel, stored, jnp.zeros(()), targets,
+                stored_sums,
+                self.chunk_size,
+                student,
+                kernel,
+                stored,
+                jnp.zeros(()),
+                targets,
                 weights,
-            )  # fmt: skip
+            )
             return total, sums_, jnp.sum(weights)
         teacher_params = jax.lax.stop_gradient(variables["teacher"]["params"])
         teacher, t_kernel, t_dtype = self._hidden(

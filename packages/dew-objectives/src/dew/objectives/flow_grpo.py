@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn.keywords import is_whole_number
 from dew.objectives.base import EMA, Objective, Role, Step, Updates, with_initial_values
 from dew.objectives.batch import IDS, BatchField
 from dew.objectives.diffusion import guided_context_mask, model_conditions
@@ -113,8 +114,11 @@ CONDITION_KEYS = ("label", "context", "context_mask")
 
 # -------------------------------------------------------------------- objective
 def default_ema() -> EMA:
-    """0.99 per update (the reference: 0.9 every 8 steps, ~0.987 per step)."""
-    return EMA(decay=0.99)
+    """0.99 per update (the reference: 0.9 every 8 steps, ~0.987 per step) with the
+    ``(1 + u) / (10 + u)`` warm-up (the reference's ``EMAModuleWrapper`` too): without it
+    the average of a 30-update run still held 74% of the initial weights, and its
+    reward was 0.08 where the live policy's was 0.44."""
+    return EMA(decay=0.99, use_warmup=True)
 
 
 @dataclasses.dataclass(eq=False)
@@ -228,7 +232,7 @@ class FlowGRPOObjective(Objective):
             raise ValueError(f"rollout_rows must be >= 1 or None, got {self.rollout_rows!r}")
         for name in ("groups", "device_rows"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and not is_whole_number(value):
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

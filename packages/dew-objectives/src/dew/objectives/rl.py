@@ -39,6 +39,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
+from dew.nn.keywords import is_whole_number
 from dew.objectives.logprobs import masked_mean
 
 RATIO_TOLERANCE = 1e-6
@@ -76,7 +77,7 @@ def clipped_policy_loss(
 def check_group_size(group_size: int, *, what: str, samples: str) -> None:
     """``group_size`` an int >= 2 (advantages are rewards against the group's mean), or
     an error naming ``what`` and the ``samples`` a group holds ("completions per prompt")."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if not is_whole_number(group_size):
         raise TypeError(f"group_size must be an int, got {group_size!r}")
     if group_size < 2:
         raise ValueError(

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from dew.nn.keywords import is_whole_number
 from dew.train.checkpoints import Checkpoints, Restored, resume_position
 from dew.train.hooks import Resume, RunStart, StepInfo
 
@@ -53,7 +54,7 @@ class Checkpointing:
                 f"Checkpointing needs a dew.train.Checkpoints (e.g. Checkpoints('runs/x')), "
                 f"got {type(checkpoints).__name__}"
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        if not is_whole_number(every) or every < 0:
             raise ValueError(
                 f"Checkpointing every= must be an int >= 0 steps (0 = only at the end), "
                 f"got {every!r}"

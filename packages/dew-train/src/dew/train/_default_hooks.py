@@ -193,8 +193,14 @@ class Evaluation(_Default):
         objective = self.programs.objective
         results = self.programs.evaluate(state, self.data.val, self.partition, self.eval_batches)
         averaged = state.evaluate_averaged and state.averaged is not None
+        if results and averaged:
+            # the live weights too: a short run's average may lag them (issue 42)
+            live = self.programs.evaluate(
+                state, self.data.val, self.partition, self.eval_batches, averaged=False
+            )
+            results = {**results, **{f"live/{k}": v for k, v in live.items()}}
         if results:
-            ema = " (ema)" if averaged else ""
+            ema = " (ema; live/ = the live weights)" if averaged else ""
             shown = ", ".join(f"{k} {format_value(v)}" for k, v in results.items())
             self.log.log(
                 step,

@@ -442,31 +442,41 @@ class Programs:
         return step_fn
 
     # ------------------------------------------------------------- evaluate
-    def evaluate(self, state: TrainState, val, partition: Partition, max_batches: int) -> dict:
+    def evaluate(
+        self, state: TrainState, val, partition: Partition, max_batches: int, *, averaged=None
+    ) -> dict:
         """One pass of ``objective.evaluate`` over ``val(partition)``: the reduced
         metrics after ``objective.summarize`` ({} without evaluation). Reads the
-        weights :meth:`TrainState.variables` gives by default (the moving average
-        when the objective evaluates with it)."""
+        weights ``state.variables(averaged=averaged)`` gives (None: the moving average
+        when the objective evaluates with it; False: the live weights)."""
         objective = self.objective
         if val is None or not objective.has_evaluate:
             return {}
         if self.cache.evaluate is None:
 
-            def evaluate(variables, batch, root, step):
+            def evaluate(variables, batch, root, step, first_row):
                 key = microbatch_key(root, step, Stream.EVALUATE)
-                metrics = objective.evaluate(variables, batch, Step(index=step, key=key))
+                # each row's index in the evaluation set: per-row draws (MDLM's bound)
+                # follow it, whatever the batch size and the device count
+                index = first_row + jnp.arange(_rows(batch), dtype=jnp.int32)
+                metrics = objective.evaluate(
+                    variables, batch, Step(index=step, key=key, rows=index)
+                )
                 rows = batch["example_mask"].sum() if "example_mask" in batch else _rows(batch)
                 return wt.as_metrics(metrics, rows)
 
             self.cache.evaluate = jax.jit(evaluate)
-        variables = state.variables()
-        totals = None
+        variables = state.variables(averaged=averaged)
+        totals, first_row = None, 0
         for i, local in enumerate(val(partition)):
             if max_batches and i >= max_batches:
                 break
             rows = np.asarray(next(iter(local.values()))).shape[0] * partition.count
             batch = to_global(local, partition, rows, self.device_mesh, self.rules)
-            sums = jax.device_get(self.cache.evaluate(variables, batch, state.key, state.step))
+            sums = jax.device_get(
+                self.cache.evaluate(variables, batch, state.key, state.step, np.int32(first_row))
+            )
+            first_row += rows
             totals = sums if totals is None else wt.add(totals, sums)
         if totals is None:
             return {}

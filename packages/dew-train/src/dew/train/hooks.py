@@ -35,6 +35,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
+from dew.nn.keywords import is_whole_number
+
 DEFAULT_HOOKS = (
     "rejections",
     "log",
@@ -231,7 +233,7 @@ class Hook:
     def __post_init__(self):
         if not callable(self.fn):
             raise TypeError(f"a hook must be callable, got {type(self.fn).__name__}")
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+        if not is_whole_number(self.every) or self.every < 1:
             raise ValueError(f"hook every= must be an int >= 1 steps, got {self.every!r}")
         if not self.name:
             object.__setattr__(self, "name", getattr(self.fn, "__name__", type(self.fn).__name__))

@@ -15,6 +15,7 @@ shardings, compiled programs), the loop :func:`~dew.train.training_steps`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import jax
 import optax
 
 from dew.data import Dataset, Partition
-from dew.nn.keywords import check_keywords
+from dew.nn.keywords import check_keywords, is_whole_number
 from dew.objectives import Objective, check_batch_spec
 from dew.objectives.rl import raising_ratio_errors
 from dew.train import _default_hooks as defaults
@@ -138,7 +139,7 @@ class Trainer:
                 f"{type(self.key).__name__} {self.key!r:.60}; a legacy uint32 PRNGKey converts "
                 f"with jax.random.wrap_key_data(k)"
             )
-        if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
+        if not is_whole_number(self.accumulate):
             raise TypeError(f"accumulate must be an int, got {self.accumulate!r}")
         if self.accumulate < 1:
             raise ValueError(f"accumulate must be >= 1 microbatches, got {self.accumulate}")
@@ -366,6 +367,23 @@ class Trainer:
         )
         resume = _start(hooks, run)
         restored = resume.restored if resume is not None else None
+        rows = data.batch // max(1, jax.process_count())
+
+        def check_batch(local, first: bool) -> None:
+            if first:  # the values once (dew.data readers check their own rows)
+                self.objective.check_batch(local)
+            check_spec(spec, local, rows)  # the shapes every batch
+
+        with goodput.measure("data"):
+            train_iter: Iterator = (
+                resume.open_batches() if resume is not None else run.open_batches()
+            )
+            # the first batch's values (ids beyond the vocabulary, the mask id as data,
+            # ties, empty completions) are refused before the state's creation compiles
+            first = next(train_iter, None)
+            if first is not None:
+                check_batch(first, True)
+                train_iter = itertools.chain([first], train_iter)
         if restored is None:
             with goodput.measure("init"):
                 state = self.init_state(spec)
@@ -383,17 +401,6 @@ class Trainer:
         log.print(_model_line(abstract, shardings))
         for note in notes:
             log.print(note)
-        with goodput.measure("data"):
-            train_iter: Iterator = (
-                resume.open_batches() if resume is not None else run.open_batches()
-            )
-        rows = data.batch // max(1, jax.process_count())
-
-        def check_batch(local, first: bool) -> None:
-            if first:  # the values once (dew.data readers check their own rows)
-                self.objective.check_batch(local)
-            check_spec(spec, local, rows)  # the shapes every batch
-
         step = start
         with programs.context(), signals:
             runner = HookRunner(
@@ -414,7 +421,8 @@ class Trainer:
                 steps=steps,
                 log_every=log_every,
                 goodput=goodput,
-                check_batch=check_batch,
+                # the first batch's values are checked above, the shapes every batch
+                check_batch=lambda local, first: check_spec(spec, local, rows),
             )
             for record in records:
                 state, step = record.state, record.step
@@ -525,15 +533,20 @@ class Trainer:
         )
 
     # ------------------------------------------------------------ evaluation
-    def evaluate(self, state: TrainState, data: Dataset, *, max_batches: int = 0) -> dict:
+    def evaluate(
+        self, state: TrainState, data: Dataset, *, max_batches: int = 0, averaged=None
+    ) -> dict:
         """One pass of ``objective.evaluate`` over ``data.val``: the reduced metrics
         (weighted means divided once over the whole pass) after
-        ``objective.summarize``. Uses the weights ``state.variables()`` gives: the
-        averaged ones when the objective evaluates with them and there are any
-        (``eval (ema)`` in the log)."""
+        ``objective.summarize``. Uses the weights ``state.variables(averaged=averaged)``
+        gives: by default the averaged ones when the objective evaluates with them and
+        there are any (``eval (ema)`` in the log, which adds the live weights' metrics
+        as ``live/<name>``); ``averaged=False`` the live weights."""
         partition = Partition(jax.process_index(), jax.process_count())
         with self.programs.context():
-            return self.programs.evaluate(state, data.val, partition, max_batches)
+            return self.programs.evaluate(
+                state, data.val, partition, max_batches, averaged=averaged
+            )
 
 
 def as_optax(optimizer) -> optax.GradientTransformation:

@@ -211,7 +211,9 @@ def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
         if "ema" not in fields:
             raise RecipeError(f"trainer.ema: {cls.__name__} keeps no moving average")
         supplied["ema"] = EMA(
-            decay=recipe.trainer.ema, warmup_steps=recipe.trainer.ema_warmup_steps
+            decay=recipe.trainer.ema,
+            use_warmup=recipe.trainer.ema_use_warmup,
+            warmup_steps=recipe.trainer.ema_warmup_steps,
         )
     if "planned_updates" in fields and "planned_updates" not in args:
         args["planned_updates"] = recipe.trainer.steps

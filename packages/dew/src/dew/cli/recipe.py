@@ -150,7 +150,10 @@ class OptimizerSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerSection:
     """``Trainer`` and ``Trainer.fit``'s arguments; ema: the decay of a moving
-    average of the weights (sets the objective's ``ema``), None = the objective's own."""
+    average of the weights (sets the objective's ``ema``), None = the objective's own;
+    ema_use_warmup: cap its decay at ``(1 + u) / (10 + u)`` at update ``u``
+    (``EMA(use_warmup=True)``, the families' defaults), so a short run's average
+    follows its weights; false = the decay from the first update."""
 
     steps: int
     log_every: int = 10
@@ -161,6 +164,7 @@ class TrainerSection:
     max_rejected: int = 10
     ema: float | None = None
     ema_warmup_steps: int = 0
+    ema_use_warmup: bool = True
     seed: int = 0
 
 

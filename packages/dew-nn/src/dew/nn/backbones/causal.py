@@ -13,7 +13,6 @@ bidirectional :class:`dew.nn.Transformer` runs the same blocks and stack.
 from __future__ import annotations
 
 import dataclasses
-from math import inf
 
 import flax.linen as nn
 import jax
@@ -29,7 +28,7 @@ from dew.nn.backbones._options import (
 )
 from dew.nn.backbones.block import DecoderBlock
 from dew.nn.dense import token_rows
-from dew.nn.keywords import is_whole_number
+from dew.nn.keywords import is_real_number, is_whole_number
 from dew.nn.shards import check_divides
 from dew.nn.stack import LayerStack
 from dew.nn.token_scores import TokenScores, chunked_scores, scores_of_logits
@@ -131,7 +130,7 @@ class CausalTransformer(TransformerOptions, kw_only=True):
                 f"balanced load) or None for dropless routing, got {factor}"
             )
         weight = self.moe_router_z_loss_weight
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < inf:
+        if not is_real_number(weight) or not 0 <= weight:
             raise ValueError(
                 f"moe_router_z_loss_weight must be a finite number >= 0 (the router "
                 f"z-loss's weight relative to the load-balancing loss; 0 = off), got {weight!r}"

@@ -183,7 +183,7 @@ class DiTOptions(BackboneOptions, kw_only=True):
     def sample_shape(self) -> tuple[int, int]:
         """``(height, width)`` the model is built for."""
         size = self.sample_size
-        return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        return (int(size), int(size)) if is_whole_number(size) else (int(size[0]), int(size[1]))
 
     @property
     def out_channels(self) -> int:

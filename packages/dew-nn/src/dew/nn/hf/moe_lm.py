@@ -44,6 +44,7 @@ from dew.nn.hf.llama import (
     qwen2_window_fields,
     write_llama_config,
 )
+from dew.nn.keywords import is_whole_number
 
 _DEFAULT_MAX_POSITIONS = {"mixtral": 4096 * 32, "qwen2_moe": 32768, "qwen3_moe": 32768}
 # the key each family's config.json names its expert count with (both are read)
@@ -283,7 +284,7 @@ def _sparse_layers(fields: ConfigFields, layers: int) -> tuple[int, ...]:
     only = fields.get("mlp_only_layers", None) or []
     step = fields.count("decoder_sparse_step", 1)
     if not isinstance(only, list | tuple) or any(
-        not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in only
+        not is_whole_number(i) or not 0 <= i < layers for i in only
     ):
         raise ValueError(
             f"{fields.where}: config.json sets mlp_only_layers={only!r}; it must list layer "

@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dew.nn.keywords import check_keywords, is_whole_number
-
-
-def _is_real(value) -> bool:
-    """A real number (int, float, numpy scalar), not a bool or a string."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
-
-
-def _finite(value) -> bool:
-    return math.isfinite(float(value))
+from dew.nn.keywords import check_keywords, is_real_number, is_whole_number
 
 
 @check_keywords
@@ -44,20 +32,16 @@ class Sampling:
 
     def __post_init__(self):
         problems = []
-        if (
-            not _is_real(self.temperature)
-            or not self.temperature >= 0
-            or not _finite(self.temperature)
-        ):
+        if not is_real_number(self.temperature) or not self.temperature >= 0:
             problems.append(
                 f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy, "
                 f"1 = the model's own distribution)"
             )
         if not is_whole_number(self.top_k) or self.top_k < 0:
             problems.append(f"top_k={self.top_k!r} must be a whole number >= 0 (0 = off)")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_real_number(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
-        if not _is_real(self.min_p) or not 0 <= self.min_p < 1:
+        if not is_real_number(self.min_p) or not 0 <= self.min_p < 1:
             problems.append(f"min_p={self.min_p!r} must be in [0, 1) (0 = off)")
         if problems:
             # a NaN compares False with everything: unchecked, it samples id 0 every step

@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.sampling.diffusion.samplers import DenoiseFn, _check_steps, flow_times
+from dew.nn.keywords import is_whole_number, real_number
+from dew.sampling.diffusion.samplers import DenoiseFn, check_steps, flow_times
 
 KINDS = ("sde", "cps")
 REDUCTIONS = ("mean", "sum")
@@ -92,32 +93,38 @@ class FlowSDE:
     family = "flow"
 
     def __post_init__(self):
-        _check_steps(self.num_steps)
-        if self.num_steps < 2:
-            raise ValueError(
-                f"FlowSDE needs num_steps >= 2 (the first step starts at t = 1, where the "
-                f"noise scale borrows the next time), got {self.num_steps}"
-            )
-        a = self.noise_level
-        if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a) or a < 0:
-            raise ValueError(
-                f"noise_level (a) must be a finite number >= 0 (Flow-GRPO: 0.7; 0 = the ODE), "
-                f"got {a!r}"
-            )
+        steps = check_steps(
+            self.num_steps,
+            low=2,
+            meaning=(
+                "FlowSDE: the first step starts at t = 1, where the noise scale borrows the "
+                "next time"
+            ),
+        )
+        object.__setattr__(self, "num_steps", steps)
+        a = real_number(
+            self.noise_level,
+            "noise_level",
+            low=0.0,
+            meaning="FlowSDE's a; Flow-GRPO: 0.7; 0 = the ODE",
+        )
+        object.__setattr__(self, "noise_level", a)
+        shift = real_number(
+            self.shift, "shift", low=0.0, low_open=True, meaning="FlowSDE's time shift; 1 = none"
+        )
+        object.__setattr__(self, "shift", shift)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "cps" and a > 1:
             raise ValueError(f"CPS needs noise_level in [0, 1] (s = t' sin(a pi / 2)), got {a}")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        if self.shift <= 0:
-            raise ValueError(f"shift must be > 0, got {self.shift}")
         if self.window is not None:
             window = tuple(self.window)
             last = self.num_steps - (1 if self.kind == "cps" else 0)
             if (
                 len(window) != 2
-                or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+                or not all(is_whole_number(w) for w in window)
                 or not 0 <= window[0] < window[1] <= last
             ):
                 raise ValueError(
@@ -126,7 +133,7 @@ class FlowSDE:
                     + (", the last CPS step has no noise" if self.kind == "cps" else "")
                     + "); None = every step"
                 )
-            object.__setattr__(self, "window", window)
+            object.__setattr__(self, "window", tuple(int(w) for w in window))
 
     # ------------------------------------------------------------- the table
     @property

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn.keywords import is_whole_number, real_number
 from dew.sampling.checkpoint_io import formats as checkpoint_formats
 from dew.sampling.checkpoint_io.files import TensorReader, write_tensors
 from dew.sampling.diffusion.samplers import (
@@ -193,10 +194,7 @@ class _Diffusion:
         self._check_guidance(self.guidance)
 
     def _check_guidance(self, guidance) -> float:
-        if isinstance(guidance, bool) or not isinstance(guidance, int | float):
-            raise ValueError(f"guidance must be a number (1.0 = none), got {guidance!r}")
-        if not math.isfinite(guidance) or guidance < 0:
-            raise ValueError(f"guidance must be a finite scale >= 0 (1.0 = none), got {guidance}")
+        guidance = real_number(guidance, "guidance", low=0.0, meaning="a scale; 1.0 = none")
         if guidance != 1.0 and not self.has_null_condition:
             raise ValueError(
                 f"guidance {guidance} needs the null condition, which this model never saw: "
@@ -211,7 +209,7 @@ class _Diffusion:
         sampler = make_sampler(
             self.sampler if sampler is None else sampler, schedule=self.schedule, num_steps=steps
         )
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        if not is_whole_number(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         null_label = getattr(self.model, "num_classes", 0) or None
         run = _compiled_sampling(
@@ -302,7 +300,7 @@ class ClassToImage(_Diffusion):
         else:
             if labels is not None:
                 raise ValueError("this model is unconditional (num_classes=0); pass count=")
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            if not is_whole_number(count) or count < 1:
                 raise ValueError(f"count must be an int >= 1 samples, got {count!r}")
             label = None
             if (guidance if guidance is not None else self.guidance) != 1.0:

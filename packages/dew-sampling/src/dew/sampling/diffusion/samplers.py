@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn.keywords import whole_number
 from dew.sampling.diffusion.schedules import DDPMSchedule, EDMSchedule, FlowSchedule, Schedule
 from dew.sampling.diffusion.schedules import per_row as _rows
 from dew.sampling.diffusion.targets import as_float32, check_target, eps_from_x0, predictions_of
@@ -154,9 +155,9 @@ def model_denoiser(
     return denoise
 
 
-def _check_steps(num_steps) -> None:
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+def check_steps(num_steps, *, low: int = 1, meaning: str = "sampling steps") -> int:
+    """``num_steps`` as an int >= ``low`` (any integer form), or a ValueError."""
+    return whole_number(num_steps, "num_steps", low=low, meaning=meaning)
 
 
 def respaced_timesteps(num_timesteps: int, num_steps: int) -> np.ndarray:
@@ -182,7 +183,7 @@ class DDPM:
     family = "ddpm"
 
     def __post_init__(self):
-        _check_steps(self.num_steps)
+        check_steps(self.num_steps)
 
     def run(self, denoise_fn: DenoiseFn, schedule: DDPMSchedule, key, shape) -> jax.Array:
         ts = respaced_timesteps(schedule.num_timesteps, self.num_steps)
@@ -231,7 +232,7 @@ class DDIM:
     family = "ddpm"
 
     def __post_init__(self):
-        _check_steps(self.num_steps)
+        check_steps(self.num_steps)
         if self.eta < 0:
             raise ValueError(f"eta must be >= 0, got {self.eta}")
 
@@ -305,7 +306,7 @@ class _FlowODE:
     heun = False
 
     def __post_init__(self):
-        _check_steps(self.num_steps)
+        check_steps(self.num_steps)
         if self.shift <= 0:
             raise ValueError(f"shift must be > 0, got {self.shift}")
 
@@ -358,7 +359,7 @@ class EDMHeun:
     family = "edm"
 
     def __post_init__(self):
-        _check_steps(self.num_steps)
+        check_steps(self.num_steps)
         if self.s_churn < 0:
             raise ValueError(f"s_churn must be >= 0, got {self.s_churn}")
 
@@ -428,7 +429,7 @@ def make_sampler(
     (the schedule's default: DDIM, flow Euler, EDM Heun). Raises ValueError before
     anything is compiled when it does not go with ``schedule``."""
     if num_steps is not None:
-        _check_steps(num_steps)
+        check_steps(num_steps)
         options["num_steps"] = num_steps
     if sampler is None:
         sampler = DEFAULT_SAMPLERS[schedule.family]

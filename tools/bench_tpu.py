@@ -81,8 +81,15 @@ def peak_hbm() -> float:
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
-def run_dew(s: dict, steps: int, remat: str, kernel: str, param_dtype: str, stack: str = "scan",
-            with_plan: bool = True):
+def run_dew(
+    s: dict,
+    steps: int,
+    remat: str,
+    kernel: str,
+    param_dtype: str,
+    stack: str = "scan",
+    with_plan: bool = True,
+):
     import itertools
 
     import jax
@@ -246,12 +253,14 @@ def one(a) -> dict:
     for key in ("emb", "layers", "heads", "kv_heads", "mlp"):
         if getattr(a, key) is not None:
             s[key] = getattr(a, key)
-    res = dict(side=a.side, remat=a.remat, kernel=a.kernel, param_dtype=a.param_dtype,
-               stack=a.stack, **s)
+    res = dict(
+        side=a.side, remat=a.remat, kernel=a.kernel, param_dtype=a.param_dtype, stack=a.stack, **s
+    )
     try:
         if a.side == "dew":
-            sec, temp, peak = run_dew(s, a.steps, a.remat, a.kernel, a.param_dtype, a.stack,
-                                      not a.no_plan)
+            sec, temp, peak = run_dew(
+                s, a.steps, a.remat, a.kernel, a.param_dtype, a.stack, not a.no_plan
+            )
         else:
             sec, temp, peak = run_hand(s, a.steps, a.remat, a.side == "splash", a.param_dtype)
         res.update(step_s=sec, tokens_per_s=s["batch"] * s["seq"] / sec,
@@ -324,11 +333,15 @@ def print_table(results: list[dict]) -> None:
     labels = list(dict.fromkeys(r["label"] for r in results))
     for label in labels:
         by = {r["side"]: r for r in results if r["label"] == label}
-        ratio = lambda a, b: (  # noqa: E731
+        ratio = lambda a, b, by=by: (  # noqa: E731
             f"{by[a]['tokens_per_s'] / by[b]['tokens_per_s']:.3f}"
-            if a in by and b in by and "error" not in by[a] and "error" not in by[b] else "")
-        print(f"| {label} | {cell(by.get('hand'))} | {cell(by.get('splash'))} | "
-              f"{cell(by.get('dew'))} | {ratio('dew', 'splash')} | {ratio('dew', 'hand')} |")
+            if a in by and b in by and "error" not in by[a] and "error" not in by[b]
+            else ""
+        )
+        print(
+            f"| {label} | {cell(by.get('hand'))} | {cell(by.get('splash'))} | "
+            f"{cell(by.get('dew'))} | {ratio('dew', 'splash')} | {ratio('dew', 'hand')} |"
+        )
 
 
 def main() -> None:
@@ -346,8 +359,12 @@ def main() -> None:
     p.add_argument("--remat", default="none", help="none, full or minimal (Dew: any name)")
     p.add_argument("--kernel", default="auto", help="Dew's attention_kernel")
     p.add_argument("--param-dtype", default="float32")
-    p.add_argument("--stack", choices=["scan", "loop", "unrolled"], default="scan",
-                   help="Dew's layer stack: scanned (default), a loop, the scan unrolled")
+    p.add_argument(
+        "--stack",
+        choices=["scan", "loop", "unrolled"],
+        default="scan",
+        help="Dew's layer stack: scanned (default), a loop, the scan unrolled",
+    )
     p.add_argument("--no-plan", action="store_true", help="Dew: skip plan's compile")
     a = p.parse_args()
     if a.suite:

@@ -25,15 +25,18 @@ def main() -> None:
     p.add_argument("--kernel", default="splash")
     a = p.parse_args()
     print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-    print(f"| mask | dtype | output | input grad (rel.) | param grad (rel.) |")
+    print("| mask | dtype | output | input grad (rel.) | param grad (rel.) |")
     print("|---|---|---|---|---|")
     for name, attention, call in attention_kernel_cases(a.length, a.block):
         for dtype in (jnp.float32, jnp.bfloat16):
             with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
                 d = compare_attention_kernels(attention, call, kernel=a.kernel,
                                               length=a.length, dtype=dtype)  # fmt: skip
-            print(f"| {name} | {jnp.dtype(dtype).name} | {d['output']:.2e} | "
-                  f"{d['input_grad']:.2e} | {d['param_grad']:.2e} |", flush=True)
+            print(
+                f"| {name} | {jnp.dtype(dtype).name} | {d['output']:.2e} | "
+                f"{d['input_grad']:.2e} | {d['param_grad']:.2e} |",
+                flush=True,
+            )
             print("RESULT " + json.dumps(dict(mask=name, dtype=jnp.dtype(dtype).name, **d)))
 
 

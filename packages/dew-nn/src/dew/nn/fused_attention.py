@@ -38,7 +38,6 @@ bfloat16 or float16 with ``head_dim`` a multiple of 8 up to 128.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -172,9 +171,7 @@ def splash_block(queries: int, keys: int, block_size: int | None) -> int | None:
     return None
 
 
-def splash_mask(
-    policy: MaskPolicy, query_key_mask, queries: int, keys: int
-):
+def splash_mask(policy: MaskPolicy, query_key_mask, queries: int, keys: int):
     """The static splash mask ``[queries, keys]`` of ``policy`` over slots (and of
     block diffusion's halves), as lazy masks where splash has them (causal, full,
     local windows) and a numpy mask otherwise."""
@@ -270,9 +267,7 @@ def splash_attention(
         head_axes = ()
 
     def local(q, k, v, *segments):
-        kernel = _splash_kernel(
-            policy, query_key_mask, q.shape[1], queries, keys, block, interpret
-        )
+        kernel = _splash_kernel(policy, query_key_mask, q.shape[1], queries, keys, block, interpret)
         if segments:
             return jax.vmap(lambda q, k, v, sq, sk_: kernel(q, k, v, sk.SegmentIds(sq, sk_)))(
                 q, k, v, *segments

@@ -55,8 +55,7 @@ REMAT_POLICIES = {
     "(context) and its output projection; the MLP is recomputed",
     "save_dot_except_mlpwi": "q/k/v and output projections and the MLP's down projection; "
     "the MLP's up/gate projections are recomputed",
-    "save_dot_except_mlp": "q/k/v and output projections; the attention and the MLP are "
-    "recomputed",
+    "save_dot_except_mlp": "q/k/v and output projections; the attention and the MLP are recomputed",
     "save_qkv_proj": "the q/k/v projections only",
     "qkv_proj_offloaded": "the q/k/v projections, moved to host memory and back (a TPU or "
     "GPU backend)",
@@ -92,7 +91,9 @@ def remat_policy_fn(name: str | None) -> Callable | None:
             offload_dst="pinned_host",
         )
     if name == "minimal_offloaded":
-        return policies.offload_dot_with_no_batch_dims(offload_src="device", offload_dst="pinned_host")
+        return policies.offload_dot_with_no_batch_dims(
+            offload_src="device", offload_dst="pinned_host"
+        )
     return getattr(policies, name)
 
 

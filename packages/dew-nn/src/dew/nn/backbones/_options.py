@@ -68,6 +68,7 @@ COUNT_MEANINGS = {
     "pipeline_microbatches": "microbatches of the pipeline; None = num_stages",
     "pipeline_repeats": "rounds of the circular pipeline schedule; 1 = GPipe",
     "encoder_features": "the encoder's feature width",
+    "attention_block_size": "splash attention's block, a multiple of 128; None = chosen",
     "image_size": "pixels along a side of an image",
     "patch_size": "pixels along a side of a patch",
     "num_channels": "channels of a pixel",
@@ -304,7 +305,7 @@ class BlockOptions(nn.Module, kw_only=True):
     attention_block_size: int | None = None
 
     BLOCK_POSITIVE = ("emb_features", "num_heads", "mlp_features")
-    BLOCK_OPTIONAL = ("num_kv_heads", "head_dim")
+    BLOCK_OPTIONAL = ("num_kv_heads", "head_dim", "attention_block_size")
 
     @property
     def kv_heads(self) -> int:

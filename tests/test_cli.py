@@ -817,3 +817,60 @@ def test_a_step_refused_for_memory_exits_4():
     from dew.train import StepDoesNotFit
 
     assert exit_code_of(StepDoesNotFit("needs 2 bytes, has 1")) == EXIT["does_not_fit"] == 4
+
+
+# ------------------------------------------------------------- the run folder
+
+
+def saved_run(tmp_path) -> str:
+    """A run folder whose recipe.yaml the command wrote (the checks before training
+    need no checkpoints)."""
+    from dew.cli.run_folder import write_run_recipe
+
+    from dew.cli.commands import read_recipe
+
+    raw = read_recipe(LM, [*TOY, f"run_dir={tmp_path}/run"])
+    resolved = build(parse_recipe(raw), None, with_data=False).resolved
+    os.makedirs(tmp_path / "run")
+    write_run_recipe(str(tmp_path / "run"), resolved)
+    return str(tmp_path / "run")
+
+
+def test_recipe_yaml_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from dew.cli.run_folder import RECIPE_END, load_run_recipe, write_run_recipe
+
+    run = saved_run(tmp_path)
+    path = pathlib.Path(run, "recipe.yaml")
+    before = path.read_bytes()
+    assert before.decode().endswith(RECIPE_END) and load_run_recipe(run)["trainer"]
+    # killed before the rename: the old file stays as it was
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        write_run_recipe(run, {"model": {}})
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda text: "", "is empty"),
+        (lambda text: "\n".join(text.splitlines()[:-3]) + "\n", "is cut short: it has no"),
+        (lambda text: "- model\n", "holds a YAML list, not a mapping"),
+        (lambda text: text[: len(text) // 2] + "\n  :[\n", "is not valid YAML"),
+    ],
+    ids=["empty", "cut_at_a_line", "a_list", "cut_mid_line"],
+)
+def test_a_damaged_saved_recipe_is_refused_naming_the_file(damage, says, tmp_path, capsys):
+    """Never read with defaults (a cut file once resumed with keep=3 for keep: null)."""
+    run = saved_run(tmp_path)
+    path = pathlib.Path(run, "recipe.yaml")
+    path.write_text(damage(path.read_text()))
+    for command in (["resume", run], ["sample", run, "--prompt", "a"], ["report", run]):
+        code = main(command)
+        err = capsys.readouterr().err
+        if command[0] == "report":  # shows the file as it is
+            assert code == 0, err
+            continue
+        assert code == 2, (command, err)
+        assert f"{path} {says}" in err and "put back the recipe" in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err, err

@@ -9,12 +9,17 @@ import shutil
 import sys
 import time
 
-import yaml
-
 from dew.cli import EXIT, print_json
 from dew.cli.recipe import RecipeError, apply_overrides, load_recipe, parse_recipe
+from dew.cli.run_folder import (
+    RECIPE_FILE,
+    load_run_recipe,
+    lock_run,
+    release_run,
+    write_atomically,
+    write_run_recipe,
+)
 
-RECIPE_FILE = "recipe.yaml"
 STATUS_FILE = "status.json"
 CHECKPOINTS = "checkpoints"
 
@@ -209,10 +214,7 @@ def write_status(run_dir: str, status: str, **extra) -> None:
     if jax.process_index() != 0:
         return
     row = {"status": status, "pid": os.getpid(), "time": time.time(), **extra}
-    path = os.path.join(run_dir, STATUS_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(row, f)
-    os.replace(path + ".tmp", path)
+    write_atomically(os.path.join(run_dir, STATUS_FILE), json.dumps(row))
 
 
 def _check_against_run(run_dir: str, resolved: dict) -> None:
@@ -226,7 +228,10 @@ def _check_against_run(run_dir: str, resolved: dict) -> None:
         return
     if not Checkpoints(os.path.join(run_dir, CHECKPOINTS)).steps():
         return
-    saved = load_recipe(saved_file).get("model", {})
+    try:
+        saved = load_run_recipe(run_dir).get("model", {})
+    except RecipeError:
+        return  # damaged: this recipe is written in its place (restore checks the model)
     current = resolved["model"]
     if "name" in saved and "name" in current:
         lines = models.config_differences(
@@ -290,7 +295,7 @@ def train(args) -> int:
 def resume(args) -> int:
     if not is_run(args.run_dir):
         raise _not_a_run(args.run_dir)
-    raw = load_recipe(os.path.join(args.run_dir, RECIPE_FILE))
+    raw = load_run_recipe(args.run_dir)
     raw["run_dir"] = args.run_dir
     raw = apply_overrides(raw, args.overrides)
     return _train(raw, args)
@@ -356,8 +361,7 @@ def _train(raw: dict, args) -> int:
     os.makedirs(run_dir, exist_ok=True)
     if jax.process_index() == 0:
         keep_tokenizer(recipe, built.tokenizer, run_dir)
-        with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
-            yaml.safe_dump(built.resolved, f, sort_keys=False)
+        write_run_recipe(run_dir, built.resolved)
     # W&B / MLflow runs start only now: a bad recipe opens none
     trainer.trackers = _trackers(recipe, built.resolved, args)
     write_status(run_dir, "running", steps=t.steps)
@@ -428,8 +432,7 @@ def _put_back(run_dir: str, kept: dict[str, bytes | None]) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         else:
-            with open(path, "wb") as f:
-                f.write(content)
+            write_atomically(path, content.decode())
 
 
 def _trackers(recipe, resolved: dict, args) -> list:
@@ -657,10 +660,10 @@ def _trained(run_dir: str, live: bool):
 
     if not is_run(run_dir):
         raise _not_a_run(run_dir)
+    raw = load_run_recipe(run_dir)
     directory = os.path.join(run_dir, CHECKPOINTS)
     if not Checkpoints(directory).steps():
         raise RecipeError(f"{run_dir} has no checkpoint yet (train it: dew resume {run_dir})")
-    raw = load_recipe(os.path.join(run_dir, RECIPE_FILE))
     raw["run_dir"] = run_dir
     recipe, built = prepared(raw, with_data=False)
     # load_model's default follows the checkpoint: the EMA weights where the run kept

@@ -23,6 +23,7 @@ from dew.nn import models
 from dew.objectives import EMA
 from dew.objectives.lm import LMObjective
 from dew.train import CheckpointMismatchError, Checkpoints, Trainer, load_model
+from dew.train._integrity import ChecksumsMissingError, read_recorded
 from dew.train.checkpoints import NoUsableCheckpointError, OptimizerMismatchError
 from dew.train.state import TrainState
 
@@ -636,6 +637,43 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
     assert_same_state(restored.state, states[1])
 
 
+def test_a_checkpoint_that_lost_its_checksums_is_set_aside_like_a_damaged_one(tmp_path):
+    """One bit flipped in an array and ``checksums/`` deleted: a checkpoint whose
+    format records checksums (2) is not restored unverified but set aside with one
+    line, and the restore falls back to the checkpoint before, bit for bit."""
+    states = {1: big_state(1), 2: big_state(2)}
+    session = Checkpoints(tmp_path, use_async=True).open(print_fn=lambda line: None)
+    for step, state in states.items():
+        session.save(step, state, iter(()), {})
+    session.close()
+    state_dir = tmp_path / "2" / "state"
+    chunk = stored_chunk(state_dir, b"params.w/0")
+    for path in [p for p in state_dir.rglob("*") if p.is_file() and chunk in p.read_bytes()]:
+        flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
+    shutil.rmtree(tmp_path / "2" / "checksums")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda: states[1])
+    shardings = jax.tree.map(lambda _: device, abstract)
+    lines = []
+    restored = (
+        Checkpoints(tmp_path)
+        .open(print_fn=lines.append)
+        .restore(abstract, shardings, root_key=jax.random.key(0))
+    )
+    assert lines == [
+        f"Skipping checkpoint {tmp_path}/2: it is damaged: its checksums/ folder is missing, "
+        f"though it was written with checksums of its arrays (checkpoint format 2), so its "
+        f"arrays cannot be verified; kept as {tmp_path}/2.unusable, nothing deleted"
+    ]
+    assert restored.step == 1
+    assert_same_state(restored.state, states[1])
+    # what load_model reads too: a checkpoint of format 2 without them is refused
+    shutil.rmtree(tmp_path / "1" / "checksums")
+    with pytest.raises(ChecksumsMissingError, match="checksums/ folder is missing"):
+        read_recorded(str(tmp_path / "1"), format=2)
+    assert read_recorded(str(tmp_path / "1"), format=1) is None
+
+
 @pytest.mark.parametrize("use_async", [True, False])
 def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path, use_async):
     """An asynchronous save sums in the background once ``save`` has returned,
@@ -687,9 +725,14 @@ def test_checksums_match_an_independent_reference(run, tmp_path):
         for index, saved in shards.items():
             cut = tuple(slice(int(a), int(b)) for a, b in re.findall(r"(\d+):(\d+)", index))
             assert saved == xxh3_of(whole[cut]), name
-    # written without checksums (an earlier version of Dew): restored, unverified, said so
+    # written without checksums (an earlier version of Dew, checkpoint format 1):
+    # restored, unverified, said so
     shutil.copytree(run.reference / "6", tmp_path / "6")
     shutil.rmtree(tmp_path / "6" / "checksums")
+    meta_file = tmp_path / "6" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta["format"] == 2
+    meta_file.write_text(json.dumps({**meta, "format": 1}))
     lines = []
     abstract, shardings = run.trainer.state_shardings()
     restored = (

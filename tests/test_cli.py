@@ -874,3 +874,34 @@ def test_a_damaged_saved_recipe_is_refused_naming_the_file(damage, says, tmp_pat
         assert code == 2, (command, err)
         assert f"{path} {says}" in err and "put back the recipe" in err, err
         assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_one_process_owns_a_run_folder(tmp_path, capsys):
+    """A second writer is refused naming the folder and the holder's pid, before it
+    writes anything; once the holder is killed (the OS lets its lock go) the same
+    command trains."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from dew.cli.run_folder import lock_run; "
+            f"lock_run({str(run)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        command = ["train", LM, *TOY, f"run_dir={run}", "trainer.steps=2"]
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"{run} is in use by another process (pid {holder.pid} on host " in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert sorted(os.listdir(run)) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["--quiet", *command]) == 0
+    assert json.loads((run / "status.json").read_text())["step"] == 2

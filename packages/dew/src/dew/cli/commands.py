@@ -289,7 +289,16 @@ def train(args) -> int:
     raw = read_recipe(args.recipe, args.overrides)
     if not raw.get("run_dir"):
         raw["run_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(args.recipe))[0])
-    return _train(raw, args)
+    return _owned(raw, args)
+
+
+def _owned(raw: dict, args) -> int:
+    """:func:`_train`, then the run directory's lock let go (the process's end
+    would release it anyway; a test or notebook calling ``main`` goes on)."""
+    try:
+        return _train(raw, args)
+    finally:
+        release_run(os.path.abspath(raw["run_dir"]))
 
 
 def resume(args) -> int:
@@ -298,7 +307,7 @@ def resume(args) -> int:
     raw = load_run_recipe(args.run_dir)
     raw["run_dir"] = args.run_dir
     raw = apply_overrides(raw, args.overrides)
-    return _train(raw, args)
+    return _owned(raw, args)
 
 
 def prepared(raw: dict, *, with_data: bool = True):
@@ -355,10 +364,13 @@ def _train(raw: dict, args) -> int:
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(f"trainer: {error}") from None
-    # the recipe has passed: from here on the run directory is written
+    # the recipe has passed: from here on the run directory is written, by this
+    # process alone (a second one is refused here, having written nothing)
     is_new = not os.path.exists(run_dir)
     kept = _kept_files(run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        lock_run(run_dir)
     if jax.process_index() == 0:
         keep_tokenizer(recipe, built.tokenizer, run_dir)
         write_run_recipe(run_dir, built.resolved)

@@ -397,7 +397,7 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     assert latest.startswith("Dew") and f"<pre>{html.escape(latest)}</pre>" in page
 
 
-def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_path):
+def test_sigterm_exits_75_with_a_checkpoint_and_resume_continues(tmp_path, capsys):
     run_dir = str(tmp_path / "p")
     command = [
         "--quiet",
@@ -422,9 +422,18 @@ def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_p
     from dew.train import Checkpoints
 
     assert Checkpoints(os.path.join(run_dir, "checkpoints")).steps() == [status["step"]]
-    # rerunning the same command continues from there (to a nearer end for the test)
-    assert main([*command, f"trainer.steps={status['step'] + 2}"]) == 0
-    assert sorted(metrics(run_dir))[-1] == status["step"] + 2
+    # the same command with another setting does not silently change the run
+    end = status["step"] + 2
+    before = {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()}
+    assert main([*command, f"trainer.steps={end}", "optimizer.learning_rate=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{os.path.abspath(run_dir)} holds a run trained with another recipe" in err, err
+    assert f"trainer.steps: 3000 -> {end}; optimizer.learning_rate: 0.003 -> 0.001." in err
+    assert f"dew resume {os.path.abspath(run_dir)} " in err and "Traceback" not in err, err
+    assert {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()} == before
+    # resuming with a nearer end continues from the checkpoint
+    assert main(["--quiet", "resume", run_dir, f"trainer.steps={end}"]) == 0
+    assert sorted(metrics(run_dir))[-1] == end
 
 
 def test_plan_reports_the_step_and_whether_it_fits(capsys):
@@ -825,9 +834,8 @@ def test_a_step_refused_for_memory_exits_4():
 def saved_run(tmp_path) -> str:
     """A run folder whose recipe.yaml the command wrote (the checks before training
     need no checkpoints)."""
-    from dew.cli.run_folder import write_run_recipe
-
     from dew.cli.commands import read_recipe
+    from dew.cli.run_folder import write_run_recipe
 
     raw = read_recipe(LM, [*TOY, f"run_dir={tmp_path}/run"])
     resolved = build(parse_recipe(raw), None, with_data=False).resolved
@@ -905,3 +913,25 @@ def test_one_process_owns_a_run_folder(tmp_path, capsys):
         holder.wait()
     assert main(["--quiet", *command]) == 0
     assert json.loads((run / "status.json").read_text())["step"] == 2
+
+
+def test_resume_with_more_steps_keeps_the_schedule_as_trained(tmp_path, capsys):
+    """`dew resume RUN trainer.steps=N` does not lay the cosine over N steps: the
+    run's decay_steps is written into its recipe at the start and kept (a recipe of
+    an earlier Dew without it: its trainer.steps)."""
+    run = str(tmp_path / "run")
+    cosine = ["optimizer.schedule.warmup_steps=0", "trainer.log_every=1"]
+    assert main(["--quiet", "train", LM, *cosine, "trainer.steps=4", f"run_dir={run}"]) == 0
+    saved = load_recipe(os.path.join(run, "recipe.yaml"))
+    assert saved["optimizer"]["schedule"]["decay_steps"] == 4
+    capsys.readouterr()
+    assert main(["--quiet", "resume", run, "trainer.steps=6"]) == 0
+    err = capsys.readouterr().err
+    assert "trainer.steps 4 -> 6; the learning-rate schedule decays over 4 steps as trained" in err
+    rates = {s: row["learning_rate"] for s, row in metrics(run).items()}
+    assert rates[4] < 3e-3 * 0.2 and rates[5] == rates[6] == 0.0, rates  # cosine's end: 0
+    # a saved recipe without decay_steps (an earlier Dew): the steps it was trained with
+    path = pathlib.Path(run, "recipe.yaml")
+    path.write_text(path.read_text().replace("    decay_steps: 4\n", ""))
+    assert main(["--quiet", "resume", run, "trainer.steps=7"]) == 0
+    assert metrics(run)[7]["learning_rate"] == 0.0

@@ -304,11 +304,18 @@ def build_optimizer(recipe: Recipe):
     if section.clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(section.clip_norm), optimizer)
     resolved = plain(section)
+    if section.schedule.name in DECAYING:
+        # explicit in the saved recipe: `dew resume RUN trainer.steps=N` keeps the
+        # schedule the run was trained with instead of laying it over N steps
+        resolved["schedule"]["decay_steps"] = section.schedule.decay_steps or recipe.trainer.steps
     resolved["args"] = {k: plain(v) for k, v in args.items() if k != "learning_rate"}
     resolved["args"] = {
         k: v for k, v in resolved["args"].items() if v is not None or k in section.args
     }
     return optimizer, schedule, resolved
+
+
+DECAYING = ("cosine", "linear", "warmup_cosine")  # schedules that read decay_steps
 
 
 def _schedule(section, steps: int):

@@ -289,14 +289,14 @@ def train(args) -> int:
     raw = read_recipe(args.recipe, args.overrides)
     if not raw.get("run_dir"):
         raw["run_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(args.recipe))[0])
-    return _owned(raw, args)
+    return _owned(raw, args, unchanged=True)
 
 
-def _owned(raw: dict, args) -> int:
+def _owned(raw: dict, args, *, unchanged: bool = False) -> int:
     """:func:`_train`, then the run directory's lock let go (the process's end
     would release it anyway; a test or notebook calling ``main`` goes on)."""
     try:
-        return _train(raw, args)
+        return _train(raw, args, unchanged=unchanged)
     finally:
         release_run(os.path.abspath(raw["run_dir"]))
 
@@ -306,8 +306,74 @@ def resume(args) -> int:
         raise _not_a_run(args.run_dir)
     raw = load_run_recipe(args.run_dir)
     raw["run_dir"] = args.run_dir
-    raw = apply_overrides(raw, args.overrides)
-    return _owned(raw, args)
+    _keep_decay(raw)
+    changed = apply_overrides(raw, args.overrides)
+    schedule = changed.get("optimizer", {}).get("schedule", {})
+    if changed["trainer"]["steps"] != raw["trainer"]["steps"] and schedule.get("decay_steps"):
+        kept = schedule["decay_steps"] == raw["optimizer"]["schedule"]["decay_steps"]
+        print(
+            f"dew: trainer.steps {raw['trainer']['steps']} -> {changed['trainer']['steps']}; "
+            f"the learning-rate schedule decays over {schedule['decay_steps']} steps"
+            + (
+                " as trained (optimizer.schedule.decay_steps=N changes it)"
+                if kept
+                else " (optimizer.schedule.decay_steps as given)"
+            ),
+            file=sys.stderr,
+        )
+    return _owned(changed, args)
+
+
+def _keep_decay(raw: dict) -> None:
+    """A saved recipe of an earlier Dew whose decaying schedule left ``decay_steps``
+    to ``trainer.steps``: the steps it was trained with, made explicit."""
+    from dew.cli.build import DECAYING
+
+    schedule = raw.get("optimizer", {}).get("schedule")
+    if isinstance(schedule, dict) and schedule.get("name") in DECAYING:
+        if not schedule.get("decay_steps"):
+            schedule["decay_steps"] = raw.get("trainer", {}).get("steps")
+
+
+def _check_unchanged(run_dir: str, resolved: dict) -> None:
+    """``dew train`` into a run directory whose saved recipe differs from this one:
+    refused with the differences (a re-run never silently changes a run)."""
+    import yaml
+
+    if not is_run(run_dir):
+        return
+    try:
+        saved = _flatten(load_run_recipe(run_dir))
+    except RecipeError:
+        return  # damaged: this recipe is written in its place (restore checks the model)
+    saved.pop("run_dir", None)
+    new = _flatten(yaml.safe_load(yaml.safe_dump(resolved)))
+    new.pop("run_dir", None)
+    keys = [k for k in {**saved, **new} if saved.get(k, "(none)") != new.get(k, "(none)")]
+    if not keys:
+        return
+
+    def shown(value):
+        return (
+            yaml.safe_dump(value, default_flow_style=True, width=10**6)
+            .strip()
+            .removesuffix("\n...")
+            .removesuffix("...")
+            .strip()
+        )
+
+    lines = [f"{k}: {shown(saved.get(k, '(none)'))} -> {shown(new.get(k, '(none)'))}" for k in keys]
+    steps, decay = "trainer.steps", "optimizer.schedule.decay_steps"
+    follows = (
+        decay in keys and new.get(decay) == new.get(steps) and saved.get(decay) == saved.get(steps)
+    )
+    hint = [f"{k}={shown(new[k])}" for k in keys if k in new and not (k == decay and follows)]
+    raise RecipeError(
+        f"{run_dir} holds a run trained with another recipe; nothing was changed. What "
+        f"differs (the run -> this command): {'; '.join(lines)}. Use a new run_dir= for a "
+        f"new run, or continue this one with `dew resume {run_dir} {' '.join(hint)}` "
+        f"(its learning-rate schedule stays as trained unless you change it)"
+    )
 
 
 def prepared(raw: dict, *, with_data: bool = True):
@@ -319,7 +385,7 @@ def prepared(raw: dict, *, with_data: bool = True):
     return recipe, build(recipe, recipe.run_dir, with_data=with_data)
 
 
-def _train(raw: dict, args) -> int:
+def _train(raw: dict, args, *, unchanged: bool = False) -> int:
     """Everything the recipe names is built and checked (names, signatures, types,
     the model against the run's checkpoints, the trainer) before the run directory
     is written: a bad recipe leaves no directory behind, and an existing one as it was."""
@@ -335,6 +401,8 @@ def _train(raw: dict, args) -> int:
     compilation_cache(recipe.compilation_cache)
     built = build(recipe, run_dir)
     _check_against_run(run_dir, built.resolved)
+    if unchanged:
+        _check_unchanged(run_dir, built.resolved)
     _check_trackers(recipe)
     c = recipe.checkpoints
     try:

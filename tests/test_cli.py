@@ -168,6 +168,29 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "run"), sorted(os.listdir(tmp_path / "run"))
 
 
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["trainer.steps=0"], "trainer.steps=0: a run trains for at least one step"),
+        (["trainer.steps=-5", "optimizer.schedule.name=cosine"], "trainer.steps=-5: a run"),
+        (["optimizer.learning_rate=-1e-3"], "optimizer.learning_rate=-0.001: the learning"),
+        (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0: the learning rate"),
+        (["optimizer.learning_rate=.nan"], "optimizer.learning_rate=nan: the learning rate"),
+    ],
+    ids=["steps_0", "steps_negative_cosine", "lr_negative", "lr_zero", "lr_nan"],
+)
+def test_settings_a_run_cannot_train_with_are_refused_before_building(
+    overrides, says, tmp_path, capsys
+):
+    """What the value is and what to do, before a BPE is trained or a step compiled;
+    steps are named as trainer.steps, never as the schedule's decay_steps."""
+    code = main(["train", LM, *TOY, f"run_dir={tmp_path}/run", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in err and "decay_steps" not in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and not os.path.exists(tmp_path / "run")
+
+
 def test_missing_required_key_and_not_a_run(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {name: causal_transformer}\nobjective: {name: lm}\n")

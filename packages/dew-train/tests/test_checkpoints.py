@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import grain
 import jax
@@ -423,7 +425,8 @@ def test_no_usable_checkpoint_stops_unless_start_fresh(run, capsys):
     assert f"{directory}/2 kept as {directory}/2.unusable (it cannot be read (ValueError" in message
     assert "4.unfinished" not in message  # a save that never finished held no progress
     assert "start_fresh=True" in message
-    assert sorted(os.listdir(directory))[:2] == ["2.unusable", "4.unfinished"]
+    steps = sorted(n for n in os.listdir(directory) if n != ".lock")  # (fit's run lock)
+    assert steps[:2] == ["2.unusable", "4.unfinished"]
     # the next run does not start over either
     with pytest.raises(NoUsableCheckpointError, match="set aside by an earlier run: 2.unusable"):
         run.trainer.fit(grain_data(), steps=STEPS, log_every=0)
@@ -511,7 +514,8 @@ def test_unfinished_saves_never_count_as_progress(run, capsys):
         shutil.rmtree(directory / "2")  # as if killed before the checkpoint of step 2 committed
         if restart == 1:  # and once more while writing it
             shutil.copytree(run.reference / "2", directory / "2.orbax-checkpoint-tmp")
-    assert sorted(os.listdir(directory))[:3] == ["2.unfinished", "3.unusable", "5.unfinished"]
+    steps = sorted(n for n in os.listdir(directory) if n != ".lock")  # (fit's run lock)
+    assert steps[:3] == ["2.unfinished", "3.unusable", "5.unfinished"]
     # a committed checkpoint among them: resumed from, and the run ends exact
     shutil.copytree(run.reference / "4", directory / "4")
     shutil.copytree(run.reference / "6", directory / "6.orbax-checkpoint-tmp")
@@ -745,3 +749,27 @@ def test_checksums_match_an_independent_reference(run, tmp_path):
         f"Note: checkpoint {tmp_path}/6 has no checksums of its arrays (written by an earlier "
         f"version of Dew); its arrays are restored unverified"
     ]
+
+
+HOLD = (
+    "import sys, time; from dew.train.run_lock import lock_run; "
+    "lock_run(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+)
+
+
+def test_fit_on_a_directory_another_process_writes_is_refused(tmp_path):
+    """One process writes a checkpoint directory (dew.train.run_lock): fit refuses
+    before it writes anything, naming the holder."""
+    from dew.train.run_lock import RunInUseError
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline().strip() == "held"
+    try:
+        with pytest.raises(RunInUseError, match=f"pid {process.pid} on host"):
+            make_trainer(tmp_path).fit(grain_data(), steps=2, log_every=0)
+        assert os.listdir(tmp_path) == [".lock"]  # nothing written
+    finally:
+        process.kill()
+        process.wait()

@@ -6,33 +6,32 @@
 - :func:`load_run_recipe`: a run's ``recipe.yaml``, refused with the file's name
   and what to do when it is empty, cut short or not a mapping (a cut file would
   otherwise resume with defaults, e.g. ``checkpoints.keep``).
-- :func:`lock_run`: an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock``, held for the
-  life of the process (the operating system releases it when the process ends,
-  killed or not); a second writer is refused naming the holder's host and pid.
+- :func:`lock_run`: the run's lock (:mod:`dew.train.run_lock`, an exclusive
+  ``fcntl.flock`` on ``RUN_DIR/.lock``), held for the command (the operating system
+  releases it when the process ends, killed or not); a second writer is refused
+  naming the holder's host and pid.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import yaml
 
 from dew.cli.recipe import Recipe, RecipeError
 
 __all__ = [
-    "LOCK_FILE",
     "RECIPE_END",
     "RECIPE_FILE",
     "load_run_recipe",
     "lock_run",
+    "release_run",
     "write_atomically",
     "write_run_recipe",
 ]
 
 RECIPE_FILE = "recipe.yaml"
-LOCK_FILE = ".lock"
 # the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
 RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"
 
@@ -94,36 +93,21 @@ def load_run_recipe(run_dir: str) -> dict:
     return raw
 
 
-_HELD: dict[str, int] = {}  # run folder -> descriptor of its lock, held by this process
-
-
 def lock_run(run_dir: str) -> None:
-    """Take ``run_dir``'s lock for the life of this process (again: nothing), or
-    raise a :class:`RecipeError` naming the folder and the holder's host and pid."""
-    import fcntl
+    """Hold ``run_dir``'s lock (:func:`dew.train.run_lock.lock_run`) for this command,
+    or a :class:`RecipeError` naming the folder and the holder's pid and host."""
+    from dew.train import run_lock
 
-    run_dir = os.path.abspath(run_dir)
-    if run_dir in _HELD:
-        return
-    path = os.path.join(run_dir, LOCK_FILE)
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
-        os.close(descriptor)
-        holder = holder or "it has not written its pid yet"
+        run_lock.lock_run(run_dir)
+    except run_lock.RunInUseError as error:
         raise RecipeError(
-            f"{run_dir} is in use by another process ({holder}); nothing was changed. "
-            f"Wait for it to end, stop it, or use another run_dir="
+            f"{error.directory} is in use by another process ({error.holder}); nothing was "
+            f"changed. Wait for it to end, stop it, or use another run_dir="
         ) from None
-    os.ftruncate(descriptor, 0)
-    os.pwrite(descriptor, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    _HELD[run_dir] = descriptor  # never closed: the lock goes with the process
 
 
 def release_run(run_dir: str) -> None:
-    """Let go of ``run_dir``'s lock before the process ends (tests, notebooks)."""
-    descriptor = _HELD.pop(os.path.abspath(run_dir), None)
-    if descriptor is not None:
-        os.close(descriptor)
+    from dew.train import run_lock
+
+    run_lock.release_run(run_dir)

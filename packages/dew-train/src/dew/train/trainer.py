@@ -311,7 +311,6 @@ class Trainer:
                 eval_batches,
                 checkpoint_every,
                 notes,
-                per_batch,
             )
         finally:
             if owned:
@@ -327,8 +326,8 @@ class Trainer:
         eval_batches,
         checkpoint_every,
         notes,
-        per_batch,
     ) -> TrainState:
+        """:meth:`fit` once its checks have passed and it owns ``run_dir``."""
         goodput = Goodput()
         partition = Partition(jax.process_index(), jax.process_count())
         # built first: the checkpoint hook checks its directory can be written

@@ -300,7 +300,10 @@ class Trainer:
             run_dir = self.checkpoints.directory
         owned = run_dir is not None and jax.process_index() == 0
         if owned:  # one process writes a run directory (dew.train.run_lock)
-            lock_run(run_dir)
+            try:
+                lock_run(run_dir)
+            except OSError:  # cannot be written: the checkpoint hook says so, naming it
+                owned = False
         try:
             return self._fit_owned(
                 data,

@@ -168,6 +168,29 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "run"), sorted(os.listdir(tmp_path / "run"))
 
 
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["trainer.steps=0"], "trainer.steps=0: a run trains for at least one step"),
+        (["trainer.steps=-5", "optimizer.schedule.name=cosine"], "trainer.steps=-5: a run"),
+        (["optimizer.learning_rate=-1e-3"], "optimizer.learning_rate=-0.001: the learning"),
+        (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0: the learning rate"),
+        (["optimizer.learning_rate=.nan"], "optimizer.learning_rate=nan: the learning rate"),
+    ],
+    ids=["steps_0", "steps_negative_cosine", "lr_negative", "lr_zero", "lr_nan"],
+)
+def test_settings_a_run_cannot_train_with_are_refused_before_building(
+    overrides, says, tmp_path, capsys
+):
+    """What the value is and what to do, before a BPE is trained or a step compiled;
+    steps are named as trainer.steps, never as the schedule's decay_steps."""
+    code = main(["train", LM, *TOY, f"run_dir={tmp_path}/run", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert says in err and "decay_steps" not in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and not os.path.exists(tmp_path / "run")
+
+
 def test_missing_required_key_and_not_a_run(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {name: causal_transformer}\nobjective: {name: lm}\n")
@@ -397,7 +420,7 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     assert latest.startswith("Dew") and f"<pre>{html.escape(latest)}</pre>" in page
 
 
-def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_path):
+def test_sigterm_exits_75_with_a_checkpoint_and_resume_continues(tmp_path, capsys):
     run_dir = str(tmp_path / "p")
     command = [
         "--quiet",
@@ -422,9 +445,18 @@ def test_sigterm_exits_75_with_a_checkpoint_and_the_same_command_continues(tmp_p
     from dew.train import Checkpoints
 
     assert Checkpoints(os.path.join(run_dir, "checkpoints")).steps() == [status["step"]]
-    # rerunning the same command continues from there (to a nearer end for the test)
-    assert main([*command, f"trainer.steps={status['step'] + 2}"]) == 0
-    assert sorted(metrics(run_dir))[-1] == status["step"] + 2
+    # the same command with another setting does not silently change the run
+    end = status["step"] + 2
+    before = {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()}
+    assert main([*command, f"trainer.steps={end}", "optimizer.learning_rate=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{os.path.abspath(run_dir)} holds a run trained with another recipe" in err, err
+    assert f"trainer.steps: 3000 -> {end}; optimizer.learning_rate: 0.003 -> 0.001." in err
+    assert f"dew resume {os.path.abspath(run_dir)} " in err and "Traceback" not in err, err
+    assert {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()} == before
+    # resuming with a nearer end continues from the checkpoint
+    assert main(["--quiet", "resume", run_dir, f"trainer.steps={end}"]) == 0
+    assert sorted(metrics(run_dir))[-1] == end
 
 
 def test_plan_reports_the_step_and_whether_it_fits(capsys):
@@ -817,3 +849,112 @@ def test_a_step_refused_for_memory_exits_4():
     from dew.train import StepDoesNotFit
 
     assert exit_code_of(StepDoesNotFit("needs 2 bytes, has 1")) == EXIT["does_not_fit"] == 4
+
+
+# ------------------------------------------------------------- the run folder
+
+
+def saved_run(tmp_path) -> str:
+    """A run folder whose recipe.yaml the command wrote (the checks before training
+    need no checkpoints)."""
+    from dew.cli.commands import read_recipe
+    from dew.cli.run_folder import write_run_recipe
+
+    raw = read_recipe(LM, [*TOY, f"run_dir={tmp_path}/run"])
+    resolved = build(parse_recipe(raw), None, with_data=False).resolved
+    os.makedirs(tmp_path / "run")
+    write_run_recipe(str(tmp_path / "run"), resolved)
+    return str(tmp_path / "run")
+
+
+def test_recipe_yaml_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    from dew.cli.run_folder import RECIPE_END, load_run_recipe, write_run_recipe
+
+    run = saved_run(tmp_path)
+    path = pathlib.Path(run, "recipe.yaml")
+    before = path.read_bytes()
+    assert before.decode().endswith(RECIPE_END) and load_run_recipe(run)["trainer"]
+    # killed before the rename: the old file stays as it was
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        write_run_recipe(run, {"model": {}})
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda text: "", "is empty"),
+        (lambda text: "\n".join(text.splitlines()[:-3]) + "\n", "is cut short: it has no"),
+        (lambda text: "- model\n", "holds a YAML list, not a mapping"),
+        (lambda text: text[: len(text) // 2] + "\n  :[\n", "is not valid YAML"),
+    ],
+    ids=["empty", "cut_at_a_line", "a_list", "cut_mid_line"],
+)
+def test_a_damaged_saved_recipe_is_refused_naming_the_file(damage, says, tmp_path, capsys):
+    """Never read with defaults (a cut file once resumed with keep=3 for keep: null)."""
+    run = saved_run(tmp_path)
+    path = pathlib.Path(run, "recipe.yaml")
+    path.write_text(damage(path.read_text()))
+    for command in (["resume", run], ["sample", run, "--prompt", "a"], ["report", run]):
+        code = main(command)
+        err = capsys.readouterr().err
+        if command[0] == "report":  # shows the file as it is
+            assert code == 0, err
+            continue
+        assert code == 2, (command, err)
+        assert f"{path} {says}" in err and "put back the recipe" in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_one_process_owns_a_run_folder(tmp_path, capsys):
+    """A second writer is refused naming the folder and the holder's pid, before it
+    writes anything; once the holder is killed (the OS lets its lock go) the same
+    command trains."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from dew.cli.run_folder import lock_run; "
+            f"lock_run({str(run)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        command = ["train", LM, *TOY, f"run_dir={run}", "trainer.steps=2"]
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"{run} is in use by another process (pid {holder.pid} on host " in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert sorted(os.listdir(run)) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["--quiet", *command]) == 0
+    assert json.loads((run / "status.json").read_text())["step"] == 2
+
+
+def test_resume_with_more_steps_keeps_the_schedule_as_trained(tmp_path, capsys):
+    """`dew resume RUN trainer.steps=N` does not lay the cosine over N steps: the
+    run's decay_steps is written into its recipe at the start and kept (a recipe of
+    an earlier Dew without it: its trainer.steps)."""
+    run = str(tmp_path / "run")
+    cosine = ["optimizer.schedule.warmup_steps=0", "trainer.log_every=1"]
+    assert main(["--quiet", "train", LM, *cosine, "trainer.steps=4", f"run_dir={run}"]) == 0
+    saved = load_recipe(os.path.join(run, "recipe.yaml"))
+    assert saved["optimizer"]["schedule"]["decay_steps"] == 4
+    capsys.readouterr()
+    assert main(["--quiet", "resume", run, "trainer.steps=6"]) == 0
+    err = capsys.readouterr().err
+    assert "trainer.steps 4 -> 6; the learning-rate schedule decays over 4 steps as trained" in err
+    rates = {s: row["learning_rate"] for s, row in metrics(run).items()}
+    assert rates[4] < 3e-3 * 0.2 and rates[5] == rates[6] == 0.0, rates  # cosine's end: 0
+    # a saved recipe without decay_steps (an earlier Dew): the steps it was trained with
+    path = pathlib.Path(run, "recipe.yaml")
+    path.write_text(path.read_text().replace("    decay_steps: 4\n", ""))
+    assert main(["--quiet", "resume", run, "trainer.steps=7"]) == 0
+    assert metrics(run)[7]["learning_rate"] == 0.0

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import grain
 import jax
@@ -23,6 +25,7 @@ from dew.nn import models
 from dew.objectives import EMA
 from dew.objectives.lm import LMObjective
 from dew.train import CheckpointMismatchError, Checkpoints, Trainer, load_model
+from dew.train._integrity import ChecksumsMissingError, read_recorded
 from dew.train.checkpoints import NoUsableCheckpointError, OptimizerMismatchError
 from dew.train.state import TrainState
 
@@ -422,7 +425,8 @@ def test_no_usable_checkpoint_stops_unless_start_fresh(run, capsys):
     assert f"{directory}/2 kept as {directory}/2.unusable (it cannot be read (ValueError" in message
     assert "4.unfinished" not in message  # a save that never finished held no progress
     assert "start_fresh=True" in message
-    assert sorted(os.listdir(directory))[:2] == ["2.unusable", "4.unfinished"]
+    steps = sorted(n for n in os.listdir(directory) if n != ".lock")  # (fit's run lock)
+    assert steps[:2] == ["2.unusable", "4.unfinished"]
     # the next run does not start over either
     with pytest.raises(NoUsableCheckpointError, match="set aside by an earlier run: 2.unusable"):
         run.trainer.fit(grain_data(), steps=STEPS, log_every=0)
@@ -510,7 +514,8 @@ def test_unfinished_saves_never_count_as_progress(run, capsys):
         shutil.rmtree(directory / "2")  # as if killed before the checkpoint of step 2 committed
         if restart == 1:  # and once more while writing it
             shutil.copytree(run.reference / "2", directory / "2.orbax-checkpoint-tmp")
-    assert sorted(os.listdir(directory))[:3] == ["2.unfinished", "3.unusable", "5.unfinished"]
+    steps = sorted(n for n in os.listdir(directory) if n != ".lock")  # (fit's run lock)
+    assert steps[:3] == ["2.unfinished", "3.unusable", "5.unfinished"]
     # a committed checkpoint among them: resumed from, and the run ends exact
     shutil.copytree(run.reference / "4", directory / "4")
     shutil.copytree(run.reference / "6", directory / "6.orbax-checkpoint-tmp")
@@ -636,6 +641,43 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
     assert_same_state(restored.state, states[1])
 
 
+def test_a_checkpoint_that_lost_its_checksums_is_set_aside_like_a_damaged_one(tmp_path):
+    """One bit flipped in an array and ``checksums/`` deleted: a checkpoint whose
+    format records checksums (2) is not restored unverified but set aside with one
+    line, and the restore falls back to the checkpoint before, bit for bit."""
+    states = {1: big_state(1), 2: big_state(2)}
+    session = Checkpoints(tmp_path, use_async=True).open(print_fn=lambda line: None)
+    for step, state in states.items():
+        session.save(step, state, iter(()), {})
+    session.close()
+    state_dir = tmp_path / "2" / "state"
+    chunk = stored_chunk(state_dir, b"params.w/0")
+    for path in [p for p in state_dir.rglob("*") if p.is_file() and chunk in p.read_bytes()]:
+        flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
+    shutil.rmtree(tmp_path / "2" / "checksums")
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.eval_shape(lambda: states[1])
+    shardings = jax.tree.map(lambda _: device, abstract)
+    lines = []
+    restored = (
+        Checkpoints(tmp_path)
+        .open(print_fn=lines.append)
+        .restore(abstract, shardings, root_key=jax.random.key(0))
+    )
+    assert lines == [
+        f"Skipping checkpoint {tmp_path}/2: it is damaged: its checksums/ folder is missing, "
+        f"though it was written with checksums of its arrays (checkpoint format 2), so its "
+        f"arrays cannot be verified; kept as {tmp_path}/2.unusable, nothing deleted"
+    ]
+    assert restored.step == 1
+    assert_same_state(restored.state, states[1])
+    # what load_model reads too: a checkpoint of format 2 without them is refused
+    shutil.rmtree(tmp_path / "1" / "checksums")
+    with pytest.raises(ChecksumsMissingError, match="checksums/ folder is missing"):
+        read_recorded(str(tmp_path / "1"), format=2)
+    assert read_recorded(str(tmp_path / "1"), format=1) is None
+
+
 @pytest.mark.parametrize("use_async", [True, False])
 def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path, use_async):
     """An asynchronous save sums in the background once ``save`` has returned,
@@ -687,9 +729,14 @@ def test_checksums_match_an_independent_reference(run, tmp_path):
         for index, saved in shards.items():
             cut = tuple(slice(int(a), int(b)) for a, b in re.findall(r"(\d+):(\d+)", index))
             assert saved == xxh3_of(whole[cut]), name
-    # written without checksums (an earlier version of Dew): restored, unverified, said so
+    # written without checksums (an earlier version of Dew, checkpoint format 1):
+    # restored, unverified, said so
     shutil.copytree(run.reference / "6", tmp_path / "6")
     shutil.rmtree(tmp_path / "6" / "checksums")
+    meta_file = tmp_path / "6" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    assert meta["format"] == 2
+    meta_file.write_text(json.dumps({**meta, "format": 1}))
     lines = []
     abstract, shardings = run.trainer.state_shardings()
     restored = (
@@ -702,3 +749,27 @@ def test_checksums_match_an_independent_reference(run, tmp_path):
         f"Note: checkpoint {tmp_path}/6 has no checksums of its arrays (written by an earlier "
         f"version of Dew); its arrays are restored unverified"
     ]
+
+
+HOLD = (
+    "import sys, time; from dew.train.run_lock import lock_run; "
+    "lock_run(sys.argv[1]); print('held', flush=True); time.sleep(120)"
+)
+
+
+def test_fit_on_a_directory_another_process_writes_is_refused(tmp_path):
+    """One process writes a checkpoint directory (dew.train.run_lock): fit refuses
+    before it writes anything, naming the holder."""
+    from dew.train.run_lock import RunInUseError
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline().strip() == "held"
+    try:
+        with pytest.raises(RunInUseError, match=f"pid {process.pid} on host"):
+            make_trainer(tmp_path).fit(grain_data(), steps=2, log_every=0)
+        assert os.listdir(tmp_path) == [".lock"]  # nothing written
+    finally:
+        process.kill()
+        process.wait()

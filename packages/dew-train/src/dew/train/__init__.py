@@ -26,6 +26,7 @@ from dew.train.memory import StepDoesNotFit
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
 from dew.train.plan import Plan, plan
 from dew.train.recommend import Recommendation, recommend
+from dew.train.run_lock import RunInUseError
 from dew.train.state import TrainState
 from dew.train.step import build_train_step
 from dew.train.trainer import Trainer
@@ -43,6 +44,7 @@ __all__ = [
     "Checkpointing",
     "Checkpoints",
     "NoUsableCheckpointError",
+    "RunInUseError",
     "OptimizerMismatchError",
     "DEFAULT_RULES",
     "MESH_AXES",

@@ -76,6 +76,7 @@ import numpy as np
 
 ITEM = "checksums"
 ALGORITHM = "xxh3-128-v1"  # what a save records
+WITH_CHECKSUMS = 2  # the first checkpoint format (meta "format") that records them
 
 
 class ChecksumMismatchError(ValueError):
@@ -98,6 +99,18 @@ class ChecksumMismatchError(ValueError):
         super().__init__(
             f"array {name!r} (shard {index}){held} does not match the checksum saved with "
             f"it ({algorithm} {_shown(saved)} saved, {_shown(read)} read back)"
+        )
+
+
+class ChecksumsMissingError(ValueError):
+    """A checkpoint whose format records checksums has none: its files are damaged
+    (a folder lost), and its arrays cannot be verified."""
+
+    def __init__(self, path: str, format: int):
+        self.path, self.format = path, format
+        super().__init__(
+            f"its {ITEM}/ folder is missing, though it was written with checksums of its "
+            f"arrays (checkpoint format {format}), so its arrays cannot be verified"
         )
 
 
@@ -281,12 +294,18 @@ def _filename() -> str:
     return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
-def read_recorded(path: str) -> dict[str, dict[str, tuple[str, Any]]] | None:
+def read_recorded(
+    path: str, *, format: int | None = None
+) -> dict[str, dict[str, tuple[str, Any]]] | None:
     """Every process's recorded sums of the checkpoint at ``path``, merged,
     ``{array: {shard index: (algorithm, sum)}}``; None for a checkpoint
-    written without them."""
+    written without them, before they existed (``format``, its meta's, below
+    :data:`WITH_CHECKSUMS`, or not given). A checkpoint of a format that records
+    them and has none raises :class:`ChecksumsMissingError`."""
     directory = os.path.join(path, ITEM)
     if not os.path.isdir(directory):
+        if format is not None and format >= WITH_CHECKSUMS:
+            raise ChecksumsMissingError(path, format)
         return None
     merged: dict[str, dict[str, tuple[str, Any]]] = {}
     for name in sorted(os.listdir(directory)):

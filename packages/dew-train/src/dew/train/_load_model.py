@@ -187,7 +187,8 @@ def _restore_at(path: str, state_dir: str, where: tuple, averaged: bool):
                 partial_restore=True,
             ),
         )
-    recorded = read_recorded(path)
+    meta = json.loads(read_text(os.path.join(path, "meta", "metadata")))
+    recorded = read_recorded(path, format=meta.get("format"))
     if recorded is not None:  # a damaged array raises ChecksumMismatchError, naming it
         verify(restored, recorded)
     for key in where:

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from dew.nn import models
-from dew.train._integrity import ChecksumMismatchError, path_name
+from dew.train._integrity import ChecksumMismatchError, ChecksumsMissingError, path_name
 
 MODEL_FIELDS = ("params", "averaged", "frozen")
 SHOWN = 6  # differences listed in one message
@@ -199,7 +199,7 @@ _TENSORSTORE_DAMAGE = re.compile(
 
 def _is_storage_error(error: BaseException) -> bool:
 
-    if isinstance(error, ChecksumMismatchError | DamageOnProcess):
+    if isinstance(error, ChecksumMismatchError | ChecksumsMissingError | DamageOnProcess):
         return True
     if isinstance(error, (FileNotFoundError, NotADirectoryError, IsADirectoryError, EOFError)):
         return True
@@ -253,7 +253,7 @@ def describe(error: BaseException) -> str:
 def damaged_because(proof: BaseException) -> str:
     """Why a checkpoint is set aside, from the error that proves it damaged."""
 
-    if isinstance(proof, ChecksumMismatchError):
+    if isinstance(proof, ChecksumMismatchError | ChecksumsMissingError):
         return f"it is damaged: {proof}"
     if isinstance(proof, DamageOnProcess):
         return f"it cannot be read on process {proof.process} ({proof.why})"

@@ -385,7 +385,7 @@ class CheckpointSession:
                 )
             if not reset:
                 tree = checkpointer.restore(state_dir, saved_abstract)
-                self._verify(path, tree)
+                self._verify(path, tree, meta)
         if reset:
             if init_opt_state is None:
                 raise ValueError(
@@ -401,7 +401,7 @@ class CheckpointSession:
                     partial_restore=True,
                 ),
             )
-            self._verify(path, tree)
+            self._verify(path, tree, meta)
             tree = {**target, **tree}
             tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
@@ -427,11 +427,12 @@ class CheckpointSession:
             optimizer_reset=reset,
         )
 
-    def _verify(self, path: str, tree) -> None:
+    def _verify(self, path: str, tree, meta: dict) -> None:
         """Check the arrays read from ``path`` against the checksums saved with
-        them (:mod:`dew.train._integrity`); a checkpoint without them (written
-        before they were) is read as it is, with a note."""
-        recorded = read_recorded(path)
+        them (:mod:`dew.train._integrity`); a checkpoint without them is read as
+        it is, with a note, only where its format predates them (else it is damaged:
+        ``ChecksumsMissingError``)."""
+        recorded = read_recorded(path, format=meta.get("format"))
         if recorded is None:
             self.print(
                 f"Note: checkpoint {path} has no checksums of its arrays (written by an "

@@ -50,6 +50,7 @@ from dew.train.logs import MetricsLog
 from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, mesh_sizes
 from dew.train.placement import check_batch_rows, layout, shard_bytes
 from dew.train.preemption import StopSignals
+from dew.train.run_lock import lock_run, release_run
 from dew.train.state import TrainState
 from dew.train.throughput import Throughput
 from dew.train.trackers import Tracker
@@ -290,15 +291,48 @@ class Trainer:
             checkpoints=self.checkpoints,
             early_stopping=self.early_stopping,
         )
-        goodput = Goodput()
-        partition = Partition(jax.process_index(), jax.process_count())
         # a prepared batch's minibatches x accumulate are checked on the prepared rows
         divisor = 1 if self.objective.has_prepare else self.accumulate
         check_batch_rows(self.device_mesh, self.rules, data.batch, divisor)
-        partition.rows(data.batch)
+        Partition(jax.process_index(), jax.process_count()).rows(data.batch)
         run_dir = self.run_dir
         if run_dir is None and self.checkpoints is not None:
             run_dir = self.checkpoints.directory
+        owned = run_dir is not None and jax.process_index() == 0
+        if owned:  # one process writes a run directory (dew.train.run_lock)
+            try:
+                lock_run(run_dir)
+            except OSError:  # cannot be written: the checkpoint hook says so, naming it
+                owned = False
+        try:
+            return self._fit_owned(
+                data,
+                run_dir,
+                steps,
+                log_every,
+                eval_every,
+                eval_batches,
+                checkpoint_every,
+                notes,
+            )
+        finally:
+            if owned:
+                release_run(run_dir)
+
+    def _fit_owned(
+        self,
+        data,
+        run_dir,
+        steps,
+        log_every,
+        eval_every,
+        eval_batches,
+        checkpoint_every,
+        notes,
+    ) -> TrainState:
+        """:meth:`fit` once its checks have passed and it owns ``run_dir``."""
+        goodput = Goodput()
+        partition = Partition(jax.process_index(), jax.process_count())
         # built first: the checkpoint hook checks its directory can be written
         checkpointing = self._checkpoint_hook(checkpoint_every)
         log = MetricsLog(

@@ -304,11 +304,18 @@ def build_optimizer(recipe: Recipe):
     if section.clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(section.clip_norm), optimizer)
     resolved = plain(section)
+    if section.schedule.name in DECAYING:
+        # explicit in the saved recipe: `dew resume RUN trainer.steps=N` keeps the
+        # schedule the run was trained with instead of laying it over N steps
+        resolved["schedule"]["decay_steps"] = section.schedule.decay_steps or recipe.trainer.steps
     resolved["args"] = {k: plain(v) for k, v in args.items() if k != "learning_rate"}
     resolved["args"] = {
         k: v for k, v in resolved["args"].items() if v is not None or k in section.args
     }
     return optimizer, schedule, resolved
+
+
+DECAYING = ("cosine", "linear", "warmup_cosine")  # schedules that read decay_steps
 
 
 def _schedule(section, steps: int):
@@ -355,7 +362,29 @@ def build_mesh(recipe: Recipe):
         raise RecipeError(f"mesh: {error}") from None
 
 
+def check_settings(recipe: Recipe) -> None:
+    """The numbers a run cannot train with, refused before anything is built (a
+    BPE trained, a step compiled): ``trainer.steps`` < 1, a learning rate that is
+    not a positive finite number (a negative one ascends the loss)."""
+    import math
+
+    steps = recipe.trainer.steps
+    if steps < 1:
+        raise RecipeError(
+            f"trainer.steps={steps}: a run trains for at least one step; give the number "
+            f"of updates to train for (e.g. trainer.steps=100)"
+        )
+    rate = recipe.optimizer.learning_rate
+    if not (math.isfinite(rate) and rate > 0):
+        raise RecipeError(
+            f"optimizer.learning_rate={rate}: the learning rate must be a positive finite "
+            f"number (a negative one climbs the loss, 0 trains nothing); e.g. "
+            f"optimizer.learning_rate=3e-4"
+        )
+
+
 def build(recipe: Recipe, run_dir: str | None, *, with_data: bool = True) -> Built:
+    check_settings(recipe)
     tokenizer = build_tokenizer(recipe, run_dir)
     model, params, resolved_model = build_model(recipe.model, tokenizer)
     extra: dict = {}

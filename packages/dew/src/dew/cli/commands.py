@@ -9,12 +9,17 @@ import shutil
 import sys
 import time
 
-import yaml
-
 from dew.cli import EXIT, print_json
 from dew.cli.recipe import RecipeError, apply_overrides, load_recipe, parse_recipe
+from dew.cli.run_folder import (
+    RECIPE_FILE,
+    load_run_recipe,
+    lock_run,
+    release_run,
+    write_atomically,
+    write_run_recipe,
+)
 
-RECIPE_FILE = "recipe.yaml"
 STATUS_FILE = "status.json"
 CHECKPOINTS = "checkpoints"
 
@@ -209,10 +214,7 @@ def write_status(run_dir: str, status: str, **extra) -> None:
     if jax.process_index() != 0:
         return
     row = {"status": status, "pid": os.getpid(), "time": time.time(), **extra}
-    path = os.path.join(run_dir, STATUS_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(row, f)
-    os.replace(path + ".tmp", path)
+    write_atomically(os.path.join(run_dir, STATUS_FILE), json.dumps(row))
 
 
 def _check_against_run(run_dir: str, resolved: dict) -> None:
@@ -226,7 +228,10 @@ def _check_against_run(run_dir: str, resolved: dict) -> None:
         return
     if not Checkpoints(os.path.join(run_dir, CHECKPOINTS)).steps():
         return
-    saved = load_recipe(saved_file).get("model", {})
+    try:
+        saved = load_run_recipe(run_dir).get("model", {})
+    except RecipeError:
+        return  # damaged: this recipe is written in its place (restore checks the model)
     current = resolved["model"]
     if "name" in saved and "name" in current:
         lines = models.config_differences(
@@ -284,16 +289,91 @@ def train(args) -> int:
     raw = read_recipe(args.recipe, args.overrides)
     if not raw.get("run_dir"):
         raw["run_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(args.recipe))[0])
-    return _train(raw, args)
+    return _owned(raw, args, unchanged=True)
+
+
+def _owned(raw: dict, args, *, unchanged: bool = False) -> int:
+    """:func:`_train`, then the run directory's lock let go (the process's end
+    would release it anyway; a test or notebook calling ``main`` goes on)."""
+    try:
+        return _train(raw, args, unchanged=unchanged)
+    finally:
+        release_run(os.path.abspath(raw["run_dir"]))
 
 
 def resume(args) -> int:
     if not is_run(args.run_dir):
         raise _not_a_run(args.run_dir)
-    raw = load_recipe(os.path.join(args.run_dir, RECIPE_FILE))
+    raw = load_run_recipe(args.run_dir)
     raw["run_dir"] = args.run_dir
-    raw = apply_overrides(raw, args.overrides)
-    return _train(raw, args)
+    _keep_decay(raw)
+    changed = apply_overrides(raw, args.overrides)
+    schedule = changed.get("optimizer", {}).get("schedule", {})
+    if changed["trainer"]["steps"] != raw["trainer"]["steps"] and schedule.get("decay_steps"):
+        kept = schedule["decay_steps"] == raw["optimizer"]["schedule"]["decay_steps"]
+        print(
+            f"dew: trainer.steps {raw['trainer']['steps']} -> {changed['trainer']['steps']}; "
+            f"the learning-rate schedule decays over {schedule['decay_steps']} steps"
+            + (
+                " as trained (optimizer.schedule.decay_steps=N changes it)"
+                if kept
+                else " (optimizer.schedule.decay_steps as given)"
+            ),
+            file=sys.stderr,
+        )
+    return _owned(changed, args)
+
+
+def _keep_decay(raw: dict) -> None:
+    """A saved recipe of an earlier Dew whose decaying schedule left ``decay_steps``
+    to ``trainer.steps``: the steps it was trained with, made explicit."""
+    from dew.cli.build import DECAYING
+
+    schedule = raw.get("optimizer", {}).get("schedule")
+    if isinstance(schedule, dict) and schedule.get("name") in DECAYING:
+        if not schedule.get("decay_steps"):
+            schedule["decay_steps"] = raw.get("trainer", {}).get("steps")
+
+
+def _check_unchanged(run_dir: str, resolved: dict) -> None:
+    """``dew train`` into a run directory whose saved recipe differs from this one:
+    refused with the differences (a re-run never silently changes a run)."""
+    import yaml
+
+    if not is_run(run_dir):
+        return
+    try:
+        saved = _flatten(load_run_recipe(run_dir))
+    except RecipeError:
+        return  # damaged: this recipe is written in its place (restore checks the model)
+    saved.pop("run_dir", None)
+    new = _flatten(yaml.safe_load(yaml.safe_dump(resolved)))
+    new.pop("run_dir", None)
+    keys = [k for k in {**saved, **new} if saved.get(k, "(none)") != new.get(k, "(none)")]
+    if not keys:
+        return
+
+    def shown(value):
+        return (
+            yaml.safe_dump(value, default_flow_style=True, width=10**6)
+            .strip()
+            .removesuffix("\n...")
+            .removesuffix("...")
+            .strip()
+        )
+
+    lines = [f"{k}: {shown(saved.get(k, '(none)'))} -> {shown(new.get(k, '(none)'))}" for k in keys]
+    steps, decay = "trainer.steps", "optimizer.schedule.decay_steps"
+    follows = (
+        decay in keys and new.get(decay) == new.get(steps) and saved.get(decay) == saved.get(steps)
+    )
+    hint = [f"{k}={shown(new[k])}" for k in keys if k in new and not (k == decay and follows)]
+    raise RecipeError(
+        f"{run_dir} holds a run trained with another recipe; nothing was changed. What "
+        f"differs (the run -> this command): {'; '.join(lines)}. Use a new run_dir= for a "
+        f"new run, or continue this one with `dew resume {run_dir} {' '.join(hint)}` "
+        f"(its learning-rate schedule stays as trained unless you change it)"
+    )
 
 
 def prepared(raw: dict, *, with_data: bool = True):
@@ -305,7 +385,7 @@ def prepared(raw: dict, *, with_data: bool = True):
     return recipe, build(recipe, recipe.run_dir, with_data=with_data)
 
 
-def _train(raw: dict, args) -> int:
+def _train(raw: dict, args, *, unchanged: bool = False) -> int:
     """Everything the recipe names is built and checked (names, signatures, types,
     the model against the run's checkpoints, the trainer) before the run directory
     is written: a bad recipe leaves no directory behind, and an existing one as it was."""
@@ -321,6 +401,8 @@ def _train(raw: dict, args) -> int:
     compilation_cache(recipe.compilation_cache)
     built = build(recipe, run_dir)
     _check_against_run(run_dir, built.resolved)
+    if unchanged:
+        _check_unchanged(run_dir, built.resolved)
     _check_trackers(recipe)
     c = recipe.checkpoints
     try:
@@ -350,14 +432,16 @@ def _train(raw: dict, args) -> int:
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(f"trainer: {error}") from None
-    # the recipe has passed: from here on the run directory is written
+    # the recipe has passed: from here on the run directory is written, by this
+    # process alone (a second one is refused here, having written nothing)
     is_new = not os.path.exists(run_dir)
     kept = _kept_files(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     if jax.process_index() == 0:
+        lock_run(run_dir)
+    if jax.process_index() == 0:
         keep_tokenizer(recipe, built.tokenizer, run_dir)
-        with open(os.path.join(run_dir, RECIPE_FILE), "w") as f:
-            yaml.safe_dump(built.resolved, f, sort_keys=False)
+        write_run_recipe(run_dir, built.resolved)
     # W&B / MLflow runs start only now: a bad recipe opens none
     trainer.trackers = _trackers(recipe, built.resolved, args)
     write_status(run_dir, "running", steps=t.steps)
@@ -428,8 +512,7 @@ def _put_back(run_dir: str, kept: dict[str, bytes | None]) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
         else:
-            with open(path, "wb") as f:
-                f.write(content)
+            write_atomically(path, content.decode())
 
 
 def _trackers(recipe, resolved: dict, args) -> list:
@@ -657,10 +740,10 @@ def _trained(run_dir: str, live: bool):
 
     if not is_run(run_dir):
         raise _not_a_run(run_dir)
+    raw = load_run_recipe(run_dir)
     directory = os.path.join(run_dir, CHECKPOINTS)
     if not Checkpoints(directory).steps():
         raise RecipeError(f"{run_dir} has no checkpoint yet (train it: dew resume {run_dir})")
-    raw = load_recipe(os.path.join(run_dir, RECIPE_FILE))
     raw["run_dir"] = run_dir
     recipe, built = prepared(raw, with_data=False)
     # load_model's default follows the checkpoint: the EMA weights where the run kept

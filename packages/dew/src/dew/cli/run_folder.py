@@ -1,0 +1,113 @@
+"""A run folder's own files: written atomically, read back checked, owned by one process.
+
+- :func:`write_atomically`: a temporary file in the same folder, flushed to disk,
+  then renamed over the old one (``os.replace``), so a kill leaves the old file or
+  the new one, never an empty or cut one.
+- :func:`load_run_recipe`: a run's ``recipe.yaml``, refused with the file's name
+  and what to do when it is empty, cut short or not a mapping (a cut file would
+  otherwise resume with defaults, e.g. ``checkpoints.keep``).
+- :func:`lock_run`: the run's lock (:mod:`dew.train.run_lock`, an exclusive
+  ``fcntl.flock`` on ``RUN_DIR/.lock``), held for the command (the operating system
+  releases it when the process ends, killed or not); a second writer is refused
+  naming the holder's host and pid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import yaml
+
+from dew.cli.recipe import Recipe, RecipeError
+
+__all__ = [
+    "RECIPE_END",
+    "RECIPE_FILE",
+    "load_run_recipe",
+    "lock_run",
+    "release_run",
+    "write_atomically",
+    "write_run_recipe",
+]
+
+RECIPE_FILE = "recipe.yaml"
+# the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
+RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """``path`` holds ``text``, or what it held before: never a part of either."""
+    folder = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)  # the rename itself reaches the disk
+    finally:
+        os.close(descriptor)
+
+
+def write_run_recipe(run_dir: str, resolved: dict) -> None:
+    text = yaml.safe_dump(resolved, sort_keys=False)
+    write_atomically(os.path.join(run_dir, RECIPE_FILE), text + RECIPE_END)
+
+
+def load_run_recipe(run_dir: str) -> dict:
+    """The saved recipe of the run at ``run_dir``, whole, or a :class:`RecipeError`
+    naming the file. A file without Dew's end line (a run of an earlier Dew) must
+    hold every section of a recipe: a file cut at a line boundary lacks the last."""
+    path = os.path.join(run_dir, RECIPE_FILE)
+    advice = (
+        f"the run's checkpoints are unchanged: put back the recipe the run was trained "
+        f"with (e.g. `dew train RECIPE run_dir={run_dir}` with its original recipe file "
+        f"writes it again and resumes)"
+    )
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise RecipeError(f"{path} does not exist; {advice}") from None
+    if not text.strip():
+        raise RecipeError(f"{path} is empty (its writing was cut short); {advice}")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = " ".join(str(error).split())[:200]
+        raise RecipeError(f"{path} is not valid YAML ({where}); {advice}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(
+            f"{path} holds a YAML {type(raw).__name__}, not a mapping of sections; {advice}"
+        )
+    if not text.endswith(RECIPE_END):
+        missing = [f.name for f in dataclasses.fields(Recipe) if f.name not in raw]
+        if missing:
+            raise RecipeError(
+                f"{path} is cut short: it has no {', '.join(missing)} (a saved recipe holds "
+                f"every section); {advice}"
+            )
+    return raw
+
+
+def lock_run(run_dir: str) -> None:
+    """Hold ``run_dir``'s lock (:func:`dew.train.run_lock.lock_run`) for this command,
+    or a :class:`RecipeError` naming the folder and the holder's pid and host."""
+    from dew.train import run_lock
+
+    try:
+        run_lock.lock_run(run_dir)
+    except run_lock.RunInUseError as error:
+        raise RecipeError(
+            f"{error.directory} is in use by another process ({error.holder}); nothing was "
+            f"changed. Wait for it to end, stop it, or use another run_dir="
+        ) from None
+
+
+def release_run(run_dir: str) -> None:
+    from dew.train import run_lock
+
+    run_lock.release_run(run_dir)

@@ -20,7 +20,7 @@ from jax._src import clusters
 from jax._src.clusters import cloud_tpu_cluster, k8s_cluster
 
 from dew.cli import _parser, main
-from dew.cli.commands import _distributed, detected_cluster
+from dew.cli.cluster import detected_cluster, initialize_distributed
 from dew.cli.recipe import RecipeError
 
 # the variables any cluster environment JAX knows would read
@@ -72,7 +72,7 @@ def calls(monkeypatch):
 
 
 def start(*flags):
-    _distributed(_parser().parse_args(["train", "recipe.yaml", *flags]))
+    initialize_distributed(_parser().parse_args(["train", "recipe.yaml", *flags]))
 
 
 def slurm(monkeypatch, tasks, task, job=4242):

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import yaml
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 RECIPE_FILE = "recipe.yaml"
+STATUS_FILE = "status.json"
+CHECKPOINTS = "checkpoints"
 # the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
 RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"
 
@@ -111,3 +114,52 @@ def release_run(run_dir: str) -> None:
     from dew.train import run_lock
 
     run_lock.release_run(run_dir)
+
+
+def run_summary(run_dir: str) -> dict:
+    """step, last loss and evaluation, status and checkpoint steps of one run."""
+    from dew.train import Checkpoints
+
+    status = {}
+    path = os.path.join(run_dir, STATUS_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            status = json.load(f)
+    state = status.get("status", "unknown")
+    if state == "running" and not _alive(status.get("pid")):
+        state = "failed"  # the process is gone without saying how it ended
+    last_train, last_eval = {}, {}
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("kind") == "train":
+                    last_train = row
+                elif row.get("kind") == "eval":
+                    last_eval = row
+    steps = Checkpoints(os.path.join(run_dir, CHECKPOINTS)).steps()
+    return {
+        "run_dir": run_dir,
+        "status": state,
+        "step": max([last_train.get("step", 0), *steps, status.get("step", 0) or 0]),
+        "steps": status.get("steps"),
+        "loss": last_train.get("loss"),
+        "eval": {k: v for k, v in last_eval.items() if k not in ("step", "kind", "time", "ema")},
+        "checkpoints": steps,
+    }
+
+
+def _alive(pid) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -418,6 +418,26 @@ ID_FIELDS = {
 }  # fmt: skip
 
 
+def _refused_before_compiling(case, match):
+    """``fit`` on ``case`` raises a ValueError matching ``match`` with no compilation
+    event (XLA compile or persistent-cache load) at all."""
+    events = []
+
+    def listen(event, seconds, **kw):
+        if event.startswith(("/jax/core/compile/backend_compile", "/jax/compilation_cache/")):
+            events.append(event)
+
+    trainer = Trainer(case.objective, case.optimizer, key=jax.random.key(0), mesh=ONE,
+                      progress=False)  # fmt: skip
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(case.data(), steps=STEPS, log_every=0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert events == [], events
+
+
 @pytest.mark.parametrize("family", sorted(ID_FIELDS))
 def test_an_id_beyond_the_vocabulary_is_refused_before_anything_compiles(family):
     """``fit`` checks the first batch's values before the state's creation compiles
@@ -429,18 +449,22 @@ def test_an_id_beyond_the_vocabulary_is_refused_before_anything_compiles(family)
     first[key] = first[key].copy()
     first[key][1, 1] = 1000
     case = dataclasses.replace(case, batches=[first, *case.batches[1:]])
-    events = []
+    _refused_before_compiling(case, rf"batch\['{key}'\] holds token id 1000 outside")
 
-    def listen(event, seconds, **kw):
-        if event.startswith(("/jax/core/compile/backend_compile", "/jax/compilation_cache/")):
-            events.append(event)
 
-    trainer = Trainer(case.objective, case.optimizer, key=jax.random.key(0), mesh=ONE,
-                      progress=False)  # fmt: skip
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id 1000 outside"):
-            trainer.fit(case.data(), steps=STEPS, log_every=0)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert events == [], events
+@pytest.mark.parametrize("fault", ["tie", "empty"])
+def test_a_dpo_tie_or_empty_completion_is_refused_before_anything_compiles(fault):
+    """DPO's value checks (issue 42 item 4): a pair whose chosen and rejected
+    completions are identical, or whose rejected completion is empty, stops the run
+    with the pair named before anything compiles."""
+    case = FAMILIES["dpo"]()
+    first = {k: v.copy() for k, v in case.batches[0].items()}
+    if fault == "tie":
+        first["rejected"][1] = first["chosen"][1]
+        first["rejected_mask"][1] = first["chosen_mask"][1]
+        match = "pair 1 of this batch has identical chosen and rejected completions"
+    else:
+        first["rejected_mask"][1] = False
+        match = "pair 1 of this batch has an empty rejected completion"
+    case = dataclasses.replace(case, batches=[first, *case.batches[1:]])
+    _refused_before_compiling(case, match)

@@ -185,3 +185,21 @@ def test_numbers_in_every_numeric_form():
         real_number(1.5, "x", low=0, high=1, high_open=True, meaning="a share", what="W")
     with pytest.raises(ValueError, match=r"^n=0 must be a whole number >= 1$"):
         whole_number(0, "n", low=1)
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_every_float_option_accepts_numpy_floats(name):
+    """Every float option of a backbone (norm_eps, rope_theta, init_std, ...), given as
+    a numpy float or a 0-d array of a valid value, builds with that value (issue 42:
+    numbers in every numeric form)."""
+    cls = models.get(name)
+    checked = 0
+    for field in dataclasses.fields(cls):
+        value = VALID[name].get(field.name, field.default)
+        if isinstance(value, bool) or not isinstance(value, float):
+            continue
+        for form in (np.float32, np.float64, np.array):
+            built = models.build(name, **{**VALID[name], field.name: form(value)})
+            assert float(getattr(built, field.name)) == pytest.approx(value, rel=1e-6)
+        checked += 1
+    assert checked > 0, name

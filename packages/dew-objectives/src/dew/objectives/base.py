@@ -66,13 +66,15 @@ class Step:
         draw from these keys or from ``key``, not from both. Called outside the trainer
         (``rows`` is None): ``split(key, count)``.
         """
-        if self.rows is None:
-            if count is None:
+        if self.rows is None or self.row_key is None:
+            # outside the trainer, or an evaluation step (its rows index the evaluation
+            # set, for draws of their own, and it has no row key): the batch's own split
+            if count is None and self.rows is None:
                 raise ValueError(
                     "Step.row_keys() needs the row count when the step has no rows "
                     "(outside Trainer.fit): pass row_keys(batch_rows)"
                 )
-            return jax.random.split(self.key, count)
+            return jax.random.split(self.key, self.rows.shape[0] if count is None else count)
         if count is not None and self.rows.shape[0] != count:
             raise ValueError(
                 f"Step.row_keys({count}) asked for {count} keys but this microbatch has "

@@ -38,7 +38,7 @@ RUNS = {
     # small enough for CI and still the check (check_flow_grpo_digits)
     "flow_grpo_digits.py": (
         "--pretrain-steps 800 --iterations 30 --patch-size 4 --emb-features 48 --sde-steps 6 "
-        "--learning-rate 1e-3".split(),
+        "--learning-rate 2e-4".split(),
         "wrote runs/flow_grpo_digits/before.png and runs/flow_grpo_digits/after.png",
     ),
     "masked_diffusion.py": (

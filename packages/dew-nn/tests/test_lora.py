@@ -102,6 +102,12 @@ def test_decoder_equals_plain_model_on_numpy_folded_kernels(decoder):
     )
     assert lora_of(model) == lora and base_module(model) is plain and lora_of(plain) is None
 
+    # unroll_layers=True (an accelerator's default) runs the scan with adapters: qwix
+    # matches the scan's module paths, which a loop over the slices would not have
+    straight = model.clone(unroll_layers=True)
+    straight = jax.jit(straight.apply)({"params": merge(base, adapters)}, TOKENS)
+    np.testing.assert_array_equal(np.asarray(straight), np.asarray(got))
+
     # decoding unrolls the scanned stack (layer_0/..., layer_1/...): the same adapters apply
     unrolled = model.clone(use_scan=False)
     merged = merge(base, adapters)

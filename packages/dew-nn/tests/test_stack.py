@@ -16,6 +16,8 @@ LAYERS, BATCH, LENGTH, WIDTH = 4, 8, 3, 6
 class Tanh(nn.Module):
     """``tanh(x W + b) * scale``; sows the per-row mean square of its output."""
 
+    sows: bool = True
+
     @nn.compact
     def __call__(self, x, scale):
         w = self.param(
@@ -29,16 +31,18 @@ class Tanh(nn.Module):
             "b", nn.with_logical_partitioning(nn.initializers.normal(1.0), (axes.MLP,)), (WIDTH,)
         )
         y = jnp.tanh(x @ w + b) * scale[:, None, None]
-        self.sow("intermediates", "aux_loss", jnp.mean(y**2, axis=(1, 2)))  # [rows]
+        if self.sows:
+            self.sow("intermediates", "aux_loss", jnp.mean(y**2, axis=(1, 2)))  # [rows]
         return y
 
 
 class Host(nn.Module):
     stack: LayerStack
+    sows: bool = True
 
     @nn.compact
     def __call__(self, x, scale):
-        return self.stack(self, Tanh, {}, x, scale)
+        return self.stack(self, Tanh, {"sows": self.sows}, x, scale)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +114,70 @@ def test_remat_gives_the_same_gradients(setup, policy):
         params, LayerStack(num_layers=LAYERS, use_remat=True, remat_policy=policy)
     )
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), remat, plain)
+
+
+@pytest.mark.parametrize("policy", [None, "full", "dots_saveable"])
+def test_straight_stack_runs_the_scanned_parameters_layer_after_layer(setup, policy):
+    """``straight``: a Python loop over slices of the scan's ``[layers, ...]``
+    parameters, no scan in the program; the output is numpy's, the gradients the
+    scan's (the same tree)."""
+    x, scale, params = setup
+    remat = dict(remat_policy=policy) if policy else {}
+    straight = LayerStack(num_layers=LAYERS, unroll=LAYERS, straight=True, **remat)
+    scanned = LayerStack(num_layers=LAYERS, **remat)
+
+    def loss(p, stack):
+        return jnp.sum(Host(stack, sows=False).apply({"params": p}, x, scale) ** 2)
+
+    y = Host(straight, sows=False).apply({"params": params}, x, scale)
+    np.testing.assert_allclose(np.asarray(y), np_layers(params, x, scale)[0], rtol=1e-5, atol=1e-6)
+    assert "scan[" not in str(jax.make_jaxpr(lambda p: loss(p, straight))(params))
+    assert "scan[" in str(jax.make_jaxpr(lambda p: loss(p, scanned))(params))
+    got = jax.grad(loss)(params, straight)
+    want = jax.grad(loss)(params, scanned)  # float32, summed in another order
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+def test_straight_stack_of_a_block_that_sows_scans():
+    """A block that sows (a mixture of experts' losses) runs the scan, which stacks
+    what each layer sows: the same values as the scanned stack."""
+    x = jax.random.normal(jax.random.key(1), (BATCH, LENGTH, WIDTH))
+    scale = jnp.linspace(0.5, 1.5, BATCH)
+    params = nn.unbox(Host(LayerStack(num_layers=LAYERS)).init(jax.random.key(2), x, scale))
+    straight = Host(LayerStack(num_layers=LAYERS, unroll=LAYERS, straight=True))
+    y, sown = straight.apply(params, x, scale, mutable=["intermediates"])
+    want, want_aux = np_layers(params["params"], x, scale)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
+    (aux,) = sown["intermediates"]["layers"]["aux_loss"]
+    np.testing.assert_allclose(np.asarray(aux), want_aux, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_transformer_unrolled_layers_equal_the_scan_and_decode_alike():
+    """``unroll_layers=True`` (the accelerators' default): the same parameters, logits
+    and gradients as the scan (float32 rounding), and cached decoding (which threads
+    the cache through the scan) the same tokens."""
+    from dew.nn import models
+
+    kw = dict(vocab_size=32, emb_features=16, num_layers=3, num_heads=4, num_kv_heads=2,
+              mlp_features=32, max_seq_len=12)  # fmt: skip
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, 32)
+    scanned = models.build("causal_transformer", **kw, unroll_layers=False)
+    straight = models.build("causal_transformer", **kw, unroll_layers=True)
+    assert straight.layer_stack().straight and not scanned.layer_stack().straight
+    params = nn.unbox(scanned.init(jax.random.key(4), tokens))
+
+    def loss(p, model):
+        return jnp.mean(model.apply(p, tokens).astype(jnp.float32) ** 2)
+
+    (a, ga), (b, gb) = (jax.value_and_grad(loss)(params, m) for m in (scanned, straight))
+    np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7), gb, ga)
+    cache = scanned.apply(params, jnp.zeros((2, 12), jnp.int32), decode=True, mutable=["cache"])
+    prefill = [
+        m.apply({**params, **cache[1]}, tokens, decode=True, mutable=["cache"])
+        for m in (scanned, straight)
+    ]
+    jax.tree.map(np.testing.assert_array_equal, prefill[1], prefill[0])
 
 
 @pytest.mark.parametrize("stages,microbatches", [(2, 2), (2, 4), (4, 8)])

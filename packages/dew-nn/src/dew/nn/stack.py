@@ -134,6 +134,11 @@ class LayerStack:
     unroll: with ``use_scan``, layers per iteration of the compiled loop
       (``nn.scan``'s ``unroll``): ``num_layers`` compiles a straight program over
       the same ``[layers, ...]`` parameters; 1 = one layer per iteration.
+    straight: with ``use_scan``, run block ``i`` on slice ``i`` of the ``[layers,
+      ...]`` parameters in a Python loop (one straight program, the same tree and
+      values; the scan still creates the parameters and threads a decoding cache).
+      On a TPU as fast as ``use_scan=False``, where a scan writes every layer's
+      residuals and gradients into stacked buffers.
     """
 
     num_layers: int
@@ -146,6 +151,7 @@ class LayerStack:
     name: str = "layers"
     loop_name: str = "layer"
     unroll: int = 1
+    straight: bool = False
 
     def __post_init__(self):
         if self.num_layers < 1:
@@ -260,6 +266,10 @@ class LayerStack:
             return body
 
         body = body_with({})
+        if self.use_scan and self.straight and not _is_tracing_state(parent):
+            straight = self._straight(parent, block, block_kwargs, x, args)
+            if straight is not None:
+                return straight
         if self.use_scan:
             scanned = nn.scan(
                 body,
@@ -278,6 +288,36 @@ class LayerStack:
             x, _ = (body_with(last_call) if last else body)(
                 block(**kwargs, name=self.layer_name(i)), x, *args
             )
+        return x
+
+    def _straight(self, parent, block, block_kwargs, x, args):
+        """Block ``i`` on slice ``i`` of the ``[layers, ...]`` parameters the scan
+        created, a Python loop (the same tree and values). On a TPU v5e chip the
+        GPT-2 step of docs/performance.md runs as fast as the looped stack's (its
+        ``layer_{i}`` parameters) where ``nn.scan`` unrolled writes each layer's
+        residuals into stacked buffers. None (the caller scans) when the block sows
+        intermediates (a mixture of experts' losses, which the scan stacks) or
+        the parameters carry LoRA adapters (qwix matches module paths the loop's
+        blocks do not have)."""
+        params = nn.meta.unbox(parent.variables["params"][self.name])
+        if any("lora" in path_key(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)):
+            return None
+        module = block(**block_kwargs, parent=None)
+
+        def layer(h, p):
+            return module.apply({"params": p}, h, *args, mutable=["intermediates"])
+
+        if self.is_remat:
+            layer = jax.checkpoint(layer, policy=self.policy)
+        # one split a parameter (its gradient one concatenate), not a slice a layer (a
+        # pad each: the compile took twice as long)
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        split = [jnp.split(leaf, self.num_layers, axis=0) for leaf in leaves]
+        for i in range(self.num_layers):
+            p = jax.tree_util.tree_unflatten(tree, [parts[i][0] for parts in split])
+            x, sown = layer(x, p)
+            if jax.tree_util.tree_leaves(sown):
+                return None
         return x
 
     def _scanned_then_last(self, parent, block, block_kwargs, x, args, last_call):
@@ -351,3 +391,14 @@ class LayerStack:
             for name, value in aux.items():
                 parent.sow("intermediates", name, value)
         return x
+
+
+def path_key(path) -> str:
+    """A key path as ``a/b/c``."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _is_tracing_state(parent: nn.Module) -> bool:
+    """Whether the stack runs where its scan threads state: the parameters are being
+    created, or a decoding cache is written."""
+    return parent.is_initializing() or parent.is_mutable_collection("cache")

@@ -218,6 +218,15 @@ class StackOptions(nn.Module, kw_only=True):
         the stages ``R`` times, a bubble of ``(stages - 1) / (microbatches R +
         stages - 1)``. Needs ``num_layers`` a multiple of ``num_stages R`` and
         at least ``num_stages`` microbatches; the same parameters either way.
+      unroll_layers: how a scanned stack (``use_scan``) runs, with the same
+        ``[layers, ...]`` parameters either way: True = one straight program,
+        layer after layer (on a TPU as fast as a Python loop of blocks; compiles
+        longer, about as long as ``use_scan=False``); False = one compiled loop
+        over the layers (the shortest compile; on a TPU it writes each layer's
+        residuals and gradients into stacked buffers: 1.29x the step time of the
+        GPT-2 of docs/performance.md); None = straight on an accelerator; on the
+        CPU the compiled loop, unrolled for stacks of at most ``UNROLL_UP_TO``
+        layers (4 for the causal transformer).
     """
 
     num_layers: int
@@ -227,6 +236,7 @@ class StackOptions(nn.Module, kw_only=True):
     num_stages: int = 1
     pipeline_microbatches: int | None = None
     pipeline_repeats: int = 1
+    unroll_layers: bool | None = None
 
     # A scanned stack this deep or shallower compiles unrolled (class attribute,
     # not a field): 0 = never (a backbone's own choice, kept as it was).
@@ -243,9 +253,14 @@ class StackOptions(nn.Module, kw_only=True):
         ``UNROLL_UP_TO`` layers compiles unrolled (same parameters): its loop's
         per-layer weight slicing and gradient stacking cost more than they save
         (docs/performance.md)."""
+        straight = self.unroll_layers
+        if straight is None:  # on the CPU, a shallow stack unrolls its scan instead
+            straight = jax.default_backend() != "cpu"
+        unrolled = straight or (self.unroll_layers is None and self.num_layers <= self.UNROLL_UP_TO)
         return LayerStack(
             num_layers=self.num_layers,
-            unroll=self.num_layers if self.num_layers <= self.UNROLL_UP_TO else 1,
+            unroll=self.num_layers if unrolled else 1,
+            straight=bool(straight),
             use_scan=self.use_scan,
             use_remat=self.use_remat,
             remat_policy=self.remat_policy,

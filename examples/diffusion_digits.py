@@ -29,7 +29,7 @@ from sklearn.datasets import load_digits
 
 from dew.data import Dataset
 from dew.nn.backbones import DiT
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import FlowSchedule, Pretrained, sample_grid
 from dew.train import MeshSpec, Trainer
 

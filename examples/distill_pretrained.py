@@ -27,7 +27,7 @@ import optax
 from dew.data import ByteTokenizer, Dataset
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective
+from dew.objectives.language.distillation import DistillationObjective
 from dew.sampling import Pretrained, Sampling
 from dew.train import MeshSpec, Trainer
 

@@ -27,7 +27,7 @@ import optax
 
 from dew.data import Dataset
 from dew.nn import CausalTransformer
-from dew.objectives.dpo import DPOObjective
+from dew.objectives.preference.dpo import DPOObjective
 from dew.sampling import Sampling
 from dew.sampling.generate import decode
 from dew.train import Trainer

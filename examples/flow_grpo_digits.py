@@ -38,8 +38,8 @@ from sklearn.linear_model import LogisticRegression
 
 from dew.data import Dataset
 from dew.nn.backbones import DiT
-from dew.objectives.diffusion import DiffusionObjective
-from dew.objectives.flow_grpo import FlowGRPOObjective, ImageReward
+from dew.objectives.diffusion.images import DiffusionObjective
+from dew.objectives.rl.flow_grpo import FlowGRPOObjective, ImageReward
 from dew.sampling import FlowSchedule, FlowSDE, Pretrained, sample_grid
 from dew.sampling.diffusion_pipelines import to_pixels
 from dew.train import MeshSpec, Trainer

@@ -31,8 +31,8 @@ import optax
 from dew.data import Prompts
 from dew.nn import CausalTransformer
 from dew.objectives import Updates
-from dew.objectives.grpo import GRPOObjective
-from dew.objectives.rewards import TextReward
+from dew.objectives.cores.rewards import TextReward
+from dew.objectives.rl.grpo import GRPOObjective
 from dew.sampling import Sampling
 from dew.train import MeshSpec, Trainer
 

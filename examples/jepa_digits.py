@@ -41,8 +41,8 @@ from sklearn.datasets import load_digits
 
 from dew.data import Dataset
 from dew.nn import ViT, ViTPredictor
-from dew.objectives.jepa import JepaObjective, probe
-from dew.objectives.jepa_masks import MultiBlock
+from dew.objectives.jepa.jepa import JepaObjective, probe
+from dew.objectives.jepa.masks import MultiBlock
 from dew.train import MeshSpec, Trainer
 
 parser = argparse.ArgumentParser()

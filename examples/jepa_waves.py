@@ -24,8 +24,8 @@ import optax
 
 from dew.data import Dataset
 from dew.nn import ViT, ViTPredictor
-from dew.objectives.jepa import JepaObjective, probe
-from dew.objectives.jepa_masks import MultiBlock
+from dew.objectives.jepa.jepa import JepaObjective, probe
+from dew.objectives.jepa.masks import MultiBlock
 from dew.sampling import FeatureExtractor
 from dew.train import MeshSpec, Trainer
 

@@ -26,9 +26,9 @@ import optax
 
 from dew.data import ByteTokenizer, TokenWindows
 from dew.nn import CausalTransformer, Transformer
-from dew.objectives.block_diffusion import BlockDiffusionObjective
-from dew.objectives.lm import LMObjective
-from dew.objectives.masked_diffusion import MaskedDiffusionObjective
+from dew.objectives.diffusion.block import BlockDiffusionObjective
+from dew.objectives.diffusion.masked import MaskedDiffusionObjective
+from dew.objectives.language.lm import LMObjective
 from dew.sampling import MaskedSampler, sample_entropy
 from dew.train import Trainer
 

@@ -12,7 +12,7 @@ import pytest
 
 from dew import models
 from dew.data import Dataset, HFImages, TokenWindows
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, Trainer
 
 SEQ_LEN = 16

@@ -23,7 +23,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn import DiT, VideoDiT
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import DDPMSchedule
 from dew.train import MeshSpec, Trainer
 

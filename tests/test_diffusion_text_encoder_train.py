@@ -11,7 +11,7 @@ import pytest
 from dew.data import ByteTokenizer, Dataset
 from dew.nn import models
 from dew.nn.testing import TINY_LM
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import FlowSchedule, TextEncoder
 from dew.train import MeshSpec, Trainer
 

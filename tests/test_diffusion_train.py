@@ -26,7 +26,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn.backbones.dit import timestep_embedding
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import DDPMSchedule, FlowSchedule
 from dew.train import MeshSpec, Trainer
 

@@ -21,8 +21,8 @@ from PIL import Image
 
 from dew.data import Dataset
 from dew.nn import models
-from dew.objectives.base import EMA
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.contract.objective import EMA
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import ClassToVideo, FlowSchedule
 from dew.train import MeshSpec, Trainer
 from dew.train.step import Stream, microbatch_key

@@ -22,8 +22,8 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer, models
 from dew.nn.testing import TINY_GPT2, TINY_LM
-from dew.objectives.distillation import DistillationObjective
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.distillation import DistillationObjective
+from dew.objectives.language.lm import LMObjective
 from dew.sampling import Pretrained
 from dew.train import Checkpoints, MeshSpec, Trainer, load_model
 

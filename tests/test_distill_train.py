@@ -16,7 +16,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives.distillation import DistillationObjective
+from dew.objectives.language.distillation import DistillationObjective
 from dew.sampling import Sampling
 from dew.train import MeshSpec, Trainer
 

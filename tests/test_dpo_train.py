@@ -17,7 +17,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives.dpo import DPOObjective
+from dew.objectives.preference.dpo import DPOObjective
 from dew.train import MeshSpec, Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -66,7 +66,7 @@ class Case:
 
 
 def lm() -> Case:
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
 
     rng = np.random.default_rng(0)
     batches = []
@@ -81,7 +81,7 @@ def lm() -> Case:
 
 
 def diffusion() -> Case:
-    from dew.objectives.diffusion import DiffusionObjective
+    from dew.objectives.diffusion.images import DiffusionObjective
 
     rng = np.random.default_rng(1)
     size, channels = TINY_DIT["sample_size"], TINY_DIT["in_channels"]
@@ -98,8 +98,8 @@ def diffusion() -> Case:
 
 
 def jepa() -> Case:
-    from dew.objectives.jepa import JepaObjective
-    from dew.objectives.jepa_masks import MultiBlock
+    from dew.objectives.jepa.jepa import JepaObjective
+    from dew.objectives.jepa.masks import MultiBlock
 
     rng = np.random.default_rng(2)
     size, channels = TINY_VIT["image_size"], TINY_VIT["num_channels"]
@@ -117,7 +117,7 @@ def jepa() -> Case:
 
 
 def dpo() -> Case:
-    from dew.objectives.dpo import DPOObjective
+    from dew.objectives.preference.dpo import DPOObjective
 
     rng = np.random.default_rng(3)
     vocab, length = TINY_LM["vocab_size"], 8
@@ -153,8 +153,8 @@ def _prompts(seed: int) -> list:
 
 
 def grpo() -> Case:
-    from dew.objectives.grpo import GRPOObjective
-    from dew.objectives.rewards import TokenReward
+    from dew.objectives.cores.rewards import TokenReward
+    from dew.objectives.rl.grpo import GRPOObjective
     from dew.sampling import Sampling
 
     objective = GRPOObjective(
@@ -170,8 +170,8 @@ def grpo() -> Case:
 
 def ppo() -> Case:
     from dew.objectives import Updates
-    from dew.objectives.ppo import PPOObjective
-    from dew.objectives.rewards import TokenReward
+    from dew.objectives.cores.rewards import TokenReward
+    from dew.objectives.rl.ppo import PPOObjective
     from dew.sampling import Sampling
 
     objective = PPOObjective(
@@ -204,7 +204,7 @@ def _encoder():
 
 
 def mdlm() -> Case:
-    from dew.objectives.masked_diffusion import MaskedDiffusionObjective
+    from dew.objectives.diffusion.masked import MaskedDiffusionObjective
 
     objective = MaskedDiffusionObjective(
         _encoder(), mask_id=7, seq_len=8, attention_mask_key="mask"
@@ -213,7 +213,7 @@ def mdlm() -> Case:
 
 
 def bd3() -> Case:
-    from dew.objectives.block_diffusion import BlockDiffusionObjective
+    from dew.objectives.diffusion.block import BlockDiffusionObjective
 
     objective = BlockDiffusionObjective(
         _encoder(), mask_id=7, seq_len=8, block_size=2, attention_mask_key="mask"
@@ -224,7 +224,7 @@ def bd3() -> Case:
 def distill() -> Case:
     import flax.linen as nn
 
-    from dew.objectives.distillation import DistillationObjective
+    from dew.objectives.language.distillation import DistillationObjective
     from dew.sampling import Sampling
 
     rng = np.random.default_rng(8)
@@ -258,7 +258,7 @@ def flow_grpo() -> Case:
 
     from dew.nn.backbones.dit import timestep_embedding
     from dew.objectives import Updates
-    from dew.objectives.flow_grpo import FlowGRPOObjective, ImageReward
+    from dew.objectives.rl.flow_grpo import FlowGRPOObjective, ImageReward
     from dew.sampling import FlowSDE
 
     class Velocity(nn.Module):  # a 2-D class-conditional flow velocity

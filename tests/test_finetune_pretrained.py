@@ -11,7 +11,7 @@ import pytest
 
 from dew.data import ByteTokenizer, Dataset, HFTokenizer
 from dew.nn import CausalTransformer
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.sampling import Pretrained, TextGeneration
 from dew.train import Trainer
 

@@ -25,17 +25,18 @@ from dew.data import Dataset
 from dew.nn.backbones import DiT
 from dew.nn.backbones.dit import timestep_embedding
 from dew.nn.lora import LoRA, is_adapter
-from dew.objectives import EMA, Step, Updates, flow_grpo
-from dew.objectives.diffusion import DiffusionObjective
-from dew.objectives.flow_grpo import (
+from dew.objectives import EMA, Step, Updates
+from dew.objectives.cores.rewards import RewardError
+from dew.objectives.cores.rl import max_ratio_deviation
+from dew.objectives.diffusion.images import DiffusionObjective
+from dew.objectives.rl import flow_grpo
+from dew.objectives.rl.flow_grpo import (
     FIRST_RATIO_TOLERANCE,
     FlowGRPOObjective,
     HostImageReward,
     ImageReward,
     RolloutSizes,
 )
-from dew.objectives.rewards import RewardError
-from dew.objectives.rl import max_ratio_deviation
 from dew.sampling import FlowSchedule, FlowSDE
 from dew.train import Checkpoints, MeshSpec, Trainer
 

@@ -5,7 +5,7 @@ completions, 2 updates per rollout batch, k3 KL to the initial policy.
 
 - learns: mean reward ~1/16 -> >= 0.9 within 100 iterations, with the library's
   debug assertion on (every first update's log-probs equal the rollout's within
-  1e-6 of max(1, |log p|): `dew.objectives.rl.check_first_update`);
+  1e-6 of max(1, |log p|): `dew.objectives.cores.rl.check_first_update`);
 - a run killed between the rollout and its updates (in the host reward stage)
   resumes bit-identically;
 - data=8, fsdp=8 and data2/fsdp2/tensor2 give the same completions and, over 3
@@ -27,8 +27,8 @@ import pytest
 from dew.data import Dataset
 from dew.nn.backbones import CausalTransformer
 from dew.objectives import Updates
-from dew.objectives.grpo import GRPOObjective
-from dew.objectives.rewards import TextReward, TokenReward
+from dew.objectives.cores.rewards import TextReward, TokenReward
+from dew.objectives.rl.grpo import GRPOObjective
 from dew.sampling import Sampling
 from dew.train import Checkpoints, MeshSpec, Trainer
 

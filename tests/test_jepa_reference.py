@@ -1,6 +1,6 @@
 """Dew's JEPA against an independent minimal I-JEPA loop.
 
-The loop below shares nothing with ``dew.objectives.jepa`` but the two Flax
+The loop below shares nothing with ``dew.objectives.jepa.jepa`` but the two Flax
 modules it uses as layers (``dew.nn.ViT`` and ``dew.nn.ViTPredictor``): its
 own block masks (numpy, drawn on the host, I-JEPA's multiblock rule with
 rejection until the context keeps enough patches), its own EMA target
@@ -247,8 +247,8 @@ class DewRun:
 
 def dew_objective(setup: Setup, **objective_options):
     """``setup`` as a ``JepaObjective``: its modules, masks, momentum and length."""
-    from dew.objectives.jepa import JepaObjective
-    from dew.objectives.jepa_masks import MultiBlock
+    from dew.objectives.jepa.jepa import JepaObjective
+    from dew.objectives.jepa.masks import MultiBlock
 
     masks = MultiBlock(
         num_targets=setup.num_targets,

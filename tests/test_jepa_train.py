@@ -25,8 +25,8 @@ import pytest
 
 from dew.data import Dataset, Partition
 from dew.nn import ViT, ViTPredictor
-from dew.objectives.jepa import JepaObjective, probe
-from dew.objectives.jepa_masks import MultiBlock
+from dew.objectives.jepa.jepa import JepaObjective, probe
+from dew.objectives.jepa.masks import MultiBlock
 from dew.sampling.features import FeatureExtractor
 from dew.train import Checkpoints, MeshSpec, Trainer, load_model
 

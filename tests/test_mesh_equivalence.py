@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from dew import Dataset, Trainer, models
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec
 
 SEQ, BATCH, VOCAB, STEPS = 16, 8, 64, 5

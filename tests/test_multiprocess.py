@@ -41,7 +41,7 @@ def train(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path | None = None):
 
     from dew.data import Dataset
     from dew.nn import CausalTransformer
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
     from dew.train import Checkpoints, MeshSpec, Trainer
 
     rows = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)

@@ -49,7 +49,7 @@ def child(port: int, process_id: int, directory: pathlib.Path, out: pathlib.Path
     )
     from dew.data import Dataset
     from dew.nn import CausalTransformer
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
     from dew.train import Checkpoints, MeshSpec, Trainer
 
     rows = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1)).astype(np.int32)

@@ -13,9 +13,9 @@ import pytest
 
 from dew.data import Dataset, Field
 from dew.nn.backbones import CausalTransformer
-from dew.objectives.grpo import GRPOObjective
-from dew.objectives.rewards import TokenReward
-from dew.objectives.rl import RatioError
+from dew.objectives.cores.rewards import TokenReward
+from dew.objectives.cores.rl import RatioError
+from dew.objectives.rl.grpo import GRPOObjective
 from dew.sampling import Sampling
 from dew.train import MeshSpec, Trainer
 
@@ -111,7 +111,7 @@ def test_a_spec_that_does_not_fit_the_declared_fields_is_refused_before_compilin
 def _diffusion_case():
     from dew.nn import DiT
     from dew.nn.testing import TINY_DIT
-    from dew.objectives.diffusion import DiffusionObjective
+    from dew.objectives.diffusion.images import DiffusionObjective
 
     spec = {"image": Field((8, 8, 3), np.uint8), "label": Field((), np.int32)}
     return DiffusionObjective(DiT(**TINY_DIT, num_classes=10)), spec, "label"
@@ -120,8 +120,8 @@ def _diffusion_case():
 def _jepa_case():
     from dew.nn import ViT, ViTPredictor
     from dew.nn.testing import TINY_PREDICTOR, TINY_VIT
-    from dew.objectives.jepa import JepaObjective
-    from dew.objectives.jepa_masks import MultiBlock
+    from dew.objectives.jepa.jepa import JepaObjective
+    from dew.objectives.jepa.masks import MultiBlock
 
     objective = JepaObjective(
         ViT(**TINY_VIT),
@@ -136,7 +136,7 @@ def _jepa_case():
 def _classifier_distillation_case():
     import flax.linen as nn
 
-    from dew.objectives.classifier_distillation import ClassifierDistillationObjective
+    from dew.objectives.language.classifier_distillation import ClassifierDistillationObjective
 
     teacher = nn.Dense(4)
     params = teacher.init(jax.random.key(1), np.zeros((1, 3), np.float32))["params"]

@@ -29,8 +29,8 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer, Critic
 from dew.objectives import Updates, Weighted
-from dew.objectives.ppo import PPOObjective
-from dew.objectives.rewards import TokenReward
+from dew.objectives.cores.rewards import TokenReward
+from dew.objectives.rl.ppo import PPOObjective
 from dew.train import MeshSpec, Trainer
 
 VOCAB, ROLLOUTS, NEW = 16, 64, 4

@@ -64,7 +64,7 @@ def test_classifier_distillation_names_its_roles_from_the_vocabulary():
     """Not in the family contract (no LM batch): its roles checked on their own."""
     import flax.linen as nn
 
-    from dew.objectives.classifier_distillation import ClassifierDistillationObjective
+    from dew.objectives.language.classifier_distillation import ClassifierDistillationObjective
 
     objective = ClassifierDistillationObjective(nn.Dense(3), teacher=nn.Dense(3), teacher_params={})
     roles = check_roles(objective)

@@ -21,7 +21,7 @@ from dew.data.testing import write_chat_tokenizer
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
 from dew.objectives import Step
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
 SEQ, ROWS, LR = 95, 4, 1.0

@@ -18,7 +18,7 @@ def test_quickstart_imports_leave_the_heavy_modules_unloaded():
         "import json, sys\n"
         "import dew\n"
         "from dew import Dataset, Trainer, models\n"
-        "from dew.objectives.lm import LMObjective\n"
+        "from dew.objectives.language.lm import LMObjective\n"
         "from dew.sampling import generate\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
     )

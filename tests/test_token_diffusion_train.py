@@ -22,8 +22,8 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn import Transformer
-from dew.objectives.block_diffusion import BlockDiffusionObjective
-from dew.objectives.masked_diffusion import MaskedDiffusionObjective
+from dew.objectives.diffusion.block import BlockDiffusionObjective
+from dew.objectives.diffusion.masked import MaskedDiffusionObjective
 from dew.train import MeshSpec, Trainer
 
 L, BATCH, STEPS, V, MASK = 8, 8, 5, 8, 7

@@ -29,7 +29,7 @@ import optax
 
 from dew.data import Dataset
 from dew.nn import models
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, Trainer
 
 SEQ_LEN, BATCH, VOCAB, CLASSES = 8, 8, 32, 4
@@ -64,7 +64,7 @@ def lm_objective():
 
 
 def diffusion_objective():
-    from dew.objectives.diffusion import DiffusionObjective  # only this run pays its import
+    from dew.objectives.diffusion.images import DiffusionObjective  # only this run pays its import
 
     model = models.build(
         "dit",

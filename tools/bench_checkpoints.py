@@ -42,7 +42,7 @@ import optax  # noqa: E402
 
 import dew.train.checkpoints as checkpoints  # noqa: E402
 from dew import Checkpoints, Trainer, models  # noqa: E402
-from dew.objectives.lm import LMObjective  # noqa: E402
+from dew.objectives.language.lm import LMObjective  # noqa: E402
 from dew.train import _integrity  # noqa: E402
 
 SIZE = dict(emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, max_seq_len=256)

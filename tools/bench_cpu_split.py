@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from dew import Dataset, MeshSpec, Trainer, models  # noqa: E402
-from dew.objectives.lm import LMObjective  # noqa: E402
+from dew.objectives.language.lm import LMObjective  # noqa: E402
 
 # emb, layers, heads, mlp, seq, batch: the seed run's size, four between, the medium LM
 SIZES = {

@@ -176,7 +176,7 @@ def bench_training(workdir: str, steps: int):
 
     from dew import Trainer, models
     from dew.data import TokenWindows
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
 
     corpus = os.path.join(workdir, "small.txt")
     with open(corpus, "w") as f:

@@ -43,7 +43,7 @@ from _timing import fit_seconds, loop_seconds  # noqa: E402 (tools/, after the a
 
 from dew import Dataset, Trainer  # noqa: E402
 from dew.nn import DiT  # noqa: E402
-from dew.objectives.diffusion import DiffusionObjective, warmup_ema_decay  # noqa: E402
+from dew.objectives.diffusion.images import DiffusionObjective, warmup_ema_decay  # noqa: E402
 from dew.sampling import (  # noqa: E402
     DDIM,
     DDPMSchedule,
@@ -94,7 +94,7 @@ def train_rows():
 
 
 def ema():
-    from dew.objectives.base import EMA
+    from dew.objectives.contract.objective import EMA
 
     return EMA(decay=functools.partial(warmup_ema_decay, max_decay=0.9999))
 

@@ -42,7 +42,7 @@ import optax  # noqa: E402
 
 from dew.nn import CausalTransformer  # noqa: E402
 from dew.objectives import Step  # noqa: E402
-from dew.objectives.distillation import DistillationObjective  # noqa: E402
+from dew.objectives.language.distillation import DistillationObjective  # noqa: E402
 
 BETA, TEMPERATURE, LR = 0.5, 2.0, 1e-4
 

@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from dew import Dataset, Trainer, models  # noqa: E402
-from dew.objectives.dpo import DPOObjective  # noqa: E402
+from dew.objectives.preference.dpo import DPOObjective  # noqa: E402
 
 SIZES = {
     # a step of ~0.1 ms: what is left is each side's host loop around its step

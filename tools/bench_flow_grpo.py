@@ -36,7 +36,7 @@ import optax
 from dew.data import Dataset
 from dew.nn.backbones import DiT
 from dew.objectives import Step
-from dew.objectives.flow_grpo import FlowGRPOObjective, ImageReward
+from dew.objectives.rl.flow_grpo import FlowGRPOObjective, ImageReward
 from dew.sampling import FlowSDE
 from dew.train import MeshSpec, Trainer
 

@@ -67,7 +67,7 @@ def run_dew(s, steps):
     import optax
 
     from dew import Dataset, Trainer, models
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
 
     model = models.build(
         "causal_transformer", vocab_size=s["vocab"], emb_features=s["emb"],

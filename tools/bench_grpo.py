@@ -55,8 +55,8 @@ import optax  # noqa: E402
 from dew import Dataset, Trainer  # noqa: E402
 from dew.nn import CausalTransformer  # noqa: E402
 from dew.objectives import Updates  # noqa: E402
-from dew.objectives.grpo import GRPOObjective  # noqa: E402
-from dew.objectives.rewards import TokenReward  # noqa: E402
+from dew.objectives.cores.rewards import TokenReward  # noqa: E402
+from dew.objectives.rl.grpo import GRPOObjective  # noqa: E402
 from dew.sampling import Sampling  # noqa: E402
 
 VOCAB, TARGET = 264, 7

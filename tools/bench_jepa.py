@@ -131,7 +131,7 @@ def make_training(size: str, steps: int):
 def dew_training(size: str, steps: int):
     """The modules, images, dataset, objective and trainer of the Dew side."""
     from dew.data import Dataset
-    from dew.objectives.jepa import JepaObjective
+    from dew.objectives.jepa.jepa import JepaObjective
     from dew.train import Trainer
 
     encoder, predictor, images = make_training(size, steps)
@@ -177,7 +177,7 @@ def smooth_l1(d):
 def build_hand_training(size: str, steps: int):
     """``(step, carry, images, root)``: the same step written as a plain jitted
     function with donated state, ``step(*carry, pixels, root) -> (*carry, loss)``."""
-    from dew.objectives.jepa_masks import MultiBlock
+    from dew.objectives.jepa.masks import MultiBlock
 
     encoder, predictor, images = make_training(size, steps)
     grid = encoder.grid.shape

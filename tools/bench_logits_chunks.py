@@ -24,7 +24,7 @@ import optax
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 
 
 def build(vocab: int, chunk: int | None, batch: int, seq: int):

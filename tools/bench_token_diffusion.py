@@ -68,8 +68,8 @@ from dew import Dataset, Trainer  # noqa: E402
 from dew.nn import Transformer, masks  # noqa: E402
 from dew.nn.stack import LayerStack  # noqa: E402
 from dew.objectives import Step  # noqa: E402
-from dew.objectives.block_diffusion import BlockDiffusionObjective  # noqa: E402
-from dew.objectives.masked_diffusion import MaskedDiffusionObjective  # noqa: E402
+from dew.objectives.diffusion.block import BlockDiffusionObjective  # noqa: E402
+from dew.objectives.diffusion.masked import MaskedDiffusionObjective  # noqa: E402
 from dew.sampling.token_diffusion import (  # noqa: E402
     MaskedSampler,
     MaskSchedule,

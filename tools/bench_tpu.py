@@ -97,7 +97,7 @@ def run_dew(
     import optax
 
     from dew import Dataset, Trainer, models
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
     from dew.train import MeshSpec
     from dew.train.plan import plan
 

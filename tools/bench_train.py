@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from _timing import fit_seconds, loop_seconds  # noqa: E402 (tools/, after the allocator)
 
 from dew import Dataset, Trainer, models  # noqa: E402
-from dew.objectives.lm import LMObjective  # noqa: E402
+from dew.objectives.language.lm import LMObjective  # noqa: E402
 
 SIZES = {
     "seed": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, seq_len=64, batch=8),

@@ -15,7 +15,7 @@ import optax
 
 from dew.data import Dataset
 from dew.nn import CausalTransformer
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, StepDoesNotFit, Trainer, plan, recommend
 from dew.train.memory import device_memory_bytes
 

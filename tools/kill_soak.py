@@ -122,7 +122,7 @@ def child(args) -> None:
     from dew import Checkpoints, Trainer, models
     from dew.data import ByteTokenizer, Dataset, TokenWindows
     from dew.objectives import EMA
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
 
     tokenizer = ByteTokenizer()
     windows = TokenWindows(

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     import optax
 
     from dew.nn import models
-    from dew.objectives.lm import LMObjective
+    from dew.objectives.language.lm import LMObjective
     from dew.train import MeshSpec, plan
 
     config = parse_pairs(args.config)

@@ -58,9 +58,9 @@ def classes(package, keep):
     return sorted(c.__name__ for c in found if inspect.isclass(c) and keep(c))
 
 objectives = {}
-for info in pkgutil.iter_modules(dew.objectives.__path__):
-    if not info.name.startswith("_"):
-        module = importlib.import_module(f"dew.objectives.{info.name}")
+for info in pkgutil.walk_packages(dew.objectives.__path__, "dew.objectives."):
+    if not info.ispkg and not any(p.startswith("_") for p in info.name.split(".")):
+        module = importlib.import_module(info.name)
         objectives[info.name] = sorted(
             name for name, c in vars(module).items()
             if inspect.isclass(c) and issubclass(c, Objective) and c is not Objective
@@ -91,7 +91,7 @@ def test_readmes_name_what_ships(fresh_clone):
     run = fresh_clone.run(["uv", "run", "--locked", "python", "-c", INVENTORY], timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     ships = json.loads(run.stdout.splitlines()[-1])
-    modules = [f"dew.objectives.{m}" for m in ships["objectives"]]
+    modules = list(ships["objectives"])
     classes = [c for found in ships["objectives"].values() for c in found]
     assert classes, ships["objectives"]  # the Objective subclasses were found
     wants = {

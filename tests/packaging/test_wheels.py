@@ -125,7 +125,7 @@ def test_umbrella_with_plain_pip_from_wheels_trains(dist, tmp_path):
         import numpy as np, optax, jax
         import dew
         from dew import ByteTokenizer, Dataset, Trainer, models
-        from dew.objectives.lm import LMObjective
+        from dew.objectives.language.lm import LMObjective
 
         names = {d.metadata["Name"].lower() for d in md.distributions()}
         assert {"dew-jax", "dew-nn", "dew-data", "dew-sampling", "dew-objectives",

@@ -40,7 +40,7 @@ import optax  # noqa: E402
 import protocol  # noqa: E402
 
 from dew import Dataset, Trainer  # noqa: E402
-from dew.objectives.lm import LMObjective  # noqa: E402
+from dew.objectives.language.lm import LMObjective  # noqa: E402
 from dew.sampling import Sampling, generate  # noqa: E402
 
 SIDES = ("dew", "dew_llama", "hand")

@@ -8,12 +8,12 @@ from dew.data import Field
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
 from dew.objectives import BatchField, check_batch_spec
-from dew.objectives.batch import IDS, MASK, check_token_ids, spec_of
-from dew.objectives.dpo import DPOObjective
-from dew.objectives.grpo import GRPOObjective
-from dew.objectives.lm import LMObjective
-from dew.objectives.ppo import PPOObjective
-from dew.objectives.rewards import TokenReward
+from dew.objectives.contract.batch import IDS, MASK, check_token_ids, spec_of
+from dew.objectives.cores.rewards import TokenReward
+from dew.objectives.language.lm import LMObjective
+from dew.objectives.preference.dpo import DPOObjective
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.ppo import PPOObjective
 
 MODEL = CausalTransformer(**TINY_LM)  # vocab 32, max_seq_len 32
 

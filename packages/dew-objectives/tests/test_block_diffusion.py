@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from dew.nn import Transformer, masks
-from dew.objectives import Step, weighted
-from dew.objectives.block_diffusion import BlockDiffusionObjective
-from dew.objectives.masked_diffusion import MaskedDiffusionObjective
+from dew.objectives import Step
+from dew.objectives.contract import weighted
+from dew.objectives.diffusion.block import BlockDiffusionObjective
+from dew.objectives.diffusion.masked import MaskedDiffusionObjective
 from dew.sampling.token_diffusion import MaskSchedule
 
 L, V, MASK = 8, 6, 6

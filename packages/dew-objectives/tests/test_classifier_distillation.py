@@ -11,7 +11,7 @@ import pytest
 
 from dew.data import Field
 from dew.objectives import Step
-from dew.objectives.classifier_distillation import ClassifierDistillationObjective
+from dew.objectives.language.classifier_distillation import ClassifierDistillationObjective
 
 CLASSES, FEATURES, ROWS = 10, 12, 16
 STEP = Step(index=np.int32(0), key=jax.random.key(0))

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer
-from dew.objectives import Objective, Step, weighted
-from dew.objectives.lm import LMObjective
+from dew.objectives import Objective, Step
+from dew.objectives.contract import weighted
+from dew.objectives.language.lm import LMObjective
 
 
 def lm_case():
@@ -22,8 +23,8 @@ def lm_case():
 
 def jepa_case():
     from dew.nn import ViT, ViTPredictor
-    from dew.objectives.jepa import JepaObjective
-    from dew.objectives.jepa_masks import MultiBlock
+    from dew.objectives.jepa.jepa import JepaObjective
+    from dew.objectives.jepa.masks import MultiBlock
 
     grid = dict(image_size=8, patch_size=2, num_channels=1, position_embedding="learned")
     encoder = ViT(emb_features=16, num_layers=1, num_heads=2, mlp_features=32, **grid)
@@ -38,7 +39,7 @@ def jepa_case():
 
 
 def dpo_case():
-    from dew.objectives.dpo import DPOObjective
+    from dew.objectives.preference.dpo import DPOObjective
 
     model = CausalTransformer(
         vocab_size=24, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dew.nn.backbones import DiT
-from dew.objectives.base import Step
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.contract.objective import Step
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import DDPMSchedule, EDMSchedule, FlowSchedule
 
 CHANNELS, CLASSES, ROWS = 3, 4, 6

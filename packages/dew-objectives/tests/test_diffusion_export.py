@@ -11,7 +11,7 @@ import pytest
 from dew.data import ByteTokenizer
 from dew.nn import models
 from dew.nn.testing import TINY_LM
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import ClassToImage, DDPMSchedule, TextEncoder, TextToImage, sample_grid
 from dew.sampling.diffusion.pipelines import to_pixels
 

@@ -12,8 +12,8 @@ import pytest
 from dew.data import ByteTokenizer
 from dew.nn import models
 from dew.nn.testing import TINY_LM
-from dew.objectives.base import Step
-from dew.objectives.diffusion import DiffusionObjective
+from dew.objectives.contract.objective import Step
+from dew.objectives.diffusion.images import DiffusionObjective
 from dew.sampling import DDPMSchedule, Pretrained, TextEncoder, TextToImage
 from dew.sampling.diffusion.pipelines import to_pixels
 from dew.sampling.diffusion.text_encoders import encode_tokens

@@ -16,7 +16,11 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective, distillation_losses, divergence
+from dew.objectives.language.distillation import (
+    DistillationObjective,
+    distillation_losses,
+    divergence,
+)
 
 V = 32
 STUDENT = CausalTransformer(
@@ -146,7 +150,7 @@ def variables(weights):
 @jax.jit
 def full_logits(weights, batch):
     """Each model's own full logits at the scored positions (what the loss must use)."""
-    from dew.objectives.logprobs import rollout_positions
+    from dew.objectives.cores.logprobs import rollout_positions
 
     tokens = jnp.concatenate([batch["prompt"], batch["completion"]], 1)
     positions, mask = rollout_positions(jnp.asarray(batch["prompt_mask"]), N)
@@ -229,7 +233,7 @@ def grad_of_total(weights, default):
 def test_fused_chunk_gradients_equal_autodiff_of_the_full_logits(weights, grad_of_total):
     """The gradient computed chunk by chunk in the forward pass (chunked_sums) against
     plain autodiff of the divergence of both models' full logits."""
-    from dew.objectives.distillation import distillation_losses
+    from dew.objectives.language.distillation import distillation_losses
 
     def plain(params):
         zs, zt = full_logits((params, weights[1]), BATCH)

@@ -15,7 +15,7 @@ from dew.data import ByteTokenizer, Partition, SFTExamples
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_GPT2
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective
+from dew.objectives.language.distillation import DistillationObjective
 
 SEQ = 31
 STUDENT = CausalTransformer(**{**TINY_GPT2, "vocab_size": 264, "max_seq_len": SEQ})

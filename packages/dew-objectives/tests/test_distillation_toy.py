@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective
+from dew.objectives.language.distillation import DistillationObjective
 
 V, LENGTH, ROWS = 32, 8, 64
 

@@ -12,7 +12,7 @@ import pytest
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
 from dew.objectives import Step
-from dew.objectives.dpo import DPOObjective
+from dew.objectives.preference.dpo import DPOObjective
 
 MODEL = CausalTransformer(**TINY_LM)  # vocab 32, max_seq_len 32
 STEP = Step(index=jnp.int32(0), key=jax.random.key(0))

@@ -25,9 +25,9 @@ import pytest
 from dew.nn.backbones import DiT
 from dew.nn.backbones.dit import timestep_embedding
 from dew.objectives import Step, Updates
-from dew.objectives.flow_grpo import FlowGRPOObjective, HostImageReward, ImageReward
-from dew.objectives.rewards import RewardError
-from dew.objectives.rl import RatioError, raising_ratio_errors, relative_logprob_gap
+from dew.objectives.cores.rewards import RewardError
+from dew.objectives.cores.rl import RatioError, raising_ratio_errors, relative_logprob_gap
+from dew.objectives.rl.flow_grpo import FlowGRPOObjective, HostImageReward, ImageReward
 from dew.sampling import DDPMSchedule, FlowSDE
 
 CLASSES, G, CONDITIONS = 3, 8, 3

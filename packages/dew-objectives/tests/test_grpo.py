@@ -11,9 +11,9 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.grpo import GRPOObjective, group_advantages
-from dew.objectives.rewards import RewardError, TextReward, TokenReward
-from dew.objectives.rollouts import rollout_logprobs
+from dew.objectives.cores.rewards import RewardError, TextReward, TokenReward
+from dew.objectives.cores.rollouts import rollout_logprobs
+from dew.objectives.rl.grpo import GRPOObjective, group_advantages
 from dew.sampling import Sampling
 from dew.sampling.causal.generate import decode
 
@@ -202,13 +202,13 @@ def test_loss_matches_numpy_for_each_aggregation(params, prepared, losses):
 
 
 def _rollout(batch):
-    from dew.objectives.rollouts import Rollout
+    from dew.objectives.cores.rollouts import Rollout
 
     return Rollout.from_batch(batch)
 
 
 def test_k3_is_float32_and_clamped_where_the_policy_drifted():
-    from dew.objectives.logprobs import kl_k3
+    from dew.objectives.cores.logprobs import kl_k3
 
     logp = jnp.asarray([-1.0, -2.0, -200.0], jnp.bfloat16)
     ref = jnp.asarray([-1.5, -1.0, -1.0], jnp.float32)
@@ -316,7 +316,7 @@ def test_logits_in_chunks_give_todays_log_probs_and_gradient(prepared):
     """Completions scored in chunks of 3 positions (not dividing prompt 4 + new 5): the
     rollout's old log-probs again (the first update's ratio is 1), and the loss and its
     gradient of the whole-logits objective, on unequal completion lengths."""
-    from dew.objectives.rollouts import Rollout, rollout_logprobs
+    from dew.objectives.cores.rollouts import Rollout, rollout_logprobs
 
     variables, _, batch = prepared
     chunked = objective(beta=0.05, logits_chunk_size=3)

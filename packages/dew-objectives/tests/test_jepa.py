@@ -10,8 +10,8 @@ import pytest
 
 from dew.nn import ViT, ViTPredictor
 from dew.objectives import Role, Step
-from dew.objectives.jepa import JepaObjective, effective_rank, feature_std, momentum_schedule
-from dew.objectives.jepa_masks import MultiBlock
+from dew.objectives.jepa.jepa import JepaObjective, effective_rank, feature_std, momentum_schedule
+from dew.objectives.jepa.masks import MultiBlock
 
 SMALL = dict(image_size=8, patch_size=2, num_channels=1, position_embedding="learned")
 ENCODER = ViT(emb_features=16, num_layers=1, num_heads=2, mlp_features=32, **SMALL)
@@ -180,7 +180,7 @@ def test_wrong_batches_are_refused_before_compiling():
 
 
 def test_collapse_alarm_warns_in_one_line_against_the_first_logged_values():
-    from dew.objectives.jepa import CollapseAlarm
+    from dew.objectives.jepa.jepa import CollapseAlarm
 
     obj = objective()
     assert obj.log_notes(10, {"loss": 0.1}) == []  # no statistics logged: nothing to say

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dew.objectives.jepa_masks import MultiBlock
+from dew.objectives.jepa.masks import MultiBlock
 
 
 def reachable_shapes(scale, aspect, height, width):

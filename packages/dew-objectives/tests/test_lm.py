@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from dew.nn import CausalTransformer
-from dew.objectives import Step, weighted
-from dew.objectives.lm import LMObjective
+from dew.objectives import Step
+from dew.objectives.contract import weighted
+from dew.objectives.language.lm import LMObjective
 
 MODEL = CausalTransformer(
     vocab_size=24, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16

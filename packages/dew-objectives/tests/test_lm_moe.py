@@ -19,7 +19,7 @@ import pytest
 from dew.nn import CausalTransformer, MoE
 from dew.nn.testing import TINY_LM, TINY_MOE
 from dew.objectives import Step
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 
 SEQ, ROWS, FACTOR = 8, 4, 1.0
 STEP = Step(index=jnp.int32(0), key=jax.random.key(0))
@@ -142,7 +142,7 @@ def test_the_backbones_router_z_loss_weight_enters_the_loss_and_its_gradient(unr
     ``aux_loss_weight * w * mean(z)`` from ``w = 0``, and the last router's
     gradient by that term's closed-form gradient ``mean_t 2 lse_t x_t softmax_t^T``
     (numpy, float64); a negative weight is refused when the model is built."""
-    from dew.objectives.weighted import loss_value
+    from dew.objectives.contract.weighted import loss_value
 
     _, variables, tokens = unrolled
     w = 0.5

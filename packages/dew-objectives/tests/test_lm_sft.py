@@ -12,7 +12,7 @@ from dew.data import ByteTokenizer, Partition, SFTExamples
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_GPT2
 from dew.objectives import Step
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 
 SEQ = 31
 MODEL = CausalTransformer(**{**TINY_GPT2, "vocab_size": 264, "max_seq_len": SEQ})

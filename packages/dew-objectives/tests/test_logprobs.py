@@ -1,4 +1,4 @@
-"""dew.objectives.logprobs against numpy, the sampler and the cached decoder."""
+"""dew.objectives.cores.logprobs against numpy, the sampler and the cached decoder."""
 
 import functools
 
@@ -10,7 +10,7 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives import logprobs as lp
+from dew.objectives.cores import logprobs as lp
 from dew.sampling import Sampling
 from dew.sampling.causal.generate import decode
 from dew.sampling.causal.sampling import filter_logits, sample_logits

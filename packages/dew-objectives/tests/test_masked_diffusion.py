@@ -15,9 +15,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.data import ByteTokenizer
 from dew.nn import Transformer
-from dew.objectives import Step, weighted
-from dew.objectives.block_diffusion import BlockDiffusionObjective
-from dew.objectives.masked_diffusion import MaskedDiffusionObjective
+from dew.objectives import Step
+from dew.objectives.contract import weighted
+from dew.objectives.diffusion.block import BlockDiffusionObjective
+from dew.objectives.diffusion.masked import MaskedDiffusionObjective
 from dew.sampling import Pretrained
 from dew.sampling.token_diffusion import (
     MaskedSampler,

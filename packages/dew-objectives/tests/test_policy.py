@@ -8,12 +8,12 @@ import pytest
 from dew.data import ByteTokenizer
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives.dpo import DPOObjective
-from dew.objectives.grpo import GRPOObjective
-from dew.objectives.lm import LMObjective
-from dew.objectives.policy import CausalPolicy, check_same_vocabulary, vocabulary_fingerprint
-from dew.objectives.ppo import PPOObjective
-from dew.objectives.rewards import TokenReward
+from dew.objectives.cores.policy import CausalPolicy, check_same_vocabulary, vocabulary_fingerprint
+from dew.objectives.cores.rewards import TokenReward
+from dew.objectives.language.lm import LMObjective
+from dew.objectives.preference.dpo import DPOObjective
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.ppo import PPOObjective
 
 MODEL = CausalTransformer(**TINY_LM)  # vocab 32, max_seq_len 32
 BYTES = CausalTransformer(**dict(TINY_LM, vocab_size=ByteTokenizer.vocab_size))

@@ -14,8 +14,11 @@ import pytest
 
 from dew.nn import CausalTransformer, Critic
 from dew.objectives import Step, Updates
-from dew.objectives import weighted as wt
-from dew.objectives.ppo import (
+from dew.objectives.contract import weighted as wt
+from dew.objectives.cores.rewards import TextReward, TokenReward
+from dew.objectives.cores.rl import check_first_update, clipped_policy_loss
+from dew.objectives.cores.rollouts import Rollout
+from dew.objectives.rl.ppo import (
     PPOObjective,
     explained_variance,
     gae,
@@ -24,9 +27,6 @@ from dew.objectives.ppo import (
     value_loss,
     whiten,
 )
-from dew.objectives.rewards import TextReward, TokenReward
-from dew.objectives.rl import check_first_update, clipped_policy_loss
-from dew.objectives.rollouts import Rollout
 
 ROWS, NEW = 6, 5
 RNG = np.random.default_rng(0)

@@ -1,11 +1,12 @@
-"""The RL core (dew.objectives.rl) against slow numpy references."""
+"""The RL core (dew.objectives.cores.rl) against slow numpy references."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.objectives.rl import (
+from dew.objectives.contract.weighted import Weighted
+from dew.objectives.cores.rl import (
     RatioError,
     check_first_update,
     clipped_policy_loss,
@@ -15,7 +16,6 @@ from dew.objectives.rl import (
     relative_logprob_gap,
     whiten,
 )
-from dew.objectives.weighted import Weighted
 
 ROWS, STEPS = 5, 6
 RNG = np.random.default_rng(3)

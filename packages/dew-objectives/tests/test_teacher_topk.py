@@ -18,8 +18,8 @@ from dew.data import Partition, SFTExamples, TeacherTopK, TopKWriter
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_GPT2
 from dew.objectives import Step
-from dew.objectives.distillation import DistillationObjective
-from dew.objectives.teacher_topk import teacher_topk, topk_divergence, write_teacher_topk
+from dew.objectives.language.distillation import DistillationObjective
+from dew.objectives.language.teacher_topk import teacher_topk, topk_divergence, write_teacher_topk
 
 SEQ, V = 15, 264
 STUDENT = CausalTransformer(**{**TINY_GPT2, "vocab_size": V, "max_seq_len": SEQ})

@@ -23,7 +23,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import models
 from dew.objectives import EMA
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import CheckpointMismatchError, Checkpoints, Trainer, load_model
 from dew.train._integrity import ChecksumsMissingError, read_recorded
 from dew.train.checkpoints import NoUsableCheckpointError, OptimizerMismatchError

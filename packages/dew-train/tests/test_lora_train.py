@@ -22,7 +22,7 @@ from dew.data import Dataset
 from dew.nn.lora import LoRA, base_module, is_adapter, lora_of, split
 from dew.nn.testing import tiny_lm
 from dew.objectives import EMA, Objective, Role, Weighted, with_initial_values
-from dew.objectives.lm import token_nll
+from dew.objectives.language.lm import token_nll
 from dew.train import Checkpoints, MeshSpec, Trainer, load_model
 
 pytestmark = pytest.mark.slow  # three short runs
@@ -192,8 +192,8 @@ def test_grpo_rollouts_under_lora_have_ratio_one_and_zero_kl(pretrained):
     ratio is 1 (asserted inside the step by check_first_ratio) and, with fresh
     adapters, the k3 KL to the base-view reference is 0."""
     from dew.objectives import Updates
-    from dew.objectives.grpo import GRPOObjective
-    from dew.objectives.rewards import TokenReward
+    from dew.objectives.cores.rewards import TokenReward
+    from dew.objectives.rl.grpo import GRPOObjective
     from dew.sampling import Sampling
 
     model, params = pretrained
@@ -230,8 +230,8 @@ def test_ppo_under_lora_trains_only_adapters_with_ratio_one(pretrained):
     the reference is its view), the optimizer holds the adapters and the value
     head only, and the first update's ratio is 1 (asserted in the step too)."""
     from dew.objectives import Updates
-    from dew.objectives.ppo import PPOObjective
-    from dew.objectives.rewards import TokenReward
+    from dew.objectives.cores.rewards import TokenReward
+    from dew.objectives.rl.ppo import PPOObjective
 
     model, params = pretrained
 

@@ -17,7 +17,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, MeshSpec, StepDoesNotFit, Trainer, memory, plan
 
 SEQ, BATCH = 8, 8

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dew.data import Dataset
 from dew.nn import CausalTransformer, axes
 from dew.objectives import EMA
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import DEFAULT_RULES, MeshSpec, Trainer
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "mesh_shardings.json"

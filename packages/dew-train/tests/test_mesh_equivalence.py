@@ -23,7 +23,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn import CausalTransformer
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import DEFAULT_RULES, MeshSpec, Trainer
 
 SEQ, BATCH, VOCAB, STEPS = 16, 8, 64, 5

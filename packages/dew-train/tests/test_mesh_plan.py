@@ -8,7 +8,7 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import EMA
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, Trainer, plan
 
 V, E, LAYERS, HEADS, MLP, BATCH, SEQ = 64, 32, 2, 4, 48, 8, 16

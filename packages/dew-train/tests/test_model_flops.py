@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from dew.nn import CausalTransformer, Transformer
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, plan
 from dew.train import throughput as tp
 from dew.train._programs import Programs

@@ -16,8 +16,9 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_MOE
-from dew.objectives import Step, weighted
-from dew.objectives.lm import LMObjective
+from dew.objectives import Step
+from dew.objectives.contract import weighted
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
 SEQ, ROWS, ACCUMULATE = 8, 8, 2

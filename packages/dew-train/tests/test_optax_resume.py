@@ -21,7 +21,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import axes, models
 from dew.objectives import Objective
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, MeshSpec, Trainer
 from dew.train.mesh import optimizer_specs
 

@@ -13,10 +13,10 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.objectives import Updates
-from dew.objectives.grpo import GRPOObjective
-from dew.objectives.lm import LMObjective
-from dew.objectives.ppo import PPOObjective
-from dew.objectives.rewards import TextReward, TokenReward
+from dew.objectives.cores.rewards import TextReward, TokenReward
+from dew.objectives.language.lm import LMObjective
+from dew.objectives.rl.grpo import GRPOObjective
+from dew.objectives.rl.ppo import PPOObjective
 from dew.train import MeshSpec, Trainer, plan
 from dew.train.plan import peak_bytes
 

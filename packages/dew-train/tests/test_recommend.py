@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from dew.nn import CausalTransformer
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, plan, recommend
 from dew.train.recommend import REMAT_POLICIES, accumulate_choices
 

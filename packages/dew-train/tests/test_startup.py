@@ -18,7 +18,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn import models
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Trainer
 from dew.train.mesh import unbox_abstract
 from dew.train.trainer import INIT_CPU_OPTIONS

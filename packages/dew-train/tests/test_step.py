@@ -14,7 +14,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.objectives import EMA, Objective, Summed
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import NonFiniteError, Trainer, TrainState, build_train_step
 
 ROWS, IN, OUT = 8, 3, 2

@@ -18,7 +18,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Trainer
 from dew.train import throughput as tp
 

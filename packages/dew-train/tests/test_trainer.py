@@ -10,7 +10,7 @@ import pytest
 
 from dew.data import Dataset
 from dew.nn import CausalTransformer
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
 MODEL = CausalTransformer(

@@ -15,7 +15,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.objectives import Objective, Role, Summed, Weighted
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, EarlyStopping, MeshSpec, Trainer, load_model
 
 ROWS, IN = 8, 3

@@ -24,7 +24,7 @@ import pytest
 from dew.data import Dataset
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM, TINY_MOE
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 from dew.train import MeshSpec, Trainer
 
 SEQ, ROWS, LR = 8, 16, 1.0

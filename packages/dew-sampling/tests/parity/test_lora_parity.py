@@ -25,7 +25,7 @@ import optax  # noqa: E402
 
 from dew.data import Dataset  # noqa: E402
 from dew.nn.lora import LoRA  # noqa: E402
-from dew.objectives.dpo import DPOObjective  # noqa: E402
+from dew.objectives.preference.dpo import DPOObjective  # noqa: E402
 from dew.sampling import Pretrained  # noqa: E402
 from dew.train import MeshSpec, Trainer  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A teacher's top-k log-probs, stored once, read back as a reader (offline distillation).
 
 A large teacher runs over the training rows a single time
-(``dew.objectives.teacher_topk.write_teacher_topk``); what it writes, through
+(``dew.objectives.language.teacher_topk.write_teacher_topk``); what it writes, through
 :class:`TopKWriter`, is a directory of safetensors shards and an ``index.json``:
 
 - per row, the columns of the rows it read (``text``, and ``loss_mask``,
@@ -232,7 +232,7 @@ class TeacherTopK:
         if not path.exists():
             raise FileNotFoundError(
                 f"{path} does not exist: {self.path} is not a closed teacher top-k cache "
-                f"(write it with dew.objectives.teacher_topk.write_teacher_topk)"
+                f"(write it with dew.objectives.language.teacher_topk.write_teacher_topk)"
             )
         return json.loads(path.read_text())
 

@@ -13,7 +13,7 @@ class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, plus an end-of-document id, a padding id and a mask id.
 
     ``vocab_size`` is 264: 256 bytes, ``end_id`` 256, ``pad_id`` 257, ``mask_id``
-    258 (the absorbing state of masked diffusion, :mod:`dew.objectives.masked_diffusion`;
+    258 (the absorbing state of masked diffusion, :mod:`dew.objectives.diffusion.masked`;
     never produced by ``encode``), and unused ids up to a multiple of 8 so the vocab
     axis shards evenly.
     """

@@ -30,7 +30,7 @@ for speed). A factor ``c`` gives each expert ``ceil(c * tokens * k /
 num_experts)`` slots and drops the assignments past them in the order of
 :mod:`dew.nn._moe_dispatch` (choice first, then token); every dispatch drops the
 same ones. The dropped fraction of each row's ``length * k`` assignments is
-sown as ``dropped_fraction [batch]`` (:class:`dew.objectives.lm.LMObjective`
+sown as ``dropped_fraction [batch]`` (:class:`dew.objectives.language.lm.LMObjective`
 logs its mean over rows and layers as ``moe_dropped_fraction``).
 
 Under a mesh whose ``expert`` logical axis is split (``MeshSpec(expert=E)``),
@@ -55,7 +55,7 @@ expert takes everything. It is taken per sequence (row), as DeepSeek-V3's
 sequence-wise balance loss, and sown into the ``intermediates`` collection
 as ``aux_loss`` of shape ``[batch]``: a per-row value averages exactly over
 microbatches and devices (a batch-wide ``f_e P_e`` is a product of means, which
-no split of the batch reproduces). :class:`dew.objectives.lm.LMObjective` adds
+no split of the batch reproduces). :class:`dew.objectives.language.lm.LMObjective` adds
 its mean over rows and layers to the loss (:func:`collect_sown`).
 
 Expert weights carry the logical axis ``expert`` first (``[expert, embed,
@@ -146,7 +146,7 @@ class MoE(nn.Module):
       ``mean_t logsumexp(logits_t)^2`` per row, is added to the sown
       ``aux_loss`` with this weight relative to the balance loss; 0 = not
       trained on. It is sown on its own as ``z_loss`` whatever the weight
-      (:class:`dew.objectives.lm.LMObjective` logs it as ``moe_z_loss``). With
+      (:class:`dew.objectives.language.lm.LMObjective` logs it as ``moe_z_loss``). With
       ``LMObjective(aux_loss_weight=0.01)``, 0.1 here gives ST-MoE's 1e-3.
 
     The router (logits, softmax, top-k, losses, the shared gate) runs in float32

@@ -1,4 +1,4 @@
-"""dew.objectives: what is learned. One family a module (``dew.objectives.lm``, ...).
+"""dew.objectives: what is learned. One family a module (``dew.objectives.language.lm``, ...).
 
 The contract (:class:`Objective`, documented in ``docs/concepts.md``):
 
@@ -28,7 +28,9 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
   -> an inference task, with ``pipeline(state)`` a thin call of it.
 """
 
-from dew.objectives.base import (
+from dew.objectives import _moved
+from dew.objectives.contract.batch import BatchField, check_batch_spec
+from dew.objectives.contract.objective import (
     EMA,
     ROLE_NAMES,
     Metrics,
@@ -40,8 +42,9 @@ from dew.objectives.base import (
     check_roles,
     with_initial_values,
 )
-from dew.objectives.batch import BatchField, check_batch_spec
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.contract.weighted import Summed, Weighted
+
+_moved.install()
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """Feature extraction with a trained encoder, and probes that score the features.
 
 A :class:`FeatureExtractor` wraps an image or video encoder (a JEPA context or
-target encoder, :meth:`dew.objectives.jepa.JepaObjective.export`) and its
+target encoder, :meth:`dew.objectives.jepa.jepa.JepaObjective.export`) and its
 parameters: ``extractor(images)`` returns mean-pooled features ``[batch,
 features]`` or per-patch features ``[batch, patches, features]``. It saves to a
 directory and loads back::

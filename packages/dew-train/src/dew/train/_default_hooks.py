@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from dew.objectives import weighted as wt
+from dew.objectives.contract import weighted as wt
 from dew.train._run import ROLLOUT_SAMPLES, ROLLOUT_TOKENS, NonFiniteError
 from dew.train.hooks import EarlyStopping, EarlyStoppingState, RunStart, StepInfo
 from dew.train.logs import MetricsLog, format_value

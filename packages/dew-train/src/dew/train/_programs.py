@@ -28,7 +28,7 @@ import optax
 from dew.data import Partition
 from dew.objectives import Objective, Role, Step
 from dew.objectives import check_roles as _check_roles
-from dew.objectives import weighted as wt
+from dew.objectives.contract import weighted as wt
 from dew.train._roles import averaged_roles, initial_variables, keeps_average
 from dew.train.adapters import split_lora
 from dew.train.goodput import Goodput

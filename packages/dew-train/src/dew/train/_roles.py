@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from dew.objectives import EMA, Objective, Role
-from dew.objectives.base import initial_source
+from dew.objectives.contract.objective import initial_source
 
 
 def trained_names(roles: tuple[Role, ...]) -> list[str]:

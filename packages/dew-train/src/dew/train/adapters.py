@@ -24,7 +24,7 @@ from typing import Any
 
 from dew.nn.lora import lora_of, split
 from dew.objectives import Role
-from dew.objectives.base import initial_source
+from dew.objectives.contract.objective import initial_source
 from dew.train.state import LORA_BASE
 
 

@@ -39,7 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dew.objectives import EMA, Objective, Step, Updates, check_roles
-from dew.objectives import weighted as wt
+from dew.objectives.contract import weighted as wt
 from dew.train._roles import role_emas
 from dew.train.state import TrainState
 

@@ -179,7 +179,7 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
 
 
 def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
-    from dew.objectives.base import EMA
+    from dew.objectives.contract.objective import EMA
 
     cls = resolve(recipe.objective.name, OBJECTIVES, "objective")
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
@@ -245,8 +245,8 @@ def _reward(spec, where):
     """``{fn: module:function, weight: 1.0, kind: text | token | image | host_image,
     name: ''}``: a host reward of decoded text, a jitted one of token ids (the LM
     families), a jitted or host one of uint8 images (Flow-GRPO)."""
-    from dew.objectives.image_rewards import HostImageReward, ImageReward
-    from dew.objectives.rewards import TextReward, TokenReward
+    from dew.objectives.cores.image_rewards import HostImageReward, ImageReward
+    from dew.objectives.cores.rewards import TextReward, TokenReward
 
     if isinstance(spec, str):
         spec = {"fn": spec}

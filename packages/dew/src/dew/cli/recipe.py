@@ -55,19 +55,19 @@ class RecipeError(ValueError):
 
 # short name -> import path; a recipe may also give a full import path of its own class
 OBJECTIVES = {
-    "lm": "dew.objectives.lm:LMObjective",
-    "dpo": "dew.objectives.dpo:DPOObjective",
-    "grpo": "dew.objectives.grpo:GRPOObjective",
-    "ppo": "dew.objectives.ppo:PPOObjective",
-    "diffusion": "dew.objectives.diffusion:DiffusionObjective",
-    "jepa": "dew.objectives.jepa:JepaObjective",
-    "masked_diffusion": "dew.objectives.masked_diffusion:MaskedDiffusionObjective",
-    "block_diffusion": "dew.objectives.block_diffusion:BlockDiffusionObjective",
-    "distillation": "dew.objectives.distillation:DistillationObjective",
+    "lm": "dew.objectives.language.lm:LMObjective",
+    "dpo": "dew.objectives.preference.dpo:DPOObjective",
+    "grpo": "dew.objectives.rl.grpo:GRPOObjective",
+    "ppo": "dew.objectives.rl.ppo:PPOObjective",
+    "diffusion": "dew.objectives.diffusion.images:DiffusionObjective",
+    "jepa": "dew.objectives.jepa.jepa:JepaObjective",
+    "masked_diffusion": "dew.objectives.diffusion.masked:MaskedDiffusionObjective",
+    "block_diffusion": "dew.objectives.diffusion.block:BlockDiffusionObjective",
+    "distillation": "dew.objectives.language.distillation:DistillationObjective",
     "classifier_distillation": (
-        "dew.objectives.classifier_distillation:ClassifierDistillationObjective"
+        "dew.objectives.language.classifier_distillation:ClassifierDistillationObjective"
     ),
-    "flow_grpo": "dew.objectives.flow_grpo:FlowGRPOObjective",
+    "flow_grpo": "dew.objectives.rl.flow_grpo:FlowGRPOObjective",
 }
 READERS = {
     "token_windows": "dew.data:TokenWindows",

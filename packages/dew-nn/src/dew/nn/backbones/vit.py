@@ -406,7 +406,7 @@ def scale_pixels(x: jax.Array) -> jax.Array:
 class ViTClassifier(ViT, kw_only=True):
     """A :class:`ViT` with a classification head: pixels -> logits ``[batch,
     num_classes]`` (float32), the model of
-    :class:`~dew.objectives.classifier_distillation.ClassifierDistillationObjective`.
+    :class:`~dew.objectives.language.classifier_distillation.ClassifierDistillationObjective`.
 
     The encoder's features are averaged over the patches (no class token) and
     projected by ``head`` (a dense layer, ``(embed, None)``); its parameters are the

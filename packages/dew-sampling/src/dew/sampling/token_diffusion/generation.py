@@ -31,8 +31,8 @@ from dew.sampling.token_diffusion.samplers import (
 class TokenDiffusionGeneration:
     """Strings in, strings out, by masked diffusion (``block_size=None``, MDLM) or
     block diffusion (BD3-LM): the inference task of
-    :class:`~dew.objectives.masked_diffusion.MaskedDiffusionObjective` and
-    :class:`~dew.objectives.block_diffusion.BlockDiffusionObjective`.
+    :class:`~dew.objectives.diffusion.masked.MaskedDiffusionObjective` and
+    :class:`~dew.objectives.diffusion.block.BlockDiffusionObjective`.
 
     model, params: a :class:`dew.nn.Transformer` denoiser and its weights.
     tokenizer: ``encode`` / ``decode`` (``ByteTokenizer``, ``HFTokenizer``).

@@ -2,7 +2,7 @@
 arXiv 2402.03300, section 4).
 
 Per prompt ``q`` the policy samples ``G`` completions ``o_1..o_G`` (a group);
-each gets a reward ``r_i = sum_k w_k r_k(o_i)`` (:mod:`dew.objectives.rewards`).
+each gets a reward ``r_i = sum_k w_k r_k(o_i)`` (:mod:`dew.objectives.cores.rewards`).
 The advantage of every token of ``o_i`` is its reward against the group's:
 
     A_i = (r_i - mean(r)) / (std(r) + eps)     scale_rewards="group" (paper; std ddof=1)
@@ -28,7 +28,7 @@ divide once by the global weight.
 The on-policy contract (``docs/concepts.md``): the rollout runs in the
 trainer's prepare phase, compiled, on the pre-update weights, with
 :func:`dew.sampling.decode`; its ``old_logps`` and ``ref_logps`` come from
-:func:`dew.objectives.rollouts.rollout_logprobs`, the function the loss
+:func:`dew.objectives.cores.rollouts.rollout_logprobs`, the function the loss
 calls, with the sampler's temperature and truncation, so the first update's
 ``rho`` is 1 (asserted with ``check_first_ratio=True`` or ``DEW_DEBUG=1``).
 Text rewards run on the host between the compiled rollout and the compiled
@@ -37,13 +37,13 @@ several updates (epochs x minibatches) over one rollout batch; after the
 first, ``rho != 1`` and the clip acts (``clip_fraction``).
 
 The clipped loss, the clip fraction, the group advantages and the first-update
-check are the RL core's (:mod:`dew.objectives.rl`); initialisation, the
+check are the RL core's (:mod:`dew.objectives.cores.rl`); initialisation, the
 reference, the token checks and export the LM-policy core's
-(:mod:`dew.objectives.policy`).
+(:mod:`dew.objectives.cores.policy`).
 
 Metrics: ``reward`` and ``reward/<name>`` per reward, ``zero_variance_fraction``
 (groups with identical rewards), ``clip_fraction`` (tokens whose gradient the
-clip removes, :func:`dew.objectives.rl.clipped_policy_loss`), ``ratio``, ``kl``
+clip removes, :func:`dew.objectives.cores.rl.clipped_policy_loss`), ``ratio``, ``kl``
 (k3, with ``beta > 0``), ``completion_length``, ``tokens``; the log adds
 ``rollout_tokens_per_second`` and prints ``reward`` and ``kl``.
 """
@@ -58,11 +58,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, Updates
-from dew.objectives.logprobs import kl_k3
-from dew.objectives.policy import CausalPolicy, check_chunked_model
-from dew.objectives.rewards import READER, Rewards
-from dew.objectives.rl import (
+from dew.objectives.contract.objective import Objective, Role, Step, Updates
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.logprobs import kl_k3
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
+from dew.objectives.cores.rewards import READER, Rewards
+from dew.objectives.cores.rl import (
     SCALE_REWARDS,
     check_epsilons,
     check_first_update,
@@ -70,7 +71,7 @@ from dew.objectives.rl import (
     clipped_policy_loss,
     group_advantages,
 )
-from dew.objectives.rollouts import (
+from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
     Rollout,
     check_chunked_sampling,
@@ -83,7 +84,6 @@ from dew.objectives.rollouts import (
     rollout_logprobs,
     sample_completions,
 )
-from dew.objectives.weighted import Summed, Weighted
 from dew.sampling import Sampling
 
 __all__ = ["GRPOObjective", "aggregate", "group_advantages"]
@@ -113,8 +113,8 @@ class GRPOObjective(Objective):
 
     model: the policy, a causal module that decodes with a KV cache
       (:class:`dew.nn.CausalTransformer`).
-    rewards: :class:`~dew.objectives.rewards.TokenReward` /
-      :class:`~dew.objectives.rewards.TextReward` objects (a plain callable is a
+    rewards: :class:`~dew.objectives.cores.rewards.TokenReward` /
+      :class:`~dew.objectives.cores.rewards.TextReward` objects (a plain callable is a
       text reward of weight 1), weighted and summed.
     group_size: completions per prompt, ``G >= 2``.
     max_new_tokens: completion length, in tokens.
@@ -138,15 +138,15 @@ class GRPOObjective(Objective):
     tokenizer: decodes prompts, completions and answers for text rewards and
       the exported pipeline; None = ``ByteTokenizer()``.
     check_first_ratio: assert on every first update that the loss's log-probs are the
-      rollout's (:func:`dew.objectives.rl.check_first_update`, relative to the
-      log-prob; :class:`~dew.objectives.rl.RatioError` otherwise); None = ``DEW_DEBUG=1``.
+      rollout's (:func:`dew.objectives.cores.rl.check_first_update`, relative to the
+      log-prob; :class:`~dew.objectives.cores.rl.RatioError` otherwise); None = ``DEW_DEBUG=1``.
     scoring_rows: rows per forward pass when prepare scores its rollouts
-      (:func:`dew.objectives.rollouts.in_chunks`); None = the rows of one update
+      (:func:`dew.objectives.cores.rollouts.in_chunks`); None = the rows of one update
       (``rows / minibatches``), so the loss's first forward pass has the rollout
       scoring's shapes and the first update's ratio is 1 bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
     logits_chunk_size: score completions this many positions of every row at a time
-      (:func:`dew.objectives.rollouts.chunked_rollout_logprobs`), in prepare and in the
+      (:func:`dew.objectives.cores.rollouts.chunked_rollout_logprobs`), in prepare and in the
       loss alike, so the ``[rows, length, vocab]`` float32 logits are never held whole;
       None (the default) = the whole logits. Needs a model that takes it
       (:class:`dew.nn.CausalTransformer`) and sampling without top-k/top-p/min-p.
@@ -298,7 +298,7 @@ class GRPOObjective(Objective):
         return out
 
     def prepare_host(self, rollout):
-        """Host stage (:meth:`dew.objectives.rewards.Rewards.host_stage`): every reward,
+        """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]``."""
         return self.reward_set.host_stage(
             rollout, self.tokenizer, end_ids=self.end_ids, group_size=self.group_size

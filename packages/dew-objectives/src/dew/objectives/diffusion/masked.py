@@ -45,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import is_whole_number
-from dew.objectives.base import EMA, Objective, Step, with_initial_values
-from dew.objectives.batch import IDS, MASK, BatchField, check_token_ids, first_row
-from dew.objectives.diffusion import default_ema
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.contract.batch import IDS, MASK, BatchField, check_token_ids, first_row
+from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.diffusion.images import default_ema
 from dew.sampling.token_diffusion import (
     MaskedSampler,
     MaskSchedule,

@@ -4,7 +4,7 @@ V-JEPA (Bardes et al., 2024).
 A context encoder ``f_theta`` reads only the context patches of an image (or
 video); a narrow predictor ``g_phi`` predicts, from those tokens and the
 target positions, the features a target encoder ``f_xi`` gives the whole
-image at each target block (:mod:`dew.objectives.jepa_masks`)::
+image at each target block (:mod:`dew.objectives.jepa.masks`)::
 
     h = stop_grad(LayerNorm(f_xi(x)))                 # no affine, over features
     z = g_phi(f_theta(x[context]), context, targets)  # per target block
@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import EMA, Objective, Role, Step
-from dew.objectives.batch import PIXELS, BatchField
-from dew.objectives.jepa_masks import MaskLayout, Masks, MultiBlock
-from dew.objectives.weighted import Weighted
+from dew.objectives.contract.batch import PIXELS, BatchField
+from dew.objectives.contract.objective import EMA, Objective, Role, Step
+from dew.objectives.contract.weighted import Weighted
+from dew.objectives.jepa.masks import MaskLayout, Masks, MultiBlock
 
 LOSSES = ("smooth_l1", "l1")
 

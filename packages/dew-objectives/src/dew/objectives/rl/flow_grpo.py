@@ -12,7 +12,7 @@ host Python; each logged as ``reward/<name>``) and the advantages
                                                   reference's global_std=True; ddof=1)
     "group": / (std_group + eps);  "none": r - mean_group;  then clipped to +-advantage_clip
 
-(:func:`dew.objectives.rl.group_advantages`). The loss, over the rollout's rows and
+(:func:`dew.objectives.cores.rl.group_advantages`). The loss, over the rollout's rows and
 ``K = max(1, floor(W timestep_fraction))`` of its ``W`` stochastic steps (a subset drawn
 per row), minimizes
 
@@ -37,7 +37,7 @@ computed in chunks (``rollout_rows``), on 8 devices or on 1, draws the same. The
 log-probs are the sampler's, and the loss recomputes them with the same denoiser (the
 same guidance, clipping and float32 step math), so the first update's ratio is 1
 (``check_first_ratio=True`` or ``DEW_DEBUG=1`` asserts it,
-:func:`dew.objectives.rl.check_first_update`, to :data:`FIRST_RATIO_TOLERANCE`).
+:func:`dew.objectives.cores.rl.check_first_update`, to :data:`FIRST_RATIO_TOLERANCE`).
 
 **Sizes.** The recipe states the global group count (``groups``, the data batch ``B``)
 and ``group_size``, and, for memory, ``device_rows``: the samples one device computes
@@ -70,12 +70,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import is_whole_number
-from dew.objectives.base import EMA, Objective, Role, Step, Updates, with_initial_values
-from dew.objectives.batch import IDS, BatchField
-from dew.objectives.diffusion import guided_context_mask, model_conditions
-from dew.objectives.image_rewards import HostImageReward, ImageReward, ImageRewards
-from dew.objectives.rewards import READER
-from dew.objectives.rl import (
+from dew.objectives.contract.batch import IDS, BatchField
+from dew.objectives.contract.objective import (
+    EMA,
+    Objective,
+    Role,
+    Step,
+    Updates,
+    with_initial_values,
+)
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.image_rewards import HostImageReward, ImageReward, ImageRewards
+from dew.objectives.cores.rewards import READER
+from dew.objectives.cores.rl import (
     SCALE_REWARDS,
     check_epsilons,
     check_first_update,
@@ -83,14 +90,14 @@ from dew.objectives.rl import (
     clipped_policy_loss,
     group_advantages,
 )
-from dew.objectives.rollouts import (
+from dew.objectives.cores.rollouts import (
     check_rollout_rows,
     debug_enabled,
     in_chunks,
     repeat_rows,
     traced_data_parallel,
 )
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.diffusion.images import guided_context_mask, model_conditions
 from dew.sampling import FlowEuler, FlowSDE, model_denoiser, sample_diffusion, sample_flow_sde
 from dew.sampling.diffusion.flow_sde import transition_log_prob
 from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
@@ -99,7 +106,7 @@ from dew.sampling.diffusion.schedules import FlowSchedule
 
 FIRST_RATIO_TOLERANCE = 1e-5
 """The first update's largest relative log-prob gap (``check_first_ratio``): 10 times the
-language policies' (:data:`dew.objectives.rl.RATIO_TOLERANCE`). A step's Gaussian
+language policies' (:data:`dew.objectives.cores.rl.RATIO_TOLERANCE`). A step's Gaussian
 log-prob divides the rounding of the step's mean by the step's standard deviation, so
 the rollout's program and the loss's, partitioned differently over a mesh, differ by
 more units in the last place than a token's log-softmax does (1.03e-6 seen on a

@@ -2,7 +2,7 @@
 
 Per example, with the student's logits ``z_S`` and the frozen teacher's ``z_T``
 (``[classes]``, or ``[..., classes]`` per position or pixel), the loss is the one of
-:mod:`dew.objectives.distillation` (Hinton, Vinyals, Dean 2015, arXiv 1503.02531;
+:mod:`dew.objectives.language.distillation` (Hinton, Vinyals, Dean 2015, arXiv 1503.02531;
 the generalized JSD of GKD between the ends):
 
     loss = (1 - alpha) T^2 D_beta(softmax(z_T / T), softmax(z_S / T)) + alpha CE(z_S, y)
@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, with_initial_values
-from dew.objectives.batch import IDS, BatchField
-from dew.objectives.distillation import (
+from dew.objectives.contract.batch import IDS, BatchField
+from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
+from dew.objectives.contract.weighted import Weighted
+from dew.objectives.language.distillation import (
     check_beta,
     check_fraction,
     check_temperature,
     distillation_losses,
 )
-from dew.objectives.weighted import Weighted
 
 __all__ = ["ClassifierDistillationObjective"]
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import real_number, whole_number
-from dew.objectives.batch import BatchField, check_batch_spec, spec_of
-from dew.objectives.weighted import Weighted
+from dew.objectives.contract.batch import BatchField, check_batch_spec, spec_of
+from dew.objectives.contract.weighted import Weighted
 
 Variables = dict[str, Any]
 Metrics = dict[str, jax.Array]
@@ -492,7 +492,7 @@ class Objective:
         that overrides ``init`` without ``spec`` sets it back to False. The trainer
         reads the declaration (:meth:`initialize`), never the method's signature.
 
-    The loss's value and metrics may carry weights (:mod:`dew.objectives.weighted`):
+    The loss's value and metrics may carry weights (:mod:`dew.objectives.contract.weighted`):
     a plain scalar means equal weight per example row.
     """
 
@@ -584,7 +584,7 @@ class Objective:
     def loss(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
         """``(loss, metrics)``: the loss a scalar (a mean, equal weight per row), a
         ``Weighted`` or a tuple of ``Weighted`` terms; metrics scalars, ``Weighted``
-        or ``Summed`` (:mod:`dew.objectives.weighted`)."""
+        or ``Summed`` (:mod:`dew.objectives.contract.weighted`)."""
         raise NotImplementedError
 
     def evaluate(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step) -> Metrics:
@@ -619,9 +619,9 @@ class Objective:
 
     def batch_fields(self) -> tuple[BatchField, ...]:
         """The batch keys this objective reads, with each row's shape and the dtypes it
-        takes (:class:`dew.objectives.batch.BatchField`); () = not declared. The
+        takes (:class:`dew.objectives.contract.batch.BatchField`); () = not declared. The
         trainer matches them against ``Dataset.spec`` once, before compiling
-        (:func:`dew.objectives.batch.check_batch_spec`)."""
+        (:func:`dew.objectives.contract.batch.check_batch_spec`)."""
         return ()
 
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:

@@ -11,7 +11,7 @@ and host Python functions, weighted and summed (Flow-GRPO's reward protocol).
   detector, OCR, a model served elsewhere); a plain callable is one of weight 1.
 
 Each is logged as ``reward/<name>``. A reward that returns the wrong shape or a
-non-finite value, or raises, is a :class:`~dew.objectives.rewards.RewardError`
+non-finite value, or raises, is a :class:`~dew.objectives.cores.rewards.RewardError`
 naming the function and the sample (``sample 9 (condition 1 of the batch, sample 1
 of its group of 8)``), before any update of the batch.
 """
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.rewards import (
+from dew.objectives.cores.rewards import (
     RewardError,
     RewardSet,
     _accepted,

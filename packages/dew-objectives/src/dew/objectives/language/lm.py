@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dew.objectives.base import EMA, Objective, Step, with_initial_values
-from dew.objectives.batch import IDS, MASK, BatchField
-from dew.objectives.policy import CausalPolicy, check_chunked_model
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.contract.batch import IDS, MASK, BatchField
+from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
 
 # A mixture of experts' sown diagnostics (dew.nn.moe.MoE) and their metric names.
 MOE_METRICS = {"z_loss": "moe_z_loss", "dropped_fraction": "moe_dropped_fraction"}

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.distillation import _tail_logsumexp, check_temperature, topk_divergence
-from dew.objectives.lm import packed_inputs
+from dew.objectives.language.distillation import _tail_logsumexp, check_temperature, topk_divergence
+from dew.objectives.language.lm import packed_inputs
 
 __all__ = ["teacher_topk", "topk_divergence", "write_teacher_topk"]
 
@@ -81,7 +81,7 @@ def write_teacher_topk(
     Returns the directory.
     """
     from dew.data.teacher_topk import IDS, LOGPROBS, TAIL, TopKWriter
-    from dew.objectives.policy import vocab_size_of
+    from dew.objectives.cores.policy import vocab_size_of
 
     check_temperature(temperature)
     if hasattr(teacher, "params") and hasattr(teacher, "model"):  # a Pretrained

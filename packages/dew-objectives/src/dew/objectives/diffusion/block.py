@@ -16,7 +16,7 @@ forward pass of ``[z_t | x0]`` (``2L`` tokens, both halves at positions ``0..L-1
 under :func:`dew.nn.masks.block_diffusion_mask` (block-diagonal, offset block-causal,
 block-causal; given as :class:`dew.nn.masks.BlockDiffusionMask`, so attention computes
 its non-empty pieces only) gives every block's logits at once; the logits of the noisy half are
-read in the SUBS parameterisation, as :mod:`dew.objectives.masked_diffusion`.
+read in the SUBS parameterisation, as :mod:`dew.objectives.diffusion.masked`.
 
 Evaluation reports the NELBO per token over the full range ``t in [time_eps, 1]``
 (the likelihood bound, estimated without bias as MDLM's: stratified times with a
@@ -38,13 +38,13 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import masks
-from dew.objectives.masked_diffusion import (
+from dew.objectives.contract.weighted import Weighted
+from dew.objectives.diffusion.masked import (
     MaskedDiffusionObjective,
     antithetic_at,
     row_uniforms,
     uniforms_at,
 )
-from dew.objectives.weighted import Weighted
 from dew.sampling.token_diffusion import MaskSchedule
 
 
@@ -66,7 +66,7 @@ def check_clip(clip, *, what: str) -> tuple[float, float]:
 @dataclasses.dataclass(eq=False)
 class BlockDiffusionObjective(MaskedDiffusionObjective):
     """BD3-LM training (module docstring); the fields of
-    :class:`~dew.objectives.masked_diffusion.MaskedDiffusionObjective` and:
+    :class:`~dew.objectives.diffusion.masked.MaskedDiffusionObjective` and:
 
     block_size: tokens per block; must divide the row length. ``block_size = L`` is
       MDLM; ``block_size = 1`` (with ``t = 1``) is an autoregressive model.

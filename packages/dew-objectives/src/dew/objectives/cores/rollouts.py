@@ -21,7 +21,7 @@ weights, mesh and dtype as the loss (GRPO, PPO, on-policy distillation):
    trlx #107 are the bugs this rules out: temperature missing from the
    training logits, other padding or positions). The decoder's own
    log-probs (raw logits, cached attention) are not reused for that reason.
-3. :func:`dew.objectives.rl.check_first_update` is the library's debug
+3. :func:`dew.objectives.cores.rl.check_first_update` is the library's debug
    assertion of that contract (relative to the log-prob); objectives turn it
    on with a constructor flag, or ``DEW_DEBUG=1`` in the environment.
 """
@@ -36,12 +36,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dew.objectives.batch import IDS, MASK, BatchField
-from dew.objectives.logprobs import rollout_positions, token_logprobs
-from dew.objectives.rl import RATIO_TOLERANCE, RatioError, max_ratio_deviation
+from dew.objectives.contract.batch import IDS, MASK, BatchField
+from dew.objectives.cores.logprobs import rollout_positions, token_logprobs
+from dew.objectives.cores.rl import RATIO_TOLERANCE, RatioError, max_ratio_deviation
 from dew.sampling import Sampling, decode, filter_logits
 
-__all__ = [  # RatioError and its tolerance live in dew.objectives.rl; importable here too
+__all__ = [  # RatioError and its tolerance live in dew.objectives.cores.rl; importable here too
     "RATIO_TOLERANCE",
     "PROMPT_KEYS",
     "RatioError",
@@ -73,7 +73,7 @@ def prompt_fields() -> tuple[BatchField, ...]:
 
 def check_rollout_options(scoring_rows, prepared_updates) -> None:
     """``scoring_rows`` a positive int or None; ``prepared_updates`` an ``Updates``."""
-    from dew.objectives.base import Updates
+    from dew.objectives.contract.objective import Updates
 
     if scoring_rows is not None and (isinstance(scoring_rows, bool) or scoring_rows < 1):
         raise ValueError(f"scoring_rows must be >= 1 rows or None, got {scoring_rows!r}")
@@ -198,7 +198,7 @@ def rollout_logprobs(
 
     One forward pass over ``[prompt | completion]`` with the positions and
     attention mask :func:`dew.sampling.decode` uses
-    (:func:`dew.objectives.logprobs.rollout_positions`); the logits at
+    (:func:`dew.objectives.cores.logprobs.rollout_positions`); the logits at
     position ``prompt_len - 1 + t`` score completion token ``t``
     (:func:`scored_logprobs`). Differentiable in ``params``: the loss calls it
     for the new log-probs, a rollout for the old and the reference ones.

@@ -7,7 +7,7 @@ RLHF with PPO" (Huang et al., 2024). References: huggingface/trl
 ``trl/experimental/ppo/ppo_trainer.py``; google/tunix ``tunix/rl/ppo``.
 
 Prepare (compiled, no gradient, the pre-update weights) samples a completion
-``o`` of every prompt ``q`` with :func:`dew.objectives.rollouts.sample_completions`,
+``o`` of every prompt ``q`` with :func:`dew.objectives.cores.rollouts.sample_completions`,
 scores it with the reward ``s(q, o)``, and computes per completion token ``t``
 (``m_t`` = 1 on the completion's tokens, its end id included, 0 on the padding
 after it):
@@ -27,11 +27,11 @@ then minimizes, with ``rho_t = pi(o_t) / pi_old(o_t)`` and token-weighted means:
     L    = L_pg + c_vf L_vf
 
 Log-probs are those of the distribution the sampler draws from (temperature,
-truncation; :func:`dew.objectives.rollouts.scored_logprobs`), from one full
+truncation; :func:`dew.objectives.cores.rollouts.scored_logprobs`), from one full
 forward pass over ``[prompt | completion]`` in prepare and in the loss alike,
 prepare's in chunks of one update's rows (:func:`in_chunks`), so the first
 update's ratio is exactly 1 (``debug=True`` asserts it:
-:func:`dew.objectives.rl.check_first_update`).
+:func:`dew.objectives.cores.rl.check_first_update`).
 The value of position ``t`` is read at the hidden state that predicts ``o_t``
 (the state before the action). Values come from a :class:`dew.nn.value.ValueHead`
 on the policy's trunk (one forward pass gives both; the value loss trains the
@@ -39,9 +39,9 @@ trunk too) or, with ``critic=``, from a separate :class:`dew.nn.value.Critic`,
 a second trained role.
 
 The clipped loss and its clip fraction, GAE, whitening and the first-update
-check are the RL core's (:mod:`dew.objectives.rl`); initialisation, the
+check are the RL core's (:mod:`dew.objectives.cores.rl`); initialisation, the
 reference, the token checks and export the LM-policy core's
-(:mod:`dew.objectives.policy`). The log line prints ``score`` and ``kl``.
+(:mod:`dew.objectives.cores.policy`). The log line prints ``score`` and ``kl``.
 """
 
 from __future__ import annotations
@@ -54,11 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step, Updates, nn_unbox
-from dew.objectives.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
-from dew.objectives.policy import CausalPolicy, check_chunked_model
-from dew.objectives.rewards import READER, Rewards
-from dew.objectives.rl import (
+from dew.objectives.contract.objective import Objective, Role, Step, Updates, nn_unbox
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
+from dew.objectives.cores.rewards import READER, Rewards
+from dew.objectives.cores.rl import (
     check_epsilons,
     check_first_update,
     clipped_policy_loss,
@@ -66,7 +67,7 @@ from dew.objectives.rl import (
     max_ratio_deviation,
     whiten,
 )
-from dew.objectives.rollouts import (
+from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
     Rollout,
     check_chunked_sampling,
@@ -80,7 +81,6 @@ from dew.objectives.rollouts import (
     sample_completions,
     scored_logprobs,
 )
-from dew.objectives.weighted import Summed, Weighted
 
 __all__ = [  # gae, whiten and in_chunks are the RL core's and the rollouts', importable here
     "PPOObjective",
@@ -144,8 +144,8 @@ class PPOObjective(Objective):
 
     model: the policy, a causal module (:class:`dew.nn.CausalTransformer`) that
       decodes with a cache and takes ``return_hidden=True``.
-    reward: the score of a completion: a :class:`~dew.objectives.rewards.TokenReward`
-      (jittable, traced into prepare), a :class:`~dew.objectives.rewards.TextReward`
+    reward: the score of a completion: a :class:`~dew.objectives.cores.rewards.TokenReward`
+      (jittable, traced into prepare), a :class:`~dew.objectives.cores.rewards.TextReward`
       (host Python over decoded text, with the reader's other columns; a plain
       callable is one), or a sequence of them, weighted and summed, each logged as
       ``reward/<name>``. Text rewards run between two compiled parts of prepare.
@@ -172,14 +172,14 @@ class PPOObjective(Objective):
     init_params: start the policy from these parameters (a ``Pretrained`` load).
     tokenizer: for text rewards and export; None = ``ByteTokenizer()``.
     debug: assert in the compiled step that the first update's log-probs are the
-      rollout's (:func:`dew.objectives.rl.check_first_update`); None = ``DEW_DEBUG``.
+      rollout's (:func:`dew.objectives.cores.rl.check_first_update`); None = ``DEW_DEBUG``.
     scoring_rows: rows per forward pass when prepare scores its rollouts
       (:func:`in_chunks`); None = the rows of one update (``rows / minibatches``),
       so the first update's log-probs equal the rollout's bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
     clip_range_high: the policy clip above 1 (DAPO's clip-higher); None = ``clip_range``.
     logits_chunk_size: score completions this many positions of every row at a time
-      (:func:`dew.objectives.rollouts.chunked_rollout_logprobs`), in prepare and in the
+      (:func:`dew.objectives.cores.rollouts.chunked_rollout_logprobs`), in prepare and in the
       loss alike, so the ``[rows, length, vocab]`` float32 logits are never held whole;
       None (the default) = the whole logits. Needs a model that takes it
       (:class:`dew.nn.CausalTransformer`) and sampling without top-k/top-p/min-p.
@@ -393,7 +393,7 @@ class PPOObjective(Objective):
         return bool(self.rewards.text)
 
     def prepare_host(self, rollout):
-        """Host stage (:meth:`dew.objectives.rewards.Rewards.host_stage`): every reward,
+        """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]`` in order."""
         return self.rewards.host_stage(rollout, self.tokenizer, end_ids=self.end_ids)
 

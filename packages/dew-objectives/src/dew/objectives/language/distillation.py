@@ -53,13 +53,13 @@ import numpy as np
 
 from dew.nn.dense import token_rows
 from dew.nn.keywords import real_number
-from dew.objectives.base import Objective, Role, Step, with_initial_values
-from dew.objectives.batch import FLOATS, IDS, MASK, BatchField
-from dew.objectives.lm import check_packed_positions, packed_inputs, target_weights
-from dew.objectives.logprobs import rollout_positions
-from dew.objectives.policy import CausalPolicy, check_same_vocabulary, vocab_size_of
-from dew.objectives.rollouts import prompt_fields, sample_completions
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField
+from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.logprobs import rollout_positions
+from dew.objectives.cores.policy import CausalPolicy, check_same_vocabulary, vocab_size_of
+from dew.objectives.cores.rollouts import prompt_fields, sample_completions
+from dew.objectives.language.lm import check_packed_positions, packed_inputs, target_weights
 from dew.sampling import Sampling
 
 __all__ = [
@@ -176,7 +176,7 @@ def topk_divergence(
     temperature: float,
 ) -> jax.Array:
     """``D_beta`` of the teacher's stored top-k and the student, on ``k + 1``
-    categories (``dew.objectives.teacher_topk``), float32 ``[...]``.
+    categories (``dew.objectives.language.teacher_topk``), float32 ``[...]``.
 
     student_logits: ``[..., vocab]`` (any dtype; cast to float32), at temperature 1.
     ids, logprobs, tail: the teacher's ``[..., k]``, ``[..., k]`` and ``[...]``, at
@@ -391,16 +391,16 @@ class DistillationObjective(Objective):
     stored_teacher: read the teacher's top-k log-probs from the batches
       (``teacher_topk_ids``, ``teacher_topk_logprobs``, ``teacher_tail_logprob``, as
       :class:`dew.data.TeacherTopK` reads what
-      :func:`dew.objectives.teacher_topk.write_teacher_topk` stored) instead of
+      :func:`dew.objectives.language.teacher_topk.write_teacher_topk` stored) instead of
       running a teacher; the divergence is then on the k ids and the tail
-      (:func:`dew.objectives.teacher_topk.topk_divergence`). Needs ``text_key``, no
+      (:func:`dew.objectives.language.teacher_topk.topk_divergence`). Needs ``text_key``, no
       teacher (``teacher`` and ``teacher_params`` None), and ``temperature`` the
       stored one (``TeacherTopK.temperature``).
     init_params: start the student from these weights; None = a fresh init.
     tokenizer: the student's, for previews and export; None = ``ByteTokenizer()``.
     teacher_tokenizer: the teacher's; None = a ``Pretrained`` teacher's own, else not
       known. When it and ``tokenizer`` are both given and no ``teacher_ids``, their
-      vocabularies must be one (:func:`dew.objectives.policy.check_same_vocabulary`
+      vocabularies must be one (:func:`dew.objectives.cores.policy.check_same_vocabulary`
       compares what the ids mean, not only the sizes), else a ValueError before
       anything is compiled.
 

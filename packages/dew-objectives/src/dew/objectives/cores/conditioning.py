@@ -1,4 +1,4 @@
-"""The text-encoder route of :class:`~dew.objectives.diffusion.DiffusionObjective`.
+"""The text-encoder route of :class:`~dew.objectives.diffusion.images.DiffusionObjective`.
 
 A text-conditioned denoiser reads ``context [batch, tokens, features]``. Its text
 encoder is the user's choice (``docs/diffusion.md``):
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Role, with_initial_values
-from dew.objectives.batch import IDS, MASK, BatchField
+from dew.objectives.contract.batch import IDS, MASK, BatchField
+from dew.objectives.contract.objective import Role, with_initial_values
 from dew.sampling.diffusion.pipelines import TextToImage, TextToVideo
 from dew.sampling.diffusion.text_encoders import encode_tokens
 

@@ -34,7 +34,7 @@ trained role ``text_encoder`` (``variables['params'] = {'policy': ..., 'text_enc
 ``context_mask``), the loss encodes them, ``c = E_phi(ids)``
 (:func:`dew.sampling.diffusion.text_encoders.encode_tokens`), so the gradient of the diffusion
 loss reaches ``phi``; dropout replaces ``E_phi(ids)`` by ``null_context``. The route
-lives in :mod:`dew.objectives.text_conditioning`.
+lives in :mod:`dew.objectives.cores.conditioning`.
 
 **Learned variance** (``model.learn_sigma``, DDPM schedules only): the model outputs
 ``2C`` channels, the prediction then iDDPM's ``v`` in ``[-1, 1]``, ``log Sigma = f log
@@ -60,10 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import EMA, Objective, Step, warmup_ema_decay  # noqa: F401 (public here too)
-from dew.objectives.batch import FLOATS, IDS, PIXELS, BatchField
-from dew.objectives.text_conditioning import TextConditioning
-from dew.objectives.weighted import Weighted
+from dew.objectives.contract.batch import FLOATS, IDS, PIXELS, BatchField
+from dew.objectives.contract.objective import EMA, Objective, Step, warmup_ema_decay  # noqa: F401 (public here too)
+from dew.objectives.contract.weighted import Weighted
+from dew.objectives.cores.conditioning import TextConditioning
 from dew.sampling.diffusion.pipelines import (
     ClassToImage,
     ClassToVideo,

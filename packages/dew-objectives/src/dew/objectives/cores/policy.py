@@ -10,7 +10,7 @@ weights, and does, once for all of them:
   stores once and, under LoRA, makes the base view), or ``reference=`` weights
   of ``reference_model`` (checked against its shapes);
 - the token checks: integer ids inside the model's vocabulary
-  (:func:`dew.objectives.batch.check_token_ids`), and every length against the
+  (:func:`dew.objectives.contract.batch.check_token_ids`), and every length against the
   model's ``max_seq_len`` in one wording (:meth:`CausalPolicy.check_positions`);
 - the tokenizer: ``ByteTokenizer()`` by default; a tokenizer given must fit the
   model's vocabulary, and two models scored on the same ids (policy and
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn.token_scores import check_chunk_size
-from dew.objectives.base import with_initial_values
-from dew.objectives.batch import check_token_ids
+from dew.objectives.contract.batch import check_token_ids
+from dew.objectives.contract.objective import with_initial_values
 
 
 def vocab_size_of(module) -> int | None:

@@ -40,7 +40,7 @@ reference's pass carries no gradient, so XLA keeps none of its activations.
 Precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` (TRL's
 ``precompute_ref_log_probs``) skip it altogether. Initialisation, the
 reference, the token checks and export are the LM-policy core's
-(:mod:`dew.objectives.policy`); the log line prints ``accuracy`` and ``margin``.
+(:mod:`dew.objectives.cores.policy`); the log line prints ``accuracy`` and ``margin``.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step
-from dew.objectives.batch import FLOATS, IDS, MASK, BatchField, first_row
-from dew.objectives.logprobs import masked_sum, sequence_logprobs
-from dew.objectives.policy import CausalPolicy, check_chunked_model
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField, first_row
+from dew.objectives.contract.objective import Objective, Role, Step
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.logprobs import masked_sum, sequence_logprobs
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
 
 LOSSES = ("sigmoid", "cdpo", "ipo")
 KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask")
@@ -88,7 +88,8 @@ class DPOObjective(Objective):
     tokenizer: for previews and the exported pipeline; None = ``ByteTokenizer()``.
     keys: the batch keys ``(chosen, chosen_mask, rejected, rejected_mask)``.
     logits_chunk_size: the policy (and a reference run in the loss) score the ids this
-      many positions of every row at a time (:func:`dew.objectives.logprobs.sequence_logprobs`),
+      many positions of every row at a time
+      (:func:`dew.objectives.cores.logprobs.sequence_logprobs`),
       never holding the ``[rows, length, vocab]`` float32 logits whole; None (the
       default) = the whole logits. Needs models that take it
       (:class:`dew.nn.CausalTransformer`).

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn.keywords import is_whole_number
-from dew.objectives.logprobs import masked_mean
+from dew.objectives.cores.logprobs import masked_mean
 
 RATIO_TOLERANCE = 1e-6
 """The largest relative log-prob gap :func:`check_first_update` accepts."""

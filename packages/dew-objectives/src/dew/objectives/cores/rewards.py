@@ -150,7 +150,7 @@ def where(row: int, group_size: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class RewardSet:
     """An objective's rewards in order, each with its name and weight: what
-    :class:`Rewards` (completions) and :class:`~dew.objectives.image_rewards.ImageRewards`
+    :class:`Rewards` (completions) and :class:`~dew.objectives.cores.image_rewards.ImageRewards`
     (images) share. Each subclass builds one with its ``of``."""
 
     items: tuple[Any, ...]

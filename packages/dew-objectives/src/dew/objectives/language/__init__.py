@@ -1,0 +1,2 @@
+"""Language modelling (``lm``) and distillation from a teacher (``distillation``,
+``classifier_distillation``, ``teacher_topk``)."""

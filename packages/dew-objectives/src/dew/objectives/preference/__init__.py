@@ -1,0 +1,1 @@
+"""Preference optimisation against a frozen reference (``dpo``)."""

@@ -157,8 +157,8 @@ class TokenWindows:
             )
         return _WindowFormat(ids, self.seq_len)
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` windows per global batch (see ``dew.data.records``)."""
+    def splits(self) -> tuple[Rows, Rows]:
+        """The training and validation windows, as rows (what ``dew.data.Mixture`` reads)."""
         windows = self._windows(self.tokens(), "TokenWindows")
         if self.val_paths is not None:
             val_windows = self._windows(self.val_tokens(), "TokenWindows (val_paths)")
@@ -172,4 +172,8 @@ class TokenWindows:
                 what=f"TokenWindows ({windows.count} windows of {self.seq_len + 1} tokens)",
             )
             train, val = Rows(windows, train_rows), Rows(windows, val_rows)
-        return compose(train, val, batch=batch, reader=self, name="TokenWindows")
+        return train, val
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` windows per global batch (see ``dew.data.records``)."""
+        return compose(*self.splits(), batch=batch, reader=self, name="TokenWindows")

@@ -82,9 +82,10 @@ def bench_tokens(workdir: str, *, megabytes: int, seq_len: int, batch: int, batc
         for _ in range(batches):
             next(iterator)
 
-    # The raw reader: the same memory-mapped file, one shuffled permutation of
-    # the windows, each batch gathered with one fancy index.
-    raw = np.memmap(ids.filename, dtype=ids.dtype, mode="r", shape=ids.shape)
+    # The raw reader: the same memory-mapped file (the cache's one shard), one
+    # shuffled permutation of the windows, each batch gathered with one fancy index.
+    (path,) = ids.paths
+    raw = np.memmap(path, dtype=ids.dtype, mode="r", shape=ids.shape)
     windows = (raw.shape[0] - 1) // seq_len
     offsets = np.arange(seq_len + 1)
 

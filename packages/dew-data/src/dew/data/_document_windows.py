@@ -73,16 +73,44 @@ class DocumentWindows:
         }
 
     def example(self, window: int) -> dict[str, np.ndarray]:
-        chosen = slice(self._firsts[window], self._firsts[window + 1])
-        starts, sizes = self._starts[chosen], self._sizes[chosen]
-        used = int(sizes.sum())
-        begins = np.repeat(np.cumsum(sizes) - sizes, sizes)
-        offsets = np.arange(used) - begins  # each id's position in its document
-        text = np.full((self._length,), self._pad_id, np.int32)
-        text[:used] = self._ids[np.repeat(starts, sizes) + offsets]
-        segment_ids = np.zeros((self._length,), np.int32)
-        segment_ids[:used] = np.repeat(np.arange(1, len(sizes) + 1), sizes)
-        positions = np.arange(self._length, dtype=np.int32)
-        positions[:used] = offsets
-        positions[used:] = np.arange(self._length - used)
-        return {"text": text, "segment_ids": segment_ids, "positions": positions}
+        return {key: rows[0] for key, rows in self.examples(np.asarray([window])).items()}
+
+    def examples(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+        """Windows ``windows`` in one gather: int32 ``[len(windows), seq_len + 1]`` each.
+
+        Row by row, a window is its pieces then its padding, so the rows laid end to
+        end are runs ("entries": each piece, then each row's padding) whose values
+        ``numpy.repeat`` spreads over their lengths.
+        """
+        windows = np.asarray(windows, np.int64)
+        rows, length = len(windows), self._length
+        firsts, lasts = self._firsts[windows], self._firsts[windows + 1]
+        counts = lasts - firsts  # pieces per window
+        row_start = np.cumsum(counts) - counts
+        piece = np.repeat(firsts - row_start, counts) + np.arange(int(counts.sum()))
+        within = np.arange(len(piece)) - np.repeat(row_start, counts)  # piece of its row
+        sizes = self._sizes[piece]
+        row_of_piece = np.repeat(np.arange(rows), counts)
+        used = np.bincount(row_of_piece, weights=sizes, minlength=rows).astype(np.int64)
+        # entries: row r's pieces at row_start[r] + r + (0, 1, ...), its padding after them
+        at_piece = row_start[row_of_piece] + row_of_piece + within
+        at_padding = row_start + counts + np.arange(rows)
+        entries = len(piece) + rows
+        entry_sizes = np.empty(entries, np.int64)
+        entry_sizes[at_piece], entry_sizes[at_padding] = sizes, length - used
+        segment = np.zeros(entries, np.int32)
+        segment[at_piece] = within + 1
+        base = np.zeros(entries, np.int64)
+        base[at_piece] = self._starts[piece]
+        flat_start = np.cumsum(entry_sizes) - entry_sizes
+        offsets = np.arange(rows * length) - np.repeat(flat_start, entry_sizes)
+        real = np.repeat(segment > 0, entry_sizes)
+        text = np.where(
+            real, self._ids[np.where(real, np.repeat(base, entry_sizes) + offsets, 0)], self._pad_id
+        )
+        shape = (rows, length)
+        return {
+            "text": text.astype(np.int32).reshape(shape),
+            "segment_ids": np.repeat(segment, entry_sizes).reshape(shape),
+            "positions": offsets.astype(np.int32).reshape(shape),
+        }

@@ -113,6 +113,8 @@ def test_resume_is_exact_across_a_schedule():
     changed = Mixture(SOURCES, WEIGHTS, schedule=[(200, schedule[0][1])], read_threads=0)
     with pytest.raises(ValueError, match="Keep the stages before step 500"):
         changed.load(batch=4).train(Partition()).set_state(state)
+    with pytest.raises(ValueError, match="is not a Mixture's"):
+        data.train(Partition()).set_state({"next_index": 3})
 
 
 def test_partitions_put_side_by_side_are_the_whole_batch():

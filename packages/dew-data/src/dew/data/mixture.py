@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,6 +47,8 @@ from dew.data.records import (
     one_pass,
     rows_of,
 )
+
+logger = logging.getLogger("dew.data")
 
 EXHAUSTED = ("repeat", "stop")
 _SCALE = 2**20  # the weights of a stage become integer proportions summing to about this
@@ -202,6 +205,13 @@ class Mixture:
                 f"{dict(zip(names, plan.sizes, strict=True))}); use a smaller batch or "
                 f"exhausted='repeat'"
             )
+        if self.exhausted == "stop":
+            logger.info(
+                "Mixture: exhausted='stop' ends the training stream after %d global batches "
+                "of %d (then a source has no unread example left)",
+                plan.steps,
+                batch,
+            )
         skips = SkipCount("Mixture") if self.skip_errors else None
         readers = [RecordReader(splits[name][0], spec, skips=skips) for name in names]
         orders = [
@@ -348,6 +358,11 @@ class MixtureIterator:
         }
 
     def set_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"step", "sources"} <= state.keys():
+            raise ValueError(
+                f"Mixture: the saved data position {state!r:.200} is not a Mixture's (it has "
+                f"no step and sources); was the checkpoint written by a run on another reader?"
+            )
         step = int(state["step"])
         expected = self._plan.positions(step)
         for name, position in zip(self._names, expected, strict=True):

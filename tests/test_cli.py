@@ -135,6 +135,47 @@ def test_a_recipe_ema_warms_up_unless_told_not_to(tmp_path):
         assert build(parse_recipe(raw), str(tmp_path)).objective.ema == want
 
 
+def test_a_mixture_recipe_reads_what_the_mixture_reads(tmp_path):
+    """``data: {name: mixture, args: {sources: [...]}}``: two token_windows sources of
+    the shipped text, 3:1 and then 1:1 from step 4, build the batches of the
+    ``dew.data.Mixture`` written in Python; the saved recipe rebuilds the same."""
+    from dew.data import ByteTokenizer, Mixture, Partition, TokenWindows
+
+    tiny = str(RECIPES / "data" / "tiny.txt")
+    digits = tmp_path / "digits.txt"
+    digits.write_text(" ".join(str(i) for i in range(400)))
+    window = {"seq_len": 32, "val_fraction": 0.1, "cache_dir": str(tmp_path / "c")}
+    sources = [
+        {"name": "text", "reader": "token_windows", "weight": 3, "args": {"paths": tiny, **window}},
+        {
+            "name": "digits",
+            "reader": "token_windows",
+            "weight": 1,
+            "args": {"paths": str(digits), **window},
+        },
+    ]
+    schedule = [{"step": 4, "weights": {"text": 1, "digits": 1}}]
+    raw = recipe_of("lm_scratch.yaml", [f"run_dir={tmp_path}", "tokenizer.kind=bytes"])
+    raw["data"] = {
+        "name": "mixture",
+        "batch": 8,
+        "args": {"sources": sources, "schedule": schedule, "read_threads": 0},
+    }
+    built = build(parse_recipe(raw), str(tmp_path))
+    again = build(parse_recipe(json.loads(json.dumps(built.resolved))), str(tmp_path))
+    readers = {
+        s["name"]: TokenWindows(s["args"]["paths"], tokenizer=ByteTokenizer(), **window)
+        for s in sources
+    }
+    direct = Mixture(readers, {"text": 3, "digits": 1}, schedule=[(4, {"text": 1, "digits": 1})])
+    streams = [d.train(Partition()) for d in (built.data, again.data, direct.load(batch=8))]
+    for _ in range(6):
+        first, *others = [next(stream)["text"] for stream in streams]
+        for other in others:
+            np.testing.assert_array_equal(other, first)
+    assert streams[0].get_state()["sources"]["digits"]["position"] == 4 * 2 + 2 * 4
+
+
 BAD = [
     (["trainer.stepz=3"], "trainer has no key 'stepz'; did you mean 'steps'"),
     (

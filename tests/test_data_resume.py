@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from dew import models
-from dew.data import Dataset, HFImages, TokenWindows
+from dew.data import Dataset, HFImages, Mixture, TokenWindows
 from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, Trainer
 
@@ -85,6 +85,28 @@ def test_token_windows_resume_at_the_same_batch(tmp_path):
     corpus.write_text("".join(f"line {i}: dew reads its data on grain.\n" for i in range(60)))
     data = TokenWindows(corpus, seq_len=SEQ_LEN, cache_dir=tmp_path / "cache").load(batch=8)
     check_resume(data, tmp_path)
+
+
+@pytest.mark.slow
+def test_mixture_resumes_at_the_same_batch_across_a_weight_change(tmp_path):
+    """Two corpora mixed 3:1, then 1:3 from step 3 (after the checkpoint at step 2): the
+    resumed run reads what the straight run read, and the checkpoint records the
+    sources' positions and the schedule."""
+    sources = {}
+    for name in ("web", "code"):
+        corpus = tmp_path / f"{name}.txt"
+        corpus.write_text("".join(f"{name} line {i}: mixed on grain.\n" for i in range(40)))
+        sources[name] = TokenWindows(corpus, seq_len=SEQ_LEN, cache_dir=tmp_path / "cache")
+    mixture = Mixture(
+        sources, {"web": 3, "code": 1}, schedule=[(3, {"web": 1, "code": 3})], read_threads=1
+    )
+    check_resume(mixture.load(batch=8), tmp_path)
+    saved = [
+        path.read_bytes()
+        for path in (tmp_path / "stopped").rglob("*")
+        if path.is_file() and b'"schedule"' in path.read_bytes()
+    ]
+    assert saved and all(b'"web"' in data and b'"position"' in data for data in saved)
 
 
 @pytest.mark.slow

@@ -9,6 +9,9 @@ caller's thread (``read_threads=0``):
 - TokenWindows tokens/s (shuffled windows of ``seq_len + 1`` ids, batched)
   against a raw reader: the same token file memory-mapped with numpy, random
   windows gathered with one fancy index per batch.
+- Host milliseconds per batch of a three-source ``Mixture`` (70/20/10) and of
+  document-aware packing (``TokenWindows(documents="pack")``, documents of 50 to
+  3,000 words), next to plain TokenWindows on the same documents.
 - HFImages images/s (JPEG decode, resize, centre crop, from a ``datasets``
   table) against a raw reader of already decoded images (a memory-mapped
   uint8 array) and against a plain decode loop (PIL + the same resize, no
@@ -82,9 +85,10 @@ def bench_tokens(workdir: str, *, megabytes: int, seq_len: int, batch: int, batc
         for _ in range(batches):
             next(iterator)
 
-    # The raw reader: the same memory-mapped file, one shuffled permutation of
-    # the windows, each batch gathered with one fancy index.
-    raw = np.memmap(ids.filename, dtype=ids.dtype, mode="r", shape=ids.shape)
+    # The raw reader: the same memory-mapped file (the cache's one shard), one
+    # shuffled permutation of the windows, each batch gathered with one fancy index.
+    (path,) = ids.paths
+    raw = np.memmap(path, dtype=ids.dtype, mode="r", shape=ids.shape)
     windows = (raw.shape[0] - 1) // seq_len
     offsets = np.arange(seq_len + 1)
 
@@ -102,6 +106,50 @@ def bench_tokens(workdir: str, *, megabytes: int, seq_len: int, batch: int, batc
         "token_windows_tokens_per_s": rate(tokens, seconds["grain"]),
         "raw_memmap_tokens_per_s": rate(tokens, seconds["raw"]),
     }
+
+
+def bench_mixture_and_packing(
+    workdir: str, *, documents: int, seq_len: int, batch: int, batches: int
+):
+    from dew.data import Mixture, Partition, TokenWindows
+
+    words = np.asarray("dew trains jax models on grain with windows of tokens".split())
+    rng = np.random.default_rng(1)
+    corpus = os.path.join(workdir, "documents.jsonl")
+    with open(corpus, "w") as f:
+        for size in rng.integers(50, 3000, documents):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size))}) + "\n")
+    common = dict(
+        seq_len=seq_len,
+        cache_dir=os.path.join(workdir, "cache"),
+        val_fraction=0,
+        read_threads=0,
+        prefetch=0,
+    )
+    stream = TokenWindows(corpus, **common)
+    packed = TokenWindows(corpus, documents="pack", long_documents="split", **common)
+    readers = {
+        "token_windows": stream,
+        "packed": packed,
+        "mixture": Mixture(
+            {"web": stream, "code": stream, "books": stream},
+            {"web": 0.7, "code": 0.2, "books": 0.1},
+            read_threads=0,
+            prefetch=0,
+        ),
+    }
+    loaded = {name: reader.load(batch=batch) for name, reader in readers.items()}
+
+    def reading(data):
+        def read():
+            iterator = data.train(Partition())
+            for _ in range(batches):
+                next(iterator)
+
+        return read
+
+    seconds = best_times({name: reading(data) for name, data in loaded.items()})
+    return {f"{name}_ms_per_batch": 1e3 * s / batches for name, s in seconds.items()}
 
 
 def bench_images(
@@ -219,13 +267,9 @@ def main() -> None:
     quick = args.quick
     with tempfile.TemporaryDirectory() as workdir:
         allowed = pin_to_one_core()
-        tokens = bench_tokens(
-            workdir,
-            megabytes=2 if quick else 16,
-            seq_len=1024,
-            batch=32,
-            batches=20 if quick else 200,
-        )
+        windows = {"seq_len": 1024, "batch": 32, "batches": 20 if quick else 200}
+        tokens = bench_tokens(workdir, megabytes=2 if quick else 16, **windows)
+        mixing = bench_mixture_and_packing(workdir, documents=200 if quick else 2000, **windows)
         images = bench_images(
             workdir,
             count=64 if quick else 512,
@@ -237,7 +281,7 @@ def main() -> None:
         if allowed is not None:
             os.sched_setaffinity(0, allowed)
         training = {} if args.no_train else bench_training(workdir, 30 if quick else 100)
-    results = {**tokens, **images, **training}
+    results = {**tokens, **mixing, **images, **training}
     print(
         f"one core ({'pinned' if allowed is not None else 'not pinned'}), "
         f"read_threads=0, best of 3 alternating runs"
@@ -258,6 +302,12 @@ def main() -> None:
         f"  ratio TokenWindows / raw        "
         f"{tokens['token_windows_tokens_per_s'] / tokens['raw_memmap_tokens_per_s']:9.2f}"
     )
+    for name, what in (
+        ("token_windows", "TokenWindows, documents       "),
+        ("mixture", "Mixture of 3 (70/20/10)       "),
+        ("packed", "documents='pack'              "),
+    ):
+        print(f"  {what}  {mixing[f'{name}_ms_per_batch']:9.2f} ms a batch of 32 x 1025")
     print(f"  HFImages (JPEG 320x240 -> 64)   {images['hf_images_per_s']:9.0f} images/s")
     print(f"  plain PIL decode loop           {images['decode_loop_images_per_s']:9.0f} images/s")
     print(f"  raw memmap numpy (pre-decoded)  {images['raw_memmap_images_per_s']:9.0f} images/s")

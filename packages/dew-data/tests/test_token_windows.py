@@ -87,7 +87,7 @@ def test_corpus_is_tokenized_once_and_again_when_an_input_changes(tmp_path, monk
     TokenWindows(path, seq_len=4, cache_dir=cache).tokens()
     TokenWindows(path, seq_len=2, seed=7, cache_dir=cache).tokens()  # same inputs: cached
     assert len(reads) == 1
-    assert len([n for n in os.listdir(cache) if n.endswith(".tokens")]) == 1
+    assert len(os.listdir(cache)) == 1  # one corpus directory
     TokenWindows(path, seq_len=4, end_id=3, cache_dir=cache).tokens()  # another end id
     assert len(reads) == 2
     path.write_text("hello cache, changed")

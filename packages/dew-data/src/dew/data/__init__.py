@@ -10,13 +10,15 @@ the ``datasets`` library), :class:`Videos` (local clips), :class:`PreferencePair
 fine-tuning on prompt/completion or chat rows, rendered with a
 :class:`ChatTemplate`, packed or not) and :class:`TeacherTopK` (a teacher's top-k
 log-probs stored once by :class:`TopKWriter`, for offline distillation).
-:func:`from_records` turns any
+:class:`Mixture` mixes readers' examples by weight (a schedule may change the
+weights at given steps). :func:`from_records` turns any
 random-access source into a Grain-backed :class:`Dataset` the same way.
 """
 
 from dew.data.chat_template import ChatTemplate, ChatTemplateError
 from dew.data.dataset import Batch, Dataset, Field, Partition, spec_of_batch
 from dew.data.images import HFImages
+from dew.data.mixture import Mixture
 from dew.data.preferences import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.data.records import RecordError, Records, from_records
@@ -37,6 +39,7 @@ __all__ = [
     "Field",
     "HFImages",
     "HFTokenizer",
+    "Mixture",
     "Partition",
     "PreferencePairs",
     "Prompts",

@@ -240,8 +240,8 @@ class HFImages:
             what=f"HFImages({split})",
         )
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` images per global batch (see ``dew.data.records``)."""
+    def splits(self) -> tuple[Rows, Rows]:
+        """The training and validation images, as rows (what ``dew.data.Mixture`` reads)."""
         cache_dir = None if self.cache_dir is None else os.fspath(self.cache_dir)
         dataset = load_split(self.path_or_name, self.split, what="HFImages", cache_dir=cache_dir)
         if len(dataset) == 0:
@@ -261,4 +261,8 @@ class HFImages:
                 what=f"HFImages (split {self.split!r})",
             )
             train, val = Rows(images, train_rows), Rows(images, val_rows)
-        return compose(train, val, batch=batch, reader=self, name="HFImages")
+        return train, val
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` images per global batch (see ``dew.data.records``)."""
+        return compose(*self.splits(), batch=batch, reader=self, name="HFImages")

@@ -160,8 +160,8 @@ class PreferencePairs:
             completion_len=self.completion_len,
         )
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` pairs per global batch (see ``dew.data.records``)."""
+    def splits(self) -> tuple[Rows, Rows]:
+        """The training and validation pairs, as rows (what ``dew.data.Mixture`` reads)."""
         pairs = self._format(self.source, "PreferencePairs")
         if self.val_source is not None:
             val_pairs = self._format(self.val_source, "PreferencePairs (val_source)")
@@ -175,4 +175,8 @@ class PreferencePairs:
                 what="PreferencePairs",
             )
             train, val = Rows(pairs, train_rows), Rows(pairs, val_rows)
-        return compose(train, val, batch=batch, reader=self, name="PreferencePairs")
+        return train, val
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` pairs per global batch (see ``dew.data.records``)."""
+        return compose(*self.splits(), batch=batch, reader=self, name="PreferencePairs")

@@ -123,8 +123,8 @@ class Prompts:
             answer_len=self.answer_len,
         )
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` prompts per global batch (see ``dew.data.records``)."""
+    def splits(self) -> tuple[Rows, Rows]:
+        """The training and validation prompts, as rows (what ``dew.data.Mixture`` reads)."""
         prompts = self._format(self.source, "Prompts")
         if self.val_source is not None:
             val_prompts = self._format(self.val_source, "Prompts (val_source)")
@@ -138,4 +138,8 @@ class Prompts:
                 what="Prompts",
             )
             train, val = Rows(prompts, train_rows), Rows(prompts, val_rows)
-        return compose(train, val, batch=batch, reader=self, name="Prompts")
+        return train, val
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` prompts per global batch (see ``dew.data.records``)."""
+        return compose(*self.splits(), batch=batch, reader=self, name="Prompts")

@@ -177,7 +177,7 @@ class EpochOrder:
         return out
 
 
-class _Reader:
+class RecordReader:
     """Reads one process's rows of a batch from a source, with the unreadable-record policy.
 
     A source with ``read_batch(indices) -> Batch`` is read in one call (the
@@ -187,7 +187,8 @@ class _Reader:
 
     def __init__(self, source: Records, spec: dict[str, Field], *, skips: SkipCount | None):
         self._source = source
-        self._size = len(source)
+        self.spec = spec
+        self.size = len(source)
         self._skips = skips
         self._read_batch = getattr(source, "read_batch", None)
         self._template = {key: np.zeros(f.shape, f.dtype) for key, f in spec.items()}
@@ -229,24 +230,24 @@ class _Reader:
     def _train_record(self, index: int) -> dict[str, np.ndarray]:
         if self._skips is None:
             return self._read(index)
-        for offset in range(self._size):
+        for offset in range(self.size):
             try:
-                return self._read((index + offset) % self._size)
+                return self._read((index + offset) % self.size)
             except RecordError:
                 continue
-        raise RecordError(f"0..{self._size - 1}", "no record of the training source is readable")
+        raise RecordError(f"0..{self.size - 1}", "no record of the training source is readable")
 
     def val(self, indices: np.ndarray) -> Batch:
         """Records ``indices`` with ``example_mask``; indices past the end, and skipped
         records, are padding rows (zeros shaped like a record, mask False)."""
-        real = indices < self._size
+        real = indices < self.size
         batch = self._fast(indices) if real.all() else None
         if batch is not None:
             return {**batch, EXAMPLE_MASK: np.ones(len(indices), bool)}
         rows = []
         for index in indices:
             example = None
-            if index < self._size:
+            if index < self.size:
                 try:
                     example = {**self._read(int(index)), EXAMPLE_MASK: np.asarray(True)}
                 except RecordError:
@@ -316,16 +317,11 @@ def from_records(
     import grain
 
     options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=prefetch)
-    train_reader = _Reader(train, spec, skips=skips)
+    train_reader = RecordReader(train, spec, skips=skips)
     order = EpochOrder(len(train), seed)
 
-    def rows_of(partition: Partition) -> np.ndarray:
-        """This process's rows of a global batch: a contiguous share."""
-        rows = partition.rows(batch)
-        return np.arange(partition.index * rows, (partition.index + 1) * rows)
-
     def open_train(partition: Partition):
-        rows = rows_of(partition)
+        rows = rows_of(partition, batch)
         steps = grain.MapDataset.range(sys.maxsize)  # global batch numbers, endless
         batches = steps.map(
             lambda step: check_batch(
@@ -334,23 +330,43 @@ def from_records(
         )
         return iter(batches.to_iter_dataset(options))
 
-    open_val: Callable[[Partition], Any] | None = None
+    open_val = None
     if val is not None:
-        val_reader = _Reader(val, spec, skips=skips)
-        val_steps = -(-len(val) // batch)
-        val_spec = {**spec, EXAMPLE_MASK: Field((), np.bool_)}
-
-        def open_val(partition: Partition):
-            rows = rows_of(partition)
-            steps = grain.MapDataset.range(val_steps)
-            batches = steps.map(
-                lambda step: check_batch(
-                    val_reader.val(step * batch + rows), val_spec, len(rows), name=f"{name} (val)"
-                )
-            )
-            return iter(batches.to_iter_dataset(options))
-
+        open_val = one_pass(
+            RecordReader(val, spec, skips=skips), batch=batch, options=options, name=name
+        )
     return Dataset(train=open_train, val=open_val, records=len(train), batch=batch, spec=spec)
+
+
+def rows_of(partition: Partition, batch: int) -> np.ndarray:
+    """The rows of a global batch of ``batch`` one process reads: a contiguous share."""
+    rows = partition.rows(batch)
+    return np.arange(partition.index * rows, (partition.index + 1) * rows)
+
+
+def one_pass(
+    reader: RecordReader, *, batch: int, options: Any, name: str
+) -> Callable[[Partition], Any]:
+    """``val(partition)`` of a :class:`Dataset`: one pass over ``reader``'s records in
+    order, the last global batch padded, every batch with ``example_mask``.
+
+    options: the ``grain.ReadOptions`` of the read-ahead.
+    """
+    import grain
+
+    steps = -(-reader.size // batch)
+    val_spec = {**reader.spec, EXAMPLE_MASK: Field((), np.bool_)}
+
+    def open_val(partition: Partition):
+        rows = rows_of(partition, batch)
+        batches = grain.MapDataset.range(steps).map(
+            lambda step: check_batch(
+                reader.val(step * batch + rows), val_spec, len(rows), name=f"{name} (val)"
+            )
+        )
+        return iter(batches.to_iter_dataset(options))
+
+    return open_val
 
 
 def first_spec(source: Records, *, name: str) -> dict[str, Field]:

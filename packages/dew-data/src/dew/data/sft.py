@@ -389,8 +389,8 @@ class SFTExamples:
             tokens, windows, self.row_length, pad_id_of(self.tokenizer, self.pad_id)
         )
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` rows per global batch (see ``dew.data.records``)."""
+    def splits(self) -> tuple[Rows, Rows | None]:
+        """The training and validation rows (what ``dew.data.Mixture`` reads)."""
         tokens = self.tokenize(self.source)
         if self.val_source is not None:
             train = self._windows(tokens)
@@ -404,19 +404,21 @@ class SFTExamples:
             )
             train = self._windows(tokens.subset(train_rows))
             val = self._windows(tokens.subset(val_rows)) if len(val_rows) else None
-        if self.packing and 0 < train.count < batch:
-            raise ValueError(
-                f"SFTExamples: packing made {train.count} training window(s) of "
-                f"{self.row_length} ids, fewer than the global batch of {batch} rows; use "
-                f"batch <= {train.count}, more data, or a smaller seq_len"
-            )
-        return compose(
+        return (
             Rows(train, np.arange(train.count)),
             None if val is None else Rows(val, np.arange(val.count)),
-            batch=batch,
-            reader=self,
-            name="SFTExamples",
         )
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` rows per global batch (see ``dew.data.records``)."""
+        train, val = self.splits()
+        if self.packing and 0 < len(train) < batch:
+            raise ValueError(
+                f"SFTExamples: packing made {len(train)} training window(s) of "
+                f"{self.row_length} ids, fewer than the global batch of {batch} rows; use "
+                f"batch <= {len(train)}, more data, or a smaller seq_len"
+            )
+        return compose(train, val, batch=batch, reader=self, name="SFTExamples")
 
 
 def _describe(source: Any) -> str:

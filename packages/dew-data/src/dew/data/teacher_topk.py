@@ -245,17 +245,14 @@ class TeacherTopK:
     def k(self) -> int:
         return int(self.index["k"])
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` stored rows per global batch."""
-        index = self.index
-        rows = _TopKFormat(pathlib.Path(self.path), index["shards"])
+    def splits(self) -> tuple[Rows, Rows | None]:
+        """The training and validation rows (what ``dew.data.Mixture`` reads)."""
+        rows = _TopKFormat(pathlib.Path(self.path), self.index["shards"])
         train, val = split_rows(
             rows.count, val_fraction=self.val_fraction, val_from=self.val_from, what="TeacherTopK"
         )
-        return compose(
-            Rows(rows, train),
-            Rows(rows, val) if len(val) else None,
-            batch=batch,
-            reader=self,
-            name="TeacherTopK",
-        )
+        return Rows(rows, train), Rows(rows, val) if len(val) else None
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` stored rows per global batch."""
+        return compose(*self.splits(), batch=batch, reader=self, name="TeacherTopK")

@@ -219,8 +219,8 @@ class Videos:
             clips, frames=self.frames, stride=self.stride, size=self.size, frame_shape=frame_shape
         )
 
-    def load(self, *, batch: int) -> Dataset:
-        """A :class:`Dataset` of ``batch`` clips per global batch (see ``dew.data.records``)."""
+    def splits(self) -> tuple[Rows, Rows]:
+        """The training and validation clips, as rows (what ``dew.data.Mixture`` reads)."""
         clips, frame_shape = self._scan(self.paths, "Videos")
         if self.val_paths is not None:
             val_clips, val_shape = self._scan(self.val_paths, "Videos (val_paths)")
@@ -232,4 +232,8 @@ class Videos:
             )
             clip_format = self._format(clips, frame_shape)
             train, val = Rows(clip_format, train_rows), Rows(clip_format, val_rows)
-        return compose(train, val, batch=batch, reader=self, name="Videos")
+        return train, val
+
+    def load(self, *, batch: int) -> Dataset:
+        """A :class:`Dataset` of ``batch`` clips per global batch (see ``dew.data.records``)."""
+        return compose(*self.splits(), batch=batch, reader=self, name="Videos")

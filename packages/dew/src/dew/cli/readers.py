@@ -1,14 +1,16 @@
-"""``NpzArrays``: rows of arrays from a ``.npz`` file, for recipes whose data is
-already arrays (small image sets, features); the rest is ``dew.data.from_records``."""
+"""Readers only recipes need: ``NpzArrays`` (rows of arrays from a ``.npz`` file, for
+recipes whose data is already arrays; the rest is ``dew.data.from_records``) and
+``MixtureOf`` (a ``dew.data.Mixture`` of readers named as recipes name them)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 
-__all__ = ["NpzArrays"]
+__all__ = ["MixtureOf", "NpzArrays"]
 
 
 class _Rows:
@@ -71,3 +73,54 @@ class NpzArrays:
             prefetch=self.prefetch,
             name="NpzArrays",
         )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureOf:
+    """A recipe's ``dew.data.Mixture`` (``data: {name: mixture, args: {sources: [...]}}``).
+
+    sources: one entry a source: ``{name, reader, weight, args}``; ``reader`` is a
+      reader's short name (``token_windows``, ...) or ``module:Class``, ``args`` its
+      arguments (the tokenizer is the recipe's), ``weight`` its share (>= 0).
+    schedule: ``[{step, weights: {name: weight}}]``: the weights from global batch
+      ``step`` on.
+    exhausted, read_threads, prefetch: as ``dew.data.Mixture``'s.
+    tokenizer: set by the command.
+    """
+
+    sources: list[dict[str, Any]]
+    schedule: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    exhausted: str = "repeat"
+    read_threads: int = 2
+    prefetch: int = 4
+    tokenizer: Any = None
+
+    def load(self, *, batch: int):
+        from dew.cli.recipe import READERS, RecipeError, checked_arguments, resolve
+        from dew.data import Mixture
+
+        readers, weights = {}, {}
+        for index, source in enumerate(self.sources):
+            where = f"data.args.sources[{index}]"
+            unknown = sorted(set(source) - {"name", "reader", "weight", "args"})
+            if unknown or "name" not in source or "reader" not in source:
+                raise RecipeError(
+                    f"{where} must be {{name, reader, weight, args}}, got keys {sorted(source)}"
+                )
+            cls = resolve(source["reader"], READERS, "reader")
+            fields = [f.name for f in dataclasses.fields(cls) if f.init]
+            supplied = {"tokenizer": self.tokenizer} if "tokenizer" in fields else {}
+            args = checked_arguments(
+                cls, source.get("args", {}), f"{where}.args", supplied=supplied
+            )
+            readers[source["name"]] = cls(**args)
+            weights[source["name"]] = source.get("weight", 1.0)
+        stages = [(stage.get("step"), stage.get("weights")) for stage in self.schedule]
+        return Mixture(
+            readers,
+            weights,
+            schedule=stages,
+            exhausted=self.exhausted,
+            read_threads=self.read_threads,
+            prefetch=self.prefetch,
+        ).load(batch=batch)

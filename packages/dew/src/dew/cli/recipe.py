@@ -76,6 +76,7 @@ READERS = {
     "hf_images": "dew.data:HFImages",
     "videos": "dew.data:Videos",
     "npz_arrays": "dew.cli.readers:NpzArrays",
+    "mixture": "dew.cli.readers:MixtureOf",
 }
 # optax schedule names (optax.schedules); "constant" = no schedule
 SCHEDULES = ("constant", "cosine", "linear", "warmup_cosine", "warmup_constant")

@@ -16,7 +16,7 @@ from dew.data import Partition, TokenWindows
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
 from dew.objectives import Step
-from dew.objectives.lm import LMObjective
+from dew.objectives.language.lm import LMObjective
 
 SEQ = 31
 CONFIG = {**TINY_LM, "vocab_size": 264, "max_seq_len": SEQ}

@@ -3,7 +3,10 @@ from the PyQt6-WebEngine wheel, offscreen) and print, as JSON, what the page sho
 once every image has decoded: its title, headings, images (alt text, decoded size,
 laid-out size) and preformatted texts.
 
-    python tests/browser/open_page.py PAGE.html
+    python tests/browser/open_page.py PAGE.html [SCREENSHOT.png]
+
+With a second argument, the whole page is also saved as a PNG screenshot (the view
+grown to the page's height), for a person to read.
 """
 
 import json
@@ -27,13 +30,19 @@ READ = """JSON.stringify({
     alt: i.alt, width: i.naturalWidth, height: i.naturalHeight,
     shown: i.getBoundingClientRect().width})),
   texts: Array.from(document.querySelectorAll('pre')).map(p => p.innerText),
+  panels: Array.from(document.querySelectorAll('img[data-series]')).map(i => ({
+    alt: i.alt, series: JSON.parse(i.dataset.series), scale: i.dataset.scale})),
+  table: Array.from(document.querySelectorAll('table.counts td:first-child')).map(
+    c => c.innerText),
+  height: document.documentElement.scrollHeight,
 })"""
 
 
-def main(path: str) -> None:
+def main(path: str, screenshot: str | None = None) -> None:
     app = QApplication(sys.argv[:1])
     view = QWebEngineView()
     view.resize(1280, 900)
+    view.show()  # offscreen: nothing is painted (nor grabbed) for a view never shown
     result = {}
 
     def read(_ok=True):
@@ -43,9 +52,17 @@ def main(path: str) -> None:
         page = json.loads(text) if text else {"ready": False}
         if page.pop("ready"):
             result.update(page)
-            app.quit()
+            if screenshot is None:
+                app.quit()
+                return
+            view.resize(1280, min(int(page["height"]), 16000))
+            QTimer.singleShot(1000, save)
         else:
             QTimer.singleShot(100, read)
+
+    def save():
+        view.grab().save(screenshot)
+        app.quit()
 
     view.loadFinished.connect(read)
     view.load(QUrl.fromLocalFile(os.path.abspath(path)))
@@ -55,4 +72,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -24,14 +24,12 @@ PLOTS = ["loss", "accuracy", "perplexity", "learning rate", "tokens per second",
 SIZE = (580, 280)  # pixels of every panel
 
 
-def opened(page: str, screenshot: str | None = None) -> dict:
-    command = [sys.executable, str(pathlib.Path(__file__).with_name("open_page.py")), page]
-    shown = subprocess.run(
-        command + ([screenshot] if screenshot else []), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+def opened(*pages: str) -> list[dict]:
+    """What the browser shows of each page (``PAGE`` or ``PAGE SHOT PAGE SHOT ...``)."""
+    command = [sys.executable, str(pathlib.Path(__file__).with_name("open_page.py")), *pages]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert shown.returncode == 0, shown.stderr[-3000:]
-    return json.loads(shown.stdout.splitlines()[-1])
+    return [json.loads(line) for line in shown.stdout.splitlines() if line.startswith("{")]
 
 
 def test_the_report_page_shows_its_plots_and_previews_in_a_browser(tmp_path):
@@ -47,7 +45,7 @@ def test_the_report_page_shows_its_plots_and_previews_in_a_browser(tmp_path):
     ]
     assert main(["--quiet", "train", LM, *overrides]) == 0
     assert main(["--quiet", "report", run_dir]) == 0
-    page = opened(os.path.join(run_dir, "report.html"))
+    (page,) = opened(os.path.join(run_dir, "report.html"))
     assert page["title"] == "dew report: run", page
     # every plot decoded by the browser, at the size matplotlib drew it, and laid out
     images = {image["alt"]: image for image in page["images"]}
@@ -65,6 +63,9 @@ def test_the_report_page_shows_its_plots_and_previews_in_a_browser(tmp_path):
 # curves of plausible shape: a loss falling over two decades, a reward rising, ...
 TRAIN_COMMON = ("grad_norm", "update_norm", "learning_rate", "rejected_fraction",
                 "step_seconds", "examples_per_second", "mfu", "step_flops")  # fmt: skip
+DPO = ("loss", "accuracy", "margin", "reward_chosen", "reward_rejected", "logp_chosen",
+       "logp_rejected", "nll_chosen", "pairs")  # fmt: skip
+DPO_LOSSES = {"train": ("loss", "dpo_loss", "nll_chosen"), "eval": ("loss", "nll_chosen")}
 FAMILIES = {
     "lm": {
         "train": ("loss", "nll", "tokens", "tokens_per_second"),
@@ -78,46 +79,12 @@ FAMILIES = {
         "counts": ["tokens (train)", "tokens (eval, EMA)"],
     },
     "dpo": {
-        "train": (
-            "loss",
-            "dpo_loss",
-            "accuracy",
-            "margin",
-            "reward_chosen",
-            "reward_rejected",
-            "logp_chosen",
-            "logp_rejected",
-            "nll_chosen",
-            "pairs",
-        ),
-        "eval": (
-            "loss",
-            "accuracy",
-            "margin",
-            "reward_chosen",
-            "reward_rejected",
-            "logp_chosen",
-            "logp_rejected",
-            "nll_chosen",
-            "pairs",
-        ),
+        "train": ("loss", "dpo_loss", *DPO[1:]),
+        "eval": DPO,
         "ema": False,
         "panels": {
-            "loss": [
-                "loss (train)",
-                "dpo_loss (train)",
-                "nll_chosen (train)",
-                "loss (eval)",
-                "nll_chosen (eval)",
-            ],
-            "reward": [
-                "margin (train)",
-                "reward_chosen (train)",
-                "reward_rejected (train)",
-                "margin (eval)",
-                "reward_chosen (eval)",
-                "reward_rejected (eval)",
-            ],
+            "loss": [f"{k} ({kind})" for kind in ("train", "eval") for k in DPO_LOSSES[kind]],
+            "reward": [f"{k} ({kind})" for kind in ("train", "eval") for k in DPO[2:5]],
             "accuracy": ["accuracy (train)", "accuracy (eval)"],
         },
         "counts": ["pairs (train)", "pairs (eval)"],
@@ -245,15 +212,27 @@ def write_run(run_dir: pathlib.Path, family: str) -> None:
     (run_dir / "recipe.yaml").write_text(f"objective: {{name: {family}}}\n")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_report_of_each_family_is_readable(family, tmp_path):
-    run_dir = tmp_path / family
-    write_run(run_dir, family)
-    assert main(["--quiet", "report", str(run_dir)]) == 0
-    shots = pathlib.Path(os.environ.get("DEW_REPORT_SCREENSHOTS", tmp_path))
+@pytest.fixture(scope="module")
+def family_pages(tmp_path_factory):
+    """Each family's report, opened in one browser, with a screenshot of each."""
+    root = tmp_path_factory.mktemp("families")
+    shots = pathlib.Path(os.environ.get("DEW_REPORT_SCREENSHOTS", root))
     shots.mkdir(parents=True, exist_ok=True)
-    screenshot = shots / f"report-{family}.png"
-    page = opened(str(run_dir / "report.html"), str(screenshot))
+    arguments = []
+    for family in FAMILIES:
+        write_run(root / family, family)
+        assert main(["--quiet", "report", str(root / family)]) == 0
+        arguments += [str(root / family / "report.html"), str(shots / f"report-{family}.png")]
+    pages = opened(*arguments)
+    assert len(pages) == len(FAMILIES), pages
+    return dict(zip(FAMILIES, pages, strict=True)), shots
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_report_of_each_family_is_readable(family, family_pages):
+    pages, shots = family_pages
+    page = pages[family]
+    assert page["title"] == f"dew report: {family}", page
     panels = {p["alt"]: p for p in page["panels"]}
     spec = FAMILIES[family]
     # training and evaluation loss on one panel; each headline metric a panel of its own
@@ -277,4 +256,4 @@ def test_a_report_of_each_family_is_readable(family, tmp_path):
     for name in panels:
         assert (images[name]["width"], images[name]["height"]) == SIZE, images[name]
         assert images[name]["shown"] > 0, images[name]
-    assert screenshot.stat().st_size > 10_000
+    assert (shots / f"report-{family}.png").stat().st_size > 10_000

@@ -170,6 +170,7 @@ def _figure(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=SIZE, dpi=100)
     fig.subplots_adjust(left=0.12, right=0.64, bottom=0.16, top=0.9)
@@ -193,6 +194,7 @@ def _figure(
             markersize=4,
         )
     ax.set_title(title)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps
     ax.set_xlabel("session, by the step it ended at" if bars else "step")
     if ylabel:
         ax.set_ylabel(ylabel)

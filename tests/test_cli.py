@@ -58,7 +58,7 @@ def tiny_llama(tmp_path_factory):
         num_heads=2,
         num_kv_heads=1,
         mlp_features=64,
-        max_seq_len=64,
+        max_seq_len=128,  # the chat rows of recipes/sft_chat_lora.yaml: 128 ids at most
     )
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     Pretrained(model=model, params=params, tokenizer=tokenizer, format="llama").save(out / "hf")
@@ -91,9 +91,12 @@ def digits_teacher(tmp_path_factory):
     return run, out
 
 
+LORA = ("lm_lora.yaml", "sft_chat_lora.yaml")  # recipes of a Hugging Face checkpoint
+
+
 def recipe_of(name, overrides=(), tiny_llama=None, teacher=None):
     raw = load_recipe(str(RECIPES / name))
-    if tiny_llama is not None and name == "lm_lora.yaml":
+    if tiny_llama is not None and name in LORA:
         overrides = [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}", *overrides]
     if tiny_llama is not None and name == "distillation.yaml":  # the Llama is the teacher
         overrides = [
@@ -548,6 +551,8 @@ FAMILIES = {
         "objective.models.predictor.config.num_layers=1",
     ],
     "lm_lora.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
+    "sft.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
+    "sft_chat_lora.yaml": ["trainer.steps=2", "optimizer.schedule.warmup_steps=1"],
     "masked_diffusion.yaml": [
         "trainer.steps=2",
         "trainer.eval_every=0",
@@ -573,7 +578,7 @@ FAMILIES = {
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, capsys):
     overrides = FAMILIES[name] + ["trainer.log_every=1", f"run_dir={tmp_path}"]
-    if name == "lm_lora.yaml":
+    if name in LORA:
         overrides += [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
     if name == "distillation.yaml":
         overrides += [
@@ -606,6 +611,38 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         assert want.startswith("Dew") and len(want) > 3
     if name == "diffusion.yaml":
         sampled_images(str(tmp_path), capsys)
+
+
+@pytest.mark.parametrize("name", ["sft.yaml", "sft_chat_lora.yaml"])
+def test_sft_recipes_lower_the_completion_loss_on_held_out_rows(name, tiny_llama, tmp_path):
+    """The SFT recipes as shipped, 60 steps: the evaluation, on the held-out rows (the
+    last tenth), scores their completions / assistant turns alone, and its loss falls.
+    For prompt/completion rows of bytes its token count is the held-out completions'
+    bytes and end ids, counted here from the file."""
+    run = str(tmp_path / "run")
+    overrides = ["trainer.steps=60", "trainer.eval_every=20", "trainer.eval_batches=0"]
+    if name in LORA:
+        overrides += [f"model.pretrained={tiny_llama}", f"tokenizer.path={tiny_llama}"]
+    assert main(["--quiet", "train", str(RECIPES / name), *overrides, f"run_dir={run}"]) == 0
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    evals = [row for row in rows if row["kind"] == "eval"]
+    assert [row["step"] for row in evals] == [20, 40, 60]
+    losses = [row["loss"] for row in evals]
+    assert losses[0] > losses[1] > losses[2], losses
+    if name == "sft.yaml":
+        lines = (RECIPES / "data/sft.jsonl").read_text().splitlines()
+        held = [json.loads(line) for line in lines[-round(len(lines) * 0.1) :]]
+        assert {row["tokens"] for row in evals} == {sum(len(r["completion"]) + 1 for r in held)}
+
+
+def test_an_sft_row_missing_its_completion_is_named_by_its_line(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "completion": "b"}\n' * 2 + '{"prompt": "c"}\n')
+    run = f"run_dir={tmp_path}/run"
+    assert main(["train", str(RECIPES / "sft.yaml"), f"data.args.source={rows}", run]) == 2
+    said = capsys.readouterr().err
+    assert f"{rows}, line 3: no field 'completion'; the fields there are ['prompt']" in said
+    assert not os.path.exists(tmp_path / "run")
 
 
 def log_softmax(z):

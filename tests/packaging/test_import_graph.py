@@ -41,6 +41,7 @@ DISTRIBUTIONS = {
     "qwix": "qwix",
     "av": "av",
     "xxhash": "xxhash",
+    "jinja2": "jinja2",
 }
 
 

@@ -2,6 +2,7 @@
 resumed positions, the sources, and bad rows named."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -184,6 +185,38 @@ def test_bad_rows_are_named(case, tmp_path, write_jsonl, tokenizer):
         path, seq_len=79, tokenizer=tokenizer, chat_template=template, skip_errors=True
     )
     assert skipping.tokenize(path).rows.tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "rows, says",
+    [
+        (  # prompt/completion rows, the third without its completion
+            [{"prompt": "a", "completion": "b"}] * 2 + [{"prompt": "c"}],
+            r"rows.jsonl, line 3: no field 'completion'; the fields there are \['prompt'\]; "
+            r"the rows before it have 'prompt' and 'completion'",
+        ),
+        (  # conversations, the third a prompt/completion row
+            [{"messages": CHATS[1]}] * 2 + [{"prompt": "c", "completion": "d"}],
+            r"line 3: no field 'messages'; the fields there are \['completion', 'prompt'\]; "
+            r"the rows before it have 'messages'",
+        ),
+        (  # the first row is neither kind
+            [{"text": "a"}, {"prompt": "a", "completion": "b"}],
+            r"rows need a 'messages' column .* or 'prompt' and 'completion' columns; "
+            r".*line 1: no field 'messages'",
+        ),
+    ],
+    ids=["completion", "messages", "neither"],
+)
+def test_a_row_missing_a_field_is_named_by_its_line(rows, says, tmp_path, write_jsonl):
+    """The row at fault is the first that lacks a field of the kind its predecessors
+    are (not line 1 for a file of prompt/completion rows)."""
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(KeyError) as error:
+        SFTExamples(path, seq_len=63).tokenize(path)
+    message = error.value.args[0]
+    assert message.startswith("SFTExamples: "), message
+    assert re.search(says, message), message
 
 
 def test_too_long_and_cut_completions_are_named(tmp_path, write_jsonl, tokenizer):

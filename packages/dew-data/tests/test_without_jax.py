@@ -1,7 +1,8 @@
 """dew-data works with jax absent: nothing imports it, and the readers run without it.
-Without the [hf] extra (datasets, pillow, tokenizers, pyarrow, jinja2) it imports and
-reads text, prompt/completion rows and .npy clips, and what needs the extra (a chat
-template) says how to install it."""
+Without the [hf] extra (datasets, pillow, tokenizers, pyarrow, safetensors) it imports
+and reads text, prompt/completion rows, chat rows with a template (jinja2 is a dependency
+of dew-data) and .npy clips, and what needs the extra says how to install it, with pip
+and with uv."""
 
 import ast
 import pathlib
@@ -44,7 +45,7 @@ def test_no_module_imports_jax_or_a_higher_package():
 def test_readers_run_with_jax_blocked(tmp_path):
     script = textwrap.dedent("""
         import sys
-        for name in ("jax", "jaxlib", "flax", "datasets", "PIL", "tokenizers", "pyarrow", "jinja2"):
+        for name in ("jax", "jaxlib", "flax", "datasets", "PIL", "tokenizers", "pyarrow"):
             sys.modules[name] = None  # any import of them now fails
         import numpy as np
         from dew.data import HFImages, HFTokenizer, Partition, SFTExamples, TokenWindows, Videos
@@ -68,18 +69,22 @@ def test_readers_run_with_jax_blocked(tmp_path):
             '{"messages": [{"role": "user", "content": "hi"}, '
             '{"role": "assistant", "content": "yo"}]}\\n'
         )
+        template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}"
+        chat = next(SFTExamples("chat.jsonl", seq_len=31, chat_template=template).load(
+            batch=1).train(Partition()))
+        assert bytes(chat["text"][0][chat["loss_mask"][0]].tolist()) == b"assistant: yo\\n"
         assert "jax" not in [m for m in sys.modules if sys.modules[m] is not None]
         for needs_the_extra in (
             lambda: HFTokenizer("tokenizer.json"),
             lambda: HFImages("images").load(batch=1),
             lambda: next(Videos("clip.npy", frames=2, size=1).load(batch=2).train(Partition())),
-            lambda: SFTExamples("chat.jsonl", chat_template="{{ messages }}").load(batch=1),
         ):
             try:
                 needs_the_extra()
                 raise AssertionError("expected an ImportError")
             except ImportError as error:
-                assert 'pip install "dew-data[hf]"' in str(error), error
+                for command in ('pip install "dew-data[', 'uv add "dew-data[', "uv sync --all"):
+                    assert command in str(error), error
         print("ok")
     """)
     result = subprocess.run(

@@ -66,8 +66,22 @@ def signature(path: str) -> list:
     return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns]
 
 
-def _missing_field(path: str, where: str, field: str, present) -> KeyError:
-    return KeyError(f"{path}{where}: no field {field!r}; the fields there are {sorted(present)}")
+class MissingField(KeyError):
+    """A row without a field; ``at``: how far the reading got, ``(file, line)`` (the
+    file's index among those read, the line's number), so that of two readings of
+    the same rows the one that read further can be told."""
+
+    def __init__(self, message: str, at: tuple[int, int]):
+        super().__init__(message)
+        self.at = at
+
+
+def _missing_field(
+    path: str, where: str, field: str, present, at: tuple[int, int] = (0, 0)
+) -> MissingField:
+    return MissingField(
+        f"{path}{where}: no field {field!r}; the fields there are {sorted(present)}", at
+    )
 
 
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
@@ -143,7 +157,7 @@ def columns(
         return {field: list(source[field]) for field in wanted}
     out: dict[str, list] = {}
     wanted: list[str] | None = None
-    for path in expand_paths(source, ROW_SUFFIXES, what=what):
+    for index, path in enumerate(expand_paths(source, ROW_SUFFIXES, what=what)):
         if path.endswith(".jsonl"):
             for number, row in read_jsonl(path):
                 if wanted is None:
@@ -151,7 +165,8 @@ def columns(
                     out = {field: [] for field in wanted}
                 for field in wanted:
                     if field not in row:
-                        raise _missing_field(path, f", line {number}", field, row)
+                        at = (index, number)
+                        raise _missing_field(path, f", line {number}", field, row, at)
                     out[field].append(row[field])
         else:
             pq = hf_import("pyarrow.parquet", needed_by=f"{what} reading {path}")

@@ -1,6 +1,6 @@
 """Imports of the optional extras, made where a reader needs them, with an error that
-says how to install them: ``[hf]`` (``datasets``, ``pillow``, ``tokenizers``,
-``pyarrow``, ``jinja2``) and ``[video]`` (PyAV, ``av``)."""
+says how to install them, with pip and with uv: ``[hf]`` (``datasets``, ``pillow``,
+``tokenizers``, ``pyarrow``, ``safetensors``) and ``[video]`` (PyAV, ``av``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,17 @@ _DISTRIBUTIONS = {
     "tokenizers": "tokenizers",
     "pyarrow": "pyarrow",
     "av": "av",
-    "jinja2": "jinja2",
+    "safetensors": "safetensors",
 }
+
+
+def install_hint(extra: str) -> str:
+    """How to install dew-data's ``extra``: pip, uv in a project of one's own, and uv
+    in Dew's own checkout (a workspace, whose root has no extras of its own)."""
+    return (
+        f'pip install "dew-data[{extra}]"; with uv: uv add "dew-data[{extra}]" in your '
+        f"project, or uv sync --all-packages --extra {extra} in a Dew checkout"
+    )
 
 
 def hf_import(module: str, *, needed_by: str, extra: str = "hf") -> ModuleType:
@@ -30,5 +39,5 @@ def hf_import(module: str, *, needed_by: str, extra: str = "hf") -> ModuleType:
         distribution = _DISTRIBUTIONS.get(top, top)
         raise ImportError(
             f"{needed_by} needs {distribution}, which is not installed; install the "
-            f'extra that brings it: pip install "dew-data[{extra}]"'
+            f"extra that brings it: {install_hint(extra)}"
         ) from error

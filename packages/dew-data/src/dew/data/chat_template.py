@@ -29,8 +29,6 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from dew.data._extra import hf_import
-
 # the special tokens transformers hands a template (its special_tokens_map), as strings
 SPECIAL_TOKENS = (
     "bos_token",
@@ -51,9 +49,9 @@ class ChatTemplateError(ValueError):
 def _compile(source: str):
     """The compiled template, in the sandboxed environment of transformers'
     ``_compile_jinja_template``."""
-    jinja2 = hf_import("jinja2", needed_by="a chat template (dew.data.ChatTemplate)")
-    hf_import("jinja2.ext", needed_by="a chat template")
-    sandbox = hf_import("jinja2.sandbox", needed_by="a chat template")
+    import jinja2  # a dependency of dew-data; imported here, when a template is compiled
+    import jinja2.ext
+    import jinja2.sandbox as sandbox
 
     class AssistantTracker(jinja2.ext.Extension):
         """``{% generation %} ... {% endgeneration %}``: records the characters of the
@@ -113,7 +111,8 @@ def _compile(source: str):
 @functools.lru_cache(maxsize=16)
 def _uses_generation(source: str) -> bool:
     """Whether the template holds a ``{% generation %}`` block (found in its syntax tree)."""
-    nodes = hf_import("jinja2.nodes", needed_by="a chat template")
+    import jinja2.nodes as nodes
+
     tree = _compile(source).environment.parse(source)
     return any(
         isinstance(block.call, nodes.Call)

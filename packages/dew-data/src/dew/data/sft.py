@@ -278,10 +278,23 @@ class SFTExamples:
         try:
             return columns(source, [self.messages_field], what=what), "messages"
         except KeyError as missing_messages:
+            fields = [self.prompt_field, self.completion_field]
             try:
-                fields = [self.prompt_field, self.completion_field]
                 return columns(source, fields, what=what), "prompt"
-            except KeyError:
+            except KeyError as missing_prompt:
+                # the reading that got further names the row at fault: rows that are
+                # prompt/completion rows up to line 3 lack a field on line 3, not line 1
+                read = [getattr(e, "at", None) for e in (missing_messages, missing_prompt)]
+                if None not in read and read[0] != read[1]:
+                    further, kind = (
+                        (missing_prompt, f"{self.prompt_field!r} and {self.completion_field!r}")
+                        if read[1] > read[0]
+                        else (missing_messages, repr(self.messages_field))
+                    )
+                    raise KeyError(
+                        f"{what}: {further.args[0]}; the rows before it have {kind}, which "
+                        f"every row needs: fix or drop the row"
+                    ) from None
                 raise KeyError(
                     f"{what}: rows need a {self.messages_field!r} column (conversations) or "
                     f"{self.prompt_field!r} and {self.completion_field!r} columns; "

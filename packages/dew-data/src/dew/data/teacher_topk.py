@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dew.data._extra import install_hint
 from dew.data._reader import Rows, check_split, compose, split_rows
 from dew.data.dataset import Dataset, Field
 from dew.data.records import RecordError
@@ -45,8 +46,8 @@ def _safetensors():
         from safetensors import safe_open
     except ImportError as error:  # pragma: no cover - the [hf] extra
         raise ImportError(
-            "teacher top-k shards are safetensors files: install dew-data[hf] "
-            "(or `pip install safetensors`)"
+            f"teacher top-k shards are safetensors files, and safetensors is not installed: "
+            f"{install_hint('hf')}"
         ) from error
     return safetensors.numpy, safe_open
 

@@ -279,8 +279,9 @@ def _data(recipe: Recipe, tokenizer):
     kwargs = checked_arguments(cls, recipe.data.args, "data.args", supplied=supplied)
     try:
         data = cls(**kwargs).load(batch=recipe.data.batch)
-    except (FileNotFoundError, TypeError, ValueError) as error:
-        raise RecipeError(f"data ({recipe.data.name}): {error}") from None
+    except (FileNotFoundError, KeyError, TypeError, ValueError) as error:
+        said = error.args[0] if isinstance(error, KeyError) and error.args else error
+        raise RecipeError(f"data ({recipe.data.name}): {said}") from None
     shown = {k: plain(v, tag=True) for k, v in kwargs.items() if k not in supplied}
     return data, shown
 

@@ -73,6 +73,7 @@ READERS = {
     "token_windows": "dew.data:TokenWindows",
     "preference_pairs": "dew.data:PreferencePairs",
     "prompts": "dew.data:Prompts",
+    "sft": "dew.data:SFTExamples",
     "hf_images": "dew.data:HFImages",
     "videos": "dew.data:Videos",
     "npz_arrays": "dew.cli.readers:NpzArrays",

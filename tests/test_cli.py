@@ -19,7 +19,7 @@ import pytest
 
 from dew.cli import EXIT, main
 from dew.cli.build import build
-from dew.cli.commands import anchored
+from dew.cli.loading import anchored
 from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -372,7 +372,7 @@ def test_bad_recipe_leaves_an_existing_run_byte_identical(lm_runs, capsys):
 def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     import jax
 
-    from dew.cli.commands import _trained
+    from dew.cli.trained import trained as _trained
     from dew.sampling import Pretrained
     from dew.train import load_model
 
@@ -551,7 +551,7 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         # masked or block denoising, not causal decoding) and the EMA weights
         import jax
 
-        from dew.cli.commands import _trained
+        from dew.cli.trained import trained as _trained
         from dew.train import load_model
 
         args = ["--json", "sample", str(tmp_path), "--prompt", "Dew", "--max-new-tokens", "5"]
@@ -635,7 +635,7 @@ def sampled_images(run_dir: str, capsys) -> None:
     import jax
     from PIL import Image
 
-    from dew.cli.commands import _trained
+    from dew.cli.trained import trained as _trained
     from dew.train import load_model
 
     labels = [0, 3, 7]
@@ -845,7 +845,7 @@ def test_non_finite_steps_exit_3(tmp_path, capsys):
 
 
 def test_a_step_refused_for_memory_exits_4():
-    from dew.cli.commands import exit_code_of
+    from dew.cli.exits import exit_code_of
     from dew.train import StepDoesNotFit
 
     assert exit_code_of(StepDoesNotFit("needs 2 bytes, has 1")) == EXIT["does_not_fit"] == 4
@@ -857,7 +857,7 @@ def test_a_step_refused_for_memory_exits_4():
 def saved_run(tmp_path) -> str:
     """A run folder whose recipe.yaml the command wrote (the checks before training
     need no checkpoints)."""
-    from dew.cli.commands import read_recipe
+    from dew.cli.loading import read_recipe
     from dew.cli.run_folder import write_run_recipe
 
     raw = read_recipe(LM, [*TOY, f"run_dir={tmp_path}/run"])

@@ -45,6 +45,7 @@ __all__ = [
     "checked_arguments",
     "load_recipe",
     "plain",
+    "recipe_help",
 ]
 
 
@@ -216,6 +217,36 @@ class Recipe:
     trackers: list[TrackerSection] = dataclasses.field(default_factory=list)
     run_dir: str | None = None
     compilation_cache: str | bool = "default"  # YAML reads a bare `off` as false
+
+
+def recipe_help() -> str:
+    """The recipe's sections, each key with its type and default, for ``--help``
+    (read from the section classes above, so it cannot drift from them)."""
+    lines = ["recipe sections (key: type = default; no default = required):"]
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            hint = hints[field.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{field.name}.")
+                continue
+            if field.default is not dataclasses.MISSING:
+                default = f" = {field.default!r}"
+            elif field.default_factory is not dataclasses.MISSING:
+                default = f" = {field.default_factory()!r}"
+            else:
+                default = ""
+            lines.append(f"  {prefix}{field.name}: {_type_name(hint)}{default}")
+
+    walk(Recipe, "")
+    return "\n".join(lines)
+
+
+def _type_name(hint) -> str:
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return repr(hint).replace("typing.", "").replace("dew.cli.recipe.", "")
 
 
 # ------------------------------------------------------------------ reading

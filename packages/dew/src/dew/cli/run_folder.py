@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import yaml
 
@@ -25,11 +26,14 @@ from dew.cli.recipe import Recipe, RecipeError
 __all__ = [
     "RECIPE_END",
     "RECIPE_FILE",
+    "is_run",
     "load_run_recipe",
     "lock_run",
+    "not_a_run",
     "release_run",
     "write_atomically",
     "write_run_recipe",
+    "write_status",
 ]
 
 RECIPE_FILE = "recipe.yaml"
@@ -37,6 +41,28 @@ STATUS_FILE = "status.json"
 CHECKPOINTS = "checkpoints"
 # the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
 RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"
+
+
+def is_run(run_dir: str) -> bool:
+    return os.path.isfile(os.path.join(run_dir, RECIPE_FILE))
+
+
+def not_a_run(run_dir: str) -> RecipeError:
+    if not os.path.isdir(run_dir):
+        return RecipeError(f"{run_dir} is not a directory (give a run directory `dew train` made)")
+    return RecipeError(
+        f"{run_dir} is not a Dew run: it has no {RECIPE_FILE} (a run directory `dew train` "
+        f"made holds {RECIPE_FILE}, {STATUS_FILE}, metrics.jsonl and {CHECKPOINTS}/)"
+    )
+
+
+def write_status(run_dir: str, status: str, **extra) -> None:
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    row = {"status": status, "pid": os.getpid(), "time": time.time(), **extra}
+    write_atomically(os.path.join(run_dir, STATUS_FILE), json.dumps(row))
 
 
 def write_atomically(path: str, text: str) -> None:

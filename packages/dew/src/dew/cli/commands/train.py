@@ -1,124 +1,51 @@
-"""The subcommands of ``dew`` (each ``fn(args) -> exit code``)."""
+"""``dew train RECIPE``: a new run, or the same recipe continued in its run folder;
+everything the recipe names is built and checked before the folder is written,
+then the folder is locked to this process (``dew resume`` shares the core)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
-import time
 
-from dew.cli import EXIT, print_json
 from dew.cli.cluster import initialize_distributed
-from dew.cli.recipe import RecipeError, apply_overrides, load_recipe, parse_recipe
+from dew.cli.commands.config import run as print_config
+from dew.cli.exits import EXIT
+from dew.cli.loading import compilation_cache, read_recipe, with_run_dir
+from dew.cli.output import JsonLines, print_json, redirected
+from dew.cli.recipe import RecipeError, parse_recipe
 from dew.cli.run_folder import (
     CHECKPOINTS,
     RECIPE_FILE,
     STATUS_FILE,
+    is_run,
     load_run_recipe,
     lock_run,
     release_run,
-    run_summary,
     write_atomically,
     write_run_recipe,
+    write_status,
 )
 
-# ------------------------------------------------------------------ helpers
+HELP = "train from a recipe (a new run, or the same recipe continued in its run_dir)"
 
 
-def exit_code_of(error: BaseException) -> int:
-    from dew.train import (
-        CheckpointMismatchError,
-        NonFiniteError,
-        NoUsableCheckpointError,
-        OptimizerMismatchError,
-        StepDoesNotFit,
+def add_arguments(parser) -> None:
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved recipe, every default filled in, and exit (= dew config)",
     )
-
-    if isinstance(error, NonFiniteError):
-        return EXIT["non_finite"]
-    if isinstance(
-        error, CheckpointMismatchError | OptimizerMismatchError | NoUsableCheckpointError
-    ):
-        return EXIT["bad_config"]
-    if isinstance(error, StepDoesNotFit):
-        return EXIT["does_not_fit"]
-    return EXIT["failed"]
+    add_cluster_arguments(parser)
 
 
-def _output(args):
-    """Where the trainer's lines go: stdout, stderr (``--json``: stdout holds
-    only JSON) or nowhere (``--quiet``)."""
-    if args.quiet:
-        return contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
-    if args.json:
-        return contextlib.redirect_stdout(sys.stderr)
-    return contextlib.nullcontext()
-
-
-class JsonLines:
-    """A tracker: one JSON object per record on the command's real stdout."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def log(self, step, values, kind):
-        from dew.train.trackers import scalars
-
-        row = {"step": int(step), "kind": kind, **scalars(values, kind="")}
-        row = {k.lstrip("/"): v for k, v in row.items()}
-        self.stream.write(json.dumps(row) + "\n")
-        self.stream.flush()
-
-    def close(self):
-        pass
-
-
-def compilation_cache(setting: str | bool) -> str | None:
-    """JAX's persistent compilation cache: on by default for the command.
-    ``off`` (recipe ``compilation_cache: off`` or ``DEW_COMPILATION_CACHE=off``)
-    turns it off; a path moves it (and turns it on); the environment variable
-    wins over the recipe. A cache the environment already names
-    (``JAX_COMPILATION_CACHE_DIR``) is kept. Returns the directory in use."""
-    import jax
-
-    env = os.environ.get("DEW_COMPILATION_CACHE")
-    setting = env or {False: "off", True: "default"}.get(setting, setting)
-    if setting == "off":
-        jax.config.update("jax_enable_compilation_cache", False)
-        return None
-    if setting == "default":
-        current = jax.config.jax_compilation_cache_dir
-        if current:
-            return current
-        setting = os.path.expanduser("~/.cache/dew/jax")
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", setting)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    return setting
-
-
-def is_run(run_dir: str) -> bool:
-    return os.path.isfile(os.path.join(run_dir, RECIPE_FILE))
-
-
-def _not_a_run(run_dir: str) -> RecipeError:
-    if not os.path.isdir(run_dir):
-        return RecipeError(f"{run_dir} is not a directory (give a run directory `dew train` made)")
-    return RecipeError(
-        f"{run_dir} is not a Dew run: it has no {RECIPE_FILE} (a run directory `dew train` "
-        f"made holds {RECIPE_FILE}, {STATUS_FILE}, metrics.jsonl and {CHECKPOINTS}/)"
-    )
-
-
-def write_status(run_dir: str, status: str, **extra) -> None:
-    import jax
-
-    if jax.process_index() != 0:
-        return
-    row = {"status": status, "pid": os.getpid(), "time": time.time(), **extra}
-    write_atomically(os.path.join(run_dir, STATUS_FILE), json.dumps(row))
+def add_cluster_arguments(parser) -> None:
+    parser.add_argument("--coordinator", help="jax.distributed coordinator host:port")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
 
 
 def _check_against_run(run_dir: str, resolved: dict) -> None:
@@ -151,92 +78,20 @@ def _check_against_run(run_dir: str, resolved: dict) -> None:
         )
 
 
-# ------------------------------------------------------------------ train
+def run(args) -> int:
+    if args.print_config:
+        return print_config(args)
+    raw = with_run_dir(read_recipe(args.recipe, args.overrides), args.recipe)
+    return owned_run(raw, args, unchanged=True)
 
 
-PATH_KEYS = {
-    "data": ("paths", "path", "source", "val_paths", "val_source", "path_or_name"),
-    "tokenizer": ("files", "path"),
-    "model": ("pretrained",),
-}
-
-
-def anchored(raw: dict, base: str) -> dict:
-    """Relative paths of a recipe file that exist from its folder, made absolute
-    (so a recipe runs from any directory and the saved recipe from any other)."""
-
-    def fix(value):
-        if isinstance(value, list):
-            return [fix(v) for v in value]
-        if isinstance(value, str) and not os.path.isabs(value):
-            candidate = os.path.join(base, value)
-            if os.path.exists(candidate):
-                return os.path.abspath(candidate)
-        return value
-
-    for section, keys in PATH_KEYS.items():
-        node = raw.get(section)
-        if isinstance(node, dict):
-            node = node.get("args", node) if section == "data" else node
-            for key in keys:
-                if isinstance(node, dict) and key in node:
-                    node[key] = fix(node[key])
-    return raw
-
-
-def read_recipe(path: str, overrides) -> dict:
-    raw = apply_overrides(load_recipe(path), overrides)
-    return anchored(raw, os.path.dirname(os.path.abspath(path)))
-
-
-def train(args) -> int:
-    raw = read_recipe(args.recipe, args.overrides)
-    if not raw.get("run_dir"):
-        raw["run_dir"] = os.path.join("runs", os.path.splitext(os.path.basename(args.recipe))[0])
-    return _owned(raw, args, unchanged=True)
-
-
-def _owned(raw: dict, args, *, unchanged: bool = False) -> int:
+def owned_run(raw: dict, args, *, unchanged: bool = False) -> int:
     """:func:`_train`, then the run directory's lock let go (the process's end
     would release it anyway; a test or notebook calling ``main`` goes on)."""
     try:
         return _train(raw, args, unchanged=unchanged)
     finally:
         release_run(os.path.abspath(raw["run_dir"]))
-
-
-def resume(args) -> int:
-    if not is_run(args.run_dir):
-        raise _not_a_run(args.run_dir)
-    raw = load_run_recipe(args.run_dir)
-    raw["run_dir"] = args.run_dir
-    _keep_decay(raw)
-    changed = apply_overrides(raw, args.overrides)
-    schedule = changed.get("optimizer", {}).get("schedule", {})
-    if changed["trainer"]["steps"] != raw["trainer"]["steps"] and schedule.get("decay_steps"):
-        kept = schedule["decay_steps"] == raw["optimizer"]["schedule"]["decay_steps"]
-        print(
-            f"dew: trainer.steps {raw['trainer']['steps']} -> {changed['trainer']['steps']}; "
-            f"the learning-rate schedule decays over {schedule['decay_steps']} steps"
-            + (
-                " as trained (optimizer.schedule.decay_steps=N changes it)"
-                if kept
-                else " (optimizer.schedule.decay_steps as given)"
-            ),
-            file=sys.stderr,
-        )
-    return _owned(changed, args)
-
-
-def _keep_decay(raw: dict) -> None:
-    """A saved recipe of an earlier Dew whose decaying schedule left ``decay_steps``
-    to ``trainer.steps``: the steps it was trained with, made explicit."""
-    from dew.cli.build import DECAYING
-
-    schedule = raw.get("optimizer", {}).get("schedule")
-    if isinstance(schedule, dict) and schedule.get("name") in DECAYING:
-        if not schedule.get("decay_steps"):
-            schedule["decay_steps"] = raw.get("trainer", {}).get("steps")
 
 
 def _check_unchanged(run_dir: str, resolved: dict) -> None:
@@ -278,15 +133,6 @@ def _check_unchanged(run_dir: str, resolved: dict) -> None:
         f"new run, or continue this one with `dew resume {run_dir} {' '.join(hint)}` "
         f"(its learning-rate schedule stays as trained unless you change it)"
     )
-
-
-def prepared(raw: dict, *, with_data: bool = True):
-    """``(recipe, built)`` of a raw recipe dict."""
-    from dew.cli.build import build
-
-    recipe = parse_recipe(raw)
-    compilation_cache(recipe.compilation_cache)
-    return recipe, build(recipe, recipe.run_dir, with_data=with_data)
 
 
 def _train(raw: dict, args, *, unchanged: bool = False) -> int:
@@ -352,7 +198,7 @@ def _train(raw: dict, args, *, unchanged: bool = False) -> int:
     stepped = []
     trainer.add_hook(lambda info: stepped.append(True) if not stepped else None, name="dew")
     try:
-        with _output(args):
+        with redirected(args):
             trainer.fit(
                 built.data,
                 steps=t.steps,
@@ -463,309 +309,3 @@ def _flatten(tree, prefix="") -> dict:
             out.update(_flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: tree}
-
-
-# ------------------------------------------------------------------ plan
-
-
-def plan(args) -> int:
-    """Print the plan of the recipe's step; with a device memory (given, the
-    device's own or ``$DEW_DEVICE_MEMORY``) whether it fits (exit 4 when not), and
-    with ``--recommend`` the fastest remat policy x accumulate that fits."""
-    import dataclasses
-
-    import jax
-
-    from dew.train import plan as compile_plan
-    from dew.train import recommend
-    from dew.train.memory import device_memory_bytes, parse_bytes
-
-    raw = read_recipe(args.recipe, args.overrides)
-    recipe, built = prepared(raw)
-    rows = recipe.data.batch
-    batch = {
-        key: jax.ShapeDtypeStruct((rows, *field.shape), field.dtype)
-        for key, field in (built.data.spec or {}).items()
-    }
-    if not batch:
-        raise RecipeError(f"reader {recipe.data.name!r} states no batch spec to plan with")
-    try:
-        limit = device_memory_bytes(
-            built.mesh.make().devices.flat,
-            parse_bytes(args.device_memory) if args.device_memory else None,
-        )
-    except ValueError as error:
-        raise RecipeError(f"--device-memory: {error}") from None
-    settings = dict(mesh=built.mesh, batch=batch, device_memory_bytes=limit)
-    try:
-        if args.recommend:
-            if limit is None:
-                raise RecipeError(
-                    "plan --recommend: no device memory known on a CPU; give --device-memory "
-                    "(e.g. 16GiB) or set DEW_DEVICE_MEMORY"
-                )
-            found = recommend(built.objective, built.optimizer, **settings)
-        else:
-            result = compile_plan(
-                built.objective,
-                built.optimizer,
-                accumulate=recipe.trainer.accumulate,
-                **settings,
-            )
-    except ValueError as error:
-        raise RecipeError(f"plan: {error}") from None
-    if args.recommend:
-        overrides = [f"model.config.{k}={v}" for k, v in found.model_settings.items()]
-        if found.fits:
-            overrides.append(f"trainer.accumulate={found.accumulate}")
-        if args.json:
-            print_json(
-                {
-                    "fits": found.fits,
-                    "remat_policy": found.remat_policy,
-                    "accumulate": found.accumulate,
-                    "overrides": overrides,
-                    "device_memory_bytes": found.device_memory_bytes,
-                    "tried": found.tried,
-                    "plan": dataclasses.asdict(found.plan) if found.plan else None,
-                }
-            )
-        else:
-            if found.plan is not None:
-                print(found.plan)
-            print(found)
-            if found.fits:
-                print(f"  as overrides: {' '.join(overrides)}")
-        return EXIT["finished"] if found.fits else EXIT["does_not_fit"]
-    fits = result.fits
-    if args.json:
-        print_json({**dataclasses.asdict(result), "fits": fits})
-    else:
-        print(result)
-        if not fits and fits is not None:
-            print(
-                "  to fit: a remat policy (model.config), trainer.accumulate, mesh.fsdp; "
-                "`dew plan RECIPE --recommend` finds the fastest that fits"
-            )
-    return EXIT["does_not_fit"] if fits is False else EXIT["finished"]
-
-
-# ------------------------------------------------------------------ runs
-
-
-def runs(args) -> int:
-    directory = args.directory
-    if is_run(directory):
-        found = [directory]
-    elif os.path.isdir(directory):
-        found = sorted(
-            os.path.join(directory, d)
-            for d in os.listdir(directory)
-            if is_run(os.path.join(directory, d))
-        )
-    else:
-        raise RecipeError(f"{directory} is not a directory of runs")
-    summaries = [run_summary(d) for d in found]
-    if args.json:
-        for summary in summaries:
-            print_json(summary)
-        return EXIT["finished"]
-    if not summaries:
-        print(f"no Dew runs under {directory}")
-    for s in summaries:
-        loss = "-" if s["loss"] is None else f"{s['loss']:.4g}"
-        evals = ", ".join(
-            f"{k} {v:.4g}" for k, v in s["eval"].items() if isinstance(v, int | float)
-        )
-        total = f"/{s['steps']}" if s["steps"] else ""
-        print(
-            f"{s['run_dir']}: {s['status']}, step {s['step']}{total}, loss {loss}"
-            + (f", eval {evals}" if evals else "")
-            + f", checkpoints {s['checkpoints'] or 'none'}"
-        )
-    return EXIT["finished"]
-
-
-# ------------------------------------------------------------ sample / export
-
-
-def _trained(run_dir: str, live: bool):
-    """``(recipe, built, model, params, averaged)`` of a run's newest checkpoint."""
-    from dew.train import Checkpoints, load_model
-
-    if not is_run(run_dir):
-        raise _not_a_run(run_dir)
-    raw = load_run_recipe(run_dir)
-    directory = os.path.join(run_dir, CHECKPOINTS)
-    if not Checkpoints(directory).steps():
-        raise RecipeError(f"{run_dir} has no checkpoint yet (train it: dew resume {run_dir})")
-    raw["run_dir"] = run_dir
-    recipe, built = prepared(raw, with_data=False)
-    # load_model's default follows the checkpoint: the EMA weights where the run kept
-    # and evaluated with them, as its objective says
-    model, params = load_model(directory, averaged=False if live else None)
-    objective = built.objective
-    averaged = not live and objective.evaluate_averaged and objective.keeps_average
-    return recipe, built, model, params, averaged
-
-
-def sample(args) -> int:
-    import jax
-    import numpy as np
-
-    recipe, built, model, params, averaged = _trained(args.run_dir, args.live)
-    weights = "EMA" if averaged else "live"
-    if args.labels is not None:
-        objective = built.objective
-        if not hasattr(objective, "sample"):
-            raise RecipeError(
-                f"--labels: objective {recipe.objective.name!r} does not sample images"
-            )
-        images = objective.sample(
-            {"params": params},
-            jax.random.key(args.seed),
-            label=np.asarray(args.labels, np.int32),
-        )
-        try:
-            from PIL import Image
-        except ImportError:
-            raise RecipeError(
-                "dew sample --labels writes PNGs with pillow: pip install 'dew-train[images]'"
-            ) from None
-
-        out = args.out or os.path.join(args.run_dir, "samples")
-        os.makedirs(out, exist_ok=True)
-        pixels = np.asarray(images)
-        if pixels.dtype != np.uint8:
-            pixels = np.clip((pixels + 1) * 127.5, 0, 255).astype(np.uint8)
-        paths = []
-        for i, (label, image) in enumerate(zip(args.labels, pixels, strict=False)):
-            path = os.path.join(out, f"sample_{i:03d}_label_{label}.png")
-            Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(path)
-            paths.append(path)
-        _result(args, {"images": paths, "weights": weights}, "\n".join(paths))
-        return EXIT["finished"]
-    if not args.prompt:
-        raise RecipeError("dew sample: give --prompt TEXT (a language model) or --labels N ...")
-    from dew.sampling import Sampling, generate
-
-    tokenizer = built.tokenizer
-    if recipe.objective.name in TOKEN_DIFFUSION:
-        texts = _token_diffusion_samples(built.objective, params, args)
-        _result(args, {"samples": texts, "weights": weights}, "\n".join(texts))
-        return EXIT["finished"]
-    texts = []
-    for prompt in args.prompt:
-        ids = tokenizer.encode(prompt)
-        out = generate(
-            model,
-            params,
-            [ids],
-            max_new_tokens=args.max_new_tokens,
-            key=jax.random.key(args.seed),
-            sampling=Sampling(temperature=args.temperature),
-        )
-        texts.append(tokenizer.decode(np.asarray(out.tokens[0]).tolist()))
-    _result(args, {"samples": texts, "weights": weights}, "\n".join(texts))
-    return EXIT["finished"]
-
-
-TOKEN_DIFFUSION = ("masked_diffusion", "block_diffusion")
-
-
-def _token_diffusion_samples(objective, params, args) -> list[str]:
-    """Each prompt continued by the objective's own sampler (``objective.export``: a
-    :class:`~dew.sampling.token_diffusion.TokenDiffusionGeneration`) to prompt +
-    ``--max-new-tokens`` tokens, at most the model's ``max_seq_len`` (for block
-    diffusion, whole blocks)."""
-    import jax
-
-    block = getattr(objective, "block_size", None) or 1
-    longest = objective.model.max_seq_len // block * block
-    texts = []
-    for i, prompt in enumerate(args.prompt):
-        wanted = len(objective.tokenizer.encode(prompt)) + args.max_new_tokens
-        length = min(longest, -(-wanted // block) * block)
-        pipe = objective.export({"params": params}, length=length)
-        texts.append(pipe(prompt, key=jax.random.fold_in(jax.random.key(args.seed), i)))
-    return texts
-
-
-def _result(args, value: dict, text: str) -> None:
-    if args.json:
-        print_json(value)
-    elif not args.quiet:
-        print(text)
-
-
-def export(args) -> int:
-    import dataclasses
-
-    from dew.sampling import Pretrained
-
-    recipe, built, model, params, averaged = _trained(args.run_dir, args.live)
-    formats = {"dew": "dew", "diffusers": "dit"}  # diffusers' DiT (dew.nn.hf "dit")
-    if args.to == "hf":
-        from dew.nn import models
-
-        name = models.config_of(model)[0] if not recipe.model.pretrained else None
-        fmt = {"causal_transformer": "llama", "dit": "dit"}.get(name, "llama")
-        if recipe.model.pretrained:
-            fmt = Pretrained.load(recipe.model.pretrained).format
-    else:
-        fmt = formats[args.to]
-    pretrained = Pretrained(model=model, params=params, tokenizer=built.tokenizer)
-    if recipe.model.lora:
-        from dew.nn.lora import LoRA
-
-        pretrained = dataclasses.replace(pretrained, lora=LoRA(**recipe.model.lora))
-    try:
-        path = pretrained.save(args.out, format=fmt)
-    except (ValueError, TypeError) as error:
-        raise RecipeError(f"export --to {args.to}: {error}") from None
-    _result(args, {"path": str(path), "format": fmt, "averaged": averaged}, str(path))
-    return EXIT["finished"]
-
-
-def report(args) -> int:
-    from dew.cli.report import write_report
-
-    if not is_run(args.run_dir):
-        raise _not_a_run(args.run_dir)
-    path = write_report(args.run_dir, args.out)
-    _result(args, {"report": path}, path)
-    return EXIT["finished"]
-
-
-def launch(args) -> int:
-    """N local processes of ``dew train`` (a coordinator on localhost)."""
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(args.processes):
-        env = dict(os.environ)
-        if args.devices_per_process:
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_process}"
-        flags = [f for f in ("--quiet", "--json", "--debug") if getattr(args, f[2:])]
-        command = [
-            sys.executable,
-            "-m",
-            "dew",
-            *flags,
-            "train",
-            args.recipe,
-            *args.overrides,
-            "--coordinator",
-            f"127.0.0.1:{port}",
-            "--num-processes",
-            str(args.processes),
-            "--process-id",
-            str(i),
-        ]
-        procs.append(subprocess.Popen(command, env=env))
-    codes = [p.wait() for p in procs]
-    return max(codes, key=lambda c: (c != 0, c))

@@ -1,0 +1,52 @@
+"""``dew resume RUN_DIR``: continue a run from its saved recipe (only settings
+that cannot change what was trained may be changed)."""
+
+from __future__ import annotations
+
+import sys
+
+from dew.cli.commands.train import add_cluster_arguments, owned_run
+from dew.cli.recipe import apply_overrides
+from dew.cli.run_folder import is_run, load_run_recipe, not_a_run
+
+HELP = "continue a run from its saved recipe"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("run_dir")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    add_cluster_arguments(parser)
+
+
+def run(args) -> int:
+    if not is_run(args.run_dir):
+        raise not_a_run(args.run_dir)
+    raw = load_run_recipe(args.run_dir)
+    raw["run_dir"] = args.run_dir
+    _keep_decay(raw)
+    changed = apply_overrides(raw, args.overrides)
+    schedule = changed.get("optimizer", {}).get("schedule", {})
+    if changed["trainer"]["steps"] != raw["trainer"]["steps"] and schedule.get("decay_steps"):
+        kept = schedule["decay_steps"] == raw["optimizer"]["schedule"]["decay_steps"]
+        print(
+            f"dew: trainer.steps {raw['trainer']['steps']} -> {changed['trainer']['steps']}; "
+            f"the learning-rate schedule decays over {schedule['decay_steps']} steps"
+            + (
+                " as trained (optimizer.schedule.decay_steps=N changes it)"
+                if kept
+                else " (optimizer.schedule.decay_steps as given)"
+            ),
+            file=sys.stderr,
+        )
+    return owned_run(changed, args)
+
+
+def _keep_decay(raw: dict) -> None:
+    """A saved recipe of an earlier Dew whose decaying schedule left ``decay_steps``
+    to ``trainer.steps``: the steps it was trained with, made explicit."""
+    from dew.cli.build import DECAYING
+
+    schedule = raw.get("optimizer", {}).get("schedule")
+    if isinstance(schedule, dict) and schedule.get("name") in DECAYING:
+        if not schedule.get("decay_steps"):
+            schedule["decay_steps"] = raw.get("trainer", {}).get("steps")

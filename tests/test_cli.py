@@ -147,7 +147,6 @@ BAD = [
     (["data.name=tokens"], "did you mean 'token_windows'"),
     (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
     (["data.args.seq_len=null"], "seq_len"),
-    (["trainer.accumulate=3"], "accumulate"),
     # wrong types, each found after the BPE tokenizer is trained
     (["objective.args.seq_len=abc"], "seq_len"),
     (["data.args.val_fraction=abc"], "val_fraction"),
@@ -176,8 +175,61 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
         (["optimizer.learning_rate=-1e-3"], "optimizer.learning_rate=-0.001: the learning"),
         (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0: the learning rate"),
         (["optimizer.learning_rate=.nan"], "optimizer.learning_rate=nan: the learning rate"),
+        (
+            ["trainer.steps=3", "optimizer.schedule.warmup_steps=5"],
+            "optimizer.schedule.warmup_steps=5 is longer than the run (trainer.steps=3)",
+        ),
+        (
+            [
+                "trainer.steps=4",
+                "optimizer.schedule.name=cosine",
+                "optimizer.schedule.warmup_steps=4",
+            ],
+            "warmup_steps=4 leaves no steps to decay over trainer.steps=4; use fewer",
+        ),
+        (
+            ["data.batch=6"],
+            "data.batch=6 does not split into trainer.accumulate=1 microbatches over the 8 "
+            "data-parallel devices of the mesh (data=8); make data.batch a multiple of 8",
+        ),
+        (
+            ["trainer.accumulate=3"],
+            "data.batch=8 does not split into trainer.accumulate=3 microbatches",
+        ),
+        (
+            ["mesh.fsdp=16"],
+            "the axes given need 16 devices and 8 CPU devices are present: on a CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=16 in the environment",
+        ),
+        (
+            ["objective.name=os.path:join"],
+            "objective.name 'os.path:join' names the function posixpath.join, not an objective",
+        ),
+        (
+            ["objective.name=dew.data:Partition"],
+            "names the class dew.data.dataset.Partition, not an objective (a subclass of "
+            "dew.objectives.Objective)",
+        ),
+        (
+            ["data.name=dew.objectives.lm:LMObjective"],
+            "data.name 'dew.objectives.lm:LMObjective' names the class",
+        ),
     ],
-    ids=["steps_0", "steps_negative_cosine", "lr_negative", "lr_zero", "lr_nan"],
+    ids=[
+        "steps_0",
+        "steps_negative_cosine",
+        "lr_negative",
+        "lr_zero",
+        "lr_nan",
+        "warmup_longer_than_run",
+        "warmup_leaves_no_decay",
+        "batch_over_devices",
+        "batch_over_accumulate",
+        "mesh_larger_than_devices",
+        "objective_a_function",
+        "objective_a_data_class",
+        "reader_an_objective",
+    ],
 )
 def test_settings_a_run_cannot_train_with_are_refused_before_building(
     overrides, says, tmp_path, capsys
@@ -389,6 +441,10 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     assert main(["--json", "sample", a, "--prompt", "Dew", "--max-new-tokens", "4"]) == 0
     sampled = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert sampled["weights"] == "EMA" and sampled["samples"][0].startswith("Dew")
+    # the wrong input for the run's pipeline: one line, the command named once
+    assert main(["sample", a, "--labels", "1"]) == 2
+    said = capsys.readouterr().err
+    assert said.count("dew sample") == 1 and "exports a TextGeneration; give --prompt TEXT" in said
 
     out = tmp_path / "hf"
     assert main(["--quiet", "export", a, "--to", "hf", str(out)]) == 0
@@ -399,6 +455,9 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     )
     # Dew's own format: every EMA tensor, the model's config and the run's BPE come back
     assert main(["--quiet", "export", a, "--to", "dew", str(tmp_path / "dew")]) == 0
+    assert main(["--quiet", "export", a, "--to", "diffusers", str(tmp_path / "no")]) == 2
+    said = capsys.readouterr().err
+    assert "use --to dew" in said and "format=" not in said, said
     again = Pretrained.load(tmp_path / "dew")
     assert again.format == "dew" and again.model == model
     jax.tree.map(np.testing.assert_array_equal, again.params, jax.device_get(ema))
@@ -632,7 +691,6 @@ def test_classifier_distillation_recipe_through_the_command(digits_teacher, tmp_
 def sampled_images(run_dir: str, capsys) -> None:
     """`dew sample --labels` writes one 8x8 grayscale PNG per label, sampled with the
     EMA weights."""
-    import jax
     from PIL import Image
 
     from dew.cli.trained import trained as _trained
@@ -649,10 +707,8 @@ def sampled_images(run_dir: str, capsys) -> None:
     ]
     model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
     _, built, _, _, _ = _trained(run_dir, False)
-    want = built.objective.sample(
-        {"params": ema}, jax.random.key(0), label=np.asarray(labels, np.int32)
-    )  # [3, 8, 8, 1] in [-1, 1]
-    want = np.clip((np.asarray(want) + 1) * 127.5, 0, 255).astype(np.uint8)[..., 0]
+    # the objective's own pipeline (its export) of the EMA weights, seed 0
+    want = built.objective.export({"params": ema})(labels, seed=0)[..., 0]  # uint8 [3, 8, 8]
     for path, pixels in zip(said["images"], want, strict=True):
         with Image.open(path) as image:
             assert image.format == "PNG" and image.mode == "L" and image.size == (8, 8)
@@ -744,10 +800,17 @@ def test_compilation_cache_recipe_key_and_environment(
 
 
 def test_python_dash_m_dew(tmp_path):
+    """`python -m dew` runs the command without the current directory on the import
+    path: a yaml.py there (which the command imports by that name) is not run."""
+    (tmp_path / "yaml.py").write_text("open('ran', 'w').close()\nraise SystemExit(9)\n")
     run = subprocess.run(
-        [sys.executable, "-m", "dew", "runs", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "dew", "runs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert run.returncode == 0 and "no Dew runs" in run.stdout, run.stderr
+    assert not (tmp_path / "ran").exists()
 
 
 def test_launch_two_processes_equals_one(lm_runs):

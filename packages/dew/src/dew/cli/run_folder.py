@@ -30,10 +30,14 @@ __all__ = [
     "load_run_recipe",
     "lock_run",
     "not_a_run",
+    "outside_code",
     "release_run",
     "write_atomically",
     "write_run_recipe",
     "write_status",
+    "add_allow_code",
+    "check_trusted",
+    "ALLOW_CODE",
 ]
 
 RECIPE_FILE = "recipe.yaml"
@@ -189,3 +193,64 @@ def _alive(pid) -> bool:
     except PermissionError:
         return True
     return True
+
+
+ALLOW_CODE = "--allow-recipe-code"
+
+
+def outside_code(raw: dict) -> list[str]:
+    """The places of a saved recipe that name code outside Dew: an objective or a
+    reader that is not a registered short name, a reward function, a nested
+    ``class_path``, whose module is not ``dew`` or under it. ``resume``, ``sample``
+    and ``export`` of a run folder refuse them unless given :data:`ALLOW_CODE`
+    (a run folder is code: it imports and calls what it names)."""
+    from dew.cli.recipe import OBJECTIVES, READERS
+
+    found = []
+
+    def foreign(path: str) -> bool:
+        module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+        return not (module == "dew" or module.startswith("dew."))
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                here = f"{where}.{key}" if where else str(key)
+                if key in ("class_path", "fn") and isinstance(value, str) and foreign(value):
+                    found.append(f"{here}: {value}")
+                walk(value, here)
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                if isinstance(value, str) and where.endswith(("rewards", "reward")):
+                    if foreign(value):
+                        found.append(f"{where}[{i}]: {value}")
+                walk(value, f"{where}[{i}]")
+        elif isinstance(node, str) and where.endswith((".reward", ".rewards")) and foreign(node):
+            found.append(f"{where}: {node}")
+
+    for section, table in (("objective", OBJECTIVES), ("data", READERS)):
+        name = (raw.get(section) or {}).get("name")
+        if isinstance(name, str) and name not in table and foreign(name):
+            found.append(f"{section}.name: {name}")
+    walk(raw, "")
+    return found
+
+
+def check_trusted(raw: dict, run_dir: str, allowed: bool) -> None:
+    """A :class:`RecipeError` naming what :func:`outside_code` found, unless ``allowed``."""
+    found = [] if allowed else outside_code(raw)
+    if found:
+        raise RecipeError(
+            f"{run_dir}'s recipe.yaml names code outside Dew ({'; '.join(found)}); a run "
+            f"folder is code, imported and run as a script would be. Nothing was run: if "
+            f"you trust where this folder came from, pass {ALLOW_CODE}"
+        )
+
+
+def add_allow_code(parser) -> None:
+    parser.add_argument(
+        ALLOW_CODE,
+        action="store_true",
+        help="run a run folder whose recipe names code outside Dew (its own objective, "
+        "reader or reward modules): a run folder is code, trust it as a script",
+    )

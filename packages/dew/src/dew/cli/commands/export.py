@@ -1,14 +1,22 @@
-"""``dew export RUN_DIR --to hf|diffusers|dew OUT``: the run's model as a
-checkpoint directory."""
+"""``dew export RUN_DIR --to dew|hf|diffusers OUT``: the run's model as a checkpoint
+directory, written by the pipeline its objective exports (``objective.export``):
+``dew`` is Dew's own format (weights, config, tokenizer and the pipeline's sampling
+settings); ``hf`` and ``diffusers`` the Hugging Face (transformers or diffusers)
+family of the model: the one its pretrained source had, else the first family
+``dew.nn.hf`` registers for the model (``llama`` for a causal transformer, ``dit``
+for a DiT)."""
 
 from __future__ import annotations
+
+import os
 
 from dew.cli.exits import EXIT
 from dew.cli.output import show_result
 from dew.cli.recipe import RecipeError
-from dew.cli.trained import trained
+from dew.cli.run_folder import add_allow_code
+from dew.cli.trained import exported
 
-HELP = "write the run's model as a checkpoint directory"
+HELP = "write the run's model as a checkpoint directory (its objective's own export)"
 
 
 def add_arguments(parser) -> None:
@@ -16,32 +24,45 @@ def add_arguments(parser) -> None:
     parser.add_argument("--to", choices=("hf", "diffusers", "dew"), default="dew")
     parser.add_argument("out")
     parser.add_argument("--live", action="store_true", help="the live weights, not the EMA")
+    add_allow_code(parser)
 
 
 def run(args) -> int:
-    import dataclasses
-
-    from dew.sampling import Pretrained
-
-    recipe, built, model, params, averaged = trained(args.run_dir, args.live)
-    formats = {"dew": "dew", "diffusers": "dit"}  # diffusers' DiT (dew.nn.hf "dit")
-    if args.to == "hf":
-        from dew.nn import models
-
-        name = models.config_of(model)[0] if not recipe.model.pretrained else None
-        fmt = {"causal_transformer": "llama", "dit": "dit"}.get(name, "llama")
-        if recipe.model.pretrained:
-            fmt = Pretrained.load(recipe.model.pretrained).format
-    else:
-        fmt = formats[args.to]
-    pretrained = Pretrained(model=model, params=params, tokenizer=built.tokenizer)
-    if recipe.model.lora:
-        from dew.nn.lora import LoRA
-
-        pretrained = dataclasses.replace(pretrained, lora=LoRA(**recipe.model.lora))
+    pipeline, model, averaged = exported(args.run_dir, args.live, allow_code=args.allow_recipe_code)
+    fmt = "dew" if args.to == "dew" else hugging_face_family(args.run_dir, model, args.to)
     try:
-        path = pretrained.save(args.out, format=fmt)
+        path = pipeline.save(args.out) if fmt == "dew" else pipeline.save(args.out, format=fmt)
     except (ValueError, TypeError) as error:
-        raise RecipeError(f"export --to {args.to}: {error}") from None
+        said = str(error).replace("format='dew'", "--to dew")
+        if "unexpected keyword argument 'format'" in said:
+            said = f"{type(pipeline).__name__} is written in Dew's format only; use --to dew"
+        raise RecipeError(f"export --to {args.to}: {said}") from None
     show_result(args, {"path": str(path), "format": fmt, "averaged": averaged}, str(path))
     return EXIT["finished"]
+
+
+def hugging_face_family(run_dir: str, model, to: str) -> str:
+    """The family a pretrained run came from (the ``config.json`` of the saved
+    recipe's ``model.pretrained``), else the first registered one whose Dew model
+    is the run's (for ``--to diffusers``, of the diffusers library: the formats'
+    ``library``, read as ``dew.nn.hf`` reads it)."""
+    from dew.cli.run_folder import load_run_recipe
+    from dew.nn import hf, models
+    from dew.nn.lora import base_module
+
+    source = load_run_recipe(run_dir).get("model", {}).get("pretrained")
+    if source and os.path.exists(os.path.join(source, "config.json")):
+        import json
+
+        with open(os.path.join(source, "config.json")) as f:
+            return hf.family_of(json.load(f), source)
+    name = models.config_of(base_module(model))[0]
+    families = [f for f in hf.names() if hf.get(f).registry_name == name]
+    if to == "diffusers":
+        families = [f for f in families if getattr(hf.get(f), "library", "") == "diffusers"]
+    if not families:
+        raise RecipeError(
+            f"no {'diffusers' if to == 'diffusers' else 'Hugging Face'} family holds a "
+            f"{name!r} model (dew.nn.hf: {', '.join(hf.names())}); use --to dew"
+        )
+    return families[0]

@@ -7,7 +7,7 @@ import sys
 
 from dew.cli.commands.train import add_cluster_arguments, owned_run
 from dew.cli.recipe import apply_overrides
-from dew.cli.run_folder import is_run, load_run_recipe, not_a_run
+from dew.cli.run_folder import add_allow_code, check_trusted, is_run, load_run_recipe, not_a_run
 
 HELP = "continue a run from its saved recipe"
 
@@ -16,12 +16,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("run_dir")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     add_cluster_arguments(parser)
+    add_allow_code(parser)
 
 
 def run(args) -> int:
     if not is_run(args.run_dir):
         raise not_a_run(args.run_dir)
     raw = load_run_recipe(args.run_dir)
+    check_trusted(raw, args.run_dir, args.allow_recipe_code)
     raw["run_dir"] = args.run_dir
     _keep_decay(raw)
     changed = apply_overrides(raw, args.overrides)

@@ -202,6 +202,11 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
             "XLA_FLAGS=--xla_force_host_platform_device_count=16 in the environment",
         ),
         (
+            ["objective.args.seq_len=16"],
+            "objective.args.seq_len=16 is the model's input length (docs/command-line.md, "
+            "'seq_len'): leave it out",
+        ),
+        (
             ["objective.name=os.path:join"],
             "objective.name 'os.path:join' names the function posixpath.join, not an objective",
         ),
@@ -226,6 +231,7 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
         "batch_over_devices",
         "batch_over_accumulate",
         "mesh_larger_than_devices",
+        "seq_len_mismatch",
         "objective_a_function",
         "objective_a_data_class",
         "reader_an_objective",
@@ -356,8 +362,11 @@ def test_resumed_run_equals_the_uninterrupted_one(lm_runs):
         [straight[s]["loss"] for s in range(7, 13)],
         rtol=1e-6,
     )
-    # the saved recipe says everything the run was built from, and `resume` read it back
-    saved = load_recipe(os.path.join(a, "recipe.yaml"))
+    # the saved recipe (with what the resume changed) says everything the run was
+    # built from, and `resume` read it back
+    from dew.cli.run_folder import load_run_recipe
+
+    saved = load_run_recipe(a)
     assert saved["trainer"]["steps"] == 12 and saved["model"]["config"]["num_layers"] == 2
     assert saved["optimizer"]["args"]["weight_decay"] == 0.01
 
@@ -1021,3 +1030,133 @@ def test_resume_with_more_steps_keeps_the_schedule_as_trained(tmp_path, capsys):
     path.write_text(path.read_text().replace("    decay_steps: 4\n", ""))
     assert main(["--quiet", "resume", run, "trainer.steps=7"]) == 0
     assert metrics(run)[7]["learning_rate"] == 0.0
+
+
+def test_a_resume_appends_what_it_changed_and_refuses_the_rest(lm_runs, capsys):
+    """Run a was trained for 6 steps and resumed to 12: its recipe.yaml still says 6
+    (written once), resumes.yaml says what the resume changed, and the recipe the run
+    continues with says 12. A resume that would change what was trained (the learning
+    rate, the model) is refused naming the keys, with nothing changed."""
+    from dew.cli.run_folder import load_run_recipe
+
+    _, a, _ = lm_runs
+    import yaml
+
+    original = pathlib.Path(a, "recipe.yaml").read_bytes()
+    assert yaml.safe_load(original)["trainer"]["steps"] == 6
+    entries = yaml.safe_load(pathlib.Path(a, "resumes.yaml").read_text())
+    assert [e["changes"] for e in entries] == [{"trainer.steps": 12}], entries
+    assert load_run_recipe(a)["trainer"]["steps"] == 12
+    before = sorted(os.listdir(a)), pathlib.Path(a, "resumes.yaml").read_bytes()
+    capsys.readouterr()
+    for change in ("optimizer.learning_rate=0.01", "model.config.num_layers=3"):
+        assert main(["resume", a, change, "trainer.steps=13"]) == 2
+        err = capsys.readouterr().err
+        key = change.partition("=")[0]
+        assert "a resume changes only what cannot alter the steps already trained" in err
+        assert f"not {key}: " in err and "trainer.steps:" not in err, err
+        assert "dew train RECIPE run_dir=NEW_DIR" in err and err.count("\n") == 1
+    assert (sorted(os.listdir(a)), pathlib.Path(a, "resumes.yaml").read_bytes()) == before
+    assert pathlib.Path(a, "recipe.yaml").read_bytes() == original
+
+
+def test_without_run_dir_each_run_gets_a_new_folder(tmp_path, monkeypatch):
+    """`dew train RECIPE` twice: runs/NAME, then runs/NAME-2, ... (a re-run never
+    continues or changes the earlier run); a recipe's own run_dir is kept."""
+    from dew.cli.loading import with_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    raw = {"trainer": {"steps": 1}}
+    assert with_run_dir(raw, "recipes/lm.yaml")["run_dir"] == os.path.join("runs", "lm")
+    os.makedirs("runs/lm")
+    assert with_run_dir(raw, "recipes/lm.yaml")["run_dir"] == os.path.join("runs", "lm-2")
+    os.makedirs("runs/lm-2")
+    assert with_run_dir(raw, "lm.yaml")["run_dir"] == os.path.join("runs", "lm-3")
+    assert with_run_dir({"run_dir": "runs/lm"}, "lm.yaml")["run_dir"] == "runs/lm"
+    assert "run_dir" not in raw
+
+
+def test_export_into_a_run_takes_its_lock(lm_runs, tmp_path, capsys):
+    """`dew export RUN --to dew RUN/exported` writes into the run: while another
+    process holds the run it exits 2 naming the holder's pid and host, writing
+    nothing; once the holder is killed the same command writes the export."""
+    _, a, _ = lm_runs
+    out = os.path.join(a, "exported")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from dew.cli.run_folder import lock_run; "
+            f"lock_run({a!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert main(["export", a, "--to", "dew", out]) == 2
+        err = capsys.readouterr().err
+        assert f"{a} is in use by another process (pid {holder.pid} on host " in err, err
+        assert not os.path.exists(out)
+        # elsewhere than the run: no lock needed
+        assert main(["--quiet", "export", a, "--to", "dew", str(tmp_path / "out")]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["--quiet", "export", a, "--to", "dew", out]) == 0
+    assert os.path.exists(os.path.join(out, "dew_config.json"))
+
+
+def test_a_run_folder_naming_outside_code_needs_a_flag(lm_runs, tmp_path, capsys):
+    """resume, sample and export of a run folder whose recipe names modules outside
+    Dew refuse before importing anything, naming them and the flag; with the flag
+    the names are imported (here: a module that does not exist, so exit 2 naming it)."""
+    _, a, _ = lm_runs
+    run = tmp_path / "copied"
+    run.mkdir()
+    text = pathlib.Path(a, "recipe.yaml").read_text()
+    text = text.replace("  name: lm\n", "  name: not_installed_mod:Objective\n", 1)
+    assert "not_installed_mod" in text
+    (run / "recipe.yaml").write_text(text)
+    commands = (
+        ["resume", str(run)],
+        ["sample", str(run), "--prompt", "a"],
+        ["export", str(run), "--to", "dew", str(tmp_path / "x")],
+    )
+    for command in commands:
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "names code outside Dew (objective.name: not_installed_mod:Objective)" in err
+        assert "pass --allow-recipe-code" in err and err.count("\n") == 1
+    assert main(["resume", str(run), "--allow-recipe-code"]) == 2
+    assert "cannot import not_installed_mod:Objective" in capsys.readouterr().err
+
+
+def test_config_prints_the_resolved_recipe_and_help_lists_the_keys(tmp_path, capsys):
+    """`dew config` and `dew train --print-config`: every default filled in, nothing
+    written; `dew train --help` lists each section's keys with types and defaults."""
+    import yaml
+
+    run = tmp_path / "run"
+    args = [LM, "trainer.steps=3", "optimizer.schedule.warmup_steps=1", f"run_dir={run}"]
+    assert main(["config", *args]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert main(["train", *args, "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == shown
+    assert not run.exists()
+    assert shown["optimizer"]["schedule"]["decay_steps"] == 3  # the default, made explicit
+    assert shown["trainer"]["max_rejected"] == 10 and shown["mesh"]["fsdp"] == 1
+    assert {"num_layers", "num_heads", "max_seq_len"} <= set(shown["model"]["config"])
+    assert shown["run_dir"] == str(run)
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for line in (
+        "trainer.steps: int\n",
+        "mesh.fsdp: int = 1\n",
+        "checkpoints.keep: int | None = 3",
+    ):
+        assert line in text, text
+    assert text.count("\n  dew ") >= 2 and "--print-config" in text

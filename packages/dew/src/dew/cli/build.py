@@ -463,6 +463,33 @@ def check_settings(recipe: Recipe) -> None:
         )
 
 
+def check_lengths(recipe: Recipe, objective, data) -> None:
+    """The data's rows against what the objective reads (its ``batch_fields``), before
+    anything compiles; a mismatch says which key to change. ``objective.args.seq_len``
+    is the model's input length for every objective; the data's rows follow from it
+    (``token_windows`` rows hold ``data.args.seq_len + 1`` ids: an LM reads
+    ``seq_len`` of them as input and predicts the next, a masked or block diffusion
+    LM reads all of them, so its ``seq_len`` is ``data.args.seq_len + 1``)."""
+    from dew.objectives import check_batch_spec
+
+    if not data.spec:
+        return
+    try:
+        check_batch_spec(objective.batch_fields(), data.spec, what=type(objective).__name__)
+    except (KeyError, TypeError, ValueError) as error:
+        said = " ".join(str(error).strip("\"'").split())
+        given = recipe.objective.args.get("seq_len")
+        if given is not None:
+            hint = (
+                f"objective.args.seq_len={given} is the model's input length (docs/"
+                f"command-line.md, 'seq_len'): leave it out and the objective reads the "
+                f"length from the data, or change data.args.seq_len to give that length"
+            )
+        else:
+            hint = "change data.args (the reader's row length) or data.name"
+        raise RecipeError(f"{said}; {hint}") from None
+
+
 def build(recipe: Recipe, run_dir: str | None, *, with_data: bool = True) -> Built:
     check_settings(recipe)
     tokenizer = build_tokenizer(recipe, run_dir)
@@ -470,6 +497,8 @@ def build(recipe: Recipe, run_dir: str | None, *, with_data: bool = True) -> Bui
     extra: dict = {}
     objective, objective_args = _objective(recipe, model, params, tokenizer, extra)
     data, data_args = _data(recipe, tokenizer) if with_data else (None, dict(recipe.data.args))
+    if data is not None:
+        check_lengths(recipe, objective, data)
     optimizer, schedule, resolved_optimizer = build_optimizer(recipe)
     mesh = build_mesh(recipe, check=with_data)
     resolved = plain(recipe)

@@ -43,6 +43,7 @@ __all__ = [
     "RecipeError",
     "apply_overrides",
     "checked_arguments",
+    "flatten",
     "load_recipe",
     "plain",
     "recipe_help",
@@ -362,6 +363,27 @@ def _nearest(key: str, valid) -> str:
 def _short(error: Exception) -> str:
     text = str(error).strip()
     return text.replace('Parser key "recipe.', 'key "').replace("recipe.", "")
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """A nested recipe as ``{dotted.key: value}`` (lists are values)."""
+    out = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def set_dotted(raw: dict, key: str, value) -> None:
+    """``raw[a][b][c] = value`` for ``key`` ``a.b.c`` (sections made as needed)."""
+    node = raw
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
 
 
 def _copy(value):

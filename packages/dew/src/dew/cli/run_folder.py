@@ -21,11 +21,13 @@ import time
 
 import yaml
 
-from dew.cli.recipe import Recipe, RecipeError
+from dew.cli.recipe import Recipe, RecipeError, set_dotted
 
 __all__ = [
     "RECIPE_END",
     "RECIPE_FILE",
+    "RESUMES_FILE",
+    "append_resume",
     "is_run",
     "load_run_recipe",
     "lock_run",
@@ -42,6 +44,7 @@ __all__ = [
 
 RECIPE_FILE = "recipe.yaml"
 STATUS_FILE = "status.json"
+RESUMES_FILE = "resumes.yaml"  # what each `dew resume` changed, in order
 CHECKPOINTS = "checkpoints"
 # the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
 RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"
@@ -91,9 +94,51 @@ def write_run_recipe(run_dir: str, resolved: dict) -> None:
 
 
 def load_run_recipe(run_dir: str) -> dict:
-    """The saved recipe of the run at ``run_dir``, whole, or a :class:`RecipeError`
+    """The recipe the run at ``run_dir`` continues with: its ``recipe.yaml`` (written
+    once, when the run started) with what each resume changed
+    (``resumes.yaml``, :func:`append_resume`) set in order; or a :class:`RecipeError`
     naming the file. A file without Dew's end line (a run of an earlier Dew) must
     hold every section of a recipe: a file cut at a line boundary lacks the last."""
+    raw = _original_recipe(run_dir)
+    for entry in _resumes(run_dir):
+        for key, value in entry["changes"].items():
+            set_dotted(raw, key, value)
+    return raw
+
+
+def append_resume(run_dir: str, changes: dict) -> None:
+    """``changes`` (``{dotted.key: value}``) added to the run's ``resumes.yaml`` with
+    the time, the file replaced whole (:func:`write_atomically`)."""
+    import datetime
+
+    entries = _resumes(run_dir)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    entries.append({"time": now, "changes": dict(changes)})
+    text = yaml.safe_dump(entries, sort_keys=False)
+    write_atomically(os.path.join(run_dir, RESUMES_FILE), text)
+
+
+def _resumes(run_dir: str) -> list:
+    path = os.path.join(run_dir, RESUMES_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        try:
+            entries = yaml.safe_load(f)
+        except yaml.YAMLError:
+            entries = None
+    good = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("changes"), dict) for e in entries
+    )
+    if not good:
+        raise RecipeError(
+            f"{path} is not a list of {{time, changes}} (what each `dew resume` changed); "
+            f"the run's checkpoints are unchanged: remove the damaged entries"
+        )
+    return entries
+
+
+def _original_recipe(run_dir: str) -> dict:
     path = os.path.join(run_dir, RECIPE_FILE)
     advice = (
         f"the run's checkpoints are unchanged: put back the recipe the run was trained "

@@ -13,7 +13,7 @@ import os
 from dew.cli.exits import EXIT
 from dew.cli.output import show_result
 from dew.cli.recipe import RecipeError
-from dew.cli.run_folder import add_allow_code
+from dew.cli.run_folder import add_allow_code, is_run, lock_run, release_run
 from dew.cli.trained import exported
 
 HELP = "write the run's model as a checkpoint directory (its objective's own export)"
@@ -28,6 +28,31 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    """Into a run folder (``OUT`` inside one), under that run's lock: refused while
+    another process trains it, and no other writer starts until it is written."""
+    owner = run_containing(args.out)
+    if owner is None:
+        return _export(args)
+    lock_run(owner)
+    try:
+        return _export(args)
+    finally:
+        release_run(owner)
+
+
+def run_containing(path: str) -> str | None:
+    """The run folder ``path`` lies in (it or a parent holds ``recipe.yaml``)."""
+    folder = os.path.abspath(path)
+    while True:
+        if is_run(folder):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def _export(args) -> int:
     pipeline, model, averaged = exported(args.run_dir, args.live, allow_code=args.allow_recipe_code)
     fmt = "dew" if args.to == "dew" else hugging_face_family(args.run_dir, model, args.to)
     try:

@@ -14,11 +14,13 @@ from dew.cli.commands.config import run as print_config
 from dew.cli.exits import EXIT
 from dew.cli.loading import compilation_cache, read_recipe, with_run_dir
 from dew.cli.output import JsonLines, print_json, redirected
-from dew.cli.recipe import RecipeError, parse_recipe
+from dew.cli.recipe import RecipeError, flatten, parse_recipe
 from dew.cli.run_folder import (
     CHECKPOINTS,
     RECIPE_FILE,
+    RESUMES_FILE,
     STATUS_FILE,
+    append_resume,
     is_run,
     load_run_recipe,
     lock_run,
@@ -85,11 +87,11 @@ def run(args) -> int:
     return owned_run(raw, args, unchanged=True)
 
 
-def owned_run(raw: dict, args, *, unchanged: bool = False) -> int:
+def owned_run(raw: dict, args, *, unchanged: bool = False, resumed: dict | None = None) -> int:
     """:func:`_train`, then the run directory's lock let go (the process's end
     would release it anyway; a test or notebook calling ``main`` goes on)."""
     try:
-        return _train(raw, args, unchanged=unchanged)
+        return _train(raw, args, unchanged=unchanged, resumed=resumed)
     finally:
         release_run(os.path.abspath(raw["run_dir"]))
 
@@ -102,11 +104,11 @@ def _check_unchanged(run_dir: str, resolved: dict) -> None:
     if not is_run(run_dir):
         return
     try:
-        saved = _flatten(load_run_recipe(run_dir))
+        saved = flatten(load_run_recipe(run_dir))
     except RecipeError:
         return  # damaged: this recipe is written in its place (restore checks the model)
     saved.pop("run_dir", None)
-    new = _flatten(yaml.safe_load(yaml.safe_dump(resolved)))
+    new = flatten(yaml.safe_load(yaml.safe_dump(resolved)))
     new.pop("run_dir", None)
     keys = [k for k in {**saved, **new} if saved.get(k, "(none)") != new.get(k, "(none)")]
     if not keys:
@@ -135,7 +137,7 @@ def _check_unchanged(run_dir: str, resolved: dict) -> None:
     )
 
 
-def _train(raw: dict, args, *, unchanged: bool = False) -> int:
+def _train(raw: dict, args, *, unchanged: bool = False, resumed: dict | None = None) -> int:
     """Everything the recipe names is built and checked (names, signatures, types,
     the model against the run's checkpoints, the trainer) before the run directory
     is written: a bad recipe leaves no directory behind, and an existing one as it was."""
@@ -191,7 +193,12 @@ def _train(raw: dict, args, *, unchanged: bool = False) -> int:
         lock_run(run_dir)
     if jax.process_index() == 0:
         keep_tokenizer(recipe, built.tokenizer, run_dir)
-        write_run_recipe(run_dir, built.resolved)
+        # the run's recipe is written once; a resume appends what it changed
+        if resumed is not None:
+            if resumed:
+                append_resume(run_dir, resumed)
+        elif not _readable_run(run_dir):
+            write_run_recipe(run_dir, built.resolved)
     # W&B / MLflow runs start only now: a bad recipe opens none
     trainer.trackers = _trackers(recipe, built.resolved, args)
     write_status(run_dir, "running", steps=t.steps)
@@ -244,10 +251,19 @@ def _check_trackers(recipe) -> None:
             raise RecipeError(f"trackers: unknown tracker {section.name!r}; use wandb or mlflow")
 
 
+def _readable_run(run_dir: str) -> bool:
+    """A run whose saved recipe reads whole (a damaged one is written again)."""
+    try:
+        load_run_recipe(run_dir)
+    except RecipeError:
+        return False
+    return True
+
+
 def _kept_files(run_dir: str) -> dict[str, bytes | None]:
     """The files ``dew train`` rewrites before the first step, as they are now."""
     kept = {}
-    for name in (RECIPE_FILE, STATUS_FILE):
+    for name in (RECIPE_FILE, RESUMES_FILE, STATUS_FILE):
         path = os.path.join(run_dir, name)
         with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
             kept[name] = f.read()
@@ -273,7 +289,7 @@ def _trackers(recipe, resolved: dict, args) -> list:
     out = []
     if args.json:
         out.append(JsonLines(sys.stdout))
-    flat = _flatten(resolved)
+    flat = flatten(resolved)
     for section in recipe.trackers:
         kwargs = dict(section.args)
         if section.name == "wandb":
@@ -300,12 +316,3 @@ class _MLflowWithParams:
 
     def close(self):
         self.tracker.close()
-
-
-def _flatten(tree, prefix="") -> dict:
-    out = {}
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}

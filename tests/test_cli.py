@@ -979,24 +979,30 @@ def test_a_damaged_saved_recipe_is_refused_naming_the_file(damage, says, tmp_pat
         assert err.count("\n") == 1 and "Traceback" not in err, err
 
 
+def holding(run) -> subprocess.Popen:
+    """Another process holding ``run``'s lock (until killed)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from dew.cli.run_folder import lock_run; "
+            f"lock_run({str(run)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_one_process_owns_a_run_folder(tmp_path, capsys):
     """A second writer is refused naming the folder and the holder's pid, before it
     writes anything; once the holder is killed (the OS lets its lock go) the same
     command trains."""
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from dew.cli.run_folder import lock_run; "
-            f"lock_run({str(run)!r}); print('held', flush=True); time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = holding(run)
     try:
-        assert holder.stdout.readline().strip() == "held"
         command = ["train", LM, *TOY, f"run_dir={run}", "trainer.steps=2"]
         assert main(command) == 2
         err = capsys.readouterr().err
@@ -1082,18 +1088,8 @@ def test_export_into_a_run_takes_its_lock(lm_runs, tmp_path, capsys):
     nothing; once the holder is killed the same command writes the export."""
     _, a, _ = lm_runs
     out = os.path.join(a, "exported")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; from dew.cli.run_folder import lock_run; "
-            f"lock_run({a!r}); print('held', flush=True); time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = holding(a)
     try:
-        assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()
         assert main(["export", a, "--to", "dew", out]) == 2
         err = capsys.readouterr().err

@@ -7,7 +7,20 @@ import os
 
 from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe
 
-__all__ = ["anchored", "compilation_cache", "prepared", "read_recipe", "with_run_dir"]
+__all__ = [
+    "add_recipe_arguments",
+    "anchored",
+    "compilation_cache",
+    "prepared",
+    "read_recipe",
+    "with_run_dir",
+]
+
+
+def add_recipe_arguments(parser) -> None:
+    """``RECIPE [key=value ...]``: the arguments of every command that reads a recipe."""
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
 
 
 def compilation_cache(setting: str | bool) -> str | None:

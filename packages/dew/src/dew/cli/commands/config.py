@@ -8,15 +8,14 @@ from __future__ import annotations
 import yaml
 
 from dew.cli.exits import EXIT
-from dew.cli.loading import prepared, read_recipe, with_run_dir
+from dew.cli.loading import add_recipe_arguments, prepared, read_recipe, with_run_dir
 from dew.cli.output import print_json
 
 HELP = "print the resolved recipe (every default filled in) and exit"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    add_recipe_arguments(parser)
 
 
 def run(args) -> int:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import sys
 
+from dew.cli.loading import add_recipe_arguments
+
 HELP = "run `dew train` as N local processes"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=0)
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    add_recipe_arguments(parser)
 
 
 def run(args) -> int:

@@ -4,7 +4,7 @@ it fit a device (exit 4 when not), and ``--recommend``."""
 from __future__ import annotations
 
 from dew.cli.exits import EXIT
-from dew.cli.loading import prepared, read_recipe
+from dew.cli.loading import add_recipe_arguments, prepared, read_recipe
 from dew.cli.output import print_json
 from dew.cli.recipe import RecipeError
 
@@ -12,8 +12,7 @@ HELP = "per-device memory and step FLOPs, from compilation"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    add_recipe_arguments(parser)
     parser.add_argument(
         "--device-memory",
         help="does it fit a device of this size (e.g. 16GiB); default: the device's own "

@@ -5,6 +5,7 @@ then the folder is locked to this process (``dew resume`` shares the core)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -12,7 +13,7 @@ import sys
 from dew.cli.cluster import initialize_distributed
 from dew.cli.commands.config import run as print_config
 from dew.cli.exits import EXIT
-from dew.cli.loading import compilation_cache, read_recipe, with_run_dir
+from dew.cli.loading import add_recipe_arguments, compilation_cache, read_recipe, with_run_dir
 from dew.cli.output import JsonLines, print_json, redirected
 from dew.cli.recipe import RecipeError, flatten, parse_recipe
 from dew.cli.run_folder import (
@@ -34,8 +35,7 @@ HELP = "train from a recipe (a new run, or the same recipe continued in its run_
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    add_recipe_arguments(parser)
     parser.add_argument(
         "--print-config",
         action="store_true",
@@ -158,14 +158,7 @@ def _train(raw: dict, args, *, unchanged: bool = False, resumed: dict | None = N
     _check_trackers(recipe)
     c = recipe.checkpoints
     try:
-        checkpoints = Checkpoints(
-            os.path.join(run_dir, CHECKPOINTS),
-            keep=c.keep,
-            keep_best=c.keep_best,
-            best_metric=c.best_metric,
-            best_mode=c.best_mode,
-            use_async=c.use_async,
-        )
+        checkpoints = Checkpoints(os.path.join(run_dir, CHECKPOINTS), **dataclasses.asdict(c))
     except ValueError as error:
         raise RecipeError(f"checkpoints: {error}") from None
     t = recipe.trainer

@@ -207,6 +207,11 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
             "'seq_len'): leave it out",
         ),
         (
+            ["objective.args.sampling={class_path: not_imported_mod.Sampling}"],
+            "objective.args.sampling.class_path 'not_imported_mod.Sampling': "
+            "not_imported_mod is not imported",
+        ),
+        (
             ["objective.name=os.path:join"],
             "objective.name 'os.path:join' names the function posixpath.join, not an objective",
         ),
@@ -232,6 +237,7 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
         "batch_over_accumulate",
         "mesh_larger_than_devices",
         "seq_len_mismatch",
+        "class_path_not_imported",
         "objective_a_function",
         "objective_a_data_class",
         "reader_an_objective",

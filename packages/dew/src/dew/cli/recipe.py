@@ -412,6 +412,31 @@ def resolve(name: str, table: Mapping[str, str], what: str) -> Any:
         raise RecipeError(f"{what} {name!r}: cannot import {path} ({error})") from None
 
 
+def _check_class_paths(value: Any, where: str) -> None:
+    """A nested ``class_path`` names a class of a module already imported (Dew's own,
+    or one the objective's or reader's module imports): reading a recipe never imports
+    a new module for it, which jsonargparse would do before checking its type."""
+    import sys
+
+    if isinstance(value, Mapping):
+        path = value.get("class_path")
+        if isinstance(path, str):
+            module = path.rpartition(".")[0]
+            own = module == "dew" or module.startswith("dew.")
+            if module and not own and module not in sys.modules:
+                raise RecipeError(
+                    f"{where}.class_path {path!r}: {module} is not imported; a nested "
+                    f"class_path names a class of Dew or of a module the objective's or "
+                    f"reader's own module imports (a recipe is code: name your module in "
+                    f"objective.name or data.name, and import the class there)"
+                )
+        for key, item in value.items():
+            _check_class_paths(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_class_paths(item, f"{where}[{i}]")
+
+
 def checked_arguments(
     target: Callable | type,
     given: Mapping[str, Any],
@@ -435,6 +460,7 @@ def checked_arguments(
     params = _parameters(target)
     if not isinstance(given, Mapping):
         raise RecipeError(f"{where} must be a mapping of arguments, got {given!r:.80}")
+    _check_class_paths(given, where)
     for key in given:
         if key in supplied:
             raise RecipeError(f"{where}.{key} is set by the command (leave it out of the recipe)")

@@ -412,6 +412,11 @@ def resolve(name: str, table: Mapping[str, str], what: str) -> Any:
         raise RecipeError(f"{what} {name!r}: cannot import {path} ({error})") from None
 
 
+def is_dew_module(module: str) -> bool:
+    """``dew`` or a module under it (Dew's own code)."""
+    return module == "dew" or module.startswith("dew.")
+
+
 def _check_class_paths(value: Any, where: str) -> None:
     """A nested ``class_path`` names a class of a module already imported (Dew's own,
     or one the objective's or reader's module imports): reading a recipe never imports
@@ -422,8 +427,7 @@ def _check_class_paths(value: Any, where: str) -> None:
         path = value.get("class_path")
         if isinstance(path, str):
             module = path.rpartition(".")[0]
-            own = module == "dew" or module.startswith("dew.")
-            if module and not own and module not in sys.modules:
+            if module and not is_dew_module(module) and module not in sys.modules:
                 raise RecipeError(
                     f"{where}.class_path {path!r}: {module} is not imported; a nested "
                     f"class_path names a class of Dew or of a module the objective's or "

@@ -21,7 +21,7 @@ import time
 
 import yaml
 
-from dew.cli.recipe import Recipe, RecipeError, set_dotted
+from dew.cli.recipe import Recipe, RecipeError, is_dew_module, set_dotted
 
 __all__ = [
     "RECIPE_END",
@@ -255,7 +255,7 @@ def outside_code(raw: dict) -> list[str]:
 
     def foreign(path: str) -> bool:
         module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
-        return not (module == "dew" or module.startswith("dew."))
+        return not is_dew_module(module)
 
     def walk(node, where):
         if isinstance(node, dict):

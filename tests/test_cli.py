@@ -526,7 +526,11 @@ def test_sigterm_exits_75_with_a_checkpoint_and_resume_continues(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"{os.path.abspath(run_dir)} holds a run trained with another recipe" in err, err
     assert f"trainer.steps: 3000 -> {end}; optimizer.learning_rate: 0.003 -> 0.001." in err
-    assert f"dew resume {os.path.abspath(run_dir)} " in err and "Traceback" not in err, err
+    assert "optimizer.learning_rate cannot change in a resume" in err and "Traceback" not in err
+    assert "dew resume" not in err, err  # a resume would refuse the learning rate
+    assert main([*command, f"trainer.steps={end}"]) == 2  # what a resume may change
+    err = capsys.readouterr().err
+    assert f"dew resume {os.path.abspath(run_dir)} trainer.steps={end}`" in err, err
     assert {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()} == before
     # resuming with a nearer end continues from the checkpoint
     assert main(["--quiet", "resume", run_dir, f"trainer.steps={end}"]) == 0

@@ -26,6 +26,7 @@ from dew.cli.recipe import Recipe, RecipeError, is_dew_module, set_dotted
 __all__ = [
     "RECIPE_END",
     "RECIPE_FILE",
+    "RESUMABLE",
     "RESUMES_FILE",
     "append_resume",
     "is_run",
@@ -45,6 +46,21 @@ __all__ = [
 RECIPE_FILE = "recipe.yaml"
 STATUS_FILE = "status.json"
 RESUMES_FILE = "resumes.yaml"  # what each `dew resume` changed, in order
+# the keys a resume may change: none alters the steps already trained
+RESUMABLE = (
+    "trainer.steps",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.eval_batches",
+    "trainer.checkpoint_every",
+    "trainer.max_rejected",
+    "checkpoints.keep",
+    "checkpoints.keep_best",
+    "checkpoints.use_async",
+    "trackers",
+    "compilation_cache",
+    "optimizer.schedule.decay_steps",
+)
 CHECKPOINTS = "checkpoints"
 # the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
 RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"

@@ -12,7 +12,14 @@ import sys
 
 from dew.cli.commands.train import add_cluster_arguments, owned_run
 from dew.cli.recipe import RecipeError, apply_overrides, flatten
-from dew.cli.run_folder import add_allow_code, check_trusted, is_run, load_run_recipe, not_a_run
+from dew.cli.run_folder import (
+    RESUMABLE,
+    add_allow_code,
+    check_trusted,
+    is_run,
+    load_run_recipe,
+    not_a_run,
+)
 
 HELP = "continue a run from its saved recipe"
 
@@ -22,22 +29,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     add_cluster_arguments(parser)
     add_allow_code(parser)
-
-
-RESUMABLE = (
-    "trainer.steps",
-    "trainer.log_every",
-    "trainer.eval_every",
-    "trainer.eval_batches",
-    "trainer.checkpoint_every",
-    "trainer.max_rejected",
-    "checkpoints.keep",
-    "checkpoints.keep_best",
-    "checkpoints.use_async",
-    "trackers",
-    "compilation_cache",
-    "optimizer.schedule.decay_steps",
-)
 
 
 def run(args) -> int:

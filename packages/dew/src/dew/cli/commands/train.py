@@ -19,6 +19,7 @@ from dew.cli.recipe import RecipeError, flatten, parse_recipe
 from dew.cli.run_folder import (
     CHECKPOINTS,
     RECIPE_FILE,
+    RESUMABLE,
     RESUMES_FILE,
     STATUS_FILE,
     append_resume,
@@ -129,11 +130,18 @@ def _check_unchanged(run_dir: str, resolved: dict) -> None:
         decay in keys and new.get(decay) == new.get(steps) and saved.get(decay) == saved.get(steps)
     )
     hint = [f"{k}={shown(new[k])}" for k in keys if k in new and not (k == decay and follows)]
+    fixed = [k for k in keys if not k.startswith(RESUMABLE)]
+    if fixed:  # what a resume may not change: only a new run has it
+        then = f"; {', '.join(fixed)} cannot change in a resume"
+    else:
+        then = (
+            f", or continue this one with `dew resume {run_dir} {' '.join(hint)}` (its "
+            f"learning-rate schedule stays as trained unless you change it)"
+        )
     raise RecipeError(
         f"{run_dir} holds a run trained with another recipe; nothing was changed. What "
         f"differs (the run -> this command): {'; '.join(lines)}. Use a new run_dir= for a "
-        f"new run, or continue this one with `dew resume {run_dir} {' '.join(hint)}` "
-        f"(its learning-rate schedule stays as trained unless you change it)"
+        f"new run{then}"
     )
 
 

@@ -1166,3 +1166,7 @@ def test_config_prints_the_resolved_recipe_and_help_lists_the_keys(tmp_path, cap
     ):
         assert line in text, text
     assert text.count("\n  dew ") >= 2 and "--print-config" in text
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "trainer.steps: int\n" in text and "4 does not fit the device's memory" in text

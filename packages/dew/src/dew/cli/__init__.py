@@ -34,6 +34,11 @@ __all__ = ["EXIT", "entry", "main"]
 
 _GLOBAL = ("--debug", "--quiet", "--json")
 
+EXIT_CODES = """exit codes: 0 finished, 1 other failure, 2 bad configuration (nothing changed),
+  3 stopped by non-finite steps, 4 does not fit the device's memory (plan, or train
+  before its first step), 75 preempted and checkpointed (rerun the same command)
+"""
+
 EXAMPLES = """examples:
   dew train recipes/lm_scratch.yaml trainer.steps=50 optimizer.learning_rate=1e-3
   dew resume runs/lm_scratch trainer.steps=400
@@ -49,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dew",
         description="Train, resume, plan, list, sample and export Dew runs.",
-        epilog=f"{keys}\n{EXAMPLES}",
+        epilog=f"{keys}\n{EXAMPLES}\n{EXIT_CODES}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -65,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_parser(
                 name,
                 help=module.HELP,
-                description=module.__doc__,
+                description=module.__doc__.replace("``", "`"),
                 epilog=f"{keys}\n{EXAMPLES}" if takes_recipe else None,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
             )

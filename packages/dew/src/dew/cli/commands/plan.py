@@ -8,7 +8,7 @@ from dew.cli.loading import add_recipe_arguments, prepared, read_recipe
 from dew.cli.output import print_json
 from dew.cli.recipe import RecipeError
 
-HELP = "per-device memory and step FLOPs, from compilation"
+HELP = "per-device memory and step FLOPs, from compilation (exit 4: does not fit)"
 
 
 def add_arguments(parser) -> None:

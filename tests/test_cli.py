@@ -835,9 +835,13 @@ def test_python_dash_m_dew(tmp_path):
 def test_launch_two_processes_equals_one(lm_runs):
     """`dew launch --processes 2` (2 x 4 CPU devices, gloo) trains the same steps as
     the 1-process, 8-device run b of the shared fixture (a constant learning rate: its
-    first steps are those of any run of the recipe)."""
+    first steps are those of any run of the recipe). Without run_dir= the two processes
+    agree on one new folder (process 0's choice: runs/lm_scratch exists, so -2), whatever
+    each sees when it looks."""
     root, _, b = lm_runs
-    run_dir = str(root / "two")
+    here = root / "launched"
+    os.makedirs(here / "runs" / "lm_scratch")
+    run_dir = str(here / "runs" / "lm_scratch-2")
     command = [
         sys.executable,
         "-m",
@@ -853,10 +857,10 @@ def test_launch_two_processes_equals_one(lm_runs):
         "trainer.steps=3",
         "trainer.log_every=1",
         "trainer.eval_every=0",
-        f"run_dir={run_dir}",
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=here)
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert sorted(os.listdir(here / "runs")) == ["lm_scratch", "lm_scratch-2"]
     two, one = metrics(run_dir), metrics(b)
     assert sorted(two) == [1, 2, 3], (two, run.stderr[-3000:])
     np.testing.assert_allclose(
@@ -1089,6 +1093,9 @@ def test_without_run_dir_each_run_gets_a_new_folder(tmp_path, monkeypatch):
     os.makedirs("runs/lm-2")
     assert with_run_dir(raw, "lm.yaml")["run_dir"] == os.path.join("runs", "lm-3")
     assert with_run_dir({"run_dir": "runs/lm"}, "lm.yaml")["run_dir"] == "runs/lm"
+    # across processes: the first process's number (dew train's agree= broadcasts it)
+    agreed = with_run_dir(raw, "lm.yaml", agree=lambda number: 7)
+    assert agreed["run_dir"] == os.path.join("runs", "lm-7")
     assert "run_dir" not in raw
 
 

@@ -91,16 +91,24 @@ def prepared(raw: dict, *, with_data: bool = True):
     return recipe, build(recipe, recipe.run_dir, with_data=with_data)
 
 
-def with_run_dir(raw: dict, recipe_path: str) -> dict:
+def with_run_dir(raw: dict, recipe_path: str, *, agree=None) -> dict:
     """``raw`` with its ``run_dir``: the recipe's own, else a new folder named after
     the recipe file: ``runs/NAME``, or ``runs/NAME-2``, ``runs/NAME-3``, ... when
     that one exists (as Lightning numbers its versions); a re-run never continues
-    or changes an earlier run unless the recipe names its folder."""
+    or changes an earlier run unless the recipe names its folder.
+
+    agree: ``number -> number`` that makes every process of a run use the first
+    process's (``dew train`` across processes: one folder, whatever each host sees)."""
     if raw.get("run_dir"):
         return raw
     name = os.path.splitext(os.path.basename(recipe_path))[0]
-    folder, number = os.path.join("runs", name), 1
-    while os.path.exists(folder):
+    number = 1
+    while os.path.exists(_numbered(name, number)):
         number += 1
-        folder = os.path.join("runs", f"{name}-{number}")
-    return {**raw, "run_dir": folder}
+    if agree is not None:
+        number = agree(number)
+    return {**raw, "run_dir": _numbered(name, number)}
+
+
+def _numbered(name: str, number: int) -> str:
+    return os.path.join("runs", name if number == 1 else f"{name}-{number}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from dew.cli.cluster import initialize_distributed
 from dew.cli.commands.train import add_cluster_arguments, owned_run
 from dew.cli.recipe import RecipeError, apply_overrides, flatten
 from dew.cli.run_folder import (
@@ -34,6 +35,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if not is_run(args.run_dir):
         raise not_a_run(args.run_dir)
+    initialize_distributed(args)
     saved = load_run_recipe(args.run_dir)
     check_trusted(saved, args.run_dir, args.allow_recipe_code)
     raw = apply_overrides(saved, [])  # a copy

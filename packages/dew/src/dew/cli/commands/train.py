@@ -84,8 +84,22 @@ def _check_against_run(run_dir: str, resolved: dict) -> None:
 def run(args) -> int:
     if args.print_config:
         return print_config(args)
-    raw = with_run_dir(read_recipe(args.recipe, args.overrides), args.recipe)
+    raw = read_recipe(args.recipe, args.overrides)
+    initialize_distributed(args)
+    raw = with_run_dir(raw, args.recipe, agree=first_process_number)
     return owned_run(raw, args, unchanged=True)
+
+
+def first_process_number(number: int) -> int:
+    """Process 0's ``number`` on every process (one run folder for the whole run)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return number
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(number)))
 
 
 def owned_run(raw: dict, args, *, unchanged: bool = False, resumed: dict | None = None) -> int:
@@ -154,7 +168,6 @@ def _train(raw: dict, args, *, unchanged: bool = False, resumed: dict | None = N
     from dew.cli.build import build, keep_tokenizer
     from dew.train import Checkpoints, NonFiniteError, Trainer
 
-    initialize_distributed(args)
     run_dir = os.path.abspath(raw["run_dir"])
     raw["run_dir"] = run_dir
     recipe = parse_recipe(raw)

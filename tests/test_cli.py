@@ -19,7 +19,7 @@ import pytest
 
 from dew.cli import EXIT, main
 from dew.cli.build import build
-from dew.cli.commands import anchored
+from dew.cli.loading import anchored
 from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -191,7 +191,6 @@ BAD = [
     (["data.name=tokens"], "did you mean 'token_windows'"),
     (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
     (["data.args.seq_len=null"], "seq_len"),
-    (["trainer.accumulate=3"], "accumulate"),
     # wrong types, each found after the BPE tokenizer is trained
     (["objective.args.seq_len=abc"], "seq_len"),
     (["data.args.val_fraction=abc"], "val_fraction"),
@@ -220,8 +219,73 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
         (["optimizer.learning_rate=-1e-3"], "optimizer.learning_rate=-0.001: the learning"),
         (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0: the learning rate"),
         (["optimizer.learning_rate=.nan"], "optimizer.learning_rate=nan: the learning rate"),
+        (
+            ["trainer.steps=3", "optimizer.schedule.warmup_steps=5"],
+            "optimizer.schedule.warmup_steps=5 is longer than the run (trainer.steps=3)",
+        ),
+        (
+            [
+                "trainer.steps=4",
+                "optimizer.schedule.name=cosine",
+                "optimizer.schedule.warmup_steps=4",
+            ],
+            "warmup_steps=4 leaves no steps to decay over trainer.steps=4; use fewer",
+        ),
+        (
+            ["data.batch=6"],
+            "data.batch=6 does not split into trainer.accumulate=1 microbatches over the 8 "
+            "data-parallel devices of the mesh (data=8); make data.batch a multiple of 8",
+        ),
+        (
+            ["trainer.accumulate=3"],
+            "data.batch=8 does not split into trainer.accumulate=3 microbatches",
+        ),
+        (
+            ["mesh.fsdp=16"],
+            "the axes given need 16 devices and 8 CPU devices are present: on a CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=16 in the environment",
+        ),
+        (
+            ["objective.args.seq_len=16"],
+            "objective.args.seq_len=16 is the model's input length (docs/command-line.md, "
+            "'seq_len'): leave it out",
+        ),
+        (
+            ["objective.args.sampling={class_path: not_imported_mod.Sampling}"],
+            "objective.args.sampling.class_path 'not_imported_mod.Sampling': "
+            "not_imported_mod is not imported",
+        ),
+        (
+            ["objective.name=os.path:join"],
+            "objective.name 'os.path:join' names the function posixpath.join, not an objective",
+        ),
+        (
+            ["objective.name=dew.data:Partition"],
+            "names the class dew.data.dataset.Partition, not an objective (a subclass of "
+            "dew.objectives.Objective)",
+        ),
+        (
+            ["data.name=dew.objectives.lm:LMObjective"],
+            "data.name 'dew.objectives.lm:LMObjective' names the class",
+        ),
     ],
-    ids=["steps_0", "steps_negative_cosine", "lr_negative", "lr_zero", "lr_nan"],
+    ids=[
+        "steps_0",
+        "steps_negative_cosine",
+        "lr_negative",
+        "lr_zero",
+        "lr_nan",
+        "warmup_longer_than_run",
+        "warmup_leaves_no_decay",
+        "batch_over_devices",
+        "batch_over_accumulate",
+        "mesh_larger_than_devices",
+        "seq_len_mismatch",
+        "class_path_not_imported",
+        "objective_a_function",
+        "objective_a_data_class",
+        "reader_an_objective",
+    ],
 )
 def test_settings_a_run_cannot_train_with_are_refused_before_building(
     overrides, says, tmp_path, capsys
@@ -348,8 +412,11 @@ def test_resumed_run_equals_the_uninterrupted_one(lm_runs):
         [straight[s]["loss"] for s in range(7, 13)],
         rtol=1e-6,
     )
-    # the saved recipe says everything the run was built from, and `resume` read it back
-    saved = load_recipe(os.path.join(a, "recipe.yaml"))
+    # the saved recipe (with what the resume changed) says everything the run was
+    # built from, and `resume` read it back
+    from dew.cli.run_folder import load_run_recipe
+
+    saved = load_run_recipe(a)
     assert saved["trainer"]["steps"] == 12 and saved["model"]["config"]["num_layers"] == 2
     assert saved["optimizer"]["args"]["weight_decay"] == 0.01
 
@@ -416,7 +483,7 @@ def test_bad_recipe_leaves_an_existing_run_byte_identical(lm_runs, capsys):
 def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     import jax
 
-    from dew.cli.commands import _trained
+    from dew.cli.trained import trained as _trained
     from dew.sampling import Pretrained
     from dew.train import load_model
 
@@ -433,6 +500,10 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     assert main(["--json", "sample", a, "--prompt", "Dew", "--max-new-tokens", "4"]) == 0
     sampled = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert sampled["weights"] == "EMA" and sampled["samples"][0].startswith("Dew")
+    # the wrong input for the run's pipeline: one line, the command named once
+    assert main(["sample", a, "--labels", "1"]) == 2
+    said = capsys.readouterr().err
+    assert said.count("dew sample") == 1 and "exports a TextGeneration; give --prompt TEXT" in said
 
     out = tmp_path / "hf"
     assert main(["--quiet", "export", a, "--to", "hf", str(out)]) == 0
@@ -443,6 +514,9 @@ def test_runs_sample_export_report(lm_runs, capsys, tmp_path):
     )
     # Dew's own format: every EMA tensor, the model's config and the run's BPE come back
     assert main(["--quiet", "export", a, "--to", "dew", str(tmp_path / "dew")]) == 0
+    assert main(["--quiet", "export", a, "--to", "diffusers", str(tmp_path / "no")]) == 2
+    said = capsys.readouterr().err
+    assert "use --to dew" in said and "format=" not in said, said
     again = Pretrained.load(tmp_path / "dew")
     assert again.format == "dew" and again.model == model
     jax.tree.map(np.testing.assert_array_equal, again.params, jax.device_get(ema))
@@ -496,7 +570,11 @@ def test_sigterm_exits_75_with_a_checkpoint_and_resume_continues(tmp_path, capsy
     err = capsys.readouterr().err
     assert f"{os.path.abspath(run_dir)} holds a run trained with another recipe" in err, err
     assert f"trainer.steps: 3000 -> {end}; optimizer.learning_rate: 0.003 -> 0.001." in err
-    assert f"dew resume {os.path.abspath(run_dir)} " in err and "Traceback" not in err, err
+    assert "optimizer.learning_rate cannot change in a resume" in err and "Traceback" not in err
+    assert "dew resume" not in err, err  # a resume would refuse the learning rate
+    assert main([*command, f"trainer.steps={end}"]) == 2  # what a resume may change
+    err = capsys.readouterr().err
+    assert f"dew resume {os.path.abspath(run_dir)} trainer.steps={end}`" in err, err
     assert {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()} == before
     # resuming with a nearer end continues from the checkpoint
     assert main(["--quiet", "resume", run_dir, f"trainer.steps={end}"]) == 0
@@ -597,7 +675,7 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         # masked or block denoising, not causal decoding) and the EMA weights
         import jax
 
-        from dew.cli.commands import _trained
+        from dew.cli.trained import trained as _trained
         from dew.train import load_model
 
         args = ["--json", "sample", str(tmp_path), "--prompt", "Dew", "--max-new-tokens", "5"]
@@ -710,10 +788,9 @@ def test_classifier_distillation_recipe_through_the_command(digits_teacher, tmp_
 def sampled_images(run_dir: str, capsys) -> None:
     """`dew sample --labels` writes one 8x8 grayscale PNG per label, sampled with the
     EMA weights."""
-    import jax
     from PIL import Image
 
-    from dew.cli.commands import _trained
+    from dew.cli.trained import trained as _trained
     from dew.train import load_model
 
     labels = [0, 3, 7]
@@ -727,10 +804,8 @@ def sampled_images(run_dir: str, capsys) -> None:
     ]
     model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
     _, built, _, _, _ = _trained(run_dir, False)
-    want = built.objective.sample(
-        {"params": ema}, jax.random.key(0), label=np.asarray(labels, np.int32)
-    )  # [3, 8, 8, 1] in [-1, 1]
-    want = np.clip((np.asarray(want) + 1) * 127.5, 0, 255).astype(np.uint8)[..., 0]
+    # the objective's own pipeline (its export) of the EMA weights, seed 0
+    want = built.objective.export({"params": ema})(labels, seed=0)[..., 0]  # uint8 [3, 8, 8]
     for path, pixels in zip(said["images"], want, strict=True):
         with Image.open(path) as image:
             assert image.format == "PNG" and image.mode == "L" and image.size == (8, 8)
@@ -822,18 +897,29 @@ def test_compilation_cache_recipe_key_and_environment(
 
 
 def test_python_dash_m_dew(tmp_path):
+    """`python -m dew` runs the command without the current directory on the import
+    path: a yaml.py there (which the command imports by that name) is not run."""
+    (tmp_path / "yaml.py").write_text("open('ran', 'w').close()\nraise SystemExit(9)\n")
     run = subprocess.run(
-        [sys.executable, "-m", "dew", "runs", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "dew", "runs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert run.returncode == 0 and "no Dew runs" in run.stdout, run.stderr
+    assert not (tmp_path / "ran").exists()
 
 
 def test_launch_two_processes_equals_one(lm_runs):
     """`dew launch --processes 2` (2 x 4 CPU devices, gloo) trains the same steps as
     the 1-process, 8-device run b of the shared fixture (a constant learning rate: its
-    first steps are those of any run of the recipe)."""
+    first steps are those of any run of the recipe). Without run_dir= the two processes
+    agree on one new folder (process 0's choice: runs/lm_scratch exists, so -2), whatever
+    each sees when it looks."""
     root, _, b = lm_runs
-    run_dir = str(root / "two")
+    here = root / "launched"
+    os.makedirs(here / "runs" / "lm_scratch")
+    run_dir = str(here / "runs" / "lm_scratch-2")
     command = [
         sys.executable,
         "-m",
@@ -849,10 +935,10 @@ def test_launch_two_processes_equals_one(lm_runs):
         "trainer.steps=3",
         "trainer.log_every=1",
         "trainer.eval_every=0",
-        f"run_dir={run_dir}",
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=here)
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert sorted(os.listdir(here / "runs")) == ["lm_scratch", "lm_scratch-2"]
     two, one = metrics(run_dir), metrics(b)
     assert sorted(two) == [1, 2, 3], (two, run.stderr[-3000:])
     np.testing.assert_allclose(
@@ -923,7 +1009,7 @@ def test_non_finite_steps_exit_3(tmp_path, capsys):
 
 
 def test_a_step_refused_for_memory_exits_4():
-    from dew.cli.commands import exit_code_of
+    from dew.cli.exits import exit_code_of
     from dew.train import StepDoesNotFit
 
     assert exit_code_of(StepDoesNotFit("needs 2 bytes, has 1")) == EXIT["does_not_fit"] == 4
@@ -935,7 +1021,7 @@ def test_a_step_refused_for_memory_exits_4():
 def saved_run(tmp_path) -> str:
     """A run folder whose recipe.yaml the command wrote (the checks before training
     need no checkpoints)."""
-    from dew.cli.commands import read_recipe
+    from dew.cli.loading import read_recipe
     from dew.cli.run_folder import write_run_recipe
 
     raw = read_recipe(LM, [*TOY, f"run_dir={tmp_path}/run"])
@@ -985,24 +1071,30 @@ def test_a_damaged_saved_recipe_is_refused_naming_the_file(damage, says, tmp_pat
         assert err.count("\n") == 1 and "Traceback" not in err, err
 
 
+def holding(run) -> subprocess.Popen:
+    """Another process holding ``run``'s lock (until killed)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from dew.cli.run_folder import lock_run; "
+            f"lock_run({str(run)!r}); print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_one_process_owns_a_run_folder(tmp_path, capsys):
     """A second writer is refused naming the folder and the holder's pid, before it
     writes anything; once the holder is killed (the OS lets its lock go) the same
     command trains."""
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time; from dew.cli.run_folder import lock_run; "
-            f"lock_run({str(run)!r}); print('held', flush=True); time.sleep(120)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    holder = holding(run)
     try:
-        assert holder.stdout.readline().strip() == "held"
         command = ["train", LM, *TOY, f"run_dir={run}", "trainer.steps=2"]
         assert main(command) == 2
         err = capsys.readouterr().err
@@ -1036,3 +1128,130 @@ def test_resume_with_more_steps_keeps_the_schedule_as_trained(tmp_path, capsys):
     path.write_text(path.read_text().replace("    decay_steps: 4\n", ""))
     assert main(["--quiet", "resume", run, "trainer.steps=7"]) == 0
     assert metrics(run)[7]["learning_rate"] == 0.0
+
+
+def test_a_resume_appends_what_it_changed_and_refuses_the_rest(lm_runs, capsys):
+    """Run a was trained for 6 steps and resumed to 12: its recipe.yaml still says 6
+    (written once), resumes.yaml says what the resume changed, and the recipe the run
+    continues with says 12. A resume that would change what was trained (the learning
+    rate, the model) is refused naming the keys, with nothing changed."""
+    from dew.cli.run_folder import load_run_recipe
+
+    _, a, _ = lm_runs
+    import yaml
+
+    original = pathlib.Path(a, "recipe.yaml").read_bytes()
+    assert yaml.safe_load(original)["trainer"]["steps"] == 6
+    entries = yaml.safe_load(pathlib.Path(a, "resumes.yaml").read_text())
+    assert [e["changes"] for e in entries] == [{"trainer.steps": 12}], entries
+    assert load_run_recipe(a)["trainer"]["steps"] == 12
+    before = sorted(os.listdir(a)), pathlib.Path(a, "resumes.yaml").read_bytes()
+    capsys.readouterr()
+    for change in ("optimizer.learning_rate=0.01", "model.config.num_layers=3"):
+        assert main(["resume", a, change, "trainer.steps=13"]) == 2
+        err = capsys.readouterr().err
+        key = change.partition("=")[0]
+        assert "a resume changes only what cannot alter the steps already trained" in err
+        assert f"not {key}: " in err and "trainer.steps:" not in err, err
+        assert "dew train RECIPE run_dir=NEW_DIR" in err and err.count("\n") == 1
+    assert (sorted(os.listdir(a)), pathlib.Path(a, "resumes.yaml").read_bytes()) == before
+    assert pathlib.Path(a, "recipe.yaml").read_bytes() == original
+
+
+def test_without_run_dir_each_run_gets_a_new_folder(tmp_path, monkeypatch):
+    """`dew train RECIPE` twice: runs/NAME, then runs/NAME-2, ... (a re-run never
+    continues or changes the earlier run); a recipe's own run_dir is kept."""
+    from dew.cli.loading import with_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    raw = {"trainer": {"steps": 1}}
+    assert with_run_dir(raw, "recipes/lm.yaml")["run_dir"] == os.path.join("runs", "lm")
+    os.makedirs("runs/lm")
+    assert with_run_dir(raw, "recipes/lm.yaml")["run_dir"] == os.path.join("runs", "lm-2")
+    os.makedirs("runs/lm-2")
+    assert with_run_dir(raw, "lm.yaml")["run_dir"] == os.path.join("runs", "lm-3")
+    assert with_run_dir({"run_dir": "runs/lm"}, "lm.yaml")["run_dir"] == "runs/lm"
+    # across processes: the first process's number (dew train's agree= broadcasts it)
+    agreed = with_run_dir(raw, "lm.yaml", agree=lambda number: 7)
+    assert agreed["run_dir"] == os.path.join("runs", "lm-7")
+    assert "run_dir" not in raw
+
+
+def test_export_into_a_run_takes_its_lock(lm_runs, tmp_path, capsys):
+    """`dew export RUN --to dew RUN/exported` writes into the run: while another
+    process holds the run it exits 2 naming the holder's pid and host, writing
+    nothing; once the holder is killed the same command writes the export."""
+    _, a, _ = lm_runs
+    out = os.path.join(a, "exported")
+    holder = holding(a)
+    try:
+        capsys.readouterr()
+        assert main(["export", a, "--to", "dew", out]) == 2
+        err = capsys.readouterr().err
+        assert f"{a} is in use by another process (pid {holder.pid} on host " in err, err
+        assert not os.path.exists(out)
+        # elsewhere than the run: no lock needed
+        assert main(["--quiet", "export", a, "--to", "dew", str(tmp_path / "out")]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["--quiet", "export", a, "--to", "dew", out]) == 0
+    assert os.path.exists(os.path.join(out, "dew_config.json"))
+
+
+def test_a_run_folder_naming_outside_code_needs_a_flag(lm_runs, tmp_path, capsys):
+    """resume, sample and export of a run folder whose recipe names modules outside
+    Dew refuse before importing anything, naming them and the flag; with the flag
+    the names are imported (here: a module that does not exist, so exit 2 naming it)."""
+    _, a, _ = lm_runs
+    run = tmp_path / "copied"
+    run.mkdir()
+    text = pathlib.Path(a, "recipe.yaml").read_text()
+    text = text.replace("  name: lm\n", "  name: not_installed_mod:Objective\n", 1)
+    assert "not_installed_mod" in text
+    (run / "recipe.yaml").write_text(text)
+    commands = (
+        ["resume", str(run)],
+        ["sample", str(run), "--prompt", "a"],
+        ["export", str(run), "--to", "dew", str(tmp_path / "x")],
+    )
+    for command in commands:
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "names code outside Dew (objective.name: not_installed_mod:Objective)" in err
+        assert "pass --allow-recipe-code" in err and err.count("\n") == 1
+    assert main(["resume", str(run), "--allow-recipe-code"]) == 2
+    assert "cannot import not_installed_mod:Objective" in capsys.readouterr().err
+
+
+def test_config_prints_the_resolved_recipe_and_help_lists_the_keys(tmp_path, capsys):
+    """`dew config` and `dew train --print-config`: every default filled in, nothing
+    written; `dew train --help` lists each section's keys with types and defaults."""
+    import yaml
+
+    run = tmp_path / "run"
+    args = [LM, "trainer.steps=3", "optimizer.schedule.warmup_steps=1", f"run_dir={run}"]
+    assert main(["config", *args]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert main(["train", *args, "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == shown
+    assert not run.exists()
+    assert shown["optimizer"]["schedule"]["decay_steps"] == 3  # the default, made explicit
+    assert shown["trainer"]["max_rejected"] == 10 and shown["mesh"]["fsdp"] == 1
+    assert {"num_layers", "num_heads", "max_seq_len"} <= set(shown["model"]["config"])
+    assert shown["run_dir"] == str(run)
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for line in (
+        "trainer.steps: int\n",
+        "mesh.fsdp: int = 1\n",
+        "checkpoints.keep: int | None = 3",
+    ):
+        assert line in text, text
+    assert text.count("\n  dew ") >= 2 and "--print-config" in text
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "trainer.steps: int\n" in text and "4 does not fit the device's memory" in text

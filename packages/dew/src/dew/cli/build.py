@@ -179,9 +179,16 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
 
 
 def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
+    from dew.objectives import Objective
     from dew.objectives.contract.objective import EMA
 
     cls = resolve(recipe.objective.name, OBJECTIVES, "objective")
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise RecipeError(
+            f"objective.name {recipe.objective.name!r} names {_kind_of(cls)}, not an "
+            f"objective (a subclass of dew.objectives.Objective); use a registered name "
+            f"({', '.join(OBJECTIVES)}) or module:Class of an objective"
+        )
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
     supplied: dict[str, Any] = {fields[0]: model}
     for role, section in recipe.objective.models.items():
@@ -256,7 +263,13 @@ def _reward(spec, where):
         )
     spec = dict(spec)
     kind = spec.pop("kind", "text")
-    fn = resolve(spec.pop("fn"), {}, "reward function")
+    name = spec.pop("fn")
+    fn = resolve(name, {}, "reward function")
+    if isinstance(fn, type) or not callable(fn):
+        raise RecipeError(
+            f"{where}.fn {name!r} names {_kind_of(fn)}, not a reward function (a "
+            f"module:function called with the prompts and completions)"
+        )
     kinds = {
         "text": TextReward,
         "token": TokenReward,
@@ -272,8 +285,25 @@ def _reward(spec, where):
     return cls(**checked_arguments(cls, spec, where, supplied={"fn": fn}))
 
 
+def _kind_of(value) -> str:
+    """What a ``module:Name`` turned out to be, for a message."""
+    if isinstance(value, type):
+        return f"the class {value.__module__}.{value.__qualname__}"
+    if callable(value):
+        module, name = getattr(value, "__module__", "?"), getattr(value, "__qualname__", value)
+        return f"the function {module}.{name}"
+    return f"a {type(value).__name__} value"
+
+
 def _data(recipe: Recipe, tokenizer):
     cls = resolve(recipe.data.name, READERS, "reader")
+    reads = callable(getattr(cls, "load", None))
+    if not (dataclasses.is_dataclass(cls) and isinstance(cls, type) and reads):
+        raise RecipeError(
+            f"data.name {recipe.data.name!r} names {_kind_of(cls)}, not a reader (a "
+            f"dataclass whose load(batch=) returns a dew.data.Dataset); use a registered "
+            f"name ({', '.join(READERS)}) or module:Class of a reader"
+        )
     fields = [f.name for f in dataclasses.fields(cls) if f.init]
     supplied = {"tokenizer": tokenizer} if "tokenizer" in fields else {}
     kwargs = checked_arguments(cls, recipe.data.args, "data.args", supplied=supplied)
@@ -329,10 +359,27 @@ def _schedule(section, steps: int):
             f"optimizer.schedule.name {s.name!r} is not one of {', '.join(SCHEDULES)}"
         )
     decay = (s.decay_steps or steps) - s.warmup_steps
+    over = (
+        f"optimizer.schedule.decay_steps={s.decay_steps}"
+        if s.decay_steps
+        else f"trainer.steps={steps}"
+    )
+    if s.warmup_steps < 0 or (s.decay_steps is not None and s.decay_steps < 1):
+        raise RecipeError(
+            f"optimizer.schedule: warmup_steps={s.warmup_steps}, decay_steps="
+            f"{s.decay_steps}: counts of steps, warmup_steps >= 0 and decay_steps >= 1"
+        )
     if decay < 1 and s.name != "constant":
         raise RecipeError(
-            f"optimizer.schedule: warmup_steps={s.warmup_steps} leaves no steps to decay over "
-            f"(decay_steps={s.decay_steps or steps})"
+            f"optimizer.schedule: warmup_steps={s.warmup_steps} leaves no steps to decay "
+            f"over {over}; use fewer warm-up steps (e.g. optimizer.schedule.warmup_steps="
+            f"{max(0, (s.decay_steps or steps) // 10)})"
+        )
+    if s.warmup_steps > steps:
+        raise RecipeError(
+            f"optimizer.schedule.warmup_steps={s.warmup_steps} is longer than the run "
+            f"(trainer.steps={steps}): the learning rate never reaches "
+            f"optimizer.learning_rate; use fewer warm-up steps or more trainer.steps"
         )
     if s.name == "constant" and s.warmup_steps == 0:
         return lr
@@ -354,13 +401,46 @@ def _schedule(section, steps: int):
     )
 
 
-def build_mesh(recipe: Recipe):
-    from dew.train import MeshSpec
+def build_mesh(recipe: Recipe, *, check: bool = True):
+    """The recipe's ``MeshSpec``, checked against the devices present (a mesh that
+    needs more says how to emulate devices on a CPU) and against the batch: it splits
+    into ``trainer.accumulate`` microbatches over the data-parallel axes (``check``:
+    what trains or plans; a run read back to sample or export is not checked)."""
+    import math
+
+    import jax
+
+    from dew.train import DEFAULT_RULES, MeshSpec
+    from dew.train.mesh import data_parallel_size
 
     try:
-        return MeshSpec(**dataclasses.asdict(recipe.mesh))
+        spec = MeshSpec(**dataclasses.asdict(recipe.mesh))
+        if not check:
+            return spec
+        mesh = spec.make()
     except (TypeError, ValueError) as error:
-        raise RecipeError(f"mesh: {error}") from None
+        fixed = math.prod(v for k, v in dataclasses.asdict(recipe.mesh).items() if v)
+        count = jax.device_count()
+        hint = ""
+        if fixed > count or count % fixed:
+            hint = (
+                f"; the axes given need {fixed} devices and {count} "
+                f"{jax.default_backend().upper()} devices are present: on a CPU, "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={fixed} in the "
+                f"environment (set before the command starts) emulates {fixed} devices"
+            )
+        raise RecipeError(f"mesh: {error}{hint}") from None
+    rows, accumulate = recipe.data.batch, recipe.trainer.accumulate
+    ways = data_parallel_size(mesh, DEFAULT_RULES)
+    if accumulate < 1 or rows < 1 or rows % (accumulate * ways):
+        sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+        raise RecipeError(
+            f"data.batch={rows} does not split into trainer.accumulate={accumulate} "
+            f"microbatches over the {ways} data-parallel devices of the mesh ({sizes}); "
+            f"make data.batch a multiple of {max(accumulate, 1) * ways}, or change "
+            f"trainer.accumulate or mesh.data / mesh.fsdp / mesh.expert"
+        )
+    return spec
 
 
 def check_settings(recipe: Recipe) -> None:
@@ -384,6 +464,33 @@ def check_settings(recipe: Recipe) -> None:
         )
 
 
+def check_lengths(recipe: Recipe, objective, data) -> None:
+    """The data's rows against what the objective reads (its ``batch_fields``), before
+    anything compiles; a mismatch says which key to change. ``objective.args.seq_len``
+    is the model's input length for every objective; the data's rows follow from it
+    (``token_windows`` rows hold ``data.args.seq_len + 1`` ids: an LM reads
+    ``seq_len`` of them as input and predicts the next, a masked or block diffusion
+    LM reads all of them, so its ``seq_len`` is ``data.args.seq_len + 1``)."""
+    from dew.objectives import check_batch_spec
+
+    if not data.spec:
+        return
+    try:
+        check_batch_spec(objective.batch_fields(), data.spec, what=type(objective).__name__)
+    except (KeyError, TypeError, ValueError) as error:
+        said = " ".join(str(error).strip("\"'").split())
+        given = recipe.objective.args.get("seq_len")
+        if given is not None:
+            hint = (
+                f"objective.args.seq_len={given} is the model's input length (docs/"
+                f"command-line.md, 'seq_len'): leave it out and the objective reads the "
+                f"length from the data, or change data.args.seq_len to give that length"
+            )
+        else:
+            hint = "change data.args (the reader's row length) or data.name"
+        raise RecipeError(f"{said}; {hint}") from None
+
+
 def build(recipe: Recipe, run_dir: str | None, *, with_data: bool = True) -> Built:
     check_settings(recipe)
     tokenizer = build_tokenizer(recipe, run_dir)
@@ -391,8 +498,10 @@ def build(recipe: Recipe, run_dir: str | None, *, with_data: bool = True) -> Bui
     extra: dict = {}
     objective, objective_args = _objective(recipe, model, params, tokenizer, extra)
     data, data_args = _data(recipe, tokenizer) if with_data else (None, dict(recipe.data.args))
+    if data is not None:
+        check_lengths(recipe, objective, data)
     optimizer, schedule, resolved_optimizer = build_optimizer(recipe)
-    mesh = build_mesh(recipe)
+    mesh = build_mesh(recipe, check=with_data)
     resolved = plain(recipe)
     resolved["model"] = resolved_model
     resolved["objective"] = {"name": recipe.objective.name, "args": objective_args}

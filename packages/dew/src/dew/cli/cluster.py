@@ -20,9 +20,9 @@ def detected_cluster() -> tuple[str, int] | None:
     metadata server that does not answer) counts as absent, and one whose process
     count cannot be read as one process, each with a warning; except a GKE TPU slice
     whose variables list several hosts (a configuration error: say how many)."""
-    from jax._src import clusters  # JAX's cluster environments (no public list)
+    from dew.cli.compat import cluster_environments
 
-    for env in clusters.ClusterEnv._cluster_types:
+    for env in cluster_environments():
         if env.opt_in_only_method:
             continue
         try:

@@ -43,8 +43,10 @@ __all__ = [
     "RecipeError",
     "apply_overrides",
     "checked_arguments",
+    "flatten",
     "load_recipe",
     "plain",
+    "recipe_help",
 ]
 
 
@@ -220,6 +222,36 @@ class Recipe:
     compilation_cache: str | bool = "default"  # YAML reads a bare `off` as false
 
 
+def recipe_help() -> str:
+    """The recipe's sections, each key with its type and default, for ``--help``
+    (read from the section classes above, so it cannot drift from them)."""
+    lines = ["recipe sections (key: type = default; no default = required):"]
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            hint = hints[field.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{field.name}.")
+                continue
+            if field.default is not dataclasses.MISSING:
+                default = f" = {field.default!r}"
+            elif field.default_factory is not dataclasses.MISSING:
+                default = f" = {field.default_factory()!r}"
+            else:
+                default = ""
+            lines.append(f"  {prefix}{field.name}: {_type_name(hint)}{default}")
+
+    walk(Recipe, "")
+    return "\n".join(lines)
+
+
+def _type_name(hint) -> str:
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return repr(hint).replace("typing.", "").replace("dew.cli.recipe.", "")
+
+
 # ------------------------------------------------------------------ reading
 
 
@@ -335,6 +367,27 @@ def _short(error: Exception) -> str:
     return text.replace('Parser key "recipe.', 'key "').replace("recipe.", "")
 
 
+def flatten(tree, prefix: str = "") -> dict:
+    """A nested recipe as ``{dotted.key: value}`` (lists are values)."""
+    out = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def set_dotted(raw: dict, key: str, value) -> None:
+    """``raw[a][b][c] = value`` for ``key`` ``a.b.c`` (sections made as needed)."""
+    node = raw
+    *parents, last = key.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
 def _copy(value):
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
@@ -361,6 +414,35 @@ def resolve(name: str, table: Mapping[str, str], what: str) -> Any:
         raise RecipeError(f"{what} {name!r}: cannot import {path} ({error})") from None
 
 
+def is_dew_module(module: str) -> bool:
+    """``dew`` or a module under it (Dew's own code)."""
+    return module == "dew" or module.startswith("dew.")
+
+
+def _check_class_paths(value: Any, where: str) -> None:
+    """A nested ``class_path`` names a class of a module already imported (Dew's own,
+    or one the objective's or reader's module imports): reading a recipe never imports
+    a new module for it, which jsonargparse would do before checking its type."""
+    import sys
+
+    if isinstance(value, Mapping):
+        path = value.get("class_path")
+        if isinstance(path, str):
+            module = path.rpartition(".")[0]
+            if module and not is_dew_module(module) and module not in sys.modules:
+                raise RecipeError(
+                    f"{where}.class_path {path!r}: {module} is not imported; a nested "
+                    f"class_path names a class of Dew or of a module the objective's or "
+                    f"reader's own module imports (a recipe is code: name your module in "
+                    f"objective.name or data.name, and import the class there)"
+                )
+        for key, item in value.items():
+            _check_class_paths(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_class_paths(item, f"{where}[{i}]")
+
+
 def checked_arguments(
     target: Callable | type,
     given: Mapping[str, Any],
@@ -384,6 +466,7 @@ def checked_arguments(
     params = _parameters(target)
     if not isinstance(given, Mapping):
         raise RecipeError(f"{where} must be a mapping of arguments, got {given!r:.80}")
+    _check_class_paths(given, where)
     for key in given:
         if key in supplied:
             raise RecipeError(f"{where}.{key} is set by the command (leave it out of the recipe)")

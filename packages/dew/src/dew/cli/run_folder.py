@@ -17,26 +17,75 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import yaml
 
-from dew.cli.recipe import Recipe, RecipeError
+from dew.cli.recipe import Recipe, RecipeError, is_dew_module, set_dotted
 
 __all__ = [
     "RECIPE_END",
     "RECIPE_FILE",
+    "RESUMABLE",
+    "RESUMES_FILE",
+    "append_resume",
+    "is_run",
     "load_run_recipe",
     "lock_run",
+    "not_a_run",
+    "outside_code",
     "release_run",
     "write_atomically",
     "write_run_recipe",
+    "write_status",
+    "add_allow_code",
+    "check_trusted",
+    "ALLOW_CODE",
 ]
 
 RECIPE_FILE = "recipe.yaml"
 STATUS_FILE = "status.json"
+RESUMES_FILE = "resumes.yaml"  # what each `dew resume` changed, in order
+# the keys a resume may change: none alters the steps already trained
+RESUMABLE = (
+    "trainer.steps",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.eval_batches",
+    "trainer.checkpoint_every",
+    "trainer.max_rejected",
+    "checkpoints.keep",
+    "checkpoints.keep_best",
+    "checkpoints.use_async",
+    "trackers",
+    "compilation_cache",
+    "optimizer.schedule.decay_steps",
+)
 CHECKPOINTS = "checkpoints"
 # the last line of a recipe.yaml Dew wrote whole (a comment: YAML ignores it)
 RECIPE_END = "# end of recipe.yaml (written whole by dew)\n"
+
+
+def is_run(run_dir: str) -> bool:
+    return os.path.isfile(os.path.join(run_dir, RECIPE_FILE))
+
+
+def not_a_run(run_dir: str) -> RecipeError:
+    if not os.path.isdir(run_dir):
+        return RecipeError(f"{run_dir} is not a directory (give a run directory `dew train` made)")
+    return RecipeError(
+        f"{run_dir} is not a Dew run: it has no {RECIPE_FILE} (a run directory `dew train` "
+        f"made holds {RECIPE_FILE}, {STATUS_FILE}, metrics.jsonl and {CHECKPOINTS}/)"
+    )
+
+
+def write_status(run_dir: str, status: str, **extra) -> None:
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    row = {"status": status, "pid": os.getpid(), "time": time.time(), **extra}
+    write_atomically(os.path.join(run_dir, STATUS_FILE), json.dumps(row))
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -61,9 +110,51 @@ def write_run_recipe(run_dir: str, resolved: dict) -> None:
 
 
 def load_run_recipe(run_dir: str) -> dict:
-    """The saved recipe of the run at ``run_dir``, whole, or a :class:`RecipeError`
+    """The recipe the run at ``run_dir`` continues with: its ``recipe.yaml`` (written
+    once, when the run started) with what each resume changed
+    (``resumes.yaml``, :func:`append_resume`) set in order; or a :class:`RecipeError`
     naming the file. A file without Dew's end line (a run of an earlier Dew) must
     hold every section of a recipe: a file cut at a line boundary lacks the last."""
+    raw = _original_recipe(run_dir)
+    for entry in _resumes(run_dir):
+        for key, value in entry["changes"].items():
+            set_dotted(raw, key, value)
+    return raw
+
+
+def append_resume(run_dir: str, changes: dict) -> None:
+    """``changes`` (``{dotted.key: value}``) added to the run's ``resumes.yaml`` with
+    the time, the file replaced whole (:func:`write_atomically`)."""
+    import datetime
+
+    entries = _resumes(run_dir)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    entries.append({"time": now, "changes": dict(changes)})
+    text = yaml.safe_dump(entries, sort_keys=False)
+    write_atomically(os.path.join(run_dir, RESUMES_FILE), text)
+
+
+def _resumes(run_dir: str) -> list:
+    path = os.path.join(run_dir, RESUMES_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        try:
+            entries = yaml.safe_load(f)
+        except yaml.YAMLError:
+            entries = None
+    good = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("changes"), dict) for e in entries
+    )
+    if not good:
+        raise RecipeError(
+            f"{path} is not a list of {{time, changes}} (what each `dew resume` changed); "
+            f"the run's checkpoints are unchanged: remove the damaged entries"
+        )
+    return entries
+
+
+def _original_recipe(run_dir: str) -> dict:
     path = os.path.join(run_dir, RECIPE_FILE)
     advice = (
         f"the run's checkpoints are unchanged: put back the recipe the run was trained "
@@ -163,3 +254,64 @@ def _alive(pid) -> bool:
     except PermissionError:
         return True
     return True
+
+
+ALLOW_CODE = "--allow-recipe-code"
+
+
+def outside_code(raw: dict) -> list[str]:
+    """The places of a saved recipe that name code outside Dew: an objective or a
+    reader that is not a registered short name, a reward function, a nested
+    ``class_path``, whose module is not ``dew`` or under it. ``resume``, ``sample``
+    and ``export`` of a run folder refuse them unless given :data:`ALLOW_CODE`
+    (a run folder is code: it imports and calls what it names)."""
+    from dew.cli.recipe import OBJECTIVES, READERS
+
+    found = []
+
+    def foreign(path: str) -> bool:
+        module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+        return not is_dew_module(module)
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                here = f"{where}.{key}" if where else str(key)
+                if key in ("class_path", "fn") and isinstance(value, str) and foreign(value):
+                    found.append(f"{here}: {value}")
+                walk(value, here)
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                if isinstance(value, str) and where.endswith(("rewards", "reward")):
+                    if foreign(value):
+                        found.append(f"{where}[{i}]: {value}")
+                walk(value, f"{where}[{i}]")
+        elif isinstance(node, str) and where.endswith((".reward", ".rewards")) and foreign(node):
+            found.append(f"{where}: {node}")
+
+    for section, table in (("objective", OBJECTIVES), ("data", READERS)):
+        name = (raw.get(section) or {}).get("name")
+        if isinstance(name, str) and name not in table and foreign(name):
+            found.append(f"{section}.name: {name}")
+    walk(raw, "")
+    return found
+
+
+def check_trusted(raw: dict, run_dir: str, allowed: bool) -> None:
+    """A :class:`RecipeError` naming what :func:`outside_code` found, unless ``allowed``."""
+    found = [] if allowed else outside_code(raw)
+    if found:
+        raise RecipeError(
+            f"{run_dir}'s recipe.yaml names code outside Dew ({'; '.join(found)}); a run "
+            f"folder is code, imported and run as a script would be. Nothing was run: if "
+            f"you trust where this folder came from, pass {ALLOW_CODE}"
+        )
+
+
+def add_allow_code(parser) -> None:
+    parser.add_argument(
+        ALLOW_CODE,
+        action="store_true",
+        help="run a run folder whose recipe names code outside Dew (its own objective, "
+        "reader or reward modules): a run folder is code, trust it as a script",
+    )

@@ -162,3 +162,9 @@ class ClassifierDistillationObjective(Objective):
     def evaluate(self, variables, batch, step: Step):
         terms, weights = self._terms(variables, batch)
         return {k: Weighted.mean(v, weights) for k, v in terms.items()}
+
+    def export(self, variables):
+        """The student as a :class:`dew.sampling.Pretrained` (``save`` writes it)."""
+        from dew.sampling import Pretrained
+
+        return Pretrained(model=self.student, params=variables["params"])

@@ -87,7 +87,7 @@ def run_dew(
     remat: str,
     kernel: str,
     param_dtype: str,
-    stack: str = "scan",
+    stack: str = "default",
     with_plan: bool = True,
 ):
     import itertools
@@ -110,10 +110,9 @@ def run_dew(
         "causal_transformer", vocab_size=s["vocab"], emb_features=s["emb"],
         num_layers=s["layers"], num_heads=s["heads"], mlp_features=s["mlp"],
         max_seq_len=s["seq"], dtype=jnp.bfloat16, param_dtype=jnp.dtype(param_dtype),
-        attention_kernel=kernel, remat_policy=remat, use_scan=stack != "loop", **style,
+        attention_kernel=kernel, remat_policy=remat, use_scan=stack != "loop",
+        unroll_layers={"scan": False, "straight": True}.get(stack), **style,
     )  # fmt: skip
-    if stack == "unrolled":  # the scanned [layers, ...] parameters, the loop unrolled
-        type(model).UNROLL_UP_TO = s["layers"]
     objective = LMObjective(model, seq_len=s["seq"])
     optimizer = optax.adamw(3e-4)
     planned = None
@@ -361,9 +360,11 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32")
     p.add_argument(
         "--stack",
-        choices=["scan", "loop", "unrolled"],
-        default="scan",
-        help="Dew's layer stack: scanned (default), a loop, the scan unrolled",
+        choices=["default", "scan", "straight", "loop"],
+        default="default",
+        help="Dew's layer stack: its default (straight on an accelerator), the scanned "
+        "[layers, ...] parameters run as one compiled loop or straight, or a loop of "
+        "layer_{i} blocks",
     )
     p.add_argument("--no-plan", action="store_true", help="Dew: skip plan's compile")
     a = p.parse_args()

@@ -1,0 +1,209 @@
+"""Where a training step's time goes on an accelerator: `jax.profiler` traces of Dew's
+GPT-2 (tools/bench_tpu.py's network, seq 1024, batch 8) in the plain hand-written
+jitted step and through `Trainer.fit`, summed per operation from the trace.
+
+    python tools/profile_tpu_step.py hand_loop fit_loop hand_scan fit_scan fit_straight norms
+
+Each argument is a run: ``hand_*`` the model in the plain loop's step, ``fit_*`` the
+same model through ``Trainer.fit``; the stack ``loop`` (``use_scan=False``), ``scan``
+(``unroll_layers=False``: one compiled loop), ``straight`` (the scanned parameters run
+layer after layer, the accelerators' default); ``norms`` times ways of taking the
+global norm of the parameter tree. Prints, per run, the step time, the device's idle
+time between steps and the operations that take the most time per step; traces and
+the hand step's compiled HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a
+tiny model (a CPU check of the script). docs/performance.md, "On a TPU v5e chip"."""
+
+import glob
+import gzip
+import itertools
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dew import Dataset, Trainer, models
+from dew.objectives.language.lm import LMObjective
+
+OUT = os.environ.get("OUT", "/tmp/out")
+os.makedirs(OUT, exist_ok=True)
+TINY = os.environ.get("TINY") == "1"
+S = dict(vocab_size=32000, emb_features=1024, num_layers=12, num_heads=16, mlp_features=4096,
+         max_seq_len=1024, norm="layer", mlp_activation="gelu", position_embedding="learned",
+         use_bias=True, dtype=jnp.bfloat16)  # fmt: skip
+B, T = 8, 1024
+if TINY:
+    S.update(vocab_size=256, emb_features=64, num_layers=2, num_heads=4, mlp_features=128,
+             max_seq_len=64)  # fmt: skip
+    B, T = 2, 64
+rng = np.random.default_rng(0)
+toks = [rng.integers(0, S["vocab_size"], (B, T + 1)).astype(np.int32) for _ in range(4)]
+
+
+def summarize(trace_dir: str, name: str, steps: int) -> None:
+    files = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+    if not files:
+        print(name, "no trace file", flush=True)
+        return
+    data = json.load(gzip.open(files[0]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    pnames, tnames = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pnames[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tnames[(e["pid"], e["tid"])] = e["args"]["name"]
+    dev = [p for p, n in pnames.items() if "TPU:0" in n or "/device:" in n and "CPU" not in n]
+    if not dev:
+        dev = [p for p, n in pnames.items() if "host" not in n.lower()][:1]
+    threads = defaultdict(float)
+    ops = defaultdict(lambda: [0.0, 0])
+    span = [float("inf"), 0.0]
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in dev:
+            continue
+        tn = tnames.get((e["pid"], e.get("tid")), str(e.get("tid")))
+        threads[tn] += e.get("dur", 0)
+        if "Ops" in tn:
+            o = ops[e["name"]]
+            o[0] += e.get("dur", 0)
+            o[1] += 1
+            span[0] = min(span[0], e["ts"])
+            span[1] = max(span[1], e["ts"] + e.get("dur", 0))
+    print(f"== {name}: device pids {[pnames[p] for p in dev]}", flush=True)
+    print(f"   span of ops {(span[1] - span[0]) / 1e3 / steps:.2f} ms/step", flush=True)
+    for tn, d in sorted(threads.items(), key=lambda x: -x[1]):
+        print(f"   thread {tn}: {d / 1e3 / steps:.2f} ms/step", flush=True)
+    mods = sorted(
+        (e["ts"], e.get("dur", 0), e["name"])
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("pid") in dev
+        and "Module" in tnames.get((e["pid"], e.get("tid")), "")
+    )
+    for (t0, d0, n0), (t1, _, _) in zip(mods, mods[1:]):
+        idle = (t1 - t0 - d0) / 1e3
+        print(f"   module {n0[:60]} {d0 / 1e3:.2f} ms, then idle {idle:.2f} ms", flush=True)
+    if mods:
+        print(f"   module {mods[-1][2][:60]} {mods[-1][1] / 1e3:.2f} ms", flush=True)
+    total = sum(v[0] for v in ops.values())
+    print(f"   ops total {total / 1e3 / steps:.2f} ms/step", flush=True)
+    for k, (d, n) in sorted(ops.items(), key=lambda x: -x[1][0])[:45]:
+        print(f"   {d / 1e3 / steps:8.3f} ms  x{n // steps:<4d} {k[:110]}", flush=True)
+
+
+def params_of(model):
+    p = model.init(jax.random.key(0), jnp.asarray(toks[0][:1, :-1]))["params"]
+    return jax.tree.map(lambda a: getattr(a, "value", a), p, is_leaf=lambda a: hasattr(a, "value"))
+
+
+def hand(name, **kw):
+    model = models.build("causal_transformer", **S, **kw)
+    params = params_of(model)
+    opt = optax.adamw(3e-4)
+    ost = opt.init(params)
+
+    def loss_fn(p, t):
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    def step(p, o, t):
+        loss, g = jax.value_and_grad(loss_fn)(p, t)
+        u, o = opt.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    t0 = time.time()
+    c = jax.jit(step, donate_argnums=(0, 1)).lower(params, ost, toks[0]).compile()
+    ct = time.time() - t0
+    with open(f"{OUT}/{name}.hlo.txt", "w") as f:
+        f.write(c.as_text())
+    m = c.memory_analysis()
+    batches = [jnp.asarray(x) for x in toks]
+    p, o, loss = c(params, ost, batches[0])
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for i in range(10):
+        p, o, loss = c(p, o, batches[i % 4])
+    jax.block_until_ready(loss)
+    dt = (time.perf_counter() - t0) / 10
+    print(json.dumps(dict(name=name, step_ms=dt * 1e3, temp_gib=m.temp_size_in_bytes / 2**30,
+                          compile_s=ct)), flush=True)  # fmt: skip
+    d = f"{OUT}/trace_{name}"
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    for i in range(5):
+        p, o, loss = c(p, o, batches[i % 4])
+    jax.block_until_ready((p, loss))
+    jax.profiler.stop_trace()
+    summarize(d, name, 5)
+    del p, o
+
+
+def fit(name, **kw):
+    model = models.build("causal_transformer", **S, **kw)
+    objective = LMObjective(model, seq_len=T)
+    data = Dataset(train=lambda p: ({"text": x} for x in itertools.cycle(toks)), val=None,
+                   records=4 * B, batch=B)  # fmt: skip
+    trainer = Trainer(objective, optax.adamw(3e-4), key=jax.random.key(0), progress=False)
+    d = f"{OUT}/trace_{name}"
+    marks = {}
+
+    def hook(info):
+        if info.step == 1:
+            jax.block_until_ready(info.state.params)
+            marks["t"] = time.perf_counter()
+        if info.step == 11:
+            jax.block_until_ready(info.state.params)
+            marks["dt"] = (time.perf_counter() - marks["t"]) / 10
+            jax.profiler.start_trace(d, create_perfetto_trace=True)
+        if info.step == 16:
+            jax.block_until_ready(info.state.params)
+            jax.profiler.stop_trace()
+
+    trainer.add_hook(hook, name="diag")
+    trainer.fit(data, steps=18, log_every=0)
+    print(json.dumps(dict(name=name, step_ms=marks["dt"] * 1e3)), flush=True)
+    summarize(d, name, 5)
+
+
+def norms():
+    from dew.train.step import tree_norm
+
+    model = models.build("causal_transformer", **S)
+    g = params_of(model)
+    ways = {
+        "tree_norm": lambda t: tree_norm(t),
+        "vdot": lambda t: jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(t))),
+        "optax": lambda t: optax.tree.norm(t),
+        "isfinite_all": lambda t: jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])
+        ),
+        "max_abs": lambda t: jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in jax.tree.leaves(t)])),
+    }
+    for name, f in ways.items():
+        c = jax.jit(f).lower(g).compile()
+        jax.block_until_ready(c(g))
+        t0 = time.perf_counter()
+        for _ in range(20):
+            r = c(g)
+        jax.block_until_ready(r)
+        print(f"norm {name}: {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms", flush=True)
+
+
+which = sys.argv[1:] or ["hand_loop", "fit_loop", "hand_scan"]
+for w in which:
+    if w == "norms":
+        norms()
+        continue
+    kind, stack = w.split("_")
+    kw = dict(use_scan=stack != "loop")
+    if stack == "scan":
+        kw["unroll_layers"] = False
+    try:
+        (hand if kind == "hand" else fit)(w, **kw)
+    except Exception as e:  # noqa: BLE001
+        print(w, "ERROR", repr(e)[-600:], flush=True)

@@ -184,7 +184,8 @@ def test_missing_package_names_the_extra(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    with pytest.raises(ImportError, match=r"pip install 'dew-train\[wandb\]'"):
+    uv = r"; with uv: uv add 'dew-train\[wandb\]' in your project, or uv sync --all-packages"
+    with pytest.raises(ImportError, match=r"pip install 'dew-train\[wandb\]'" + uv):
         WandbTracker(project="p")
     monkeypatch.setitem(sys.modules, "mlflow", None)
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)

@@ -134,3 +134,25 @@ def test_eval_every_logs_evaluation_and_a_preview(capsys):
     assert reported == pytest.approx(trainer.evaluate(state, data(rows))["loss"], abs=1e-4)
     # the model learned "i -> i + 1"; its greedy preview continues 0, 1 with 2, 3, 4, 5
     assert "preview step 30: '0,1,2,3,4,5'" in out
+
+
+def test_data_that_ends_before_steps_ends_the_run_with_a_checkpoint(tmp_path, capsys):
+    """A reader that ends (Mixture(exhausted='stop')) ends the run at its last batch:
+    the result says so, the log too, and the end-of-run checkpoint holds that step."""
+    from dew.train import Checkpoints
+
+    three = Dataset(
+        train=lambda partition: iter({"text": r} for r in ROWS[:3]),
+        val=None,
+        records=8 * 3,
+        batch=ROWS.shape[1],
+    )
+    objective = LMObjective(MODEL, seq_len=8)
+    checkpoints = Checkpoints(str(tmp_path / "ckpt"))
+    trainer = Trainer(objective, optax.adam(1e-2), key=jax.random.key(0), checkpoints=checkpoints)
+    state = trainer.fit(three, steps=10, log_every=0)
+    assert int(state.step) == 3
+    assert trainer.result.reason == "data_exhausted" and trainer.result.step == 3
+    assert "ended after step 3 of 10" in trainer.result.detail
+    assert "Stopped at step 3: the training data ended" in capsys.readouterr().out
+    assert checkpoints.steps()[-1] == 3

@@ -78,7 +78,9 @@ def training_steps(
         prepare_seconds = 0.0
         if step % per_batch == 0:
             with measure("data"):
-                local = next(batches)
+                local = next(batches, None)
+                if local is None:  # the data ended (a reader that ends): the run ends here
+                    return
                 check_batch(local, step == start)
                 if step == start or not _unchanged(local, previous):
                     key = signature(local)

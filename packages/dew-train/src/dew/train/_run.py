@@ -140,6 +140,16 @@ class HookRunner:
         self._run(info, finish=False)
         return record.at_boundary and self.stopped is not None
 
+    def data_ended(self, step: int, steps: int) -> None:
+        """The training data ended after ``step`` of ``steps``: the run ends there."""
+        if self.stopped is None:
+            self.stopped = (
+                "data_exhausted",
+                f"the training data ended after step {step} of {steps} (a reader that ends, "
+                f"e.g. Mixture(exhausted='stop')); a checkpoint of step {step} is written "
+                f"as at any end of a run",
+            )
+
     def finish(self, step: int, state) -> StepInfo:
         """The end of the run: the metrics still on the devices, then each hook's
         ``finish`` (the final checkpoint); returns the final step's info."""

@@ -312,9 +312,12 @@ class FitResult:
     """How the last ``fit`` ended, for a script to check before exporting.
 
     reason: ``"completed"`` (reached ``steps``), ``"early_stopped"``,
-      ``"interrupted"`` (SIGTERM/SIGINT) or ``"stopped_by_hook"``.
+      ``"interrupted"`` (SIGTERM/SIGINT), ``"stopped_by_hook"`` or
+      ``"data_exhausted"`` (the training data ended before ``steps``: a reader that
+      ends, such as ``Mixture(exhausted="stop")``).
     step: the step it ended at.
-    detail: the signal, the metric and its best value, or the hook's reason.
+    detail: the signal, the metric and its best value, the hook's reason, or where
+      the data ended.
     """
 
     reason: str

@@ -42,7 +42,8 @@ def _pil_image():
     except ImportError as error:
         raise ImportError(
             "writing an image preview needs pillow, which is not installed: pip install "
-            '"dew-train[images]"'
+            "'dew-train[images]'; with uv: uv add 'dew-train[images]' in your project, or "
+            "uv sync --all-packages --extra images in a Dew checkout"
         ) from error
     return Image
 

@@ -59,7 +59,9 @@ def _require(module: str, tracker: str, extra: str):
     except ImportError as error:
         raise ImportError(
             f"{tracker} needs the {module!r} package, which is not installed "
-            f"({error}); install it with: pip install 'dew-train[{extra}]'"
+            f"({error}); install it with: pip install 'dew-train[{extra}]'; with uv: uv add "
+            f"'dew-train[{extra}]' in your project, or uv sync --all-packages --extra {extra} "
+            f"in a Dew checkout"
         ) from error
 
 
@@ -145,7 +147,8 @@ class MLflowTracker:
                 "default store is sqlite:///mlflow.db, which needs the full `mlflow` package "
                 "(sqlalchemy), and dew-train[mlflow] installs mlflow-skinny; give "
                 "tracking_uri='http://host:5000' (a tracking server) or 'file:./mlruns' "
-                "(local files), set MLFLOW_TRACKING_URI, or pip install mlflow"
+                "(local files), set MLFLOW_TRACKING_URI, or install the full package (pip install "
+                "mlflow; with uv: uv add mlflow)"
             )
         self.experiment, self.tracking_uri = experiment, tracking_uri
         self.run_name, self.tags = run_name, dict(tags or {})

@@ -464,6 +464,10 @@ class Trainer:
                 if runner.after_step(record):
                     records.close()
                     break
+            else:
+                if step < steps:
+                    runner.data_ended(step, steps)
+                    log.print(f"Stopped at step {step}: {runner.stopped[1]}")
             final = runner.finish(step, state)
         with goodput.measure("steps"):
             jax.block_until_ready(state)

@@ -105,8 +105,9 @@ def _images(pipeline, args) -> list[str]:
         from PIL import Image
     except ImportError:
         raise RecipeError(
-            "--labels writes PNGs with pillow: uv sync --extra images (or pip install "
-            "'dew-train[images]')"
+            "--labels writes PNGs with pillow, which is not installed: pip install "
+            "'dew-train[images]'; with uv: uv add 'dew-train[images]' in your project, or "
+            "uv sync --all-packages --extra images in a Dew checkout"
         ) from None
     try:
         pixels = np.asarray(pipeline(args.labels, seed=args.seed))

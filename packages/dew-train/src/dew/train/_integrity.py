@@ -367,10 +367,12 @@ def _handler_classes():
     if _CLASSES is not None:
         return _CLASSES
     import orbax.checkpoint as ocp
-    from orbax.checkpoint._src.futures import future
-    from orbax.checkpoint._src.handlers import async_checkpoint_handler
 
-    class ChecksumsHandler(async_checkpoint_handler.AsyncCheckpointHandler):
+    from dew.train._compat import orbax_async_handler
+
+    async_handler, commit_future = orbax_async_handler()
+
+    class ChecksumsHandler(async_handler):
         """Writes this process's record; the sums are computed in the commit
         thread, before the checkpoint commits."""
 
@@ -383,11 +385,7 @@ def _handler_classes():
             (directory / _filename()).write_text(content)
 
         async def async_save(self, directory, args):
-            return [
-                future.CommitFutureAwaitingContractedSignals(
-                    self._write(args, directory), name="dew_checksums_save"
-                )
-            ]
+            return [commit_future(self._write(args, directory), name="dew_checksums_save")]
 
         def save(self, directory, args):
             (directory / _filename()).write_text(json.dumps(record(args.shards), indent=0))

@@ -217,7 +217,6 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
         (["trainer.steps=0"], "trainer.steps=0: a run trains for at least one step"),
         (["trainer.steps=-5", "optimizer.schedule.name=cosine"], "trainer.steps=-5: a run"),
         (["optimizer.learning_rate=-1e-3"], "optimizer.learning_rate=-0.001: the learning"),
-        (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0: the learning rate"),
         (["optimizer.learning_rate=.nan"], "optimizer.learning_rate=nan: the learning rate"),
         (
             ["trainer.steps=3", "optimizer.schedule.warmup_steps=5"],
@@ -265,15 +264,14 @@ def test_bad_input_is_one_line_and_exit_2(overrides, says, tmp_path, capsys):
             "dew.objectives.Objective)",
         ),
         (
-            ["data.name=dew.objectives.lm:LMObjective"],
-            "data.name 'dew.objectives.lm:LMObjective' names the class",
+            ["data.name=dew.objectives.language.lm:LMObjective"],
+            "data.name 'dew.objectives.language.lm:LMObjective' names the class",
         ),
     ],
     ids=[
         "steps_0",
         "steps_negative_cosine",
         "lr_negative",
-        "lr_zero",
         "lr_nan",
         "warmup_longer_than_run",
         "warmup_leaves_no_decay",
@@ -297,6 +295,15 @@ def test_settings_a_run_cannot_train_with_are_refused_before_building(
     assert code == 2, err
     assert says in err and "decay_steps" not in err and "Traceback" not in err, err
     assert err.count("\n") == 1 and not os.path.exists(tmp_path / "run")
+
+
+def test_zero_learning_rate_trains_with_a_warning(tmp_path, capsys):
+    """0 is a choice (losses and metrics without updates), not an error: one line."""
+    code = main(["train", LM, *TOY, f"run_dir={tmp_path}/run", "optimizer.learning_rate=0",
+                 "trainer.steps=1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "dew: warning: optimizer.learning_rate=0.0: the weights will not change" in err
 
 
 def test_missing_required_key_and_not_a_run(tmp_path, capsys):

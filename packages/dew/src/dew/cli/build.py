@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any
 
 from dew.cli.recipe import (
@@ -446,7 +447,7 @@ def build_mesh(recipe: Recipe, *, check: bool = True):
 def check_settings(recipe: Recipe) -> None:
     """The numbers a run cannot train with, refused before anything is built (a
     BPE trained, a step compiled): ``trainer.steps`` < 1, a learning rate that is
-    not a positive finite number (a negative one ascends the loss)."""
+    not a finite number >= 0 (a negative one ascends the loss; 0, a warning)."""
     import math
 
     steps = recipe.trainer.steps
@@ -456,11 +457,17 @@ def check_settings(recipe: Recipe) -> None:
             f"of updates to train for (e.g. trainer.steps=100)"
         )
     rate = recipe.optimizer.learning_rate
-    if not (math.isfinite(rate) and rate > 0):
+    if not (math.isfinite(rate) and rate >= 0):
         raise RecipeError(
             f"optimizer.learning_rate={rate}: the learning rate must be a positive finite "
-            f"number (a negative one climbs the loss, 0 trains nothing); e.g. "
-            f"optimizer.learning_rate=3e-4"
+            f"number (a negative one climbs the loss); e.g. optimizer.learning_rate=3e-4"
+        )
+    if rate == 0:
+        print(
+            "dew: warning: optimizer.learning_rate=0.0: the weights will not change (the "
+            "run computes losses and metrics only); give a positive rate to train, e.g. "
+            "optimizer.learning_rate=3e-4",
+            file=sys.stderr,
         )
 
 

@@ -9,7 +9,6 @@ import os
 from typing import Any
 
 from dew.cli.recipe import (
-    OBJECTIVES,
     READERS,
     SCHEDULES,
     ModelSection,
@@ -180,6 +179,7 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
 
 def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
     from dew.objectives.contract.objective import EMA
+    from dew.objectives.contract.registry import OBJECTIVES
 
     cls = resolve(recipe.objective.name, OBJECTIVES, "objective")
     fields = [f.name for f in dataclasses.fields(cls) if f.init]

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import masks
+from dew.objectives.contract import registry
 from dew.objectives.contract.weighted import Weighted
 from dew.objectives.diffusion.masked import (
     MaskedDiffusionObjective,
@@ -63,6 +64,7 @@ def check_clip(clip, *, what: str) -> tuple[float, float]:
     return beta, omega
 
 
+@registry.register("block_diffusion")
 @dataclasses.dataclass(eq=False)
 class BlockDiffusionObjective(MaskedDiffusionObjective):
     """BD3-LM training (module docstring); the fields of

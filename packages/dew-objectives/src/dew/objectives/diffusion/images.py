@@ -60,10 +60,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, PIXELS, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Step, warmup_ema_decay  # noqa: F401 (public here too)
 from dew.objectives.contract.weighted import Weighted
-from dew.objectives.cores.conditioning import TextConditioning
+from dew.objectives.cores.conditioning import (
+    TextConditioning,
+    guided_context_mask,
+    model_conditions,
+)
 from dew.sampling.diffusion.pipelines import (
     ClassToImage,
     ClassToVideo,
@@ -135,21 +140,12 @@ def posterior_tables(schedule: DDPMSchedule) -> dict[str, np.ndarray]:
     }
 
 
-def model_conditions(model) -> tuple[int, int]:
-    """``(num_classes, context_features)`` of a denoiser: its class labels (label
-    ``num_classes`` is the null class; 0 = none) and the width of the text contexts it
-    reads (0 = none)."""
-    return (
-        int(getattr(model, "num_classes", 0) or 0),
-        int(getattr(model, "context_features", 0) or 0),
-    )
-
-
 def _mean_rows(x: jax.Array) -> jax.Array:
     """``[batch, ...] -> [batch]``: the mean over every non-batch axis."""
     return jnp.mean(x.reshape(x.shape[0], -1), axis=1)
 
 
+@registry.register("diffusion")
 @dataclasses.dataclass(eq=False)
 class DiffusionObjective(TextConditioning, Objective):
     """Diffusion training of a denoiser ``model.apply(vars, x, t, label=, context=)``.
@@ -663,11 +659,3 @@ class DiffusionObjective(TextConditioning, Objective):
                 )
         if self.context_features:
             self.check_text_batch(batch)
-
-
-def guided_context_mask(context_mask, guidance: float):
-    """The mask of the doubled batch under guidance: the null rows attend to everything."""
-    mask = jnp.asarray(context_mask, bool)
-    if guidance == 1.0:
-        return mask
-    return jnp.concatenate([mask, jnp.ones_like(mask)])

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import is_whole_number
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, MASK, BatchField, check_token_ids, first_row
 from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
@@ -176,6 +177,7 @@ def resolve_mask_id(mask_id, tokenizer, model, *, what: str) -> int:
     return int(mask_id)
 
 
+@registry.register("masked_diffusion")
 @dataclasses.dataclass(eq=False)
 class MaskedDiffusionObjective(Objective):
     """MDLM training of a bidirectional token denoiser (module docstring).

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import PIXELS, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Role, Step
 from dew.objectives.contract.weighted import Weighted
@@ -144,6 +145,7 @@ def momentum_schedule(start: float, end: float, updates: int):
     return schedule
 
 
+@registry.register("jepa")
 @dataclasses.dataclass(eq=False)
 class JepaObjective(Objective):
     """I-JEPA / V-JEPA: predict target-encoder features of masked blocks.

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, BatchField
 from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
 from dew.objectives.contract.weighted import Weighted
@@ -36,6 +37,7 @@ from dew.objectives.language.distillation import (
 __all__ = ["ClassifierDistillationObjective"]
 
 
+@registry.register("classifier_distillation")
 @dataclasses.dataclass(eq=False)
 class ClassifierDistillationObjective(Objective):
     """A classifier (any logits model) distilled from a frozen teacher.

@@ -53,6 +53,7 @@ import numpy as np
 
 from dew.nn.dense import token_rows
 from dew.nn.keywords import real_number
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField
 from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
@@ -346,6 +347,7 @@ class _StoredTeacher(nn.Module):
         return jnp.zeros((*tokens.shape, self.vocab_size or 1), jnp.float32)
 
 
+@registry.register("distillation")
 @dataclasses.dataclass(eq=False)
 class DistillationObjective(Objective):
     """A causal-LM student distilled from a frozen teacher (module docstring for the math).

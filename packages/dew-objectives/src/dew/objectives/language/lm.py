@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, MASK, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
@@ -80,6 +81,7 @@ def check_packed_positions(positions: np.ndarray, max_len: int | None, *, key: s
         )
 
 
+@registry.register("lm")
 @dataclasses.dataclass(eq=False)
 class LMObjective(Objective):
     """Next-token prediction for a causal model.

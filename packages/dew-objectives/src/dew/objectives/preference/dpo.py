@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.contract.objective import Objective, Role, Step
 from dew.objectives.contract.weighted import Summed, Weighted
@@ -63,6 +64,7 @@ KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask")
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
+@registry.register("dpo")
 @dataclasses.dataclass(eq=False)
 class DPOObjective(Objective):
     """Preference optimization of a causal policy against a frozen reference.

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import is_whole_number
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, BatchField
 from dew.objectives.contract.objective import (
     EMA,
@@ -80,6 +81,7 @@ from dew.objectives.contract.objective import (
     with_initial_values,
 )
 from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.conditioning import guided_context_mask, model_conditions
 from dew.objectives.cores.image_rewards import HostImageReward, ImageReward, ImageRewards
 from dew.objectives.cores.rewards import READER
 from dew.objectives.cores.rl import (
@@ -97,7 +99,6 @@ from dew.objectives.cores.rollouts import (
     repeat_rows,
     traced_data_parallel,
 )
-from dew.objectives.diffusion.images import guided_context_mask, model_conditions
 from dew.sampling import FlowEuler, FlowSDE, model_denoiser, sample_diffusion, sample_flow_sde
 from dew.sampling.diffusion.flow_sde import transition_log_prob
 from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
@@ -128,6 +129,7 @@ def default_ema() -> EMA:
     return EMA(decay=0.99, use_warmup=True)
 
 
+@registry.register("flow_grpo")
 @dataclasses.dataclass(eq=False)
 class FlowGRPOObjective(Objective):
     """Flow-GRPO on a flow-matching denoiser (module docstring for the math).

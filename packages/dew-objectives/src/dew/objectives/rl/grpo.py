@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.objective import Objective, Role, Step, Updates
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k3
@@ -107,6 +108,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> Weighted:
     raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATION}, got {mode!r}")
 
 
+@registry.register("grpo")
 @dataclasses.dataclass(eq=False)
 class GRPOObjective(Objective):
     """GRPO on a causal language model (module docstring for the math).

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.objective import Objective, Role, Step, Updates, nn_unbox
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
@@ -138,6 +139,7 @@ def value_loss(
 
 
 # ----------------------------------------------------------------- objective
+@registry.register("ppo")
 @dataclasses.dataclass(eq=False)
 class PPOObjective(Objective):
     """PPO with a KL penalty to a frozen reference policy and GAE (module docstring).

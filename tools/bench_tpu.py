@@ -114,7 +114,7 @@ def run_dew(
     )  # fmt: skip
     if stack == "unrolled":  # the scanned [layers, ...] parameters, the loop unrolled
         type(model).UNROLL_UP_TO = s["layers"]
-    objective = LMObjective(model, seq_len=s["seq"])
+    objective = LMObjective(model=model, seq_len=s["seq"])
     optimizer = optax.adamw(3e-4)
     planned = None
     if with_plan:

@@ -8,6 +8,7 @@ constructor argument; nothing is global.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 from dew.objectives.contract.batch import BatchField, check_batch_spec, spec_of
+from dew.objectives.contract.phases import PHASES, Phases, check_phases, default
 from dew.objectives.contract.roles import (
     ROLE_NAMES,
     Role,
@@ -28,6 +30,7 @@ from dew.objectives.contract.step import EMA, Step, Updates, warmup_ema_decay
 
 __all__ = [
     "EMA",
+    "PHASES",
     "ROLE_NAMES",
     "Metrics",
     "Objective",
@@ -35,6 +38,7 @@ __all__ = [
     "Step",
     "Updates",
     "Variables",
+    "check_phases",
     "check_roles",
     "check_same_shapes",
     "initial_source",
@@ -47,7 +51,7 @@ Variables = dict[str, Any]
 Metrics = dict[str, jax.Array]
 
 
-class Objective:
+class Objective(Phases):
     """Base class of every objective. Subclasses set ``model`` (or override
     :meth:`roles`) and implement :meth:`init` and :meth:`loss`; the rest is
     optional.
@@ -63,12 +67,8 @@ class Objective:
         feeds (:class:`Updates`); ignored without it.
       headline_metrics: metric names the trainer prints on each log line after the
         loss (``("reward", "kl")``); every metric is in ``metrics.jsonl`` regardless.
-      init_reads_spec: :meth:`init` takes the data's batch spec (``init(key,
-        spec=...)``). Dew's families set it; an objective of your own that writes
-        ``init(self, key)`` (the seed's form) leaves it False, one that writes
-        ``init(self, key, spec=None)`` sets it True, and a subclass of a Dew family
-        that overrides ``init`` without ``spec`` sets it back to False. The trainer
-        reads the declaration (:meth:`initialize`), never the method's signature.
+      phases: the optional prepare phases it has (:mod:`dew.objectives.contract.phases`):
+        ``()``, ``("prepare",)`` or ``("prepare", "prepare_host", "prepare_finish")``.
 
     The loss's value and metrics may carry weights (:mod:`dew.objectives.contract.weighted`):
     a plain scalar means equal weight per example row.
@@ -79,7 +79,6 @@ class Objective:
     evaluate_averaged: bool = True
     prepared_updates: Updates = Updates()
     headline_metrics: tuple[str, ...] = ()
-    init_reads_spec: bool = False
 
     def roles(self) -> tuple[Role, ...]:
         """The models this objective uses, named from :data:`ROLE_NAMES`, with their
@@ -105,21 +104,11 @@ class Objective:
 
         spec: the data's batch spec, ``{key: Field(shape per row, dtype)}``
           (``dew.data.Dataset.spec``; None when the data declares none), so shapes
-          are stated once, by the data. Read only when :attr:`init_reads_spec` is
-          True; the seed's ``init(self, key)`` stays valid (see :meth:`initialize`).
+          are stated once, by the data. The one form; a seed-style
+          ``init(self, key)`` still runs, with a DeprecationWarning
+          (:meth:`~dew.objectives.contract.phases.Phases.initialize`).
         """
         raise NotImplementedError
-
-    def initialize(self, key: jax.Array, spec: Mapping[str, Any] | None = None) -> Variables:
-        """What the trainer calls to initialise the variables for data of batch spec
-        ``spec``: ``init(key, spec=spec)`` when :attr:`init_reads_spec` and the data
-        declares a spec, else the seed's ``init(key)``. An objective inherits this and
-        implements :meth:`init`; the declaration, not the method's signature, says which
-        form ``init`` has, so an ``init(self, key)`` written against the seed's contract
-        keeps working."""
-        if self.init_reads_spec and spec is not None:
-            return self.init(key, spec=spec)
-        return self.init(key)
 
     def accumulate_for(self, data_parallel: int) -> int | None:
         """The trainer's accumulation (microbatches per update) when the objective
@@ -129,42 +118,13 @@ class Objective:
         ``accumulate`` must then be 1 or that number."""
         return None
 
-    def prepare(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
-        """Optional: turn a data batch into a training batch, compiled and without
-        gradients, on the pre-update weights (rollouts and their rewards,
-        reference log-probs, values and advantages; masks; noise). The trainer
-        then runs ``prepared_updates.per_batch`` optimizer updates over its rows. Every
-        array's leading dimension is the rows, divisible by ``prepared_updates.minibatches``.
-        With :meth:`prepare_host`, this is the first of three parts: compiled
-        ``prepare`` -> host ``prepare_host`` -> compiled ``prepare_finish``."""
-        raise NotImplementedError
-
-    def prepare_host(self, rollout: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Optional: host Python between :meth:`prepare` and :meth:`prepare_finish`
-        (rewards over decoded text, a reward model served elsewhere).
-
-        rollout: :meth:`prepare`'s output as numpy arrays, every row of the global
-          batch (gathered from all processes). Returns new arrays with the same
-          leading rows axis; the trainer places them on the mesh and passes
-          ``{**prepare's output, **these}`` to :meth:`prepare_finish`, compiled.
-        Raising (a ``ValueError`` naming the bad row) ends ``fit`` before any
-        update of this batch is applied; checkpoints already written stay.
-        Must be a pure function of ``rollout``, so a resumed run repeats it."""
-        raise NotImplementedError
-
-    def prepare_finish(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
-        """Optional, with :meth:`prepare_host`: the second compiled part of the
-        prepare phase (advantages from the host's rewards), on the same
-        pre-update weights, without gradients. Returns the training batch.
-        Default: the batch as it is."""
-        return dict(batch)
-
     def loss(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step):
         """``(loss, metrics)``: the loss a scalar (a mean, equal weight per row), a
         ``Weighted`` or a tuple of ``Weighted`` terms; metrics scalars, ``Weighted``
         or ``Summed`` (:mod:`dew.objectives.contract.weighted`)."""
         raise NotImplementedError
 
+    @default
     def evaluate(self, variables: Variables, batch: Mapping[str, jax.Array], step: Step) -> Metrics:
         """Metrics of one validation batch, as in :meth:`loss`; the trainer adds
         them up over the pass (weights and totals separately) and reduces once."""
@@ -180,6 +140,7 @@ class Objective:
         Default: none."""
         return []
 
+    @default
     def preview(self, variables: Variables, key: jax.Array) -> Any:
         """A sample to log (text, images, video); None = nothing to show."""
         return None
@@ -189,11 +150,21 @@ class Objective:
         live run's, a checkpoint's or a Hugging Face load's."""
         raise NotImplementedError(f"{type(self).__name__} has no inference pipeline")
 
-    def pipeline(self, state) -> Any:
+    def inference_task(self, state) -> Any:
         """``export`` of a ``TrainState``'s variables (the averaged ones when the
-        objective evaluates with them)."""
+        objective evaluates with them): the inference task of a training run."""
         averaged = self.evaluate_averaged and self.keeps_average
         return self.export(state.variables(averaged=averaged))
+
+    def pipeline(self, state) -> Any:
+        """Deprecated name of :meth:`inference_task` ("pipeline" also names GPipe stages
+        and ``Pretrained.pipeline``)."""
+        warnings.warn(
+            f"{type(self).__name__}.pipeline(state) is now inference_task(state)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.inference_task(state)
 
     def batch_fields(self) -> tuple[BatchField, ...]:
         """The batch keys this objective reads, with each row's shape and the dtypes it
@@ -207,19 +178,3 @@ class Objective:
         :meth:`batch_fields` (for data that declares no spec), then, in subclasses,
         the values (out-of-vocabulary ids, ties, empty completions)."""
         check_batch_spec(self.batch_fields(), spec_of(batch), what=type(self).__name__)
-
-    @property
-    def has_evaluate(self) -> bool:
-        return type(self).evaluate is not Objective.evaluate
-
-    @property
-    def has_preview(self) -> bool:
-        return type(self).preview is not Objective.preview
-
-    @property
-    def has_prepare(self) -> bool:
-        return type(self).prepare is not Objective.prepare
-
-    @property
-    def has_prepare_host(self) -> bool:
-        return self.has_prepare and type(self).prepare_host is not Objective.prepare_host

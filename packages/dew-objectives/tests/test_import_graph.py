@@ -75,3 +75,15 @@ def test_dew_train_imports_the_contract_and_the_public_names_only():
     }
     wrong = {k: v for k, v in wrong.items() if v}
     assert not wrong, f"dew-train reaches past the contract: {wrong}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = {
+        f"{module}: {node.module}.{alias.name}"
+        for module, path in modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dew.objectives")
+        for alias in node.names
+        if alias.name.startswith("_") and alias.name != "_moved"
+    }
+    assert not private, f"private names imported across modules: {sorted(private)}"

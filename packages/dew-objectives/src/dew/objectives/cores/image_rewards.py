@@ -29,8 +29,8 @@ import numpy as np
 from dew.objectives.cores.rewards import (
     RewardError,
     RewardSet,
-    _accepted,
-    _check_reward,
+    accepted_columns,
+    check_reward,
     gather_rewards,
 )
 from dew.sampling.diffusion.pipelines import to_pixels
@@ -61,7 +61,7 @@ class ImageReward:
     pixels: bool = True
 
     def __post_init__(self):
-        _check_reward(self)
+        check_reward(self)
 
     @property
     def label(self) -> str:
@@ -164,7 +164,7 @@ class ImageRewards(RewardSet):
         host = []
         for r in self.host:
             images = to_pixels(samples) if r.pixels else np.asarray(samples, np.float32)
-            kwargs = _accepted(r.fn, columns)
+            kwargs = accepted_columns(r.fn, columns)
             what = f"host image reward {r.label!r}"
             try:
                 value = r.fn(images, **kwargs)

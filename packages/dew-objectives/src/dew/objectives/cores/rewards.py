@@ -68,7 +68,7 @@ class TokenReward:
     name: str = ""
 
     def __post_init__(self):
-        _check_reward(self)
+        check_reward(self)
 
     @property
     def label(self) -> str:
@@ -90,14 +90,14 @@ class TextReward:
     name: str = ""
 
     def __post_init__(self):
-        _check_reward(self)
+        check_reward(self)
 
     @property
     def label(self) -> str:
         return _name_of(self.fn, self.name)
 
 
-def _check_reward(reward) -> None:
+def check_reward(reward) -> None:
     kind = type(reward).__name__
     if not callable(reward.fn):
         raise TypeError(f"{kind}.fn must be callable, got {type(reward.fn).__name__}")
@@ -257,7 +257,7 @@ class Rewards(RewardSet):
         rows = len(completions)
         out = np.zeros((rows, len(self.text)), np.float32)
         for k, r in enumerate(self.text):
-            kwargs = _accepted(r.fn, columns)
+            kwargs = accepted_columns(r.fn, columns)
             what = f"text reward {r.label!r}"
             try:
                 value = r.fn(prompts=prompts, completions=completions, **kwargs)
@@ -296,7 +296,7 @@ def _check_finite(value: np.ndarray, what: str, group_size: int) -> None:
         )
 
 
-def _accepted(fn: Callable, columns: Mapping[str, list]) -> dict[str, list]:
+def accepted_columns(fn: Callable, columns: Mapping[str, list]) -> dict[str, list]:
     """The columns ``fn`` takes: all with ``**kwargs``, else those it names."""
     try:
         params = inspect.signature(fn).parameters.values()

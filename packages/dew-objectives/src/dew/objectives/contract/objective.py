@@ -41,6 +41,7 @@ __all__ = [
     "check_phases",
     "check_roles",
     "check_same_shapes",
+    "set_canonical",
     "initial_source",
     "nn_unbox",
     "warmup_ema_decay",
@@ -178,3 +179,13 @@ class Objective(Phases):
         :meth:`batch_fields` (for data that declares no spec), then, in subclasses,
         the values (out-of-vocabulary ids, ties, empty completions)."""
         check_batch_spec(self.batch_fields(), spec_of(batch), what=type(self).__name__)
+
+
+def set_canonical(objective, **numbers) -> None:
+    """Store checked numbers in their canonical type (``np.float32(2.0)`` -> ``2.0``):
+    the one write a frozen objective's ``__post_init__`` makes, always of an equal
+    value (numbers in every numeric form are accepted and kept as Python numbers)."""
+    for name, value in numbers.items():
+        if not bool(value == getattr(objective, name)):
+            raise AssertionError(f"{name}: {value!r} is not the value given")
+        object.__setattr__(objective, name, value)

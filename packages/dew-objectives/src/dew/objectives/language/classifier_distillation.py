@@ -25,7 +25,13 @@ import numpy as np
 
 from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, BatchField
-from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
+from dew.objectives.contract.objective import (
+    Objective,
+    Role,
+    Step,
+    set_canonical,
+    with_initial_values,
+)
 from dew.objectives.contract.weighted import Weighted
 from dew.objectives.cores.divergences import (
     check_beta,
@@ -75,9 +81,12 @@ class ClassifierDistillationObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        check_beta(self.beta)
-        check_temperature(self.temperature)
-        check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy")
+        set_canonical(
+            self,
+            beta=check_beta(self.beta),
+            temperature=check_temperature(self.temperature),
+            alpha=check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy"),
+        )
         if self.alpha and self.label_key is None:
             raise ValueError(
                 f"{what}(alpha={self.alpha}) weighs a hard-label cross-entropy but "

@@ -53,7 +53,13 @@ import numpy as np
 
 from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField
-from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
+from dew.objectives.contract.objective import (
+    Objective,
+    Role,
+    Step,
+    set_canonical,
+    with_initial_values,
+)
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.divergences import (
     check_beta,
@@ -200,10 +206,15 @@ class DistillationObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        check_beta(self.beta)
-        check_temperature(self.temperature)
-        check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy")
-        check_fraction("lmbda", self.lmbda, "the fraction of batches the student samples")
+        set_canonical(
+            self,
+            beta=check_beta(self.beta),
+            temperature=check_temperature(self.temperature),
+            alpha=check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy"),
+            lmbda=check_fraction(
+                "lmbda", self.lmbda, "the fraction of batches the student samples"
+            ),
+        )
         if self.chunk_size is not None and (
             isinstance(self.chunk_size, bool) or int(self.chunk_size) < 1
         ):

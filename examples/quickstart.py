@@ -6,7 +6,7 @@ import optax
 
 from dew import Dataset, Trainer, models
 from dew.data import ByteTokenizer
-from dew.objectives.language.lm import LMObjective
+from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling, generate
 
 tokenizer = ByteTokenizer()
@@ -19,7 +19,7 @@ model = models.build(
     "causal_transformer", vocab_size=tokenizer.vocab_size,
     emb_features=64, num_layers=2, num_heads=4,
     mlp_features=256, max_seq_len=128)
-objective = LMObjective(model=model, seq_len=64)
+objective = LMObjective(model, seq_len=64)
 trainer = Trainer(objective, optax.adamw(3e-3),
                   key=jax.random.key(0))
 state = trainer.fit(data, steps=100, log_every=25)

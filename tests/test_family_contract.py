@@ -498,13 +498,15 @@ def test_every_registered_family_has_a_case_here():
 
 @pytest.mark.parametrize("family", sorted(OBJECTIVES))
 def test_every_family_is_frozen_and_writes_nothing_back(family):
-    """Issue 40 item 2: a frozen keyword-only dataclass whose ``__post_init__`` only
-    validates: the instance holds its fields as given and derived parts as cached
-    properties, nothing else; another setting is ``dataclasses.replace``."""
+    """Issue 40 item 2: a frozen dataclass, keyword-only after its trained model, whose
+    ``__post_init__`` only validates: the instance holds its fields as given and derived
+    parts as cached properties, nothing else; another setting is ``dataclasses.replace``."""
     objective = OBJECTIVES[family]()
     cls = type(objective)
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    assert cls.__dataclass_params__.frozen and all(f.kw_only for f in fields), cls
+    # keyword-only, but for the trained model first (the seed's LMObjective(model, ...))
+    assert cls.__dataclass_params__.frozen and all(f.kw_only for f in fields[1:]), cls
+    assert fields[0].name in ("model", "student", "encoder") and not fields[0].kw_only
     cached = {
         name
         for klass in cls.__mro__

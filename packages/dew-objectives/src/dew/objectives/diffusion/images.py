@@ -146,7 +146,7 @@ def _mean_rows(x: jax.Array) -> jax.Array:
 
 
 @registry.register("diffusion")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DiffusionObjective(TextConditioning, Objective):
     """Diffusion training of a denoiser ``model.apply(vars, x, t, label=, context=)``.
 
@@ -198,6 +198,7 @@ class DiffusionObjective(TextConditioning, Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     schedule: Schedule = dataclasses.field(default_factory=DDPMSchedule)
     target: str | None = None
     cond_dropout: float = 0.1

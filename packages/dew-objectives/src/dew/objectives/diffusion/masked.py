@@ -179,7 +179,7 @@ def resolve_mask_id(mask_id, tokenizer, model, *, what: str) -> int:
 
 
 @registry.register("masked_diffusion")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MaskedDiffusionObjective(Objective):
     """MDLM training of a bidirectional token denoiser (module docstring).
 
@@ -207,6 +207,7 @@ class MaskedDiffusionObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     mask_id: int | None = None
     tokenizer: Any = None
     schedule: MaskSchedule = MaskSchedule()

@@ -147,7 +147,7 @@ def momentum_schedule(start: float, end: float, updates: int):
 
 
 @registry.register("jepa")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class JepaObjective(Objective):
     """I-JEPA / V-JEPA: predict target-encoder features of masked blocks.
 
@@ -169,6 +169,7 @@ class JepaObjective(Objective):
     """
 
     encoder: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     predictor: Any
     planned_updates: int
     momentum: tuple[float, float] = (0.996, 1.0)

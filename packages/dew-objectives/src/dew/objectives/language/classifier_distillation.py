@@ -44,7 +44,7 @@ __all__ = ["ClassifierDistillationObjective"]
 
 
 @registry.register("classifier_distillation")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ClassifierDistillationObjective(Objective):
     """A classifier (any logits model) distilled from a frozen teacher.
 
@@ -68,6 +68,7 @@ class ClassifierDistillationObjective(Objective):
     """
 
     student: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     teacher: Any = None
     teacher_params: Any = None
     beta: float = 0.0

@@ -113,7 +113,7 @@ class _StoredTeacher(nn.Module):
 
 
 @registry.register("distillation")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DistillationObjective(Objective):
     """A causal-LM student distilled from a frozen teacher (module docstring for the math).
 
@@ -180,6 +180,7 @@ class DistillationObjective(Objective):
     """
 
     student: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     teacher: Any = None
     teacher_params: Any = None
     beta: float = 0.5

@@ -83,7 +83,7 @@ def check_packed_positions(positions: np.ndarray, max_len: int | None, *, key: s
 
 
 @registry.register("lm")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LMObjective(Objective):
     """Next-token prediction for a causal model.
 
@@ -130,6 +130,7 @@ class LMObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     seq_len: int | None = None
     text_key: str = "text"
     loss_mask_key: str | None = None

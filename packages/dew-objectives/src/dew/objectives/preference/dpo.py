@@ -66,7 +66,7 @@ REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 @registry.register("dpo")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DPOObjective(Objective):
     """Preference optimization of a causal policy against a frozen reference.
 
@@ -99,6 +99,7 @@ class DPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     reference: Any = None
     reference_model: Any = None
     reference_free: bool = False

@@ -130,7 +130,7 @@ def default_ema() -> EMA:
 
 
 @registry.register("flow_grpo")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FlowGRPOObjective(Objective):
     """Flow-GRPO on a flow-matching denoiser (module docstring for the math).
 
@@ -173,6 +173,7 @@ class FlowGRPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     rewards: Sequence[Any] = ()
     group_size: int = 8
     schedule: Any = dataclasses.field(default_factory=FlowSchedule)

@@ -110,7 +110,7 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> Weighted:
 
 
 @registry.register("grpo")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class GRPOObjective(Objective):
     """GRPO on a causal language model (module docstring for the math).
 
@@ -156,6 +156,7 @@ class GRPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     rewards: Sequence[Any] = ()
     group_size: int = 8
     max_new_tokens: int = 16

@@ -141,7 +141,7 @@ def value_loss(
 
 # ----------------------------------------------------------------- objective
 @registry.register("ppo")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PPOObjective(Objective):
     """PPO with a KL penalty to a frozen reference policy and GAE (module docstring).
 
@@ -189,6 +189,7 @@ class PPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     reward: Any
     max_new_tokens: int
     critic: Any = None

@@ -245,8 +245,7 @@ def _reward(spec, where):
     """``{fn: module:function, weight: 1.0, kind: text | token | image | host_image,
     name: ''}``: a host reward of decoded text, a jitted one of token ids (the LM
     families), a jitted or host one of uint8 images (Flow-GRPO)."""
-    from dew.objectives.cores.image_rewards import HostImageReward, ImageReward
-    from dew.objectives.cores.rewards import TextReward, TokenReward
+    from dew.objectives.cores.rewards import HostImageReward, ImageReward, TextReward, TokenReward
 
     if isinstance(spec, str):
         spec = {"fn": spec}

@@ -82,8 +82,7 @@ from dew.objectives.contract.objective import (
 )
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.conditioning import guided_context_mask, model_conditions
-from dew.objectives.cores.image_rewards import HostImageReward, ImageReward, ImageRewards
-from dew.objectives.cores.rewards import READER
+from dew.objectives.cores.rewards import READER, HostImageReward, ImageReward, ImageRewards
 from dew.objectives.cores.rl import (
     SCALE_REWARDS,
     check_epsilons,

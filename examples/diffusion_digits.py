@@ -63,7 +63,7 @@ model = DiT(
     num_classes=10,
 )
 objective = DiffusionObjective(
-    model, schedule=FlowSchedule(), guidance=3.0, preview_count=20, preview_steps=20
+    model=model, schedule=FlowSchedule(), guidance=3.0, preview_count=20, preview_steps=20
 )
 warmup = min(100, args.steps // 2)
 trainer = Trainer(
@@ -81,7 +81,7 @@ state = trainer.fit(
     eval_every=max(args.steps // 4, 1),
 )
 
-pipe = objective.pipeline(state)  # ClassToImage over the EMA weights
+pipe = objective.inference_task(state)  # ClassToImage over the EMA weights
 samples = pipe(list(range(10)) * 4, num_steps=30, seed=0)  # [40, 8, 8, 1] uint8
 grid = sample_grid(samples, columns=10)  # [32, 80, 1]: a row per seed, a column per digit
 Image.fromarray(grid[..., 0]).resize((320, 128), Image.Resampling.NEAREST).save(out / "samples.png")

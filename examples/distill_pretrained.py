@@ -81,7 +81,7 @@ def main():
         emb_features=teacher.model.emb_features // 2, num_layers=1, mlp_features=64
     )
     objective = DistillationObjective(
-        student,
+        student=student,
         teacher=teacher,  # its module and weights: a frozen role
         beta=0.5,
         lmbda=0.5,
@@ -109,7 +109,7 @@ def main():
 
     # held out: the teacher's samples of other prompts, scored by both models
     seq_kd = DistillationObjective(
-        student, teacher=teacher, beta=0.5, seq_kd=True, max_new_tokens=NEW
+        student=student, teacher=teacher, beta=0.5, seq_kd=True, max_new_tokens=NEW
     )
     at = Step(index=np.int32(0), key=jax.random.key(1))
     frozen = {"teacher": {"params": teacher.params}}

@@ -114,7 +114,7 @@ def run(
     data = dataset(train_pairs, val_pairs, batch)
     # The policy starts at the reference (as DPO after SFT does): init_params; the
     # frozen reference role is a copy of that initial policy.
-    objective = DPOObjective(MODEL, beta=0.1, init_params=reference)
+    objective = DPOObjective(model=MODEL, beta=0.1, init_params=reference)
     extra = {} if mesh is None else {"mesh": mesh}
     trainer = Trainer(objective, optax.adam(learning_rate), key=k_train, **extra)
     before = trainer.evaluate(trainer.init_state(data.spec), data)

@@ -71,7 +71,7 @@ else:
     emb = args.emb_features
     model = DiT(sample_size=8, patch_size=args.patch_size, in_channels=1, emb_features=emb,
                 num_layers=2, num_heads=4, mlp_features=2 * emb, num_classes=10)  # fmt: skip
-    diffusion = DiffusionObjective(model, schedule=FlowSchedule(), preview_count=0)
+    diffusion = DiffusionObjective(model=model, schedule=FlowSchedule(), preview_count=0)
 
     def train(partition):
         rng = np.random.default_rng(partition.index)
@@ -85,7 +85,7 @@ else:
                       mesh=one_device, progress=False)  # fmt: skip
     state = trainer.fit(Dataset(train=train, val=None, records=len(images), batch=64),
                         steps=steps, log_every=max(steps // 5, 1))  # fmt: skip
-    pipe = diffusion.pipeline(state)  # ClassToImage over the EMA weights
+    pipe = diffusion.inference_task(state)  # ClassToImage over the EMA weights
 
 # 2. the reward: a classifier's probability of the digit, on uint8 images, jittable
 classifier = LogisticRegression(max_iter=2000).fit(images.reshape(len(images), -1) / 255, labels)

@@ -95,7 +95,7 @@ model = CausalTransformer(
     vocab_size=16, emb_features=64, num_layers=2, num_heads=4, mlp_features=128, max_seq_len=8
 )
 objective = GRPOObjective(
-    model,
+    model=model,
     rewards=[TextReward(fn=correct), TextReward(fn=close, weight=0.2)],
     group_size=16,
     max_new_tokens=2,

@@ -94,8 +94,8 @@ predictor = ViTPredictor(
     encoder_features=64, emb_features=128, num_layers=4, num_heads=2, mlp_features=256, **grid
 )
 objective = JepaObjective(
-    encoder,
-    predictor,
+    encoder=encoder,
+    predictor=predictor,
     planned_updates=steps,
     momentum=(0.996, 1.0),  # I-JEPA's start, ending at 1.0 so a short run does not lag
     masks=MultiBlock(num_targets=3, min_keep=4),  # 3 blocks of 8-13 pixels, 28 context pixels

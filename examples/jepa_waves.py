@@ -73,8 +73,8 @@ predictor = ViTPredictor(
     encoder_features=64, emb_features=32, num_layers=1, num_heads=2, mlp_features=64, **grid
 )
 objective = JepaObjective(
-    encoder,
-    predictor,
+    encoder=encoder,
+    predictor=predictor,
     planned_updates=steps,
     momentum=(0.99, 1.0),  # short run: a slower EMA would still lag at the end
     masks=MultiBlock(num_targets=2, min_keep=4),  # 2 target blocks on a 6 x 6 grid
@@ -96,6 +96,6 @@ print(f"linear probe accuracy: random-init encoder {baseline:.3f}")
 print(f"linear probe accuracy: context encoder {context:.3f}, target encoder {target:.3f}")
 
 with tempfile.TemporaryDirectory() as directory:
-    objective.pipeline(state).save(directory)  # the target encoder, mean-pooled
+    objective.inference_task(state).save(directory)  # the target encoder, mean-pooled
     features = FeatureExtractor.load(directory)(waves(np.random.default_rng(3), 4)[0])
 print(f"features of 4 images: {features.shape}")

@@ -66,12 +66,18 @@ def main():
         vocab_size=vocab, max_seq_len=length, position_embedding="learned", **size
     )
     objectives = {
-        "AR": LMObjective(CausalTransformer(vocab_size=vocab, max_seq_len=length, **size)),
-        "MDLM": MaskedDiffusionObjective(denoiser, seq_len=length, eval_times=args.eval_times),
+        "AR": LMObjective(model=CausalTransformer(vocab_size=vocab, max_seq_len=length, **size)),
+        "MDLM": MaskedDiffusionObjective(
+            model=denoiser, seq_len=length, eval_times=args.eval_times
+        ),
     }
     for block in (int(b) for b in args.blocks.split(",") if b):
         objectives[f"BD3-LM {block}"] = BlockDiffusionObjective(
-            denoiser, seq_len=length, block_size=block, eval_times=args.eval_times, clip_search=()
+            model=denoiser,
+            seq_len=length,
+            block_size=block,
+            eval_times=args.eval_times,
+            clip_search=(),
         )
     states, rows = {}, []
     for name, objective in objectives.items():
@@ -88,10 +94,10 @@ def main():
     for row in rows[1:]:
         objective = objectives[row[0]]
         steps = objective.block_size if isinstance(objective, BlockDiffusionObjective) else length
-        pipe = objective.pipeline(states[row[0]][1])
+        pipe = objective.inference_task(states[row[0]][1])
         pipe.sampler = MaskedSampler(num_steps=steps, first_hitting=True)
         ids = pipe.sample_ids(np.zeros((8, 0), np.int32), jax.random.key(1))
-        ids = np.where(ids == objective.mask_id, tokenizer.end_id, ids)
+        ids = np.where(ids == objective.mask_token, tokenizer.end_id, ids)
         scored = judge.objective.evaluate(
             judge_state.variables(), {"text": ids.astype(np.int32)}, None
         )

@@ -6,7 +6,7 @@ import optax
 
 from dew import Dataset, Trainer, models
 from dew.data import ByteTokenizer
-from dew.objectives.language.lm import LMObjective
+from dew.objectives.lm import LMObjective
 from dew.sampling import Sampling, generate
 
 tokenizer = ByteTokenizer()

@@ -55,7 +55,7 @@ def fit(data, directory, steps):
         max_seq_len=SEQ_LEN,
     )
     trainer = Trainer(
-        LMObjective(model, seq_len=SEQ_LEN),
+        LMObjective(model=model, seq_len=SEQ_LEN),
         optax.sgd(0.1),
         key=jax.random.key(0),
         checkpoints=Checkpoints(directory, use_async=False),
@@ -149,7 +149,9 @@ def test_padded_validation_gives_the_exact_loss_of_the_real_windows(tmp_path):
         mlp_features=32,
         max_seq_len=SEQ_LEN,
     )
-    trainer = Trainer(LMObjective(model, seq_len=SEQ_LEN), optax.sgd(0.1), key=jax.random.key(1))
+    trainer = Trainer(
+        LMObjective(model=model, seq_len=SEQ_LEN), optax.sgd(0.1), key=jax.random.key(1)
+    )
     state = trainer.init_state()
     results = trainer.evaluate(state, data)
 

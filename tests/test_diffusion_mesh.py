@@ -84,7 +84,7 @@ def run(kind: str, mesh: MeshSpec, run_dir):
     # sgd: Adam would blow float noise in near-zero gradients up to their sign
     trainer = Trainer(
         # no EMA: an elementwise average, and a third copy of the state to compile for
-        DiffusionObjective(build(), schedule=DDPMSchedule(), cond_dropout=0.25, ema=None),
+        DiffusionObjective(model=build(), schedule=DDPMSchedule(), cond_dropout=0.25, ema=None),
         optax.sgd(1.0),
         key=jax.random.key(0),
         mesh=mesh,

@@ -30,7 +30,7 @@ def test_fit_moves_the_text_encoder_and_the_pipeline_uses_it(tmp_path):
         num_heads=2, mlp_features=32, use_scan=False, context_features=16,
     )  # fmt: skip
     objective = DiffusionObjective(
-        dit, schedule=FlowSchedule(), text_encoder=encoder, train_text_encoder=True, ema=None,
+        model=dit, schedule=FlowSchedule(), text_encoder=encoder, train_text_encoder=True, ema=None,
         preview_count=0,
     )  # fmt: skip
     ids = encoder.tokenize(CAPTIONS)
@@ -68,7 +68,7 @@ def test_fit_moves_the_text_encoder_and_the_pipeline_uses_it(tmp_path):
     mu = state.opt_state[0].mu
     assert jax.tree.structure(mu) == jax.tree.structure(state.params)
 
-    pipe = objective.pipeline(state)
+    pipe = objective.inference_task(state)
     np.testing.assert_array_equal(
         pipe.text_encoder.params["embed"]["embedding"], params["text_encoder"]["embed"]["embedding"]
     )

@@ -117,7 +117,7 @@ RING_CASES = {
 def test_ring_of_gaussians(case):
     spec = RING_CASES[case]
     objective = DiffusionObjective(
-        RingMLP(),
+        model=RingMLP(),
         schedule=spec["schedule"],
         target=spec["target"],
         input_key="x",
@@ -213,7 +213,7 @@ def digits():
         mlp_features=64,
         num_classes=10,
     )
-    objective = DiffusionObjective(model, schedule=FlowSchedule())
+    objective = DiffusionObjective(model=model, schedule=FlowSchedule())
     trainer = Trainer(objective, optax.adam(2e-3), key=jax.random.key(0), **ONE)
     data = Dataset(train, None, records=len(images), batch=DIGIT_BATCH)
     state = trainer.fit(data, steps=DIGIT_STEPS, log_every=0)

@@ -2,7 +2,7 @@
 the Trainer on 4-frame 8x8 clips of a 2x2 square on rows 3-4 moving one pixel right per
 frame from a random start column.
 
-Sampled clips (through ``objective.pipeline(state)``, the EMA weights) must show a
+Sampled clips (through ``objective.inference_task(state)``, the EMA weights) must show a
 square that moves as the data's does: the centroid's displacement from the first to
 the last frame is 3 pixels right in every training clip; most samples must move
 1.5..4.5 pixels right and not vertically, and most within 0.75 of 3. That last share
@@ -71,7 +71,7 @@ def run(tmp_path_factory):
         num_layers=2, num_heads=4, mlp_features=64, num_frames=FRAMES,
     )  # fmt: skip
     objective = DiffusionObjective(
-        model, schedule=FlowSchedule(), ema=EMA(decay=0.99), preview_count=4, preview_steps=10
+        model=model, schedule=FlowSchedule(), ema=EMA(decay=0.99), preview_count=4, preview_steps=10
     )
     directory = tmp_path_factory.mktemp("video")
     trainer = Trainer(
@@ -95,7 +95,7 @@ def test_the_data_moves_three_pixels_right():
 
 def test_sampled_squares_move_as_the_data_does(run):
     objective, state, _ = run
-    pipe = objective.pipeline(state)
+    pipe = objective.inference_task(state)
     assert isinstance(pipe, ClassToVideo)
     # 64 samples: the tight-vs-control comparison below is a difference of two
     # proportions, whose noise at 32 samples (one sample = 0.03) was its margin

@@ -112,9 +112,11 @@ def data(batches):
 def distil_and_check(run_dir, **teacher):
     """Distil ``STUDENT`` from ``teacher`` (``teacher=`` and maybe ``teacher_params=``)
     on ``BATCH`` for ``STEPS`` steps; check the first step against numpy and the fall."""
-    objective = DistillationObjective(STUDENT, **teacher, beta=0.0, temperature=T, chunk_size=2)
-    assert objective.teacher.emb_features != STUDENT.emb_features
-    assert objective.teacher.num_layers != STUDENT.num_layers
+    objective = DistillationObjective(
+        student=STUDENT, **teacher, beta=0.0, temperature=T, chunk_size=2
+    )
+    assert objective.teacher_module.emb_features != STUDENT.emb_features
+    assert objective.teacher_module.num_layers != STUDENT.num_layers
     trainer = Trainer(
         objective, optax.adam(1e-2), key=jax.random.key(0), mesh=ONE, run_dir=str(run_dir)
     )
@@ -124,7 +126,7 @@ def distil_and_check(run_dir, **teacher):
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == STEPS
     want = numpy_metrics(
-        STUDENT, initial["params"], objective.teacher, initial["teacher"]["params"]
+        STUDENT, initial["params"], objective.teacher_module, initial["teacher"]["params"]
     )
     for key, value in want.items():
         np.testing.assert_allclose(train[0][key], value, rtol=1e-5, err_msg=key)
@@ -155,7 +157,7 @@ def test_teacher_from_a_dew_run_via_load_model(tmp_path):
     rng = np.random.default_rng(1)
     rows = [{"text": rng.integers(1, 32, (ROWS, P + N + 1)).astype(np.int32)} for _ in range(2)]
     lm = Trainer(
-        LMObjective(model, seq_len=P + N, init_params=sharp_params(model, seed=3)),
+        LMObjective(model=model, seq_len=P + N, init_params=sharp_params(model, seed=3)),
         optax.adam(1e-2),
         key=jax.random.key(1),
         mesh=ONE,

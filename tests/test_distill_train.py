@@ -62,7 +62,7 @@ def fit(run_dir, *, mesh=ONE, accumulate=1, **options):
         batch=ROWS,
     )
     objective = DistillationObjective(
-        STUDENT,
+        student=STUDENT,
         teacher=TEACHER,
         teacher_params=TEACHER_PARAMS,
         sampling=Sampling(temperature=1.0),

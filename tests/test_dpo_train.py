@@ -84,7 +84,7 @@ def fit_on(mesh: MeshSpec, run_dir):
         records=STEPS * PAIRS,
         batch=PAIRS,
     )
-    objective = DPOObjective(MODEL, reference=reference, init_params=policy, rpo_alpha=0.5)
+    objective = DPOObjective(model=MODEL, reference=reference, init_params=policy, rpo_alpha=0.5)
     trainer = Trainer(
         objective, optax.sgd(0.5), key=jax.random.key(0), mesh=mesh, run_dir=str(run_dir)
     )

@@ -19,6 +19,7 @@ Each family's runs share one reference run; every figure is compared with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -77,7 +78,7 @@ def lm() -> Case:
         mask[1::2, -1] = 1  # 1 target
         batches.append({"text": text, "mask": mask})
     model = CausalTransformer(**TINY_LM)
-    return Case(LMObjective(model, seq_len=8, loss_mask_key="mask"), batches)
+    return Case(LMObjective(model=model, seq_len=8, loss_mask_key="mask"), batches)
 
 
 def diffusion() -> Case:
@@ -94,7 +95,7 @@ def diffusion() -> Case:
         for _ in range(STEPS)
     ]
     model = DiT(**TINY_DIT, num_classes=10)
-    return Case(DiffusionObjective(model), batches)
+    return Case(DiffusionObjective(model=model), batches)
 
 
 def jepa() -> Case:
@@ -108,8 +109,8 @@ def jepa() -> Case:
         for _ in range(STEPS)
     ]
     objective = JepaObjective(
-        ViT(**TINY_VIT),
-        ViTPredictor(**TINY_PREDICTOR),
+        encoder=ViT(**TINY_VIT),
+        predictor=ViTPredictor(**TINY_PREDICTOR),
         planned_updates=10,
         masks=MultiBlock(num_targets=2, min_keep=2),
     )
@@ -133,7 +134,7 @@ def dpo() -> Case:
         chosen = (pos >= 3) & (pos < ends[:, None])
         rejected = (pos >= 3) & (pos < ends[::-1, None])
         batches.append(dict(ids, chosen_mask=chosen, rejected_mask=rejected))
-    return Case(DPOObjective(CausalTransformer(**TINY_LM)), batches)
+    return Case(DPOObjective(model=CausalTransformer(**TINY_LM)), batches)
 
 
 def _sevens(completion, mask, batch):
@@ -158,7 +159,7 @@ def grpo() -> Case:
     from dew.sampling import Sampling
 
     objective = GRPOObjective(
-        CausalTransformer(**TINY_LM),
+        model=CausalTransformer(**TINY_LM),
         rewards=[TokenReward(fn=_sevens)],
         group_size=2,
         max_new_tokens=3,
@@ -175,7 +176,7 @@ def ppo() -> Case:
     from dew.sampling import Sampling
 
     objective = PPOObjective(
-        CausalTransformer(**TINY_LM),
+        model=CausalTransformer(**TINY_LM),
         reward=TokenReward(fn=_sevens),
         max_new_tokens=3,
         sampling=Sampling(temperature=1.0),
@@ -207,7 +208,7 @@ def mdlm() -> Case:
     from dew.objectives.diffusion.masked import MaskedDiffusionObjective
 
     objective = MaskedDiffusionObjective(
-        _encoder(), mask_id=7, seq_len=8, attention_mask_key="mask"
+        model=_encoder(), mask_id=7, seq_len=8, attention_mask_key="mask"
     )
     return Case(objective, _token_rows(6))
 
@@ -216,7 +217,7 @@ def bd3() -> Case:
     from dew.objectives.diffusion.block import BlockDiffusionObjective
 
     objective = BlockDiffusionObjective(
-        _encoder(), mask_id=7, seq_len=8, block_size=2, attention_mask_key="mask"
+        model=_encoder(), mask_id=7, seq_len=8, block_size=2, attention_mask_key="mask"
     )
     return Case(objective, _token_rows(7))
 
@@ -243,7 +244,7 @@ def distill() -> Case:
     teacher = CausalTransformer(**{**TINY_LM, "emb_features": 32, "mlp_features": 48})
     teacher_params = nn.unbox(teacher.init(jax.random.key(2), jnp.zeros((1, 8), jnp.int32)))
     objective = DistillationObjective(
-        CausalTransformer(**TINY_LM),
+        student=CausalTransformer(**TINY_LM),
         teacher=teacher,
         teacher_params=jax.device_get(teacher_params["params"]),
         sampling=Sampling(temperature=1.0),
@@ -272,7 +273,7 @@ def flow_grpo() -> Case:
             return nn.Dense(flat.shape[1])(nn.silu(nn.Dense(16)(h))).reshape(x.shape)
 
     objective = FlowGRPOObjective(
-        Velocity(),
+        model=Velocity(),
         rewards=[ImageReward(fn=lambda x, b: x[:, 0, 0, 0], name="left", pixels=False)],
         group_size=2,
         sample_shape=(2, 2, 1),
@@ -468,3 +469,55 @@ def test_a_dpo_tie_or_empty_completion_is_refused_before_anything_compiles(fault
         match = "pair 1 of this batch has an empty rejected completion"
     case = dataclasses.replace(case, batches=[first, *case.batches[1:]])
     _refused_before_compiling(case, match)
+
+
+def _classifier_distillation():
+    import flax.linen as nn
+
+    from dew.objectives.language.classifier_distillation import (
+        ClassifierDistillationObjective,
+    )
+
+    return ClassifierDistillationObjective(student=nn.Dense(3), teacher_params={}, alpha=0.5)
+
+
+# every registered family's objective: the trained cases above, and the classifier
+# distillation (trained in test_classifier_distillation.py)
+OBJECTIVES = {
+    **{name: (lambda build=build: build().objective) for name, build in FAMILIES.items()},
+    "classifier_distillation": _classifier_distillation,
+}
+
+
+def test_every_registered_family_has_a_case_here():
+    from dew.objectives.contract import registry
+
+    covered = {type(build()) for build in OBJECTIVES.values()}
+    assert covered == {registry.get(name) for name in registry.names()}
+
+
+@pytest.mark.parametrize("family", sorted(OBJECTIVES))
+def test_every_family_is_frozen_and_writes_nothing_back(family):
+    """Issue 40 item 2: a frozen dataclass, keyword-only after its trained model, whose
+    ``__post_init__`` only validates: the instance holds its fields as given and derived
+    parts as cached properties, nothing else; another setting is ``dataclasses.replace``."""
+    objective = OBJECTIVES[family]()
+    cls = type(objective)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    # keyword-only, but for the trained model first (the seed's LMObjective(model, ...))
+    assert cls.__dataclass_params__.frozen and all(f.kw_only for f in fields[1:]), cls
+    assert fields[0].name in ("model", "student", "encoder") and not fields[0].kw_only
+    cached = {
+        name
+        for klass in cls.__mro__
+        for name, value in vars(klass).items()
+        if isinstance(value, functools.cached_property)
+    }
+    extra = set(vars(objective)) - {f.name for f in fields} - cached
+    assert not extra, f"{cls.__name__} holds attributes that are neither fields nor cached: {extra}"
+    given = {f.name: getattr(objective, f.name) for f in fields}
+    again = dataclasses.replace(objective)
+    changed = [name for name, value in given.items() if getattr(again, name) is not value]
+    assert not changed, f"{cls.__name__}.__post_init__ wrote back {changed}"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(objective, fields[0].name, None)

@@ -49,7 +49,10 @@ def pretrained(tmp_path_factory):
 def test_finetune_starts_from_the_checkpoint_and_saves_back(pretrained, tmp_path, capsys):
     assert isinstance(pretrained.tokenizer, HFTokenizer)  # the byte tokenizer, as tokenizer.json
     objective = LMObjective(
-        pretrained.model, seq_len=16, init_params=pretrained.params, tokenizer=pretrained.tokenizer
+        model=pretrained.model,
+        seq_len=16,
+        init_params=pretrained.params,
+        tokenizer=pretrained.tokenizer,
     )
     row = np.asarray(pretrained.tokenizer.encode("dew trains jax models. " * 2)[:17], np.int32)
     batch = {"text": np.tile(row, (8, 1))}
@@ -71,7 +74,7 @@ def test_finetune_starts_from_the_checkpoint_and_saves_back(pretrained, tmp_path
     loss_after = float(objective.loss({"params": state.params}, batch, None)[0])
     assert loss_after < 0.7 * loss_before  # it trained
 
-    pipeline = objective.pipeline(state)
+    pipeline = objective.inference_task(state)
     assert isinstance(pipeline, TextGeneration)
     text = pipeline("dew trains", max_new_tokens=8)
     assert isinstance(text, str) and text.startswith("dew trains")

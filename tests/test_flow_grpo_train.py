@@ -73,7 +73,7 @@ def ring_model():
     """Flow matching on the ring (logit-normal times, Adam 2e-3, batch 256), one scan."""
     model = FlowMLP()
     diffusion = DiffusionObjective(
-        model,
+        model=model,
         schedule=FlowSchedule(),
         input_key="x",
         sample_shape=(2,),
@@ -122,7 +122,7 @@ def groups(count, labels=None):
 def test_ring_mode_reward_rises_threefold_with_the_first_ratio_asserted(ring_model):
     model, params = ring_model
     objective = FlowGRPOObjective(
-        model,
+        model=model,
         rewards=[ImageReward(fn=near_mode_0, pixels=False)],
         group_size=16,
         sample_shape=(2,),
@@ -156,7 +156,7 @@ def test_the_default_average_follows_a_short_run(ring_model):
     average of before, run alongside on the same trajectory, kept under half of it."""
     model, params = ring_model
     objective = FlowGRPOObjective(
-        model,
+        model=model,
         rewards=[ImageReward(fn=near_mode_0, pixels=False)],
         group_size=16,
         sample_shape=(2,),
@@ -217,7 +217,7 @@ class Brightness:
 
 def conditional(host, debug=False, **sizes):
     return FlowGRPOObjective(
-        FlowMLP(width=32, num_classes=CLASSES),
+        model=FlowMLP(width=32, num_classes=CLASSES),
         rewards=[
             ImageReward(fn=lambda x, b: x[:, 0], name="right", pixels=False),
             HostImageReward(fn=host, pixels=False, weight=0.5),
@@ -365,7 +365,7 @@ def lora_fit(mesh):
     noise = lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape)  # noqa: E731
     base = jax.tree.map(noise, fresh["params"])
     objective = FlowGRPOObjective(
-        LORA.apply(dit),
+        model=LORA.apply(dit),
         rewards=[ImageReward(fn=dit_brightness)],
         group_size=G,
         sampler=FlowSDE(num_steps=3),

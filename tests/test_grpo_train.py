@@ -75,7 +75,7 @@ class EndsInSeven:
 
 def objective(host_reward, *, debug=False, updates=Updates(epochs=2, minibatches=1)):
     return GRPOObjective(
-        MODEL,
+        model=MODEL,
         rewards=[TokenReward(fn=sevens), TextReward(fn=host_reward, weight=0.5)],
         group_size=G,
         max_new_tokens=NEW,

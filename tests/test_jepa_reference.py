@@ -259,8 +259,8 @@ def dew_objective(setup: Setup, **objective_options):
     )
     objective_options = {"momentum": setup.momentum, **objective_options}
     return JepaObjective(
-        setup.encoder,
-        setup.predictor,
+        encoder=setup.encoder,
+        predictor=setup.predictor,
         planned_updates=setup.steps,
         masks=masks,
         **objective_options,

@@ -42,7 +42,9 @@ def tiny_objective(planned_updates=10):
     predictor = ViTPredictor(
         encoder_features=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16, **TINY
     )
-    return JepaObjective(encoder, predictor, planned_updates=planned_updates, masks=TINY_MASKS)
+    return JepaObjective(
+        encoder=encoder, predictor=predictor, planned_updates=planned_updates, masks=TINY_MASKS
+    )
 
 
 def tiny_data(batch=8):
@@ -323,8 +325,8 @@ def toy(tmp_path_factory):
         encoder_features=64, emb_features=32, num_layers=1, num_heads=2, mlp_features=64, **grid
     )
     objective = JepaObjective(
-        encoder,
-        predictor,
+        encoder=encoder,
+        predictor=predictor,
         planned_updates=STEPS,
         momentum=(0.99, 1.0),  # the EMA lags in a run this short: see OBJECTIVES.md
         masks=MultiBlock(num_targets=2, min_keep=4),

@@ -42,7 +42,7 @@ def run(config: dict, mesh: MeshSpec, run_dir):
     )
     model = models.build("causal_transformer", **config)
     trainer = Trainer(
-        LMObjective(model, seq_len=SEQ),
+        LMObjective(model=model, seq_len=SEQ),
         optax.sgd(0.5),
         key=jax.random.key(0),
         mesh=mesh,

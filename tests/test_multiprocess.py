@@ -54,7 +54,7 @@ def train(run_dir: pathlib.Path, checkpoint_dir: pathlib.Path | None = None):
 
     data = Dataset(train=train_batches, val=None, records=STEPS * BATCH, batch=BATCH)
     trainer = Trainer(
-        LMObjective(CausalTransformer(**CONFIG), seq_len=SEQ),
+        LMObjective(model=CausalTransformer(**CONFIG), seq_len=SEQ),
         optax.sgd(0.5),
         key=jax.random.key(0),
         mesh=MeshSpec(**MESH),

@@ -77,7 +77,7 @@ def child(port: int, process_id: int, directory: pathlib.Path, out: pathlib.Path
 
     data = Dataset(train=train_batches, val=None, records=STEPS * BATCH, batch=BATCH)
     trainer = Trainer(
-        LMObjective(CausalTransformer(**CONFIG), seq_len=SEQ),
+        LMObjective(model=CausalTransformer(**CONFIG), seq_len=SEQ),
         optax.adam(1e-2),
         key=jax.random.key(0),
         mesh=MeshSpec(**MESH),

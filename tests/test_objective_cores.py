@@ -45,7 +45,7 @@ DATA = Dataset(train=prompts, val=None, records=0, batch=PROMPTS, spec=SPEC)
 
 def grpo(**kw):
     return GRPOObjective(
-        MODEL,
+        model=MODEL,
         rewards=[TokenReward(fn=sevens)],
         group_size=4,
         max_new_tokens=3,
@@ -55,18 +55,14 @@ def grpo(**kw):
     )
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class ScoredAtAnotherTemperature(GRPOObjective):
     """The reconstruction bug the check exists for (TRL #454): the loss scores the
     completions at another temperature than the sampler drew them at."""
 
     def loss(self, variables, batch, step):
-        drawn = self.sampling
-        self.sampling = Sampling(temperature=0.5)
-        try:
-            return super().loss(variables, batch, step)
-        finally:
-            self.sampling = drawn
+        elsewhere = dataclasses.replace(self, sampling=Sampling(temperature=0.5))
+        return super(ScoredAtAnotherTemperature, elsewhere).loss(variables, batch, step)
 
 
 def test_headline_metrics_are_printed_and_a_bad_first_ratio_is_a_ratio_error(capsys):
@@ -80,7 +76,7 @@ def test_headline_metrics_are_printed_and_a_bad_first_ratio_is_a_ratio_error(cap
         assert 0.0 <= float(head[1].split()[1]) <= 1.0 and float(head[2].split()[1]) >= 0.0
 
     broken = ScoredAtAnotherTemperature(
-        MODEL,
+        model=MODEL,
         rewards=[TokenReward(fn=sevens)],
         group_size=4,
         max_new_tokens=3,
@@ -114,7 +110,7 @@ def _diffusion_case():
     from dew.objectives.diffusion.images import DiffusionObjective
 
     spec = {"image": Field((8, 8, 3), np.uint8), "label": Field((), np.int32)}
-    return DiffusionObjective(DiT(**TINY_DIT, num_classes=10)), spec, "label"
+    return DiffusionObjective(model=DiT(**TINY_DIT, num_classes=10)), spec, "label"
 
 
 def _jepa_case():
@@ -124,8 +120,8 @@ def _jepa_case():
     from dew.objectives.jepa.masks import MultiBlock
 
     objective = JepaObjective(
-        ViT(**TINY_VIT),
-        ViTPredictor(**TINY_PREDICTOR),
+        encoder=ViT(**TINY_VIT),
+        predictor=ViTPredictor(**TINY_PREDICTOR),
         planned_updates=2,
         masks=MultiBlock(num_targets=2, min_keep=2),
     )
@@ -140,7 +136,9 @@ def _classifier_distillation_case():
 
     teacher = nn.Dense(4)
     params = teacher.init(jax.random.key(1), np.zeros((1, 3), np.float32))["params"]
-    objective = ClassifierDistillationObjective(nn.Dense(4), teacher=teacher, teacher_params=params)
+    objective = ClassifierDistillationObjective(
+        student=nn.Dense(4), teacher=teacher, teacher_params=params
+    )
     spec = {"image": Field((3,), np.float32), "label": Field((), np.int32)}
     return objective, spec, "image"
 

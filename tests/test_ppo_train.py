@@ -85,7 +85,7 @@ def fit(objective, iterations, mesh, run_dir, *, lr=3e-3, rows=ROLLOUTS, log_eve
 @pytest.mark.slow
 def test_ppo_learns_to_emit_seven(tmp_path, capsys):
     objective = PPOObjective(
-        CausalTransformer(**POLICY),
+        model=CausalTransformer(**POLICY),
         reward=TokenReward(fn=sevens),
         max_new_tokens=NEW,
         kl_coef=0.05,
@@ -107,7 +107,7 @@ def test_ppo_learns_to_emit_seven(tmp_path, capsys):
 
 def mesh_objective(critic: bool):
     return CheckedPPO(
-        CausalTransformer(**POLICY),
+        model=CausalTransformer(**POLICY),
         reward=TokenReward(fn=sevens),
         max_new_tokens=NEW,
         critic=Critic(trunk=CausalTransformer(**POLICY, tie_embeddings=True), init_std=0.1)

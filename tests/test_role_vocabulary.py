@@ -66,6 +66,8 @@ def test_classifier_distillation_names_its_roles_from_the_vocabulary():
 
     from dew.objectives.language.classifier_distillation import ClassifierDistillationObjective
 
-    objective = ClassifierDistillationObjective(nn.Dense(3), teacher=nn.Dense(3), teacher_params={})
+    objective = ClassifierDistillationObjective(
+        student=nn.Dense(3), teacher=nn.Dense(3), teacher_params={}
+    )
     roles = check_roles(objective)
     assert [(r.name, r.trained) for r in roles] == [("policy", True), ("teacher", False)]

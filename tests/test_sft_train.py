@@ -49,7 +49,7 @@ def data(tmp_path_factory):
 def reference(batch):
     """One full-batch sgd step written by hand on the masked token mean."""
     model = CausalTransformer(**CONFIG)
-    objective = LMObjective(model, seq_len=SEQ, **KEYS)
+    objective = LMObjective(model=model, seq_len=SEQ, **KEYS)
     k_init, _ = jax.random.split(jax.random.key(0))
     params = nn.unbox(jax.jit(objective.init)(k_init))["params"]
 
@@ -79,7 +79,7 @@ def test_sft_accumulates_exactly(data, tmp_path):
     for accumulate in (1, 2):
         run_dir = tmp_path / f"accumulate{accumulate}"
         trainer = Trainer(
-            LMObjective(CausalTransformer(**CONFIG), **KEYS),
+            LMObjective(model=CausalTransformer(**CONFIG), **KEYS),
             optax.sgd(LR),
             key=jax.random.key(0),
             mesh=ONE_DEVICE,
@@ -138,7 +138,7 @@ def test_chat_loss_is_the_mean_nll_over_the_assistant_tokens(tmp_path):
     segments = batch["segment_ids"]
     assert segments.max() > 1 and sum(len(np.unique(r[r > 0])) for r in segments) == len(CHATS)
     model = CausalTransformer(**CONFIG)
-    objective = LMObjective(model, seq_len=SEQ, **KEYS)
+    objective = LMObjective(model=model, seq_len=SEQ, **KEYS)
     variables = nn.unbox(jax.jit(objective.init)(jax.random.key(0)))
     step = Step(index=jnp.int32(0), key=jax.random.key(0))
     loss, _ = jax.jit(objective.loss)(variables, batch, step)

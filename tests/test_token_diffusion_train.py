@@ -50,8 +50,10 @@ def run(objective, mesh, run_dir):
 
 
 MAKE = {
-    "mdlm": lambda: MaskedDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, ema=None),
-    "bd3": lambda: BlockDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None),
+    "mdlm": lambda: MaskedDiffusionObjective(model=MODEL, mask_id=MASK, seq_len=L, ema=None),
+    "bd3": lambda: BlockDiffusionObjective(
+        model=MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None
+    ),
 }
 _ONE_DEVICE = {}
 
@@ -118,7 +120,7 @@ def test_bad_values_are_refused_before_anything_is_compiled(value, message, tmp_
         train=lambda p: iter(itertools.repeat({"text": bad[p.slice(BATCH)]})),
         val=None, records=STEPS * BATCH, batch=BATCH,
     )  # fmt: skip
-    objective = MaskedDiffusionObjective(_FRESH, mask_id=MASK, seq_len=L, ema=None)
+    objective = MaskedDiffusionObjective(model=_FRESH, mask_id=MASK, seq_len=L, ema=None)
     trainer = Trainer(
         objective, optax.sgd(0.5), key=jax.random.key(0), run_dir=str(tmp_path), progress=False,
         mesh=MeshSpec(data=1, devices=jax.devices()[:1]),

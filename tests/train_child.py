@@ -60,7 +60,7 @@ def lm_objective():
         mlp_features=32,
         max_seq_len=SEQ_LEN,
     )
-    return LMObjective(model, seq_len=SEQ_LEN)
+    return LMObjective(model=model, seq_len=SEQ_LEN)
 
 
 def diffusion_objective():
@@ -77,7 +77,7 @@ def diffusion_objective():
         mlp_features=32,
         num_classes=CLASSES,
     )
-    return DiffusionObjective(model)
+    return DiffusionObjective(model=model)
 
 
 RUNS = {"lm": (lm_rows, lm_objective), "diffusion": (image_rows, diffusion_objective)}

@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     model = models.build("causal_transformer", vocab_size=264, **SIZE)
     trainer = Trainer(
-        LMObjective(model, seq_len=SIZE["max_seq_len"]),
+        LMObjective(model=model, seq_len=SIZE["max_seq_len"]),
         optax.adamw(3e-3),
         key=jax.random.key(0),
         progress=False,

@@ -96,7 +96,7 @@ def trainer_for(size: str, mesh: MeshSpec) -> tuple[Trainer, Dataset]:
         batch=batch,
     )
     trainer = Trainer(
-        LMObjective(network(size), seq_len=seq), optax.adamw(3e-3), key=jax.random.key(0),
+        LMObjective(model=network(size), seq_len=seq), optax.adamw(3e-3), key=jax.random.key(0),
         progress=False, mesh=mesh,
     )  # fmt: skip
     return trainer, data

@@ -241,7 +241,7 @@ def bench_training(workdir: str, steps: int):
     )
     run_dir = os.path.join(workdir, "run")
     Trainer(
-        LMObjective(model, seq_len=64),
+        LMObjective(model=model, seq_len=64),
         optax.adamw(3e-3),
         key=jax.random.key(0),
         run_dir=run_dir,

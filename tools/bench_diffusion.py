@@ -105,7 +105,7 @@ def run_dew_train(steps):
         train=lambda p: itertools.cycle(rows), val=None, records=4 * TRAIN_BATCH, batch=TRAIN_BATCH
     )
     objective = DiffusionObjective(
-        DiT(**TRAIN), schedule=DDPMSchedule(), input_key="latent", ema=ema()
+        model=DiT(**TRAIN), schedule=DDPMSchedule(), input_key="latent", ema=ema()
     )
     trainer = Trainer(objective, optax.adamw(1e-4), key=jax.random.key(0), progress=False)
     return fit_seconds(trainer, data, steps)

@@ -70,7 +70,7 @@ def params_of(model, length):
 
 def dew_loss(student, teacher, chunk):
     objective = DistillationObjective(
-        student,
+        student=student,
         teacher=teacher,
         teacher_params={},  # the step passes the teacher's params
         beta=BETA,

@@ -90,7 +90,7 @@ def run_dew(size: str, steps: int):
     data = Dataset(
         train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
     )
-    objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
+    objective = DPOObjective(model=model, beta=BETA, init_params=initial_params(model, length))
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(
             objective, optax.adam(LR), key=jax.random.key(0), progress=False, run_dir=run_dir
@@ -132,7 +132,7 @@ def cost(size: str) -> dict[str, tuple[float, float]]:
 
     model, length, pairs, batches = make(size)
     params = jax.tree.map(jnp.asarray, initial_params(model, length))
-    objective = DPOObjective(model, beta=BETA)
+    objective = DPOObjective(model=model, beta=BETA)
     step = Step(index=jnp.int32(0), key=jax.random.key(0))
 
     def dew_loss(p, ref, batch):
@@ -196,7 +196,7 @@ def interleaved(size: str, steps: int) -> dict[str, tuple[float, float]]:
     data = Dataset(
         train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
     )
-    objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
+    objective = DPOObjective(model=model, beta=BETA, init_params=initial_params(model, length))
     trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
     with contextlib.redirect_stdout(io.StringIO()):
         state = trainer.fit(data, steps=2, log_every=0)
@@ -262,7 +262,7 @@ def host_overhead(size: str, steps: int, repeats: int) -> dict[str, tuple[float,
     data = Dataset(
         train=lambda p: itertools.cycle(batches), val=None, records=4 * pairs, batch=pairs
     )
-    objective = DPOObjective(model, beta=BETA, init_params=initial_params(model, length))
+    objective = DPOObjective(model=model, beta=BETA, init_params=initial_params(model, length))
     trainer = Trainer(objective, optax.adam(LR), key=jax.random.key(0), progress=False)
     log_every = 100
     with contextlib.redirect_stdout(io.StringIO()):

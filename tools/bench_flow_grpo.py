@@ -58,7 +58,7 @@ def brightness(pixels, batch):
 
 sampler = FlowSDE(num_steps=args.steps)
 objective = FlowGRPOObjective(
-    model,
+    model=model,
     rewards=[ImageReward(fn=brightness)],
     group_size=args.group_size,
     sampler=sampler,

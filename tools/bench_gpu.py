@@ -81,7 +81,7 @@ def run_dew(s, steps):
         train=lambda p: ({"text": r} for r in itertools.cycle(data_rows)),
         val=None, records=4 * s["batch"], batch=s["batch"],
     )  # fmt: skip
-    trainer = Trainer(LMObjective(model, seq_len=s["seq"]), optax.adamw(3e-4),
+    trainer = Trainer(LMObjective(model=model, seq_len=s["seq"]), optax.adamw(3e-4),
                       key=jax.random.key(0), progress=False)  # fmt: skip
     marks = {}
 

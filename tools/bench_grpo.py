@@ -109,9 +109,7 @@ class InlineRewards(GRPOObjective):
     (valid when every reward is a token reward). ``--inline-rewards`` measures
     what the host stage costs."""
 
-    @property
-    def has_prepare_host(self) -> bool:
-        return False
+    phases = ("prepare",)
 
     def prepare(self, variables, batch, step):
         out = super().prepare(variables, batch, step)

@@ -141,7 +141,9 @@ def dew_training(size: str, steps: int):
         records=0,
         batch=images.shape[1],
     )
-    objective = JepaObjective(encoder, predictor, planned_updates=steps, momentum=MOMENTUM)
+    objective = JepaObjective(
+        encoder=encoder, predictor=predictor, planned_updates=steps, momentum=MOMENTUM
+    )
     trainer = Trainer(
         objective,
         optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),

@@ -32,7 +32,7 @@ def build(vocab: int, chunk: int | None, batch: int, seq: int):
         vocab_size=vocab, emb_features=64, num_layers=2, num_heads=4, mlp_features=256,
         max_seq_len=seq,
     )  # fmt: skip
-    objective = LMObjective(model, seq_len=seq, logits_chunk_size=chunk)
+    objective = LMObjective(model=model, seq_len=seq, logits_chunk_size=chunk)
     params = nn.unbox(objective.init(jax.random.key(0)))["params"]
     optimizer = optax.adamw(1e-3)
     step = Step(index=jnp.int32(0), key=jax.random.key(1))

@@ -397,7 +397,7 @@ def main():
     L, B, S = args.length, args.batch, args.steps
 
     def mdlm(layers=2):
-        return MaskedDiffusionObjective(model(L, layers), mask_id=MASK, seq_len=L)
+        return MaskedDiffusionObjective(model=model(L, layers), mask_id=MASK, seq_len=L)
 
     def bd3(cls=BlockDiffusionObjective, layers=2, net=Transformer):
         return cls(model(L, layers, net), mask_id=MASK, seq_len=L, block_size=4)

@@ -113,7 +113,7 @@ def run_dew(
         attention_kernel=kernel, remat_policy=remat, use_scan=stack != "loop",
         unroll_layers={"scan": False, "straight": True}.get(stack), **style,
     )  # fmt: skip
-    objective = LMObjective(model, seq_len=s["seq"])
+    objective = LMObjective(model=model, seq_len=s["seq"])
     optimizer = optax.adamw(3e-4)
     planned = None
     if with_plan:

@@ -58,7 +58,7 @@ def run_dew(size, steps):
         batch=batch,
     )
     trainer = Trainer(
-        LMObjective(model, seq_len=seq_len),
+        LMObjective(model=model, seq_len=seq_len),
         optax.adamw(3e-3),
         key=jax.random.key(0),
         progress=False,

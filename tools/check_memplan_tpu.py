@@ -33,7 +33,7 @@ def data(rows):
 
 
 print("device", jax.devices()[0].device_kind, "memory", device_memory_bytes(jax.devices()))
-objective = LMObjective(MODEL, seq_len=SEQ)
+objective = LMObjective(model=MODEL, seq_len=SEQ)
 shapes = {"text": ((8, SEQ + 1), jnp.int32)}
 start = time.perf_counter()
 try:

@@ -150,7 +150,7 @@ def child(args) -> None:
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 3, STEPS, end_value=3e-4)
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(schedule))
     trainer = Trainer(
-        LMObjective(model, seq_len=SEQ, ema=EMA(decay=0.9)),
+        LMObjective(model=model, seq_len=SEQ, ema=EMA(decay=0.9)),
         optimizer,
         key=jax.random.key(0),
         accumulate=2,

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     model = models.build(args.model, **config)
     optimizer = {"adamw": optax.adamw, "adam": optax.adam, "sgd": optax.sgd}[args.optimizer](1e-4)
     report = plan(
-        LMObjective(model, seq_len=args.seq_len),
+        LMObjective(model=model, seq_len=args.seq_len),
         optimizer,
         mesh=MeshSpec(**parse_pairs(args.mesh)),
         batch={"text": ((args.batch, args.seq_len + 1), jnp.int32)},

@@ -141,7 +141,7 @@ def test_umbrella_with_plain_pip_from_wheels_trains(dist, tmp_path):
         model = models.build("causal_transformer", vocab_size=tokenizer.vocab_size,
                              emb_features=16, num_layers=1, num_heads=2, mlp_features=32,
                              max_seq_len=16)
-        trainer = Trainer(LMObjective(model, seq_len=16), optax.adam(1e-2),
+        trainer = Trainer(LMObjective(model=model, seq_len=16), optax.adam(1e-2),
                           key=jax.random.key(0), run_dir=sys.argv[1], progress=False)
         state = trainer.fit(data, steps=4, log_every=1)
         assert int(state.step) == 4

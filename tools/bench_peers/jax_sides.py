@@ -59,7 +59,7 @@ def dew_trainer(size: str, variant: str) -> tuple[Trainer, Dataset]:
         batch=s["batch"],
     )
     trainer = Trainer(
-        LMObjective(model, seq_len=s["seq"]),
+        LMObjective(model=model, seq_len=s["seq"]),
         optax.adamw(3e-3),
         key=jax.random.key(0),
         progress=False,

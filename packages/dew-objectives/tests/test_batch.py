@@ -43,13 +43,15 @@ def pairs(length=12, mask_length=None):  # dew.data.PreferencePairs' spec
 
 
 FAMILIES = {
-    "lm": (LMObjective(MODEL, seq_len=16), {"text": Field((17,), np.int32)}),
-    "dpo": (DPOObjective(MODEL), pairs()),
+    "lm": (LMObjective(model=MODEL, seq_len=16), {"text": Field((17,), np.int32)}),
+    "dpo": (DPOObjective(model=MODEL), pairs()),
     "grpo": (
-        GRPOObjective(MODEL, rewards=[TokenReward(fn=reward)], group_size=2, max_new_tokens=4),
+        GRPOObjective(
+            model=MODEL, rewards=[TokenReward(fn=reward)], group_size=2, max_new_tokens=4
+        ),
         prompts(),
     ),
-    "ppo": (PPOObjective(MODEL, reward=TokenReward(fn=reward), max_new_tokens=4), prompts()),
+    "ppo": (PPOObjective(model=MODEL, reward=TokenReward(fn=reward), max_new_tokens=4), prompts()),
 }
 
 
@@ -66,7 +68,7 @@ def test_each_family_declares_what_its_reader_makes(family):
 
 
 def test_symbols_bind_once_and_mismatches_name_key_wanted_and_given():
-    dpo = DPOObjective(MODEL)
+    dpo = DPOObjective(model=MODEL)
     assert check_batch_spec(dpo.batch_fields(), pairs(12), what="DPOObjective") == {"length": 12}
     with pytest.raises(
         ValueError,
@@ -87,12 +89,12 @@ def test_symbols_bind_once_and_mismatches_name_key_wanted_and_given():
 
 
 def test_a_batch_is_matched_with_its_rows_and_the_objectives_derivation():
-    lm = LMObjective(MODEL, seq_len=8)
+    lm = LMObjective(model=MODEL, seq_len=8)
     with pytest.raises(ValueError, match=r"shape \(4, 6\), but LMObjective reads \[rows, 9\] "):
         lm.check_batch({"text": np.zeros((4, 6), np.int32)})
     with pytest.raises(ValueError, match=r"rows of seq_len \+ 1 = 9 ids"):
         lm.check_batch({"text": np.zeros((4, 6), np.int32)})
-    masked = LMObjective(MODEL, seq_len=8, loss_mask_key="mask")
+    masked = LMObjective(model=MODEL, seq_len=8, loss_mask_key="mask")
     with pytest.raises(ValueError, match=r"batch\['mask'\] has shape \(4, 5\)"):
         masked.check_batch({"text": np.zeros((4, 9), np.int32), "mask": np.ones((4, 5))})
     grpo = FAMILIES["grpo"][0]

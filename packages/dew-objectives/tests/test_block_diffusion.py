@@ -34,7 +34,9 @@ def params():
 
 
 def bd3(block_size, **kw):
-    return BlockDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, block_size=block_size, **kw)
+    return BlockDiffusionObjective(
+        model=MODEL, mask_id=MASK, seq_len=L, block_size=block_size, **kw
+    )
 
 
 def per_block_logits(params, z, x, block_size):
@@ -83,7 +85,7 @@ def test_block_size_L_is_mdlm_and_block_size_1_is_the_lm_loss(params):
     t = jnp.asarray(np.repeat(rng.uniform(0.1, 1, (3, 1)), L, 1), jnp.float32)
     noise = jnp.asarray(rng.random((3, L)), jnp.float32)
     mdlm = MaskedDiffusionObjective(
-        MODEL, mask_id=MASK, seq_len=L, schedule=MaskSchedule(kind="linear")
+        model=MODEL, mask_id=MASK, seq_len=L, schedule=MaskSchedule(kind="linear")
     )
     want = mdlm.token_terms(params, {"text": X}, t, noise)[0]
     got = bd3(L).token_terms(params, {"text": X}, t, noise)[0]
@@ -126,7 +128,7 @@ def test_the_last_layer_on_the_noisy_half_gives_the_full_loss_and_gradients(para
                                           if f.name not in ("parent", "name")})  # fmt: skip
     grads = []
     for model in (MODEL, full_model):
-        obj = BlockDiffusionObjective(model, mask_id=MASK, seq_len=L, block_size=2)
+        obj = BlockDiffusionObjective(model=model, mask_id=MASK, seq_len=L, block_size=2)
         grad = jax.jit(jax.value_and_grad(
             lambda p, o=obj: o.loss({"params": p}, {"text": X}, STEP)[0].value))  # fmt: skip
         grads.append(grad(params))

@@ -48,7 +48,7 @@ def log_softmax(z):
 
 def make(**kw):
     return ClassifierDistillationObjective(
-        STUDENT, teacher=TEACHER, teacher_params=TEACHER_PARAMS, **kw
+        student=STUDENT, teacher=TEACHER, teacher_params=TEACHER_PARAMS, **kw
     )
 
 
@@ -140,7 +140,7 @@ def test_alpha_one_without_a_teacher_is_the_hard_label_cross_entropy():
     """No teacher weights at ``alpha=1``: one trained role, the loss is numpy's
     cross-entropy over the unpadded rows (how a teacher of one's own is trained);
     below 1 the weights are required."""
-    objective = ClassifierDistillationObjective(STUDENT, alpha=1.0)
+    objective = ClassifierDistillationObjective(student=STUDENT, alpha=1.0)
     assert [r.name for r in objective.roles()] == ["policy"]
     variables = objective.init(jax.random.key(4), SPEC)
     assert set(variables) == {"params"}
@@ -150,4 +150,4 @@ def test_alpha_one_without_a_teacher_is_the_hard_label_cross_entropy():
     np.testing.assert_allclose(loss.value, nll[MASK].mean(), rtol=1e-5)
     assert float(metrics["divergence"].value) == 0 and float(metrics["agreement"].value) == 1
     with pytest.raises(ValueError, match=r"alpha=0.5\) needs the teacher's weights"):
-        ClassifierDistillationObjective(STUDENT, alpha=0.5)
+        ClassifierDistillationObjective(student=STUDENT, alpha=0.5)

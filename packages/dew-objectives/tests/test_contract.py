@@ -1,6 +1,8 @@
 """Every objective through the contract: compiles, finite loss and gradients,
 same key same loss, metrics are scalars. (More families join this list.)"""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ def lm_case():
         vocab_size=24, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=16
     )
     batch = {"text": np.random.default_rng(0).integers(0, 24, (4, 9)).astype(np.int32)}
-    return LMObjective(model, seq_len=8), batch
+    return LMObjective(model=model, seq_len=8), batch
 
 
 def jepa_case():
@@ -32,7 +34,10 @@ def jepa_case():
         encoder_features=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16, **grid
     )
     objective = JepaObjective(
-        encoder, predictor, planned_updates=10, masks=MultiBlock(num_targets=2, min_keep=4)
+        encoder=encoder,
+        predictor=predictor,
+        planned_updates=10,
+        masks=MultiBlock(num_targets=2, min_keep=4),
     )
     batch = {"image": np.random.default_rng(0).integers(0, 256, (4, 8, 8, 1)).astype(np.uint8)}
     return objective, batch
@@ -49,7 +54,7 @@ def dpo_case():
     ids["rejected"][:, :3] = ids["chosen"][:, :3]  # a shared 3-token prompt
     mask = np.arange(8)[None].repeat(4, 0) >= 3
     batch = dict(ids, chosen_mask=mask, rejected_mask=mask, prompt_mask=~mask)
-    return DPOObjective(model, rpo_alpha=0.1), batch
+    return DPOObjective(model=model, rpo_alpha=0.1), batch
 
 
 CASES = {"lm": lm_case, "jepa": jepa_case, "dpo": dpo_case}
@@ -84,35 +89,125 @@ def test_objective_contract(name):
     assert all(jnp.ndim(v) == 0 and np.isfinite(float(v)) for v in metrics.values())
 
 
-class _SeedInit(Objective):
-    """The seed's ``init(key)``: the trainer's ``initialize`` must not pass a spec."""
+def _init_forms():
+    """Fresh classes (a class warns once): the seed's ``init(key)`` and the one form."""
 
-    model = None
-    calls: list
+    class SeedInit(Objective):
+        model = None
 
-    def __init__(self):
-        self.calls = []
+        def __init__(self):
+            self.calls = []
 
-    def init(self, key):
-        self.calls.append(())
-        return {"params": {}}
+        def init(self, key):
+            self.calls.append(())
+            return {"params": {}}
+
+    class SpecInit(SeedInit):
+        def init(self, key, spec=None):
+            self.calls.append((spec,))
+            return {"params": {}}
+
+    return SeedInit(), SpecInit()
 
 
-class _SpecInit(_SeedInit):
-    init_reads_spec = True
-
-    def init(self, key, spec=None):
-        self.calls.append((spec,))
-        return {"params": {}}
-
-
-def test_initialize_follows_the_declared_init_form_not_its_signature():
+def test_init_has_one_form_and_the_seed_form_runs_with_one_warning():
     spec = {"x": ((3,), np.float32)}
-    seed, reads = _SeedInit(), _SpecInit()
-    seed.initialize(jax.random.key(0), spec)
-    reads.initialize(jax.random.key(0), spec)
-    reads.initialize(jax.random.key(0), None)  # no spec declared: the seed's call
-    assert seed.calls == [()] and reads.calls == [(spec,), (None,)]
-    assert LMObjective.init_reads_spec and not Objective.init_reads_spec
+    seed, reads = _init_forms()
+    with pytest.warns(DeprecationWarning) as caught:
+        seed.initialize(jax.random.key(0), spec)
+        seed.initialize(jax.random.key(0), None)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert messages == [
+        "SeedInit.init(self, key) is the seed's form; write init(self, key, spec=None) "
+        "(spec: the data's batch spec, None when it declares none)"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reads.initialize(jax.random.key(0), spec)
+        reads.initialize(jax.random.key(0), None)
+    assert seed.calls == [(), ()] and reads.calls == [(spec,), (None,)]
     # the trainer's own accumulation applies unless an objective derives one
     assert seed.accumulate_for(8) is None
+
+
+class _Prepares(Objective):
+    model = None
+
+    def prepare(self, variables, batch, step):
+        return batch
+
+
+def test_the_phases_are_declared_and_the_trainer_reads_the_declaration():
+    class Three(_Prepares):
+        phases = ("prepare", "prepare_host", "prepare_finish")
+
+        def prepare_host(self, rollout):
+            return {}
+
+        def prepare_finish(self, variables, batch, step):
+            return batch
+
+    class Settled(_Prepares):  # defines prepare, declares none: no prepare phase
+        phases = ()
+
+    three, settled = Three(), Settled()
+    assert three.has_prepare and three.has_prepare_host
+    assert not settled.has_prepare and not settled.has_prepare_host
+    assert not Objective().has_prepare and not Objective().has_evaluate
+
+
+def test_a_declared_phase_the_class_does_not_define_is_an_error_when_it_is_made():
+    with pytest.raises(
+        TypeError,
+        match=r"Host declares the phase\(s\) \['prepare_host'\] but "
+        r"does not define prepare_host\(self, rollout\)",
+    ):
+
+        class Host(_Prepares):
+            phases = ("prepare", "prepare_host")
+
+    with pytest.raises(ValueError, match="declares 'prepare_host' without 'prepare'"):
+
+        class Alone(Objective):
+            phases = ("prepare_host",)
+
+    with pytest.raises(ValueError, match=r"names \['rollout'\]: the phases are"):
+
+        class Unknown(Objective):
+            phases = ("rollout",)
+
+    class Later(Objective):  # a property: checked when the trainer reads it
+        model = None
+
+        @property
+        def phases(self):
+            return ("prepare",)
+
+    with pytest.raises(TypeError, match=r"Later declares the phase\(s\) \['prepare'\]"):
+        Later().has_prepare  # noqa: B018
+
+
+def test_a_seed_objective_that_overrides_prepare_without_declaring_still_prepares():
+    class Seed(_Prepares):
+        pass
+
+    with pytest.warns(DeprecationWarning, match=r"write phases = \('prepare',\)"):
+        assert Seed().has_prepare
+    assert not Seed().has_prepare_host
+
+
+def test_pipeline_is_the_old_name_of_inference_task():
+    class Exports(Objective):
+        model = None
+
+        def export(self, variables):
+            return variables
+
+    class State:
+        def variables(self, averaged):
+            return {"averaged": averaged}
+
+    objective = Exports()
+    assert objective.inference_task(State()) == {"averaged": False}  # it keeps no average
+    with pytest.warns(DeprecationWarning, match=r"Exports.pipeline\(state\) is now inference_task"):
+        assert objective.pipeline(State()) == {"averaged": False}

@@ -123,7 +123,7 @@ def numpy_rows(objective, params, batch, key):
             "x0": x0,
             "v": a * eps - s * x0,
             "flow": eps - x0,
-        }[objective.target]
+        }[objective.output_target]
         per = np.mean((out - target) ** 2, axis=(1, 2, 3))
     return per, batch["weight"].astype(np.float64), t
 
@@ -152,7 +152,9 @@ CASES = [
 
 @pytest.mark.parametrize("schedule,target", CASES, ids=[f"{s.family}-{t}" for s, t in CASES])
 def test_loss_matches_numpy(schedule, target):
-    objective = DiffusionObjective(Affine(), schedule=schedule, target=target, cond_dropout=0.5)
+    objective = DiffusionObjective(
+        model=Affine(), schedule=schedule, target=target, cond_dropout=0.5
+    )
     params = init(objective)["params"]
     batch = batch_of()
     key = jax.random.key(7)
@@ -181,7 +183,7 @@ def test_loss_matches_numpy(schedule, target):
 
 def test_condition_dropout_rate_and_null_condition():
     model = Affine(context_features=5)
-    objective = DiffusionObjective(model, schedule=FlowSchedule(), cond_dropout=0.1)
+    objective = DiffusionObjective(model=model, schedule=FlowSchedule(), cond_dropout=0.1)
     rows = 8000
     context = np.ones((rows, 3, 5), np.float32)
     batch = {
@@ -237,7 +239,7 @@ def numpy_vb(x0, x_t, eps_pred, v, t, betas):
 
 
 def test_learned_variance_hybrid_loss_and_stopped_mean():
-    objective = DiffusionObjective(Affine(learn_sigma=True), cond_dropout=0.0)
+    objective = DiffusionObjective(model=Affine(learn_sigma=True), cond_dropout=0.0)
     params = init(objective, 1)["params"]
     batch = batch_of(1)
     batch["image"][0] = 0  # a row at exactly -1: the decoder's edge bin
@@ -269,7 +271,7 @@ def test_learned_variance_hybrid_loss_and_stopped_mean():
 
 
 def test_evaluate_uses_fixed_times_and_noise():
-    objective = DiffusionObjective(Affine(), schedule=FlowSchedule())
+    objective = DiffusionObjective(model=Affine(), schedule=FlowSchedule())
     params = init(objective)
     batch = batch_of()
     evaluate = jax.jit(objective.evaluate)
@@ -296,7 +298,7 @@ TINY_DIT = dict(
 
 def test_bad_input_is_refused_before_compiling():
     dit = DiT(**TINY_DIT, num_classes=10)
-    objective = DiffusionObjective(dit)
+    objective = DiffusionObjective(model=dit)
     good = {"image": np.zeros((2, 8, 8, 1), np.uint8), "label": np.array([0, 9], np.int32)}
     objective.check_batch(good)
     with pytest.raises(
@@ -312,9 +314,9 @@ def test_bad_input_is_refused_before_compiling():
     with pytest.raises(TypeError, match="int32"):
         objective.check_batch({**good, "image": np.zeros((2, 8, 8, 1), np.int32)})
     with pytest.raises(ValueError, match="cond_dropout=0"):
-        DiffusionObjective(dit, cond_dropout=0.0, guidance=3.0)
+        DiffusionObjective(model=dit, cond_dropout=0.0, guidance=3.0)
     with pytest.raises(ValueError, match="cond_dropout=0"):
-        DiffusionObjective(dit, cond_dropout=0.0).sample(
+        DiffusionObjective(model=dit, cond_dropout=0.0).sample(
             {}, jax.random.key(0), label=np.zeros(2, np.int32), guidance=2.0
         )
     with pytest.raises(ValueError, match=r"EDMHeun samples 'edm' models.*DDPMSchedule"):
@@ -324,12 +326,12 @@ def test_bad_input_is_refused_before_compiling():
     with pytest.raises(ValueError, match="pass label="):
         objective.sample({}, jax.random.key(0), num=2)
     with pytest.raises(ValueError, match="needs a DDPMSchedule"):
-        DiffusionObjective(DiT(**TINY_DIT, learn_sigma=True), schedule=FlowSchedule())
+        DiffusionObjective(model=DiT(**TINY_DIT, learn_sigma=True), schedule=FlowSchedule())
     with pytest.raises(ValueError, match="use target='x0'"):
-        DiffusionObjective(dit, schedule=EDMSchedule(), target="eps")
-    text = DiffusionObjective(DiT(**TINY_DIT, context_features=6))
+        DiffusionObjective(model=dit, schedule=EDMSchedule(), target="eps")
+    text = DiffusionObjective(model=DiT(**TINY_DIT, context_features=6))
     with pytest.raises(ValueError, match=r"reads \[rows, tokens = 3, 6\]"):
         text.check_batch({"image": good["image"], "context": np.zeros((2, 3, 5), np.float32)})
-    video = DiffusionObjective(DiT(**TINY_DIT), input_key="video")
+    video = DiffusionObjective(model=DiT(**TINY_DIT), input_key="video")
     with pytest.raises(ValueError, match=r"reads \[rows, frames, height, width, 1\].*VideoDiT"):
         video.check_batch({"video": good["image"]})

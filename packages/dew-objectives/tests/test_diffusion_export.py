@@ -40,7 +40,7 @@ def perturbed_params(objective, key):
 def trained():
     model = models.build("dit", **DIT, num_classes=3)
     objective = DiffusionObjective(
-        model,
+        model=model,
         schedule=DDPMSchedule(kind="cosine", num_timesteps=100),
         target="v",
         guidance=2.0,
@@ -70,13 +70,13 @@ def test_preview_is_the_grid_of_the_samples(trained):
     samples = to_pixels(objective.sample(variables, key, label=LABELS, num_steps=4))
     np.testing.assert_array_equal(grid, sample_grid(samples))
     np.testing.assert_array_equal(grid[8:, :8], samples[2])  # row 2, column 1
-    none = DiffusionObjective(objective.model, schedule=objective.schedule, preview_count=0)
+    none = DiffusionObjective(model=objective.model, schedule=objective.schedule, preview_count=0)
     assert none.preview(variables, key) is None
 
 
 def test_export_carries_the_null_condition_and_the_text_encoder(trained):
     objective, variables = trained
-    blind = DiffusionObjective(objective.model, schedule=objective.schedule, cond_dropout=0.0)
+    blind = DiffusionObjective(model=objective.model, schedule=objective.schedule, cond_dropout=0.0)
     pipe = blind.export(variables)
     assert not pipe.has_null_condition
     with pytest.raises(ValueError, match=r"guidance 3.0 needs the null condition"):
@@ -84,14 +84,16 @@ def test_export_carries_the_null_condition_and_the_text_encoder(trained):
 
     text_model = models.build("dit", **DIT, context_features=16)
     with pytest.raises(ValueError, match=r"needs the text encoder.*text_encoder=TextEncoder"):
-        DiffusionObjective(text_model).export(variables)
+        DiffusionObjective(model=text_model).export(variables)
     lm = models.build("causal_transformer", **{**TINY_LM, "vocab_size": 264})
     lm_params = jax.jit(lm.init)(jax.random.key(1), jnp.zeros((1, 4), jnp.int32))["params"]
     encoder = TextEncoder(module=lm, params=lm_params, tokenizer=ByteTokenizer(), max_length=4)
-    text = DiffusionObjective(text_model, text_encoder=encoder, preview_prompts=("a", "b"))
+    text = DiffusionObjective(model=text_model, text_encoder=encoder, preview_prompts=("a", "b"))
     pipe = text.export(variables)
     assert isinstance(pipe, TextToImage) and pipe.text_encoder is encoder
     # condition dropout trained on zeros (null_context=None): the pipeline guides with them
     np.testing.assert_array_equal(pipe.null_context, np.zeros((4, 16), np.float32))
     with pytest.raises(ValueError, match=r"text_encoder gives 16 features.*context_features=8"):
-        DiffusionObjective(models.build("dit", **DIT, context_features=8), text_encoder=encoder)
+        DiffusionObjective(
+            model=models.build("dit", **DIT, context_features=8), text_encoder=encoder
+        )

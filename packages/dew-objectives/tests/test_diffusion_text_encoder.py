@@ -42,7 +42,7 @@ def setup():
     spec = TextEncoder(module=lm, params=None, tokenizer=ByteTokenizer(), max_length=LENGTH)
     dit = models.build("dit", **DIT)
     trained = DiffusionObjective(
-        dit, schedule=SCHEDULE, target="v", text_encoder=spec, train_text_encoder=True
+        model=dit, schedule=SCHEDULE, target="v", text_encoder=spec, train_text_encoder=True
     )
     params = perturbed(jax.eval_shape(trained.init, jax.random.key(0))["params"], 0)
     rng = np.random.default_rng(0)
@@ -65,7 +65,7 @@ def computed(setup):
     hand computation."""
     trained, variables, batch = setup
     frozen = DiffusionObjective(
-        trained.model,
+        model=trained.model,
         schedule=SCHEDULE,
         target="v",
         text_encoder=trained.text_encoder_of(variables),
@@ -131,7 +131,7 @@ def test_gradients_reach_the_trained_encoder_only_as_a_role(setup, computed):
     np.testing.assert_array_equal(embed[unseen], 0.0)  # tokens not in the batch get none
 
     frozen = DiffusionObjective(
-        trained.model, schedule=SCHEDULE, text_encoder=trained.text_encoder_of(variables)
+        model=trained.model, schedule=SCHEDULE, text_encoder=trained.text_encoder_of(variables)
     )
     assert [(r.name, r.trained) for r in frozen.roles()] == [("policy", True)]
     frozen_params = jax.eval_shape(frozen.init, jax.random.key(0))["params"]
@@ -170,6 +170,6 @@ def test_bad_input_is_refused_before_compiling(setup):
     with pytest.raises(ValueError, match=r"vocabulary is 0..263"):
         trained.check_batch({"image": batch["image"], "text": batch["text"] + 300})
     with pytest.raises(ValueError, match=r"train_text_encoder=True trains a text encoder"):
-        DiffusionObjective(trained.model, train_text_encoder=True)
+        DiffusionObjective(model=trained.model, train_text_encoder=True)
     with pytest.raises(ValueError, match=r"frozen text_encoder needs its params"):
-        DiffusionObjective(trained.model, text_encoder=trained.text_encoder)
+        DiffusionObjective(model=trained.model, text_encoder=trained.text_encoder)

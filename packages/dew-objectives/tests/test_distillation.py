@@ -140,7 +140,7 @@ BATCH = dict(
 
 
 def make(weights, **kw):
-    return DistillationObjective(STUDENT, teacher=TEACHER, teacher_params=weights[1], **kw)
+    return DistillationObjective(student=STUDENT, teacher=TEACHER, teacher_params=weights[1], **kw)
 
 
 def variables(weights):
@@ -310,7 +310,7 @@ def test_chunked_step_does_not_hold_full_float32_logits():
     sizes = {}
     for chunk in (8, None):
         objective = DistillationObjective(
-            student, teacher=teacher, teacher_params=pt, text_key="text", chunk_size=chunk
+            student=student, teacher=teacher, teacher_params=pt, text_key="text", chunk_size=chunk
         )
 
         def step(p, t, b, objective=objective):
@@ -338,7 +338,12 @@ def test_bfloat16_models_give_a_float32_non_negative_loss(weights):
         lambda x: x + 0.01 * jax.random.normal(jax.random.key(5), x.shape), weights[0]
     )
     objective = DistillationObjective(
-        student, teacher=student, teacher_params=near, beta=0.5, temperature=2.0, chunk_size=2
+        student=student,
+        teacher=student,
+        teacher_params=near,
+        beta=0.5,
+        temperature=2.0,
+        chunk_size=2,
     )
     both = {"params": weights[0], "teacher": {"params": near}}
     loss, metrics = jax.jit(objective.loss)(both, BATCH, STEP)
@@ -426,14 +431,17 @@ def test_on_policy_completions_are_the_students_decode_with_its_current_weights(
 def test_bad_input_is_refused_before_compiling(weights):
     other_vocab = TEACHER.clone(vocab_size=V + 8)
     with pytest.raises(ValueError, match=r"teacher's vocabulary \(40 ids\).*student's \(32\)"):
-        DistillationObjective(STUDENT, teacher=other_vocab, teacher_params=weights[1])
+        DistillationObjective(student=STUDENT, teacher=other_vocab, teacher_params=weights[1])
     # a mapping makes it allowed (and is checked)
     DistillationObjective(
-        STUDENT, teacher=other_vocab, teacher_params=weights[1], teacher_ids=np.arange(V)
+        student=STUDENT, teacher=other_vocab, teacher_params=weights[1], teacher_ids=np.arange(V)
     )
     with pytest.raises(ValueError, match="outside the teacher's vocabulary of 40"):
         DistillationObjective(
-            STUDENT, teacher=other_vocab, teacher_params=weights[1], teacher_ids=np.arange(V) + 9
+            student=STUDENT,
+            teacher=other_vocab,
+            teacher_params=weights[1],
+            teacher_ids=np.arange(V) + 9,
         )
     for bad in dict(beta=-0.1), dict(beta=1.5), dict(beta=float("nan")):
         with pytest.raises(ValueError, match=r"beta=.* must be a finite number in \[0, 1\]"):
@@ -457,7 +465,7 @@ def test_bad_input_is_refused_before_compiling(weights):
     with pytest.raises(ValueError, match="alpha"):
         make(weights, alpha=2.0)
     with pytest.raises(ValueError, match="needs the teacher's weights"):
-        DistillationObjective(STUDENT, teacher=TEACHER)
+        DistillationObjective(student=STUDENT, teacher=TEACHER)
     with pytest.raises(ValueError, match="no prompts to sample from"):
         make(weights, text_key="text", lmbda=0.5)
 
@@ -508,7 +516,7 @@ def test_tokenizers_of_one_size_with_other_tokens_are_refused(weights, tmp_path)
         # a Pretrained teacher brings its own tokenizer
         pretrained = types.SimpleNamespace(model=TEACHER, params=weights[1], tokenizer=teacher)
         with pytest.raises(ValueError, match=message):
-            DistillationObjective(STUDENT, teacher=pretrained, tokenizer=student)
+            DistillationObjective(student=STUDENT, teacher=pretrained, tokenizer=student)
         order = {w: i for i, w in enumerate(["<unk>", "<eos>", *other])}
         mapping = np.asarray(
             [order.get(w, 0) for w in ["<unk>", "<eos>", *words]] + list(range(8, V))

@@ -53,7 +53,7 @@ def setup(tmp_path_factory):
     teacher = nn.unbox(jax.jit(TEACHER.init)(jax.random.key(2), ids))["params"]
     teacher = jax.tree.map(lambda x: 3.0 * x, teacher)  # sharper than its init
     objective = DistillationObjective(
-        STUDENT,
+        student=STUDENT,
         teacher=TEACHER,
         teacher_params=teacher,
         beta=BETA,
@@ -114,6 +114,8 @@ def test_loss_is_the_completion_token_mean_of_each_example_alone(setup):
 def test_packed_keys_need_rows_of_ids_and_positions_inside_the_model(setup):
     objective, variables, packed, _, _ = setup
     with pytest.raises(ValueError, match="pass text_key= too"):
-        DistillationObjective(STUDENT, teacher_params=variables["params"], segment_ids_key="s")
+        DistillationObjective(
+            student=STUDENT, teacher_params=variables["params"], segment_ids_key="s"
+        )
     with pytest.raises(ValueError, match=r"batch\['positions'\] holds positions from"):
         objective.check_batch({**packed, "positions": packed["positions"] + SEQ})

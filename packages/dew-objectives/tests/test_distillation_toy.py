@@ -92,7 +92,7 @@ def train(width, steps, *, seed=1, **options):
     """Adam 3e-3 on batches of 64 rows; returns the student's log-prob table."""
     student = MarkovLM(vocab_size=V, width=width)
     objective = DistillationObjective(
-        student,
+        student=student,
         teacher=TEACHER,
         teacher_params=TEACHER_PARAMS,
         max_new_tokens=LENGTH - 1,
@@ -162,7 +162,7 @@ def test_temperature_squared_keeps_gradient_norms_within_2x():
     norms = []
     for temperature in (1.0, 2.0, 4.0):
         objective = DistillationObjective(
-            student,
+            student=student,
             teacher=TEACHER,
             teacher_params=TEACHER_PARAMS,
             text_key="text",

@@ -71,7 +71,7 @@ def numpy_dpo(weights, batch, *, beta, loss_type, eps=0.0):
 
 
 def objective(weights, **kw):
-    return DPOObjective(MODEL, reference=weights[1], **kw)
+    return DPOObjective(model=MODEL, reference=weights[1], **kw)
 
 
 def variables_of(weights):
@@ -127,7 +127,7 @@ def test_pair_losses_closed_form(case):
     """Each variant's per-pair loss of h, against its formula written out."""
     h = np.array([-30.0, -2.0, -0.1, 0.0, 0.3, 4.0, 50.0])
     beta, eps = case["beta"], case.get("label_smoothing", 0.0)
-    got = np.asarray(DPOObjective(MODEL, **case).pair_losses(jnp.asarray(h, jnp.float32)))
+    got = np.asarray(DPOObjective(model=MODEL, **case).pair_losses(jnp.asarray(h, jnp.float32)))
     if case["loss_type"] == "ipo":
         want = (h - 1 / (2 * beta)) ** 2
     else:
@@ -162,7 +162,7 @@ def test_precomputed_reference_logps_and_reference_free(weights, rpo_loss):
     }
     precomputed, _ = jax.jit(obj.loss)(zeros, given, STEP)
     assert float(precomputed.value) == pytest.approx(float(computed.value), rel=1e-5)
-    free = DPOObjective(MODEL, reference_free=True)
+    free = DPOObjective(model=MODEL, reference_free=True)
     assert [r.name for r in free.roles()] == ["policy"]
     loss, _ = jax.jit(free.loss)({"params": weights[0]}, batch, STEP)
     h = pw - pl
@@ -170,7 +170,7 @@ def test_precomputed_reference_logps_and_reference_free(weights, rpo_loss):
 
 
 def test_init_copies_the_initial_policy_or_takes_given_weights(weights):
-    obj = DPOObjective(MODEL, init_params=weights[0])
+    obj = DPOObjective(model=MODEL, init_params=weights[0])
     variables = nn.unbox(jax.jit(obj.init)(jax.random.key(5)))
     jax.tree.map(np.testing.assert_array_equal, variables["params"], weights[0])
     jax.tree.map(np.testing.assert_array_equal, variables["reference"]["params"], weights[0])
@@ -200,7 +200,7 @@ def test_reader_batches_train_and_name_bad_pairs(tmp_path):
     data = PreferencePairs(str(path), prompt_len=4, completion_len=8, read_threads=0).load(batch=4)
     batch = next(data.train(_partition()))
     model = CausalTransformer(**dict(TINY_LM, vocab_size=ByteTokenizer.vocab_size))
-    obj = DPOObjective(model)
+    obj = DPOObjective(model=model)
     with pytest.raises(
         ValueError, match=r"pair \d of this batch has identical chosen and rejected"
     ):
@@ -250,17 +250,17 @@ def test_bad_input_is_refused_before_compiling(weights):
         obj.check_batch(wide)
     other_vocab = CausalTransformer(**dict(TINY_LM, vocab_size=64))
     with pytest.raises(ValueError, match=r"reference's vocabulary \(64 ids\) differs .* \(32\)"):
-        DPOObjective(MODEL, reference_model=other_vocab, reference=weights[1])
+        DPOObjective(model=MODEL, reference_model=other_vocab, reference=weights[1])
     wider = CausalTransformer(**dict(TINY_LM, emb_features=32))
     wrong = nn.unbox(jax.jit(wider.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     with pytest.raises(ValueError, match=r"DPOObjective reference.*\['embed'\]\['embedding'\]"):
-        jax.eval_shape(DPOObjective(MODEL, reference=wrong["params"]).init, jax.random.key(0))
+        jax.eval_shape(DPOObjective(model=MODEL, reference=wrong["params"]).init, jax.random.key(0))
     with pytest.raises(ValueError, match="label_smoothing > 0"):
-        DPOObjective(MODEL, loss_type="cdpo")
+        DPOObjective(model=MODEL, loss_type="cdpo")
     with pytest.raises(ValueError, match="takes no label_smoothing"):
-        DPOObjective(MODEL, loss_type="ipo", label_smoothing=0.1)
+        DPOObjective(model=MODEL, loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"use one of \['sigmoid', 'cdpo', 'ipo'\]"):
-        DPOObjective(MODEL, loss_type="hinge")
+        DPOObjective(model=MODEL, loss_type="hinge")
 
 
 def test_export_is_a_text_generation_of_the_policy(weights):

@@ -63,7 +63,7 @@ def objective(**options):
         timestep_fraction=1.0,
         epsilon=0.2,
     )
-    return FlowGRPOObjective(CondMLP(), **{**base, **options})
+    return FlowGRPOObjective(model=CondMLP(), **{**base, **options})
 
 
 BATCH = {"label": np.asarray([0, 1, 2], np.int32)}
@@ -132,7 +132,7 @@ def test_bfloat16_dit_log_probs_are_float32_and_the_first_ratio_is_1():
     dit = DiT(sample_size=4, patch_size=2, in_channels=1, emb_features=16, num_layers=1,
               num_heads=2, mlp_features=32, num_classes=CLASSES, dtype=jnp.bfloat16)  # fmt: skip
     obj = FlowGRPOObjective(
-        dit,
+        model=dit,
         rewards=[ImageReward(fn=lambda pixels, b: jnp.mean(pixels / 255.0, (1, 2, 3)))],
         group_size=4,
         sampler=FlowSDE(num_steps=3),

@@ -36,7 +36,7 @@ def objective(**kw):
         sampling=SAMPLING,
         end_ids=(2,),
     )
-    return GRPOObjective(MODEL, **{**base, **kw})
+    return GRPOObjective(model=MODEL, **{**base, **kw})
 
 
 @pytest.fixture(scope="module")

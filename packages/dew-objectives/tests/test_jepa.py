@@ -22,7 +22,9 @@ MASKS = MultiBlock(num_targets=2, min_keep=4)
 
 
 def objective(**kw):
-    return JepaObjective(ENCODER, PREDICTOR, planned_updates=10, masks=MASKS, **kw)
+    return JepaObjective(
+        encoder=ENCODER, predictor=PREDICTOR, planned_updates=10, masks=MASKS, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_no_gradient_reaches_the_target_encoder_and_both_roles_learn(setup):
 
 
 def test_roles_ema_and_momentum_schedule():
-    obj = JepaObjective(ENCODER, PREDICTOR, planned_updates=100, masks=MASKS)
+    obj = JepaObjective(encoder=ENCODER, predictor=PREDICTOR, planned_updates=100, masks=MASKS)
     # the target encoder is a declared role: the moving average of the encoder alone
     assert obj.roles() == (
         Role(name="encoder", module=ENCODER),
@@ -148,9 +150,13 @@ def test_video_runs_on_tubes():
         encoder_features=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16, **video
     )
     obj = JepaObjective(
-        enc, pred, planned_updates=5, loss_type="l1", masks=MultiBlock(num_targets=1, min_keep=2)
+        encoder=enc,
+        predictor=pred,
+        planned_updates=5,
+        loss_type="l1",
+        masks=MultiBlock(num_targets=1, min_keep=2),
     )
-    assert obj.input_key == "video" and obj.input_shape == (4, 8, 8, 1)
+    assert obj.data_key == "video" and obj.input_shape == (4, 8, 8, 1)
     variables = nn.unbox(obj.init(jax.random.key(0)))
     clip = np.random.default_rng(1).normal(size=(2, 4, 8, 8, 1)).astype(np.float32)
     obj.check_batch({"video": clip})
@@ -174,7 +180,7 @@ def test_wrong_batches_are_refused_before_compiling():
     with pytest.raises(TypeError, match="int32"):
         obj.check_batch({"image": np.zeros((2, 8, 8, 1), np.int32)})
     with pytest.raises(ValueError, match="planned_updates"):
-        JepaObjective(ENCODER, PREDICTOR, planned_updates=0)
+        JepaObjective(encoder=ENCODER, predictor=PREDICTOR, planned_updates=0)
     with pytest.raises(ValueError, match="loss_type"):
         objective(loss_type="l2")
 

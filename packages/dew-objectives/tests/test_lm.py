@@ -19,7 +19,7 @@ STEP = Step(index=jnp.int32(0), key=jax.random.key(0))
 
 @pytest.fixture(scope="module")
 def setup():
-    objective = LMObjective(MODEL, seq_len=8)
+    objective = LMObjective(model=MODEL, seq_len=8)
     variables = nn.unbox(objective.init(jax.random.key(0)))
     tokens = np.random.default_rng(0).integers(0, 24, (4, 9)).astype(np.int32)
     return objective, variables, tokens
@@ -45,7 +45,7 @@ def test_loss_is_mean_next_token_nll(setup):
 
 def test_loss_mask_and_example_mask_weight_the_sums(setup):
     objective, variables, tokens = setup
-    masked = LMObjective(MODEL, seq_len=8, loss_mask_key="completion")
+    masked = LMObjective(model=MODEL, seq_len=8, loss_mask_key="completion")
     completion = np.zeros((4, 9), np.int32)
     completion[:, 5:] = 1
     example_mask = np.array([True, True, False, True])
@@ -85,13 +85,13 @@ def test_bad_batches_are_named(setup):
     with pytest.raises(KeyError, match=r"reads batch\['text'\].*it has \['tokens'\]"):
         objective.check_batch({"tokens": tokens})
     with pytest.raises(ValueError, match="need 32 positions, more than the model's max_seq_len 16"):
-        LMObjective(MODEL, seq_len=32)
+        LMObjective(model=MODEL, seq_len=32)
 
 
 def test_init_params_start_from_given_weights(setup):
     objective, variables, _ = setup
     shifted = jax.tree.map(lambda x: x + 1.0, variables["params"])
-    tuned = LMObjective(MODEL, seq_len=8, init_params=shifted)
+    tuned = LMObjective(model=MODEL, seq_len=8, init_params=shifted)
     got = nn.unbox(tuned.init(jax.random.key(5)))["params"]
     jax.tree.map(np.testing.assert_array_equal, got, shifted)
 
@@ -111,8 +111,10 @@ def test_logits_in_chunks_give_todays_loss_gradient_and_evaluation(setup):
         "example_mask": np.array([True, True, False, True]),
     }
     keys = dict(loss_mask_key="mask", segment_ids_key="segments", positions_key="positions")
-    whole = LMObjective(MODEL, seq_len=8, **keys)
-    chunked = LMObjective(MODEL, seq_len=8, logits_chunk_size=3, **keys)  # 3 does not divide 8
+    whole = LMObjective(model=MODEL, seq_len=8, **keys)
+    chunked = LMObjective(
+        model=MODEL, seq_len=8, logits_chunk_size=3, **keys
+    )  # 3 does not divide 8
 
     def loss(objective, params):
         return objective.loss({"params": params}, batch, STEP)[0].value
@@ -133,7 +135,7 @@ def test_logits_in_chunks_give_todays_loss_gradient_and_evaluation(setup):
 @pytest.mark.parametrize("bad", [0, 2.0, "64"])
 def test_a_bad_logits_chunk_size_is_refused_when_built(bad):
     with pytest.raises(ValueError, match=r"LMObjective: logits_chunk_size must be .*got"):
-        LMObjective(MODEL, seq_len=8, logits_chunk_size=bad)
+        LMObjective(model=MODEL, seq_len=8, logits_chunk_size=bad)
 
 
 def test_logits_in_chunks_need_a_model_that_scores_targets():
@@ -143,4 +145,4 @@ def test_logits_in_chunks_need_a_model_that_scores_targets():
             return nn.Embed(24, 24)(tokens)
 
     with pytest.raises(ValueError, match=r"Plain takes no logits_chunk_size; use .*None"):
-        LMObjective(Plain(), seq_len=8, logits_chunk_size=4)
+        LMObjective(model=Plain(), seq_len=8, logits_chunk_size=4)

@@ -63,7 +63,7 @@ def record_moe_inputs(store):
 @pytest.fixture(scope="module")
 def unrolled():
     model = CausalTransformer(**CAPACITY, use_scan=False)
-    objective = LMObjective(model, seq_len=SEQ)
+    objective = LMObjective(model=model, seq_len=SEQ)
     variables = nn.unbox(objective.init(jax.random.key(0)))
     tokens = np.random.default_rng(0).integers(0, TINY_LM["vocab_size"], (ROWS, SEQ + 1))
     return objective, variables, tokens.astype(np.int32)
@@ -105,7 +105,7 @@ def test_scanned_stack_reports_the_same(unrolled):
     params = dict(variables["params"])
     layers = [params.pop(f"layer_{i}") for i in range(TINY_LM["num_layers"])]
     params["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-    scanned = LMObjective(CausalTransformer(**CAPACITY), seq_len=SEQ)
+    scanned = LMObjective(model=CausalTransformer(**CAPACITY), seq_len=SEQ)
     _, got = jax.jit(scanned.loss)({"params": params}, {"text": tokens}, STEP)
     for name in ("aux_loss", "moe_z_loss", "moe_dropped_fraction"):
         assert float(got[name].value) == pytest.approx(float(want[name].value), rel=1e-5), name
@@ -118,7 +118,7 @@ def test_only_models_that_sow_them_report_them(unrolled):
         "dropless": (TINY_MOE, {"nll", "tokens", "aux_loss", "moe_z_loss"}),
     }
     for name, (config, want) in cases.items():
-        objective = LMObjective(CausalTransformer(**config), seq_len=SEQ)
+        objective = LMObjective(model=CausalTransformer(**config), seq_len=SEQ)
         variables = jax.eval_shape(objective.init, jax.random.key(0))
         _, metrics = jax.eval_shape(objective.loss, variables, {"text": tokens}, STEP)
         assert set(metrics) == want, name
@@ -149,7 +149,7 @@ def test_the_backbones_router_z_loss_weight_enters_the_loss_and_its_gradient(unr
     losses, grads, metrics, inputs = {}, {}, {}, {}
     for weight in (0.0, w):
         model = CausalTransformer(**TINY_MOE, use_scan=False, moe_router_z_loss_weight=weight)
-        objective = LMObjective(model, seq_len=SEQ)
+        objective = LMObjective(model=model, seq_len=SEQ)
 
         def total(params, objective=objective):
             terms, out = objective.loss({"params": params}, {"text": tokens}, STEP)

@@ -33,7 +33,7 @@ def setup(tmp_path_factory):
         data = reader.load(batch=2 if packing else 4)
         return next(data.train(Partition()))
 
-    objective = LMObjective(MODEL, seq_len=SEQ, **KEYS)
+    objective = LMObjective(model=MODEL, seq_len=SEQ, **KEYS)
     variables = nn.unbox(jax.jit(objective.init)(jax.random.key(0)))
 
     # one program per batch shape: the weighted loss and the gradient of its value
@@ -97,7 +97,7 @@ def test_targets_across_segments_never_count(setup):
     """Without the reader's loss mask, the segment ids alone drop the target that
     starts a new example and those on padding: each example of n ids has n - 1."""
     _, _, packed, _, _ = setup
-    objective = LMObjective(MODEL, seq_len=SEQ, segment_ids_key="segment_ids")
+    objective = LMObjective(model=MODEL, seq_len=SEQ, segment_ids_key="segment_ids")
     weights = np.asarray(objective._weights(packed, packed["text"]))
     segments = packed["segment_ids"]
     lengths = [(row == s).sum() for row in segments for s in np.unique(row[row > 0])]

@@ -43,7 +43,7 @@ STEP = Step(index=jnp.int32(0), key=jax.random.key(3))
 
 
 def objective(**kw):
-    return MaskedDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, **kw)
+    return MaskedDiffusionObjective(model=MODEL, mask_id=MASK, seq_len=L, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_the_bound_is_unbiased_with_an_exact_denoiser():
     model = ExactPatterns(EXACT_PATTERNS, V + 1, MASK)
     errors = []
     for seed in range(4):
-        obj = MaskedDiffusionObjective(model, mask_id=MASK, seq_len=L, eval_seed=seed)
+        obj = MaskedDiffusionObjective(model=model, mask_id=MASK, seq_len=L, eval_seed=seed)
         got = exact_bound(obj, 2048, data_seed=seed)
         errors.append((got["nelbo"] - EXACT_NLL) / got["nelbo_stderr"])
         assert abs(errors[-1]) < 3.5, (seed, got, EXACT_NLL)
@@ -237,13 +237,13 @@ def test_the_bound_is_unbiased_with_an_exact_denoiser():
     assert 0.15 < large / small < 0.35, (small, large)  # 1 / sqrt(16) = 0.25
     for seed in range(2):
         bd3 = BlockDiffusionObjective(
-            ExactPatterns(EXACT_PATTERNS, V + 1, MASK, block_size=2), mask_id=MASK, seq_len=L,
+            model=ExactPatterns(EXACT_PATTERNS, V + 1, MASK, block_size=2), mask_id=MASK, seq_len=L,
             block_size=2, clip_search=(), eval_seed=seed,
         )  # fmt: skip
         got = exact_bound(bd3, 1024, data_seed=seed)
         assert abs(got["nelbo"] - EXACT_NLL) < 3.5 * got["nelbo_stderr"], (seed, got)
     ar = BlockDiffusionObjective(
-        ExactPatterns(EXACT_PATTERNS, V + 1, MASK, block_size=1), mask_id=MASK, seq_len=L,
+        model=ExactPatterns(EXACT_PATTERNS, V + 1, MASK, block_size=1), mask_id=MASK, seq_len=L,
         block_size=1, clip_search=(),
     )  # fmt: skip
     got = exact_bound(ar, 512, data_seed=0)
@@ -273,7 +273,7 @@ def test_first_hitting_is_exact_and_ancestral_steps_trade_time_for_error():
 
 
 def objective_of(model, seed):
-    return MaskedDiffusionObjective(model, mask_id=MASK, seq_len=L, eval_seed=seed)
+    return MaskedDiffusionObjective(model=model, mask_id=MASK, seq_len=L, eval_seed=seed)
 
 
 def test_schedules_weights_and_the_discrete_bound():
@@ -331,7 +331,7 @@ def trained(params):
 def trained_bd3(trained):
     """BD3-LM (block 2) fine-tuned from the MDLM toy's weights, as BD3-LM fine-tunes an
     MDLM checkpoint (block_size = L is MDLM): 300 AdamW steps on the same patterns."""
-    obj = BlockDiffusionObjective(MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None)
+    obj = BlockDiffusionObjective(model=MODEL, mask_id=MASK, seq_len=L, block_size=2, ema=None)
     return obj, *train(obj, trained[1], 300, seed=4)
 
 
@@ -391,7 +391,11 @@ def test_export_samples_and_round_trips(trained, tmp_path):
     obj, params, _ = trained
     tokenizer = _Digits()
     pipe = MaskedDiffusionObjective(
-        MODEL, mask_id=MASK, seq_len=L, tokenizer=tokenizer, sampler=MaskedSampler(num_steps=L)
+        model=MODEL,
+        mask_id=MASK,
+        seq_len=L,
+        tokenizer=tokenizer,
+        sampler=MaskedSampler(num_steps=L),
     ).export({"params": params})
     assert isinstance(pipe, TokenDiffusionGeneration) and pipe.length == L
     key = jax.random.key(5)
@@ -434,9 +438,9 @@ def test_bad_input_is_refused_before_compiling(params):
         bad[1, 2] = MASK
         objective().check_batch({"text": bad})
     with pytest.raises(ValueError, match=r"has no mask id .*mask_token='\[MASK\]'"):
-        MaskedDiffusionObjective(MODEL, tokenizer=_Digits())
+        MaskedDiffusionObjective(model=MODEL, tokenizer=_Digits())
     with pytest.raises(ValueError, match=r"mask_id 258 is outside the model's vocabulary"):
-        MaskedDiffusionObjective(MODEL, tokenizer=ByteTokenizer())
+        MaskedDiffusionObjective(model=MODEL, tokenizer=ByteTokenizer())
     with pytest.raises(ValueError, match=r"num_steps=0 must be a whole number >= 1"):
         MaskedSampler(num_steps=0)
     pipe = objective().export(
@@ -453,6 +457,6 @@ def test_bad_input_is_refused_before_compiling(params):
             objective(eval_times=bad)
     assert objective(eval_times=np.int64(4)).eval_times == 4
     with pytest.raises(ValueError, match=r"rows of 9 ids need 9 positions, more than"):
-        MaskedDiffusionObjective(MODEL, mask_id=MASK).check_batch(
+        MaskedDiffusionObjective(model=MODEL, mask_id=MASK).check_batch(
             {"text": np.zeros((2, 9), np.int32)}
         )

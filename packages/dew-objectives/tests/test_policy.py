@@ -26,13 +26,13 @@ def reward(completion, mask, batch):
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_family():
     too_big = ByteTokenizer()  # 264 ids, the model has 32
     builders = {
-        "LMObjective": lambda t: LMObjective(MODEL, seq_len=8, tokenizer=t),
-        "DPOObjective": lambda t: DPOObjective(MODEL, tokenizer=t),
+        "LMObjective": lambda t: LMObjective(model=MODEL, seq_len=8, tokenizer=t),
+        "DPOObjective": lambda t: DPOObjective(model=MODEL, tokenizer=t),
         "GRPOObjective": lambda t: GRPOObjective(
-            MODEL, rewards=[TokenReward(fn=reward)], max_new_tokens=4, tokenizer=t
+            model=MODEL, rewards=[TokenReward(fn=reward)], max_new_tokens=4, tokenizer=t
         ),
         "PPOObjective": lambda t: PPOObjective(
-            MODEL, reward=TokenReward(fn=reward), max_new_tokens=4, tokenizer=t
+            model=MODEL, reward=TokenReward(fn=reward), max_new_tokens=4, tokenizer=t
         ),
     }
     for name, build in builders.items():
@@ -41,8 +41,8 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused_by_every_family():
             match=rf"{name}: the tokenizer has 264 ids but the model's vocabulary only 32",
         ):
             build(too_big)
-        assert build(None).tokenizer.vocab_size == 264  # the default: ids taken from the data
-    assert LMObjective(BYTES, seq_len=8, tokenizer=too_big).tokenizer is too_big
+        assert build(None).policy.tokenizer.vocab_size == 264  # the default: ids from the data
+    assert LMObjective(model=BYTES, seq_len=8, tokenizer=too_big).policy.tokenizer is too_big
 
 
 def test_two_models_scored_on_one_vocabulary():
@@ -107,10 +107,10 @@ def test_one_wording_for_every_length():
         policy.check_rollout_length(30, 4)
     policy.check_rollout_length(28, 4)
     with pytest.raises(ValueError, match=r"LMObjective: rows read at seq_len=40 need 40 positions"):
-        LMObjective(MODEL, seq_len=40)
+        LMObjective(model=MODEL, seq_len=40)
     with pytest.raises(
         ValueError, match=r"DPOObjective: rows of batch\['chosen'\] \(40 ids\) need 40"
     ):
         pairs = {k: np.zeros((2, 40), np.int32) for k in ("chosen", "rejected")}
         masks = {f"{k}_mask": np.zeros((2, 40), bool) for k in ("chosen", "rejected")}
-        DPOObjective(MODEL).check_batch({**pairs, **masks})
+        DPOObjective(model=MODEL).check_batch({**pairs, **masks})

@@ -177,7 +177,7 @@ def objective(**kw):
         lam=0.8,
         debug=True,
     )
-    return PPOObjective(POLICY, **{**options, **kw})
+    return PPOObjective(model=POLICY, **{**options, **kw})
 
 
 PROMPT = np.random.default_rng(1).integers(4, VOCAB, (8, 3)).astype(np.int32)

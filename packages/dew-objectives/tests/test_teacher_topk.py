@@ -111,8 +111,10 @@ def test_k_equal_to_the_vocabulary_is_the_online_loss_values_and_gradients(cache
     batch = stored_batch(root / f"k{V}", windows)
     assert batch["teacher_topk_ids"].shape == (windows, SEQ, V)
     common = dict(beta=0.3, temperature=2.0, chunk_size=4, text_key="text", **KEYS)
-    online = DistillationObjective(STUDENT, teacher=TEACHER, teacher_params=teacher, **common)
-    stored = DistillationObjective(STUDENT, stored_teacher=True, **common)
+    online = DistillationObjective(
+        student=STUDENT, teacher=TEACHER, teacher_params=teacher, **common
+    )
+    stored = DistillationObjective(student=STUDENT, stored_teacher=True, **common)
     stored.check_batch(batch)
     params = nn.unbox(jax.jit(online.init)(jax.random.key(0)))["params"]
 
@@ -124,7 +126,7 @@ def test_k_equal_to_the_vocabulary_is_the_online_loss_values_and_gradients(cache
         return jax.jit(jax.value_and_grad(fn, has_aux=True))
 
     (want, weight), want_grads = value(online, {"params": teacher})(params, batch)
-    (got, got_weight), grads = value(stored, {"params": stored.teacher_params})(params, batch)
+    (got, got_weight), grads = value(stored, {"params": stored.teacher_weights})(params, batch)
     assert float(got_weight) == float(weight) == sum(len(c) + 1 for _, c in ROWS)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
@@ -140,11 +142,11 @@ def test_stored_top_8_loss_matches_numpy_on_the_teachers_logits(cache):
     batch = stored_batch(root / "k8", windows)
     assert TeacherTopK(root / "k8").temperature == 2.0 and TeacherTopK(root / "k8").k == 8
     objective = DistillationObjective(
-        STUDENT, stored_teacher=True, beta=0.5, temperature=2.0, text_key="text", **KEYS
+        student=STUDENT, stored_teacher=True, beta=0.5, temperature=2.0, text_key="text", **KEYS
     )
     params = nn.unbox(jax.jit(objective.init)(jax.random.key(0)))["params"]
     loss, metrics = jax.jit(objective.loss)(
-        {"params": params, "teacher": {"params": objective.teacher_params}}, batch, STEP
+        {"params": params, "teacher": {"params": objective.teacher_weights}}, batch, STEP
     )
     extra = dict(segment_ids=batch["segment_ids"][:, :-1], positions=batch["positions"][:, :-1])
     ids = batch["text"][:, :-1]
@@ -181,10 +183,14 @@ def test_a_written_cache_is_never_overwritten_and_bad_options_are_refused(cache)
     with pytest.raises(FileExistsError, match="already holds a teacher top-k cache"):
         TopKWriter(root / "k8", k=8, temperature=2.0, vocab_size=V)
     with pytest.raises(ValueError, match="pass text_key="):
-        DistillationObjective(STUDENT, stored_teacher=True)
+        DistillationObjective(student=STUDENT, stored_teacher=True)
     with pytest.raises(ValueError, match="no teacher or teacher_params"):
         DistillationObjective(
-            STUDENT, teacher=TEACHER, teacher_params=teacher, stored_teacher=True, text_key="t"
+            student=STUDENT,
+            teacher=TEACHER,
+            teacher_params=teacher,
+            stored_teacher=True,
+            text_key="t",
         )
     with pytest.raises(ValueError, match=r"k=0 must be in \[1, the teacher's vocabulary"):
         write_teacher_topk(root / "bad", [], teacher=TEACHER, teacher_params=teacher, k=0)

@@ -61,7 +61,7 @@ def make_trainer(directory=None, *, emb=16, optimizer=None, **kwargs) -> Trainer
         mlp_features=32,
         max_seq_len=SEQ,
     )
-    objective = WithReference(model, seq_len=SEQ, ema=EMA(decay=0.9))
+    objective = WithReference(model=model, seq_len=SEQ, ema=EMA(decay=0.9))
     if directory is not None:
         kwargs["checkpoints"] = Checkpoints(directory, keep=None)
     optimizer = optax.adamw(1e-2) if optimizer is None else optimizer

@@ -202,7 +202,7 @@ def test_grpo_rollouts_under_lora_have_ratio_one_and_zero_kl(pretrained):
         return jnp.sum((completion < 16) & mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
 
     grpo = GRPOObjective(
-        LORA.apply(model),
+        model=LORA.apply(model),
         rewards=[TokenReward(fn=low_ids)],
         group_size=4,
         max_new_tokens=3,
@@ -239,7 +239,7 @@ def test_ppo_under_lora_trains_only_adapters_with_ratio_one(pretrained):
         return jnp.sum((completion < 16) & mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1)
 
     ppo = PPOObjective(
-        LORA.apply(model),
+        model=LORA.apply(model),
         reward=TokenReward(fn=low_ids),
         max_new_tokens=3,
         prepared_updates=Updates(epochs=2, minibatches=1),

@@ -29,7 +29,7 @@ def run(**kwargs):
     data = Dataset(
         train=lambda p: itertools.repeat({"text": rows}), val=None, records=BATCH, batch=BATCH
     )
-    objective = LMObjective(CausalTransformer(**TINY_LM), seq_len=SEQ)
+    objective = LMObjective(model=CausalTransformer(**TINY_LM), seq_len=SEQ)
     trainer = Trainer(
         objective, optax.adam(1e-3), key=jax.random.key(0), mesh=ONE, progress=False, **kwargs
     )
@@ -64,7 +64,7 @@ def test_a_step_that_does_not_fit_is_refused_before_it_runs(tmp_path):
 
 def test_the_environment_sets_the_limit_and_plan_says_whether_it_fits(monkeypatch):
     shapes = {"text": ((BATCH, SEQ + 1), np.int32)}
-    objective = LMObjective(CausalTransformer(**TINY_LM), seq_len=SEQ)
+    objective = LMObjective(model=CausalTransformer(**TINY_LM), seq_len=SEQ)
     report = plan(objective, optax.adam(1e-3), mesh=ONE, batch=shapes)
     assert report.device_memory_bytes is None and report.fits is None  # a CPU: no limit
     monkeypatch.setenv(memory.ENV, f"{report.peak_bytes - 1}")

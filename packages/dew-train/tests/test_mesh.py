@@ -49,7 +49,7 @@ CASES = {
 def trainer_for(config, mesh, optimizer=None, **objective):
     model = CausalTransformer(**config)
     return Trainer(
-        LMObjective(model, seq_len=16, **objective),
+        LMObjective(model=model, seq_len=16, **objective),
         optimizer or optax.sgd(0.1),
         key=jax.random.key(0),
         mesh=mesh,
@@ -151,7 +151,7 @@ def test_trainer_rules_override():
         (n, {axes.EMBED: None, axes.MLP: ("fsdp", "tensor")}.get(n, m)) for n, m in DEFAULT_RULES
     )
     trainer = Trainer(
-        LMObjective(CausalTransformer(**TINY), seq_len=16),
+        LMObjective(model=CausalTransformer(**TINY), seq_len=16),
         optax.sgd(0.1),
         key=jax.random.key(0),
         mesh=MeshSpec(data=2, fsdp=2, tensor=2),

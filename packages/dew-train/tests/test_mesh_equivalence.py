@@ -55,7 +55,7 @@ def data(rows=ROWS) -> Dataset:
 def run(config: dict, mesh: MeshSpec, run_dir, rows=ROWS) -> tuple[list[float], dict, dict]:
     """Train five steps; returns (losses, final params, last metrics)."""
     trainer = Trainer(
-        LMObjective(CausalTransformer(**config), seq_len=rows.shape[-1] - 1),
+        LMObjective(model=CausalTransformer(**config), seq_len=rows.shape[-1] - 1),
         optax.sgd(0.5),
         key=jax.random.key(0),
         mesh=mesh,

@@ -31,7 +31,7 @@ def test_flops_are_three_forward_passes_of_matrix_products():
     the scores and the weighted values (2 x L^2 E per row), the LM head (E V);
     the backward pass doubles it. The layers are a scan: counted LAYERS times."""
     report = plan(
-        LMObjective(model(), seq_len=SEQ),
+        LMObjective(model=model(), seq_len=SEQ),
         optax.sgd(0.1),
         mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
         batch={"text": ((BATCH, SEQ + 1), jnp.int32)},
@@ -56,7 +56,7 @@ def test_bytes_per_device_match_a_sharded_initialisation():
         max_seq_len=16,
     )
     mesh = MeshSpec(data=2, fsdp=2, tensor=2)
-    objective = LMObjective(tiny, seq_len=16, ema=EMA(decay=0.9))
+    objective = LMObjective(model=tiny, seq_len=16, ema=EMA(decay=0.9))
     report = plan(objective, optax.adamw(1e-3), mesh=mesh, batch={"text": ((BATCH, 17), jnp.int32)})
     state = Trainer(objective, optax.adamw(1e-3), key=jax.random.key(0), mesh=mesh).init_state()
 
@@ -85,7 +85,7 @@ def test_a_batch_that_does_not_divide_is_refused():
         r"accumulate=1 x 8 data-parallel devices",
     ):
         plan(
-            LMObjective(model(), seq_len=SEQ),
+            LMObjective(model=model(), seq_len=SEQ),
             optax.sgd(0.1),
             mesh=MeshSpec(data=8),
             batch={"text": ((6, SEQ + 1), jnp.int32)},
@@ -98,12 +98,12 @@ def test_plan_names_the_pipeline_bubble_of_each_schedule():
     from dew.train.plan import Plan, pipeline_of
 
     pipelined = dict(num_stages=2, pipeline_microbatches=4)
-    gpipe = pipeline_of(LMObjective(model(**pipelined), seq_len=SEQ))
+    gpipe = pipeline_of(LMObjective(model=model(**pipelined), seq_len=SEQ))
     circular_model = model(**pipelined).clone(num_layers=4, pipeline_repeats=2)
-    circular = pipeline_of(LMObjective(circular_model, seq_len=SEQ))
+    circular = pipeline_of(LMObjective(model=circular_model, seq_len=SEQ))
     assert gpipe == (pytest.approx(1 / 5), "2 stages, 4 microbatches, GPipe")
     assert circular == (pytest.approx(1 / 9), "2 stages, 4 microbatches, circular x 2")
-    assert pipeline_of(LMObjective(model(), seq_len=SEQ)) == (None, "")
+    assert pipeline_of(LMObjective(model=model(), seq_len=SEQ)) == (None, "")
     figures = dict.fromkeys(
         ("parameters", "parameter_bytes", "optimizer_bytes", "other_state_bytes"), 0
     ) | dict(temporary_bytes=0, peak_bytes=0, flops=0.0, flops_per_device=0.0)

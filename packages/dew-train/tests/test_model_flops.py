@@ -36,7 +36,7 @@ HAND_WORKED = 1_425_408
 
 
 def step_flops(model, *, accumulate=1):
-    objective = LMObjective(model, seq_len=SEQ)
+    objective = LMObjective(model=model, seq_len=SEQ)
     programs = Programs(
         objective=objective, optimizer=optax.adam(1e-3), mesh=ONE, rules=DEFAULT_RULES
     )
@@ -77,7 +77,7 @@ def test_remat_changes_the_programs_flops_not_the_model_flops():
     shapes = {"text": ((BATCH, SEQ + 1), jnp.int32)}
     plans = [
         plan(
-            LMObjective(CausalTransformer(**GPT, max_seq_len=SEQ, use_remat=r), seq_len=SEQ),
+            LMObjective(model=CausalTransformer(**GPT, max_seq_len=SEQ, use_remat=r), seq_len=SEQ),
             optax.adam(1e-3),
             mesh=ONE,
             batch=shapes,

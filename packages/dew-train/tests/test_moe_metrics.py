@@ -31,7 +31,7 @@ MODEL = CausalTransformer(
 def test_fit_logs_the_dropped_fraction_and_z_loss_of_its_microbatches(tmp_path, capsys):
     text = np.random.default_rng(1).integers(0, TINY_MOE["vocab_size"], (ROWS, SEQ + 1))
     batch = {"text": text.astype(np.int32)}
-    objective = LMObjective(MODEL, seq_len=SEQ)
+    objective = LMObjective(model=MODEL, seq_len=SEQ)
     data = Dataset(train=lambda p: itertools.repeat(batch), val=None, records=ROWS, batch=ROWS)
     trainer = Trainer(
         objective,

@@ -151,7 +151,7 @@ def tiny_lm_objective():
         mlp_features=32,
         max_seq_len=8,
     )
-    return LMObjective(model, seq_len=8)
+    return LMObjective(model=model, seq_len=8)
 
 
 def lm_data() -> Dataset:

@@ -47,7 +47,7 @@ def lm():
         records=0,
         batch=8,
     )
-    return LMObjective(policy(), seq_len=8), data, {"text": ((8, 9), jnp.int32)}, 1
+    return LMObjective(model=policy(), seq_len=8), data, {"text": ((8, 9), jnp.int32)}, 1
 
 
 def prompt_data():
@@ -65,7 +65,7 @@ def prompt_data():
 
 def grpo():
     objective = GRPOObjective(
-        policy(),
+        model=policy(),
         rewards=[TokenReward(fn=sevens), TextReward(fn=ends_in_seven, weight=0.5)],
         group_size=4,
         max_new_tokens=NEW,
@@ -77,7 +77,7 @@ def grpo():
 
 def ppo():
     objective = PPOObjective(
-        policy(),
+        model=policy(),
         reward=TokenReward(fn=sevens),
         max_new_tokens=NEW,
         prepared_updates=Updates(epochs=1, minibatches=2),

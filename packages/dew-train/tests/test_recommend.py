@@ -25,7 +25,7 @@ MODEL = CausalTransformer(
 
 
 def peak(use_remat: bool, accumulate: int) -> int:
-    objective = LMObjective(MODEL.clone(use_remat=use_remat), seq_len=SEQ)
+    objective = LMObjective(model=MODEL.clone(use_remat=use_remat), seq_len=SEQ)
     return plan(
         objective, optax.adam(1e-3), mesh=ONE, batch=SHAPES, accumulate=accumulate
     ).peak_bytes
@@ -33,7 +33,7 @@ def peak(use_remat: bool, accumulate: int) -> int:
 
 @pytest.mark.slow
 def test_the_fastest_setting_that_fits_is_recommended():
-    objective = LMObjective(MODEL, seq_len=SEQ)
+    objective = LMObjective(model=MODEL, seq_len=SEQ)
     none_1, none_2, full_2 = peak(False, 1), peak(False, 2), peak(True, 2)
     assert full_2 < none_2 < none_1  # what the choices below rest on
 
@@ -83,4 +83,4 @@ def test_accumulate_choices_split_the_rows_over_the_data_devices():
 def test_a_cpu_needs_the_limit_given(monkeypatch):
     monkeypatch.delenv("DEW_DEVICE_MEMORY", raising=False)
     with pytest.raises(ValueError, match="device_memory_bytes="):
-        recommend(LMObjective(MODEL, seq_len=SEQ), optax.adam(1e-3), mesh=ONE, batch=SHAPES)
+        recommend(LMObjective(model=MODEL, seq_len=SEQ), optax.adam(1e-3), mesh=ONE, batch=SHAPES)

@@ -41,7 +41,7 @@ def test_fit_traces_the_init_once_and_initialises_as_a_direct_jit():
     data = Dataset(
         train=lambda p: ({"text": r} for r in itertools.cycle(rows)), val=None, records=16, batch=8
     )
-    objective = CountingLM(model, seq_len=8)
+    objective = CountingLM(model=model, seq_len=8)
     trainer = Trainer(objective, optax.sgd(0.0), key=jax.random.key(3), progress=False)
     with contextlib.redirect_stdout(io.StringIO()):
         state = trainer.fit(data, steps=1, log_every=0)

@@ -251,8 +251,10 @@ def test_pipeline_wraps_averaged_weights():
         updates=0,
         averaged={"averaged": 1},
     )
-    assert LMObjective(model, seq_len=8, ema=EMA()).pipeline(state).params == {"averaged": 1}
-    assert LMObjective(model, seq_len=8).pipeline(state).params == {"live": 1}
+    assert LMObjective(model=model, seq_len=8, ema=EMA()).inference_task(state).params == {
+        "averaged": 1
+    }
+    assert LMObjective(model=model, seq_len=8).inference_task(state).params == {"live": 1}
 
 
 def test_accumulate_that_does_not_divide_the_batch_is_refused(trainer):

@@ -62,7 +62,7 @@ def fitted(tmp_path_factory):
         train=lambda p: itertools.repeat({"text": rows}), val=None, records=BATCH, batch=BATCH
     )
     trainer = Trainer(
-        LMObjective(model, seq_len=SEQ),
+        LMObjective(model=model, seq_len=SEQ),
         optax.adamw(1e-3),
         key=jax.random.key(0),
         run_dir=str(run_dir),

@@ -52,7 +52,7 @@ def reference_losses(objective, optimizer, key, steps):
 
 @pytest.mark.slow
 def test_eight_devices_match_a_single_device_loop(capsys):
-    objective = LMObjective(MODEL, seq_len=8)
+    objective = LMObjective(model=MODEL, seq_len=8)
     optimizer = optax.adam(1e-2)
     trainer = Trainer(objective, optimizer, key=jax.random.key(0))
     state = trainer.fit(data(), steps=6, log_every=1)
@@ -87,7 +87,7 @@ def test_eight_devices_match_a_single_device_loop(capsys):
 
 
 def test_batch_that_does_not_divide_over_devices_is_refused_before_compiling():
-    objective = LMObjective(MODEL, seq_len=8)
+    objective = LMObjective(model=MODEL, seq_len=8)
     trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0))
     bad = Dataset(train=lambda p: iter([]), val=None, records=12, batch=12)
     with pytest.raises(ValueError, match="global batch 12 does not divide over 8 data-parallel"):
@@ -95,7 +95,7 @@ def test_batch_that_does_not_divide_over_devices_is_refused_before_compiling():
 
 
 def test_wrong_row_length_is_refused_with_the_shape():
-    objective = LMObjective(MODEL, seq_len=8)
+    objective = LMObjective(model=MODEL, seq_len=8)
     trainer = Trainer(objective, optax.sgd(0.1), key=jax.random.key(0))
     short = Dataset(
         train=lambda p: itertools.repeat({"text": ROWS[0, :, :6]}), val=None, records=8, batch=8
@@ -119,12 +119,14 @@ def test_mesh_product_mismatch_names_devices():
 
 def test_eval_every_logs_evaluation_and_a_preview(capsys):
     rows = np.tile(np.arange(9, dtype=np.int32), (2, 8, 1))
-    objective = LMObjective(MODEL, seq_len=8, preview_prompt="", preview_tokens=4)
-    objective.tokenizer = type(
+    ids = type(
         "Ids",
         (),
         {"encode": lambda self, s: [0, 1], "decode": lambda self, ids: ",".join(map(str, ids))},
     )()
+    objective = LMObjective(
+        model=MODEL, seq_len=8, preview_prompt="", preview_tokens=4, tokenizer=ids
+    )
     trainer = Trainer(objective, optax.adam(3e-2), key=jax.random.key(0))
     state = trainer.fit(data(rows), steps=30, log_every=30, eval_every=30)
     out = capsys.readouterr().out

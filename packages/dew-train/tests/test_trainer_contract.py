@@ -114,7 +114,7 @@ def test_model_line_and_lm_tokens_per_second(tmp_path, capsys):
     text = np.random.default_rng(0).integers(0, 16, (8, 9)).astype(np.int32)
     data = Dataset(train=lambda p: itertools.repeat({"text": text}), val=None, records=8, batch=8)
     trainer = Trainer(
-        LMObjective(model, seq_len=8),
+        LMObjective(model=model, seq_len=8),
         optax.adam(1e-2),
         key=jax.random.key(0),
         mesh=ONE,
@@ -222,7 +222,7 @@ def test_frozen_role_is_kept_out_of_the_optimizer_and_recorded(tmp_path):
     ):
         load_model(tmp_path, role="critic")
     # an inference task from any variables: the checkpoint's equal the live run's
-    lm = LMObjective(model, seq_len=8)
+    lm = LMObjective(model=model, seq_len=8)
     prompt = [[1, 2, 3]]
     from dew.sampling import Sampling, generate
 
@@ -236,7 +236,7 @@ def test_frozen_role_is_kept_out_of_the_optimizer_and_recorded(tmp_path):
     )
     b = generate(
         model,
-        lm.pipeline(state).params,
+        lm.inference_task(state).params,
         prompt,
         4,
         jax.random.key(0),
@@ -364,16 +364,18 @@ def test_sequence_length_comes_from_the_data_spec(tmp_path):
     model = CausalTransformer(
         vocab_size=16, emb_features=8, num_layers=1, num_heads=2, mlp_features=16, max_seq_len=16
     )
-    trainer = Trainer(LMObjective(model), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
+    trainer = Trainer(LMObjective(model=model), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
     state = trainer.fit(data, steps=1, log_every=0)
     # the same step with seq_len stated by hand
     by_hand = Trainer(
-        LMObjective(model, seq_len=8), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE
+        LMObjective(model=model, seq_len=8), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE
     )
     jax.tree.map(
         np.testing.assert_array_equal, state.params, by_hand.fit(data, steps=1, log_every=0).params
     )
-    clash = Trainer(LMObjective(model, seq_len=12), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE)
+    clash = Trainer(
+        LMObjective(model=model, seq_len=12), optax.sgd(0.1), key=jax.random.key(0), mesh=ONE
+    )
     with pytest.raises(
         ValueError,
         match=r"batch\['text'\] has shape \[rows, 9\], but LMObjective reads \[rows, 13\] "
@@ -414,7 +416,7 @@ def test_no_involuntary_rematerialization_under_fsdp_and_tensor(positions, capfd
         batch=8,
     )
     trainer = Trainer(
-        LMObjective(model, seq_len=12, preview_tokens=4),
+        LMObjective(model=model, seq_len=12, preview_tokens=4),
         optax.adam(1e-2),
         key=jax.random.key(0),
         mesh=MeshSpec(data=2, fsdp=2, tensor=2),

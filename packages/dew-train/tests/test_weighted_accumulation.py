@@ -46,7 +46,7 @@ def reference(config):
     """One full-batch sgd step written by hand: masked token mean + 0.01 x the
     mean over rows and layers of the sown per-row balance loss."""
     model = CausalTransformer(**config)
-    objective = LMObjective(model, seq_len=SEQ, loss_mask_key="mask")
+    objective = LMObjective(model=model, seq_len=SEQ, loss_mask_key="mask")
     k_init, _ = jax.random.split(jax.random.key(0))
     params = nn.unbox(jax.jit(objective.init)(k_init))["params"]
     b = batch()
@@ -80,7 +80,7 @@ def run(config, mesh, accumulate, run_dir):
         batch=ROWS,
     )
     trainer = Trainer(
-        LMObjective(CausalTransformer(**config), seq_len=SEQ, loss_mask_key="mask"),
+        LMObjective(model=CausalTransformer(**config), seq_len=SEQ, loss_mask_key="mask"),
         optax.sgd(LR),
         key=jax.random.key(0),
         mesh=mesh,
@@ -146,7 +146,7 @@ def test_masked_out_batch_is_refused_before_compiling(tmp_path):
     b["mask"][:] = 0
     data = Dataset(train=lambda p: itertools.repeat(b), val=None, records=ROWS, batch=ROWS)
     trainer = Trainer(
-        LMObjective(CausalTransformer(**TINY), seq_len=SEQ, loss_mask_key="mask"),
+        LMObjective(model=CausalTransformer(**TINY), seq_len=SEQ, loss_mask_key="mask"),
         optax.sgd(LR),
         key=jax.random.key(0),
         mesh=ONE_DEVICE,

@@ -88,7 +88,7 @@ def trained(request, source):
     _, _, pre = source
     lora = LORA if request.param == "lora" else None
     model = pre.model if lora is None else lora.apply(pre.model)
-    objective = DPOObjective(model, init_params=pre.params, beta=0.5)
+    objective = DPOObjective(model=model, init_params=pre.params, beta=0.5)
     trainer = Trainer(objective, optax.adam(0.05), key=jax.random.key(0), mesh=ONE)
     state = trainer.fit(
         Dataset(train=lambda p: pairs(), val=None, records=0, batch=PAIRS), steps=STEPS

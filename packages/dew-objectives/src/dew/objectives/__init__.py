@@ -1,4 +1,5 @@
-"""dew.objectives: what is learned. One family a module (``dew.objectives.language.lm``, ...).
+"""dew.objectives: what is learned. One family a module, in folders by kind
+(``dew.objectives.language.lm``, ``dew.objectives.rl.grpo``, ...).
 
 The contract (:class:`Objective`, documented in ``docs/concepts.md``):
 
@@ -9,8 +10,8 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
   (``initial_from``: a reference = the initial policy; ``averages``: JEPA's target =
   an EMA of the encoder), checked by :func:`check_roles`, each recorded by registry
   name and config;
-- ``init(key, spec)`` -> variables, with shapes from the data's batch spec;
-- optional ``prepare(variables, batch, step)``: compiled, no gradient, on the
+- ``init(key, spec=None)`` -> variables, with shapes from the data's batch spec;
+- declared ``phases``; optional ``prepare(variables, batch, step)``: compiled, no gradient, on the
   pre-update weights; turns a data batch into a training batch (rollouts,
   rewards, reference log-probs, advantages), then ``prepared_updates``
   (:class:`Updates`, epochs x minibatches) optimizer updates run over it;
@@ -25,7 +26,7 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
 - ``loss(variables, batch, step)`` -> (loss, metrics), values with their weights
   (:class:`Weighted`, :class:`Summed`), so accumulation divides once;
 - optional ``evaluate`` / ``summarize`` / ``preview``; ``ema``; ``export(variables)``
-  -> an inference task, with ``pipeline(state)`` a thin call of it.
+  -> an inference task, with ``inference_task(state)`` a thin call of it.
 """
 
 from dew.objectives import _moved

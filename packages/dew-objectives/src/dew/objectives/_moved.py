@@ -21,7 +21,8 @@ from typing import Any
 
 PACKAGE = "dew.objectives"
 
-# old module (under dew.objectives) -> its place now
+# old module (under dew.objectives) -> its place now (cores.image_rewards: merged into
+# cores.rewards after the folders)
 MOVED = {
     "base": "contract.objective",
     "batch": "contract.batch",
@@ -30,7 +31,8 @@ MOVED = {
     "logprobs": "cores.logprobs",
     "rollouts": "cores.rollouts",
     "rewards": "cores.rewards",
-    "image_rewards": "cores.image_rewards",
+    "image_rewards": "cores.rewards",
+    "cores.image_rewards": "cores.rewards",
     "text_conditioning": "cores.conditioning",
     "lm": "language.lm",
     "distillation": "language.distillation",
@@ -61,8 +63,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``dew.objectives.<old>`` and loads it as the module at its new path."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        package, _, name = fullname.rpartition(".")
-        if package == PACKAGE and name in MOVED:
+        if fullname.startswith(f"{PACKAGE}.") and fullname[len(PACKAGE) + 1 :] in MOVED:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
@@ -71,7 +72,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         old = module.__name__
-        new = f"{PACKAGE}.{MOVED[old.rpartition('.')[2]]}"
+        new = f"{PACKAGE}.{MOVED[old[len(PACKAGE) + 1 :]]}"
         _warn(old, new, stacklevel=2)  # importlib's own frames are skipped
         sys.modules[old] = importlib.import_module(new)
 

@@ -26,7 +26,7 @@ import optax
 from dew.data import Dataset, Partition
 from dew.nn.keywords import check_keywords, is_whole_number
 from dew.objectives import Objective, check_batch_spec
-from dew.objectives.cores.rl import raising_ratio_errors
+from dew.objectives.contract.errors import raising_host_errors as raising_ratio_errors
 from dew.train import _default_hooks as defaults
 from dew.train._checkpoint_meta import checkpoint_meta, first_trained_record
 from dew.train._checkpointing import Checkpointing

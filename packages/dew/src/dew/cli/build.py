@@ -10,7 +10,6 @@ import sys
 from typing import Any
 
 from dew.cli.recipe import (
-    OBJECTIVES,
     READERS,
     SCHEDULES,
     ModelSection,
@@ -182,6 +181,7 @@ def build_model(section: ModelSection, tokenizer, where: str = "model"):
 def _objective(recipe: Recipe, model, params, tokenizer, resolved_models):
     from dew.objectives import Objective
     from dew.objectives.contract.objective import EMA
+    from dew.objectives.contract.registry import OBJECTIVES
 
     cls = resolve(recipe.objective.name, OBJECTIVES, "objective")
     if not (isinstance(cls, type) and issubclass(cls, Objective)):
@@ -253,8 +253,7 @@ def _reward(spec, where):
     """``{fn: module:function, weight: 1.0, kind: text | token | image | host_image,
     name: ''}``: a host reward of decoded text, a jitted one of token ids (the LM
     families), a jitted or host one of uint8 images (Flow-GRPO)."""
-    from dew.objectives.cores.image_rewards import HostImageReward, ImageReward
-    from dew.objectives.cores.rewards import TextReward, TokenReward
+    from dew.objectives.cores.rewards import HostImageReward, ImageReward, TextReward, TokenReward
 
     if isinstance(spec, str):
         spec = {"fn": spec}

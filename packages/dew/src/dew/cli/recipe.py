@@ -36,7 +36,6 @@ from typing import Any
 import yaml
 
 __all__ = [
-    "OBJECTIVES",
     "READERS",
     "SCHEDULES",
     "Recipe",
@@ -55,22 +54,6 @@ class RecipeError(ValueError):
     says which key and what to do. The command exits with the bad-configuration code."""
 
 
-# short name -> import path; a recipe may also give a full import path of its own class
-OBJECTIVES = {
-    "lm": "dew.objectives.language.lm:LMObjective",
-    "dpo": "dew.objectives.preference.dpo:DPOObjective",
-    "grpo": "dew.objectives.rl.grpo:GRPOObjective",
-    "ppo": "dew.objectives.rl.ppo:PPOObjective",
-    "diffusion": "dew.objectives.diffusion.images:DiffusionObjective",
-    "jepa": "dew.objectives.jepa.jepa:JepaObjective",
-    "masked_diffusion": "dew.objectives.diffusion.masked:MaskedDiffusionObjective",
-    "block_diffusion": "dew.objectives.diffusion.block:BlockDiffusionObjective",
-    "distillation": "dew.objectives.language.distillation:DistillationObjective",
-    "classifier_distillation": (
-        "dew.objectives.language.classifier_distillation:ClassifierDistillationObjective"
-    ),
-    "flow_grpo": "dew.objectives.rl.flow_grpo:FlowGRPOObjective",
-}
 READERS = {
     "token_windows": "dew.data:TokenWindows",
     "preference_pairs": "dew.data:PreferencePairs",
@@ -111,8 +94,9 @@ class TokenizerSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObjectiveSection:
-    """name: a short name (``OBJECTIVES``) or ``module:Class``. models: further
-    model roles by the objective's field name (JEPA's ``predictor``)."""
+    """name: a name registered next to its family (``dew.objectives.contract.registry``)
+    or ``module:Class``. models: further model roles by the objective's field name
+    (JEPA's ``predictor``)."""
 
     name: str
     args: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -38,6 +38,24 @@ from dew.sampling.diffusion.text_encoders import encode_tokens
 CONTEXTS = ("floating", "bfloat16")  # text embeddings
 
 
+def model_conditions(model) -> tuple[int, int]:
+    """``(num_classes, context_features)`` of a denoiser: its class labels (label
+    ``num_classes`` is the null class; 0 = none) and the width of the text contexts it
+    reads (0 = none)."""
+    return (
+        int(getattr(model, "num_classes", 0) or 0),
+        int(getattr(model, "context_features", 0) or 0),
+    )
+
+
+def guided_context_mask(context_mask, guidance: float):
+    """The mask of the doubled batch under guidance: the null rows attend to everything."""
+    mask = jnp.asarray(context_mask, bool)
+    if guidance == 1.0:
+        return mask
+    return jnp.concatenate([mask, jnp.ones_like(mask)])
+
+
 class TextConditioning:
     """The text encoder of a diffusion objective: its checks, role, init, encoding in
     the loss, prompts and pipeline (module docstring)."""

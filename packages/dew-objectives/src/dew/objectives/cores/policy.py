@@ -254,3 +254,20 @@ class CausalPolicy:
         from dew.sampling import TextGeneration
 
         return TextGeneration(self.model, params, tokenizer or self.tokenizer, **options)
+
+
+def policy_of(objective) -> CausalPolicy:
+    """The :class:`CausalPolicy` of an objective's own fields: its ``model``, ``tokenizer``
+    and, where it has them, ``init_params``, ``reference`` and ``reference_model``
+    (the policy + reference pair of LM, DPO, GRPO, PPO and distillation's student)."""
+    given = {
+        name: getattr(objective, name)
+        for name in ("init_params", "reference", "reference_model")
+        if hasattr(objective, name)
+    }
+    return CausalPolicy(
+        model=objective.model,
+        what=type(objective).__name__,
+        tokenizer=objective.tokenizer,
+        **given,
+    )

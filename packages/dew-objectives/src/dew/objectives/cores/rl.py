@@ -34,12 +34,11 @@ host, inside the compiled step; :func:`raising_ratio_errors` (the trainer's
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 
 from dew.nn.keywords import is_whole_number
+from dew.objectives.contract import errors
 from dew.objectives.cores.logprobs import masked_mean
 
 RATIO_TOLERANCE = 1e-6
@@ -178,9 +177,6 @@ def relative_logprob_gap(logps: jax.Array, old_logps: jax.Array, mask: jax.Array
     return jnp.max(jnp.where(mask, gap / scale, 0.0))
 
 
-_RAISED: list[RatioError] = []  # set by the callback (an XLA thread), read by the caller
-
-
 def check_first_update(
     logps: jax.Array,
     old_logps: jax.Array,
@@ -208,22 +204,11 @@ def check_first_update(
                 f"differ from the rollout's (temperature, truncation, padding, positions or "
                 f"dropout differ between prepare and loss)"
             )
-            _RAISED[:] = [error]
-            raise error
+            errors.raise_on_host(error)
 
     jax.debug.callback(check, relative, absolute, first, step)
 
 
-@contextlib.contextmanager
-def raising_ratio_errors():
-    """Re-raise a :class:`RatioError` that :func:`check_first_update` raised inside a
-    compiled program as itself (from the ``JaxRuntimeError`` XLA wraps it in), so
-    ``except RatioError`` catches it. Other errors pass unchanged."""
-    _RAISED.clear()
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as wrapped:
-        raised, _RAISED[:] = list(_RAISED), []
-        if raised and str(raised[0]) in str(wrapped):
-            raise raised[0] from wrapped
-        raise
+# the trainer's fit runs inside it: a RatioError raised in the compiled step reaches
+# the caller as itself
+raising_ratio_errors = errors.raising_host_errors

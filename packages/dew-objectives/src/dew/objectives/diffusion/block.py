@@ -31,6 +31,7 @@ train the next stage with (``clip=``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from dew.nn import masks
+from dew.objectives.contract import registry
 from dew.objectives.contract.weighted import Weighted
 from dew.objectives.diffusion.masked import (
     MaskedDiffusionObjective,
@@ -63,7 +65,8 @@ def check_clip(clip, *, what: str) -> tuple[float, float]:
     return beta, omega
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("block_diffusion")
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class BlockDiffusionObjective(MaskedDiffusionObjective):
     """BD3-LM training (module docstring); the fields of
     :class:`~dew.objectives.diffusion.masked.MaskedDiffusionObjective` and:
@@ -94,10 +97,18 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
 
         if not is_whole_number(self.block_size) or self.block_size < 1:
             raise ValueError(f"{self.what}: block_size={self.block_size!r} must be >= 1 tokens")
-        if self.clip is not None:
-            self.clip = check_clip(self.clip, what=self.what)
-        self.clip_search = tuple(check_clip(c, what=self.what) for c in self.clip_search)
+        self.clip_range, self.clip_pairs  # noqa: B018  (checks both now)
         super().__post_init__()
+
+    @functools.cached_property
+    def clip_range(self) -> tuple[float, float] | None:
+        """``clip`` as a checked float pair ``(beta, omega)``, or None."""
+        return None if self.clip is None else check_clip(self.clip, what=self.what)
+
+    @functools.cached_property
+    def clip_pairs(self) -> tuple[tuple[float, float], ...]:
+        """``clip_search`` as checked float pairs."""
+        return tuple(check_clip(c, what=self.what) for c in self.clip_search)
 
     def _check_length(self, length: int) -> None:
         if length % self.block_size:
@@ -115,7 +126,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
 
     # --------------------------------------------------------------- times
     def _time_range(self) -> tuple[float, float]:
-        return self.clip if self.clip is not None else (self.time_eps, 1.0)
+        return self.clip_range if self.clip_range is not None else (self.time_eps, 1.0)
 
     def draw_times(self, key, rows, length, index=None, total=None):
         """Per (row, block) ``[rows, blocks]``: antithetic over all ``total * blocks``
@@ -185,7 +196,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         blocks = length // self.block_size
         u_time = row_uniforms(jax.random.fold_in(root, 0), x)[:, :blocks]
         noise = row_uniforms(jax.random.fold_in(root, 1), x)
-        for i, (beta, omega) in enumerate(self.clip_search):
+        for i, (beta, omega) in enumerate(self.clip_pairs):
             t = beta + (omega - beta) * u_time
             t = jnp.maximum(t, self.time_eps)  # beta = 0: a time 0 would weigh 1 / 0
             weighted, valid, _, _ = self.token_terms(
@@ -200,7 +211,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
     def summarize(self, results: Mapping[str, float]) -> dict[str, float]:
         out = super().summarize(results)
         variances = []
-        for i, pair in enumerate(self.clip_search):
+        for i, pair in enumerate(self.clip_pairs):
             key = f"clip{i}_loss"
             if key not in results:
                 continue

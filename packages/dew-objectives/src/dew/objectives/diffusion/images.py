@@ -60,10 +60,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, PIXELS, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Step, warmup_ema_decay  # noqa: F401 (public here too)
 from dew.objectives.contract.weighted import Weighted
-from dew.objectives.cores.conditioning import TextConditioning
+from dew.objectives.cores.conditioning import (
+    TextConditioning,
+    guided_context_mask,
+    model_conditions,
+)
 from dew.sampling.diffusion.pipelines import (
     ClassToImage,
     ClassToVideo,
@@ -135,22 +140,13 @@ def posterior_tables(schedule: DDPMSchedule) -> dict[str, np.ndarray]:
     }
 
 
-def model_conditions(model) -> tuple[int, int]:
-    """``(num_classes, context_features)`` of a denoiser: its class labels (label
-    ``num_classes`` is the null class; 0 = none) and the width of the text contexts it
-    reads (0 = none)."""
-    return (
-        int(getattr(model, "num_classes", 0) or 0),
-        int(getattr(model, "context_features", 0) or 0),
-    )
-
-
 def _mean_rows(x: jax.Array) -> jax.Array:
     """``[batch, ...] -> [batch]``: the mean over every non-batch axis."""
     return jnp.mean(x.reshape(x.shape[0], -1), axis=1)
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("diffusion")
+@dataclasses.dataclass(frozen=True, eq=False)
 class DiffusionObjective(TextConditioning, Objective):
     """Diffusion training of a denoiser ``model.apply(vars, x, t, label=, context=)``.
 
@@ -202,6 +198,7 @@ class DiffusionObjective(TextConditioning, Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     schedule: Schedule = dataclasses.field(default_factory=DDPMSchedule)
     target: str | None = None
     cond_dropout: float = 0.1
@@ -222,9 +219,7 @@ class DiffusionObjective(TextConditioning, Objective):
     preview_steps: int | None = None
 
     def __post_init__(self):
-        if self.target is None:
-            self.target = DEFAULT_TARGETS[self.schedule.family]
-        check_target_for(self.schedule, self.target)
+        check_target_for(self.schedule, self.output_target)
         if not 0.0 <= self.cond_dropout < 1.0:
             raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
         if self.learn_sigma and self.schedule.family != "ddpm":
@@ -232,12 +227,6 @@ class DiffusionObjective(TextConditioning, Objective):
                 f"a learned variance (model.learn_sigma) is iDDPM's and needs a DDPMSchedule; "
                 f"got {type(self.schedule).__name__}: build the model with learn_sigma=False"
             )
-        if self.input_key is None:
-            self.input_key = "video" if hasattr(self.model, "num_frames") else "image"
-        if self.clip_denoised == "auto":
-            self.clip_denoised = 1.0 if self.input_key in ("image", "video") else None
-        if self.sample_shape is not None:
-            self.sample_shape = tuple(int(s) for s in self.sample_shape)
         if not all(0.0 <= f <= 1.0 for f in self.eval_times):
             raise ValueError(f"eval_times are fractions in [0, 1], got {self.eval_times}")
         if self.loss_bins < 0:
@@ -245,8 +234,39 @@ class DiffusionObjective(TextConditioning, Objective):
         self.check_guidance(self.guidance)
         if self.preview_count < 0:
             raise ValueError(f"preview_count must be >= 0 samples, got {self.preview_count}")
-        self.preview_prompts = tuple(self.preview_prompts)
         self.check_text_options()
+
+    @functools.cached_property
+    def output_target(self) -> str:
+        """What the network predicts: ``target``, or the schedule's default
+        (:data:`DEFAULT_TARGETS`)."""
+        return DEFAULT_TARGETS[self.schedule.family] if self.target is None else self.target
+
+    @functools.cached_property
+    def data_key(self) -> str:
+        """The batch key of the samples: ``input_key``, or ``"video"`` for a video
+        model and ``"image"`` otherwise."""
+        if self.input_key is not None:
+            return self.input_key
+        return "video" if hasattr(self.model, "num_frames") else "image"
+
+    @functools.cached_property
+    def clip_value(self) -> float | None:
+        """``clip_denoised`` with ``"auto"`` resolved: 1.0 for images and video (pixels
+        in [-1, 1]), None for latents."""
+        if self.clip_denoised == "auto":
+            return 1.0 if self.data_key in ("image", "video") else None
+        return self.clip_denoised
+
+    @functools.cached_property
+    def sample_dims(self) -> tuple[int, ...] | None:
+        """``sample_shape`` as a tuple of ints (None: from the data's spec)."""
+        return None if self.sample_shape is None else tuple(int(s) for s in self.sample_shape)
+
+    @functools.cached_property
+    def prompts(self) -> tuple[str, ...]:
+        """``preview_prompts`` as a tuple."""
+        return tuple(self.preview_prompts)
 
     @property
     def headline_metrics(self) -> tuple[str, ...]:
@@ -269,7 +289,7 @@ class DiffusionObjective(TextConditioning, Objective):
 
     @property
     def is_video(self) -> bool:
-        return self.input_key == "video"
+        return self.data_key == "video"
 
     def batch_fields(self):
         """The data: rows of ``sample_shape``, else channels last with the model's rank and
@@ -277,8 +297,8 @@ class DiffusionObjective(TextConditioning, Objective):
         states neither); ``label`` (required by a class-conditional model); an optional
         per-example ``weight``; and the text fields (:meth:`text_fields`). ``check_batch``
         checks what a declaration cannot state: label values, the patch grid."""
-        if self.sample_shape is not None:
-            shape, note = self.sample_shape, "sample_shape"
+        if self.sample_dims is not None:
+            shape, note = self.sample_dims, "sample_shape"
         elif hasattr(self.model, "in_channels"):
             dims = ("frames", "height", "width")[0 if self.is_video else 1 :]
             shape = (*dims, int(self.model.in_channels))
@@ -295,7 +315,7 @@ class DiffusionObjective(TextConditioning, Objective):
             note=f"class-conditional, num_classes={self.num_classes}" if self.num_classes else "",
         )
         return (
-            BatchField(self.input_key, shape, PIXELS, note=note),
+            BatchField(self.data_key, shape, PIXELS, note=note),
             label,
             BatchField("weight", (), FLOATS, required=False, note="one weight per example"),
             *self.text_fields(),
@@ -303,8 +323,8 @@ class DiffusionObjective(TextConditioning, Objective):
 
     def example_shape(self) -> tuple[int, ...]:
         """One example's shape: ``sample_shape``, else the model's."""
-        if self.sample_shape is not None:
-            return self.sample_shape
+        if self.sample_dims is not None:
+            return self.sample_dims
         if not hasattr(self.model, "sample_shape") or not hasattr(self.model, "in_channels"):
             raise ValueError(
                 f"{type(self.model).__name__} does not say its input size; pass "
@@ -329,12 +349,11 @@ class DiffusionObjective(TextConditioning, Objective):
             )
 
     # --------------------------------------------------------------------- init
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
-        shape = self.example_shape() if spec is None or self.input_key not in spec else None
+        shape = self.example_shape() if spec is None or self.data_key not in spec else None
         if shape is None:
-            shape = tuple(spec[self.input_key].shape)
+            shape = tuple(spec[self.data_key].shape)
         tokens = 1
         if spec is not None and "context" in spec:
             tokens = int(spec["context"].shape[0])
@@ -361,7 +380,7 @@ class DiffusionObjective(TextConditioning, Objective):
         """The model's ``label`` / ``context`` / ``context_mask`` keywords of a batch,
         with condition dropout when ``drop_key`` is given."""
         out = {}
-        rows = batch[self.input_key].shape[0]
+        rows = batch[self.data_key].shape[0]
         drop = None
         if drop_key is not None and self.cond_dropout > 0:
             if drop_key.shape:  # one key per row: the same draw at any accumulation
@@ -386,7 +405,7 @@ class DiffusionObjective(TextConditioning, Objective):
 
     # --------------------------------------------------------------------- loss
     def _data(self, batch) -> jax.Array:
-        x = jnp.asarray(batch[self.input_key])
+        x = jnp.asarray(batch[self.data_key])
         if jnp.issubdtype(x.dtype, jnp.integer):
             return x.astype(jnp.float32) / 127.5 - 1.0
         return x.astype(jnp.float32)
@@ -423,7 +442,9 @@ class DiffusionObjective(TextConditioning, Objective):
             mse = _mean_rows((prediction - x0) ** 2)
             loss = self.schedule.loss_weight(time) * mse
         else:
-            mse = _mean_rows((prediction - target_of(self.target, x0, noise, alpha, sigma)) ** 2)
+            mse = _mean_rows(
+                (prediction - target_of(self.output_target, x0, noise, alpha, sigma)) ** 2
+            )
             loss = mse
         metrics = {"mse": mse}
         if variance is not None:
@@ -442,7 +463,7 @@ class DiffusionObjective(TextConditioning, Objective):
             per_row(tables[k], x0) for k in ("c0", "ct", "log_var", "log_beta")
         )
         alpha, sigma = (per_row(c, x0) for c in self.schedule.coefficients(time))
-        x0_hat, _ = predictions_of(self.target, prediction, x_t, alpha, sigma)
+        x0_hat, _ = predictions_of(self.output_target, prediction, x_t, alpha, sigma)
         true_mean = c0 * x0 + ct * x_t
         model_mean = c0 * x0_hat + ct * x_t
         f = (variance + 1.0) / 2.0
@@ -453,7 +474,7 @@ class DiffusionObjective(TextConditioning, Objective):
         return jnp.where(time == 0, nll, kl)
 
     def loss(self, variables, batch, step: Step):
-        x0 = batch[self.input_key]
+        x0 = batch[self.data_key]
         rows = x0.shape[0]
         # per-row draws (Step.row_keys): a row's time, noise and condition dropout are
         # the same whatever the accumulation and the device count
@@ -487,7 +508,7 @@ class DiffusionObjective(TextConditioning, Objective):
         """The loss at each of ``eval_times`` (``loss_t0.1``, ...) and their mean
         (``loss``), conditions never dropped, the noise from ``eval_seed`` only: two runs
         (or two checkpoints) see the same noise on the same batch."""
-        x0 = batch[self.input_key]
+        x0 = batch[self.data_key]
         rows = x0.shape[0]
         weights = self._row_weights(batch, rows)
         grid = self.schedule.time_grid(self.eval_times)
@@ -578,14 +599,14 @@ class DiffusionObjective(TextConditioning, Objective):
             denoise = model_denoiser(
                 apply_fn,
                 schedule=self.schedule,
-                target=self.target,
+                target=self.output_target,
                 learn_sigma=self.learn_sigma,
                 label=None if label is None else jnp.asarray(label, jnp.int32),
                 null_label=self.num_classes,
                 context=context,
                 null_context=None if context is None else self._null_context(jnp.asarray(context)),
                 guidance=guidance,
-                clip_denoised=self.clip_denoised,
+                clip_denoised=self.clip_value,
             )
             return sample_diffusion(
                 denoise, schedule=self.schedule, sampler=sampler, key=key, shape=shape
@@ -601,15 +622,15 @@ class DiffusionObjective(TextConditioning, Objective):
         when there is nothing to show (``preview_count=0``; a text model without
         ``text_encoder`` and ``preview_prompts``; latents, which need a decoder)."""
         count = self.preview_count
-        if not count or self.input_key not in ("image", "video"):
+        if not count or self.data_key not in ("image", "video"):
             return None
         conditions = {}
         if self.num_classes:
             conditions["label"] = jnp.asarray(np.arange(count) % self.num_classes, jnp.int32)
         if self.context_features:
-            if self.text_encoder is None or not self.preview_prompts:
+            if self.text_encoder is None or not self.prompts:
                 return None
-            prompts = [self.preview_prompts[i % len(self.preview_prompts)] for i in range(count)]
+            prompts = [self.prompts[i % len(self.prompts)] for i in range(count)]
             conditions["prompts"] = prompts
         samples = self.sample(
             variables, key, num=count, num_steps=self.preview_steps, **conditions
@@ -621,16 +642,16 @@ class DiffusionObjective(TextConditioning, Objective):
         ``TextToImage`` (with ``text_encoder``), ``ClassToVideo`` / ``ClassToImage``
         (labels, or a count for an unconditional model), carrying the schedule, target,
         guidance and whether the null condition was trained (``cond_dropout > 0``).
-        ``objective.pipeline(state)`` passes the EMA weights."""
+        ``objective.inference_task(state)`` passes the EMA weights."""
         fields = dict(
             model=self.model,
             params=self.denoiser_params(variables["params"]),
             schedule=self.schedule,
-            target=self.target,
+            target=self.output_target,
             sample_shape=self.example_shape(),
             guidance=self.guidance,
             has_null_condition=self.cond_dropout > 0,
-            clip_denoised=self.clip_denoised,
+            clip_denoised=self.clip_value,
         )
         if self.context_features:
             return self.text_pipeline(variables, fields)
@@ -642,13 +663,13 @@ class DiffusionObjective(TextConditioning, Objective):
         height and width on the model's patch grid, label values and the text batch's
         values."""
         super().check_batch(batch)
-        x = np.asarray(batch[self.input_key])
+        x = np.asarray(batch[self.data_key])
         patch = int(getattr(self.model, "patch_size", 1))
-        if self.sample_shape is None and hasattr(self.model, "in_channels"):
+        if self.sample_dims is None and hasattr(self.model, "in_channels"):
             height, width = x.shape[-3:-1]
             if height % patch or width % patch:
                 raise ValueError(
-                    f"batch[{self.input_key!r}] has shape {x.shape}: the model takes a height "
+                    f"batch[{self.data_key!r}] has shape {x.shape}: the model takes a height "
                     f"and width that are multiples of patch_size {patch}; crop or resize (the "
                     f"model is built for {self.example_shape()})"
                 )
@@ -663,11 +684,3 @@ class DiffusionObjective(TextConditioning, Objective):
                 )
         if self.context_features:
             self.check_text_batch(batch)
-
-
-def guided_context_mask(context_mask, guidance: float):
-    """The mask of the doubled batch under guidance: the null rows attend to everything."""
-    mask = jnp.asarray(context_mask, bool)
-    if guidance == 1.0:
-        return mask
-    return jnp.concatenate([mask, jnp.ones_like(mask)])

@@ -37,6 +37,7 @@ others (0.1% of it at MDLM's ``1e-3``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import is_whole_number
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, MASK, BatchField, check_token_ids, first_row
 from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
@@ -176,7 +178,8 @@ def resolve_mask_id(mask_id, tokenizer, model, *, what: str) -> int:
     return int(mask_id)
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("masked_diffusion")
+@dataclasses.dataclass(frozen=True, eq=False)
 class MaskedDiffusionObjective(Objective):
     """MDLM training of a bidirectional token denoiser (module docstring).
 
@@ -204,6 +207,7 @@ class MaskedDiffusionObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     mask_id: int | None = None
     tokenizer: Any = None
     schedule: MaskSchedule = MaskSchedule()
@@ -223,11 +227,7 @@ class MaskedDiffusionObjective(Objective):
     what = "MaskedDiffusionObjective"
 
     def __post_init__(self):
-        if self.tokenizer is None:
-            from dew.data import ByteTokenizer
-
-            self.tokenizer = ByteTokenizer()
-        self.mask_id = resolve_mask_id(self.mask_id, self.tokenizer, self.model, what=self.what)
+        self.mask_token  # noqa: B018  (resolves and checks the mask id now)
         if not isinstance(self.schedule, MaskSchedule):
             raise TypeError(
                 f"{self.what}: schedule must be a dew.sampling.token_diffusion.MaskSchedule, "
@@ -247,6 +247,20 @@ class MaskedDiffusionObjective(Objective):
             )
         if self.seq_len is not None:
             self._check_length(self.seq_len)
+
+    @functools.cached_property
+    def text_tokenizer(self):
+        """``tokenizer``, or a ``ByteTokenizer()``."""
+        if self.tokenizer is None:
+            from dew.data import ByteTokenizer
+
+            return ByteTokenizer()
+        return self.tokenizer
+
+    @functools.cached_property
+    def mask_token(self) -> int:
+        """The mask id: ``mask_id``, or the tokenizer's (checked against the model)."""
+        return resolve_mask_id(self.mask_id, self.text_tokenizer, self.model, what=self.what)
 
     @property
     def is_timed(self) -> bool:
@@ -291,18 +305,17 @@ class MaskedDiffusionObjective(Objective):
         self._check_length(ids.shape[1])
         check_token_ids(ids, getattr(self.model, "vocab_size", None), key=self.text_key,
                         what=f"{self.what}'s model")  # fmt: skip
-        found = first_row((ids == self.mask_id).any(axis=1))
+        found = first_row((ids == self.mask_token).any(axis=1))
         if found is not None:
             row, count = found
             raise ValueError(
-                f"{self.what}: batch[{self.text_key!r}] holds the mask id {self.mask_id} as "
+                f"{self.what}: batch[{self.text_key!r}] holds the mask id {self.mask_token} as "
                 f"data (row {row}, {count} rows in all); the mask id is the absorbing state "
                 f"and must never occur in the data: use a tokenizer whose mask id is unused "
                 f"(ByteTokenizer's {258}, HFTokenizer(mask_token=...)) or drop it in the reader"
             )
 
     # ------------------------------------------------------------------- init
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         length = self.model_positions(self.length_of(spec))
@@ -372,7 +385,7 @@ class MaskedDiffusionObjective(Objective):
     def denoiser_log_probs(self, params, z, x, valid, t_tokens, times) -> jax.Array:
         """``log p(. | z)`` ``[rows, length, vocab]`` of the noisy rows ``z`` (SUBS)."""
         logits = self.denoiser_logits(params, z, x, valid, t_tokens, times)
-        return subs_log_probs(logits, z, self.mask_id)
+        return subs_log_probs(logits, z, self.mask_token)
 
     def token_terms(self, params, batch, t_tokens, noise, times=None):
         """Per token ``[rows, length]``: ``(weighted NLL, valid, masked, NLL)`` at token
@@ -382,11 +395,11 @@ class MaskedDiffusionObjective(Objective):
         valid = self._valid(batch, x)
         t_tokens = self.discretised(t_tokens)
         masked = (noise < self.schedule.mask_chance(t_tokens)) & (valid > 0)
-        z = jnp.where(masked, self.mask_id, x)
+        z = jnp.where(masked, self.mask_token, x)
         if times is None:
             times = t_tokens[:, 0]
         logits = self.denoiser_logits(params, z, x, valid, t_tokens, times)
-        nll = subs_nll(logits, z, x, self.mask_id)  # [rows, length]
+        nll = subs_nll(logits, z, x, self.mask_token)  # [rows, length]
         weighted = self.weights_at(t_tokens) * nll * valid
         return weighted, valid, masked.astype(jnp.float32), nll * valid
 
@@ -441,14 +454,14 @@ class MaskedDiffusionObjective(Objective):
     # ----------------------------------------------------------------- export
     def export(self, variables, *, length: int | None = None, **options):
         """A :class:`~dew.sampling.token_diffusion.TokenDiffusionGeneration` of these
-        weights (``objective.pipeline(state)`` passes the EMA ones): ``length`` tokens
+        weights (``objective.inference_task(state)`` passes the EMA ones): ``length`` tokens
         per sample (None = ``seq_len``, else the model's ``max_seq_len``)."""
         length = length or self.seq_len or getattr(self.model, "max_seq_len", None)
         return TokenDiffusionGeneration(
             model=self.model,
             params=variables["params"],
-            tokenizer=self.tokenizer,
-            mask_id=self.mask_id,
+            tokenizer=self.text_tokenizer,
+            mask_id=self.mask_token,
             schedule=self.schedule,
             length=length,
             sampler=options.pop("sampler", self.sampler),

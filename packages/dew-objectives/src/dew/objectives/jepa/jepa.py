@@ -28,6 +28,7 @@ optional ``label`` is for probes only. The encoder is a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import PIXELS, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Role, Step
 from dew.objectives.contract.weighted import Weighted
@@ -144,7 +146,8 @@ def momentum_schedule(start: float, end: float, updates: int):
     return schedule
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("jepa")
+@dataclasses.dataclass(frozen=True, eq=False)
 class JepaObjective(Objective):
     """I-JEPA / V-JEPA: predict target-encoder features of masked blocks.
 
@@ -166,6 +169,7 @@ class JepaObjective(Objective):
     """
 
     encoder: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     predictor: Any
     planned_updates: int
     momentum: tuple[float, float] = (0.996, 1.0)
@@ -195,14 +199,34 @@ class JepaObjective(Objective):
                 f"JepaObjective's encoder must describe its patch grid (.grid, as "
                 f"dew.nn.backbones.ViT does); got {type(self.encoder).__name__}"
             )
-        if self.input_key is None:
-            self.input_key = "video" if grid.is_video else "image"
-        shape = tuple(grid.shape)
+        self.layout  # noqa: B018  (checks the masks against the grid now)
+
+    @functools.cached_property
+    def data_key(self) -> str:
+        """The batch key of the inputs: ``input_key``, or ``"video"`` / ``"image"``
+        from the encoder's grid."""
+        if self.input_key is not None:
+            return self.input_key
+        return "video" if self.encoder.grid.is_video else "image"
+
+    @functools.cached_property
+    def layout(self) -> MaskLayout:
+        """The masks laid out on the encoder's patch grid."""
+        shape = tuple(self.encoder.grid.shape)
         frames, height, width = (1, *shape) if len(shape) == 2 else shape
-        self.layout: MaskLayout = self.masks.layout(frames, height, width)
-        # the target encoder's decay: role ``target`` averages role ``encoder``
-        self.target_ema = EMA(decay=momentum_schedule(start, end, self.planned_updates))
-        self._first_logged: dict[str, float] | None = None
+        return self.masks.layout(frames, height, width)
+
+    @functools.cached_property
+    def target_ema(self) -> EMA:
+        """The target encoder's decay: role ``target`` averages role ``encoder``."""
+        start, end = self.momentum
+        return EMA(decay=momentum_schedule(start, end, self.planned_updates))
+
+    @functools.cached_property
+    def _first_logged(self) -> dict[str, float]:
+        """The feature statistics of the first log line this objective saw (filled
+        by :meth:`log_notes`): what the collapse alarm compares against."""
+        return {}
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:
@@ -223,21 +247,19 @@ class JepaObjective(Objective):
         grid = self.encoder.grid
         frames = f", {grid.num_frames} frames" if grid.is_video else ""
         note = f"image_size {grid.image_size}, patch_size {grid.patch_size}{frames}"
-        return (BatchField(self.input_key, self.input_shape, PIXELS, note=note),)
+        return (BatchField(self.data_key, self.input_shape, PIXELS, note=note),)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         """One example's pixels, ``(H, W, C)`` or ``(F, H, W, C)``."""
         return tuple(self.encoder.grid.pixel_shape(self.encoder.num_channels))
 
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
-
     def init(self, key, spec=None):
-        if spec is not None and self.input_key in spec:
-            given = tuple(spec[self.input_key].shape)
+        if spec is not None and self.data_key in spec:
+            given = tuple(spec[self.data_key].shape)
             if given != self.input_shape:
                 raise ValueError(
-                    f"the data declares batch[{self.input_key!r}] rows of {given}, but the "
+                    f"the data declares batch[{self.data_key!r}] rows of {given}, but the "
                     f"encoder reads {self.input_shape}; build the ViT for the data's size"
                 )
         k_encoder, k_predictor = jax.random.split(key)
@@ -260,7 +282,7 @@ class JepaObjective(Objective):
     def _terms(self, variables, batch, step: Step):
         from dew.sampling.features import encode, scale_inputs
 
-        pixels = scale_inputs(batch[self.input_key])
+        pixels = scale_inputs(batch[self.data_key])
         rows = pixels.shape[0]
         masks = self.layout.sample_rows(step.row_keys(rows))
         n, kt = self.masks.num_targets, self.layout.target_keep
@@ -305,8 +327,8 @@ class JepaObjective(Objective):
         if self.alarm is None or "pooled_std" not in metrics:
             return []
         now = {k: float(metrics[k]) for k in ("pooled_std", "effective_rank") if k in metrics}
-        if self._first_logged is None:
-            self._first_logged = now
+        if not self._first_logged:
+            self._first_logged.update(now)
         reason = self.alarm.check(self._first_logged, now)
         if reason is None:
             return []
@@ -354,7 +376,7 @@ class JepaObjective(Objective):
 
         def probe_accuracy(info):
             extractor = self.feature_extractor(info.state, encoder=encoder)
-            accuracy = probe(extractor, data, method=method, key=self.input_key, **options)
+            accuracy = probe(extractor, data, method=method, key=self.data_key, **options)
             info.log({"probe_accuracy": accuracy}, kind="eval")
             info.print(f"probe ({encoder} encoder, {method}) step {info.step}: {accuracy:.4f}")
 

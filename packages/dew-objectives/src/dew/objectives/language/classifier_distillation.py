@@ -23,10 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, BatchField
-from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
+from dew.objectives.contract.objective import (
+    Objective,
+    Role,
+    Step,
+    set_canonical,
+    with_initial_values,
+)
 from dew.objectives.contract.weighted import Weighted
-from dew.objectives.language.distillation import (
+from dew.objectives.cores.divergences import (
     check_beta,
     check_fraction,
     check_temperature,
@@ -36,7 +43,8 @@ from dew.objectives.language.distillation import (
 __all__ = ["ClassifierDistillationObjective"]
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("classifier_distillation")
+@dataclasses.dataclass(frozen=True, eq=False)
 class ClassifierDistillationObjective(Objective):
     """A classifier (any logits model) distilled from a frozen teacher.
 
@@ -60,6 +68,7 @@ class ClassifierDistillationObjective(Objective):
     """
 
     student: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     teacher: Any = None
     teacher_params: Any = None
     beta: float = 0.0
@@ -73,24 +82,32 @@ class ClassifierDistillationObjective(Objective):
 
     def __post_init__(self):
         what = type(self).__name__
-        self.beta = check_beta(self.beta)
-        self.temperature = check_temperature(self.temperature)
-        self.alpha = check_fraction(
-            "alpha", self.alpha, "the weight of the hard-label cross-entropy"
+        set_canonical(
+            self,
+            beta=check_beta(self.beta),
+            temperature=check_temperature(self.temperature),
+            alpha=check_fraction("alpha", self.alpha, "the weight of the hard-label cross-entropy"),
         )
         if self.alpha and self.label_key is None:
             raise ValueError(
                 f"{what}(alpha={self.alpha}) weighs a hard-label cross-entropy but "
                 f"label_key=None; give the labels' batch key or alpha=0"
             )
-        if self.teacher is None:
-            self.teacher = self.student
         if self.teacher_params is None and self.alpha != 1:
             raise ValueError(
                 f"{what}(alpha={self.alpha}) needs the teacher's weights: pass "
                 f"teacher_params=, or alpha=1 to train on the hard labels alone (no teacher)"
             )
-        self.model = self.student
+
+    @property
+    def model(self):
+        """The trained model: the student."""
+        return self.student
+
+    @property
+    def teacher_module(self):
+        """The teacher's module: ``teacher``, or the student's architecture."""
+        return self.student if self.teacher is None else self.teacher
 
     @property
     def has_teacher(self) -> bool:
@@ -101,7 +118,7 @@ class ClassifierDistillationObjective(Objective):
         policy = Role(name="policy", module=self.student)
         if not self.has_teacher:
             return (policy,)
-        return (policy, Role(name="teacher", module=self.teacher, trained=False))
+        return (policy, Role(name="teacher", module=self.teacher_module, trained=False))
 
     def batch_fields(self):
         """The models' input (any row shape: the models state theirs, and ``init`` reads
@@ -110,8 +127,6 @@ class ClassifierDistillationObjective(Objective):
         if self.label_key is not None:
             fields.append(BatchField(self.label_key, (), IDS, required=bool(self.alpha)))
         return tuple(fields)
-
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         if spec is None or self.input_key not in spec:
@@ -127,7 +142,7 @@ class ClassifierDistillationObjective(Objective):
             params = with_initial_values(params, self.init_params, what="init_params")
         if not self.has_teacher:
             return {"params": params}
-        fresh = jax.eval_shape(lambda: self.teacher.init(key, x))["params"]
+        fresh = jax.eval_shape(lambda: self.teacher_module.init(key, x))["params"]
         teacher = with_initial_values(fresh, self.teacher_params, what="the teacher's weights")
         return {"params": params, "teacher": {"params": teacher}}
 
@@ -136,7 +151,7 @@ class ClassifierDistillationObjective(Objective):
         zs = self.student.apply({"params": variables["params"]}, x)
         if self.has_teacher:
             teacher = jax.lax.stop_gradient(variables["teacher"]["params"])
-            zt = self.teacher.apply({"params": teacher}, x)
+            zt = self.teacher_module.apply({"params": teacher}, x)
         else:  # hard labels alone: the soft-target terms are 0
             zt = jax.lax.stop_gradient(zs)
         labels = None if self.label_key not in batch else batch[self.label_key]

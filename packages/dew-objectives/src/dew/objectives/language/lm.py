@@ -21,6 +21,7 @@ a mixture of experts' router z-loss and dropped fraction are metrics
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, MASK, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
-from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 
 # A mixture of experts' sown diagnostics (dew.nn.moe.MoE) and their metric names.
 MOE_METRICS = {"z_loss": "moe_z_loss", "dropped_fraction": "moe_dropped_fraction"}
@@ -80,7 +82,8 @@ def check_packed_positions(positions: np.ndarray, max_len: int | None, *, key: s
         )
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("lm")
+@dataclasses.dataclass(frozen=True, eq=False)
 class LMObjective(Objective):
     """Next-token prediction for a causal model.
 
@@ -127,6 +130,7 @@ class LMObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     seq_len: int | None = None
     text_key: str = "text"
     loss_mask_key: str | None = None
@@ -144,11 +148,16 @@ class LMObjective(Objective):
     headline_metrics = ("aux_loss", "moe_dropped_fraction")
 
     def __post_init__(self):
-        self.policy = CausalPolicy(model=self.model, what="LMObjective", tokenizer=self.tokenizer)
-        self.tokenizer = self.policy.tokenizer
+        self.policy  # noqa: B018  (checks the tokenizer against the model now)
         check_chunked_model(self.model, self.logits_chunk_size, what="LMObjective")
         if self.seq_len is not None:
             self._check_seq_len(self.seq_len, "seq_len")
+
+    @functools.cached_property
+    def policy(self) -> CausalPolicy:
+        """The causal-LM core: the model with its tokenizer (``tokenizer`` or a
+        ``ByteTokenizer()``)."""
+        return policy_of(self)
 
     def _check_seq_len(self, seq_len: int, where: str) -> None:
         self.policy.check_positions(
@@ -189,8 +198,6 @@ class LMObjective(Objective):
             )
         self._check_seq_len(row, f"the data's {self.text_key!r} row length - 1")
         return row
-
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         seq_len = self.positions(spec)
@@ -275,11 +282,10 @@ class LMObjective(Objective):
             key,
             prompt=self.preview_prompt,
             new_tokens=self.preview_tokens,
-            tokenizer=self.tokenizer,
         )
 
     def export(self, variables):
-        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
+        return self.policy.export(variables["params"])
 
     def check_batch(self, batch):
         super().check_batch(batch)  # the declared fields: the key, [rows, seq_len + 1], dtypes

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.language.distillation import _tail_logsumexp, check_temperature, topk_divergence
+from dew.objectives.cores.divergences import check_temperature, tail_logsumexp, topk_divergence
 from dew.objectives.language.lm import packed_inputs
 
 __all__ = ["teacher_topk", "topk_divergence", "write_teacher_topk"]
@@ -48,7 +48,7 @@ def teacher_topk(teacher_logits: jax.Array, *, k: int, temperature: float):
     z = teacher_logits.astype(jnp.float32) / temperature
     logz = jax.nn.logsumexp(z, axis=-1)
     top, ids = jax.lax.top_k(z, k)
-    return ids.astype(jnp.int32), top - logz[..., None], _tail_logsumexp(z, ids) - logz
+    return ids.astype(jnp.int32), top - logz[..., None], tail_logsumexp(z, ids) - logz
 
 
 def write_teacher_topk(

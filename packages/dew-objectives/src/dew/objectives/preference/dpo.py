@@ -46,24 +46,27 @@ reference, the token checks and export are the LM-policy core's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.contract.objective import Objective, Role, Step
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import masked_sum, sequence_logprobs
-from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 
 LOSSES = ("sigmoid", "cdpo", "ipo")
 KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask")
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("dpo")
+@dataclasses.dataclass(frozen=True, eq=False)
 class DPOObjective(Objective):
     """Preference optimization of a causal policy against a frozen reference.
 
@@ -96,6 +99,7 @@ class DPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     reference: Any = None
     reference_model: Any = None
     reference_free: bool = False
@@ -144,20 +148,20 @@ class DPOObjective(Objective):
                 "DPOObjective(reference_model=...) needs the reference's weights too "
                 "(reference=params); a reference is a trained model, not a random init"
             )
-        self.policy = CausalPolicy(
-            model=self.model,
-            what="DPOObjective",
-            tokenizer=self.tokenizer,
-            init_params=self.init_params,
-            reference=self.reference,
-            reference_model=self.reference_model,
-        )
-        self.tokenizer, self.reference_model = self.policy.tokenizer, self.policy.reference_model
+        reference_model = self.policy.reference_model  # tokenizer and vocabularies checked
         check_chunked_model(self.model, self.logits_chunk_size, what="DPOObjective")
         if not self.reference_free:
             check_chunked_model(
-                self.reference_model, self.logits_chunk_size, what="DPOObjective reference_model"
+                reference_model,
+                self.logits_chunk_size,
+                what="DPOObjective reference_model",
             )
+
+    @functools.cached_property
+    def policy(self) -> CausalPolicy:
+        """The causal-LM core: policy, tokenizer, initial weights, reference and its
+        module (``reference_model`` or the policy's)."""
+        return policy_of(self)
 
     # ------------------------------------------------------------- roles, init
     def roles(self) -> tuple[Role, ...]:
@@ -169,15 +173,16 @@ class DPOObjective(Objective):
         return (
             policy,
             Role(
-                name="reference", module=self.reference_model, trained=False, initial_from=initial
+                name="reference",
+                module=self.policy.reference_model,
+                trained=False,
+                initial_from=initial,
             ),
         )
 
     def batch_fields(self):
         ids = [BatchField(k, ("length",), IDS if k in self.keys[::2] else MASK) for k in self.keys]
         return (*ids, *(BatchField(k, (), FLOATS, required=False) for k in REF_KEYS))
-
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         chosen = self.keys[0]
@@ -215,7 +220,10 @@ class DPOObjective(Objective):
             reference = jnp.stack([batch[k].astype(jnp.float32) for k in REF_KEYS], axis=1)
         else:
             ref_tokens = sequence_logprobs(
-                self.reference_model, variables["reference"]["params"], ids, logits_chunk_size=chunk
+                self.policy.reference_model,
+                variables["reference"]["params"],
+                ids,
+                logits_chunk_size=chunk,
             )
             reference = masked_sum(ref_tokens, mask).reshape(pairs, 2)
         return policy, jax.lax.stop_gradient(reference), nll_sum, count
@@ -265,10 +273,10 @@ class DPOObjective(Objective):
         return {"loss": loss, **{k: v for k, v in metrics.items() if k != "dpo_loss"}}
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key, tokenizer=self.tokenizer)
+        return self.policy.preview(variables["params"], key)
 
     def export(self, variables):
-        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
+        return self.policy.export(variables["params"])
 
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn.keywords import is_whole_number
+from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, BatchField
 from dew.objectives.contract.objective import (
     EMA,
@@ -80,8 +81,8 @@ from dew.objectives.contract.objective import (
     with_initial_values,
 )
 from dew.objectives.contract.weighted import Summed, Weighted
-from dew.objectives.cores.image_rewards import HostImageReward, ImageReward, ImageRewards
-from dew.objectives.cores.rewards import READER
+from dew.objectives.cores.conditioning import guided_context_mask, model_conditions
+from dew.objectives.cores.rewards import READER, HostImageReward, ImageReward, ImageRewards
 from dew.objectives.cores.rl import (
     SCALE_REWARDS,
     check_epsilons,
@@ -97,7 +98,6 @@ from dew.objectives.cores.rollouts import (
     repeat_rows,
     traced_data_parallel,
 )
-from dew.objectives.diffusion.images import guided_context_mask, model_conditions
 from dew.sampling import FlowEuler, FlowSDE, model_denoiser, sample_diffusion, sample_flow_sde
 from dew.sampling.diffusion.flow_sde import transition_log_prob
 from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
@@ -128,7 +128,8 @@ def default_ema() -> EMA:
     return EMA(decay=0.99, use_warmup=True)
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("flow_grpo")
+@dataclasses.dataclass(frozen=True, eq=False)
 class FlowGRPOObjective(Objective):
     """Flow-GRPO on a flow-matching denoiser (module docstring for the math).
 
@@ -171,6 +172,7 @@ class FlowGRPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     rewards: Sequence[Any] = ()
     group_size: int = 8
     schedule: Any = dataclasses.field(default_factory=FlowSchedule)
@@ -262,15 +264,21 @@ class FlowGRPOObjective(Objective):
                 f"guidance {self.guidance} needs a conditioned model (num_classes or "
                 f"context_features); this one is unconditional: use guidance=1.0"
             )
-        if self.sample_shape is not None:
-            self.sample_shape = tuple(int(s) for s in self.sample_shape)
-        self.reward_set = ImageRewards.of(self.rewards)
-        self.debug = debug_enabled(self.check_first_ratio)
+        self.reward_set  # noqa: B018  (checks the rewards now)
+
+    @functools.cached_property
+    def reward_set(self) -> ImageRewards:
+        return ImageRewards.of(self.rewards)
+
+    @functools.cached_property
+    def debug(self) -> bool:
+        """Assert the first update's ratio (``check_first_ratio``, else ``DEW_DEBUG``)."""
+        return debug_enabled(self.check_first_ratio)
 
     @classmethod
     def from_pipeline(cls, pipeline, **options) -> FlowGRPOObjective:
         """Start from a trained flow pipeline (``ClassToImage``: a diffusion run's
-        ``objective.pipeline(state)`` or a ``Pretrained`` load): its model, weights,
+        ``objective.inference_task(state)`` or a ``Pretrained`` load): its model, weights,
         schedule, target, guidance, clipping and sample shape; ``options`` the rest."""
         fields = dict(
             model=pipeline.model,
@@ -351,7 +359,7 @@ class FlowGRPOObjective(Objective):
 
     def example_shape(self) -> tuple[int, ...]:
         if self.sample_shape is not None:
-            return self.sample_shape
+            return tuple(int(s) for s in self.sample_shape)
         if not hasattr(self.model, "sample_shape") or not hasattr(self.model, "in_channels"):
             raise ValueError(
                 f"{type(self.model).__name__} does not say its sample size; pass "
@@ -372,7 +380,6 @@ class FlowGRPOObjective(Objective):
         return (BatchField("label", (), IDS),) if self.num_classes else ()
 
     # ------------------------------------------------------------------- init
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
 
     def init(self, key, spec=None):
         x = jnp.zeros((1, *self.example_shape()), jnp.float32)
@@ -431,6 +438,8 @@ class FlowGRPOObjective(Objective):
         return out
 
     # ---------------------------------------------------------------- prepare
+    phases = ("prepare", "prepare_host", "prepare_finish")
+
     def prepare(self, variables, batch, step: Step):
         """The rollout (compiled): ``G`` SDE samples per condition with their window
         states and log-probs, the compiled rewards, each row's trained steps."""

@@ -51,6 +51,7 @@ clip removes, :func:`dew.objectives.cores.rl.clipped_policy_loss`), ``ratio``, `
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,10 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.objective import Objective, Role, Step, Updates
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k3
-from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 from dew.objectives.cores.rewards import READER, Rewards
 from dew.objectives.cores.rl import (
     SCALE_REWARDS,
@@ -107,7 +109,8 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> Weighted:
     raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATION}, got {mode!r}")
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("grpo")
+@dataclasses.dataclass(frozen=True, eq=False)
 class GRPOObjective(Objective):
     """GRPO on a causal language model (module docstring for the math).
 
@@ -153,6 +156,7 @@ class GRPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     rewards: Sequence[Any] = ()
     group_size: int = 8
     max_new_tokens: int = 16
@@ -198,19 +202,29 @@ class GRPOObjective(Objective):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         check_rollout_options(self.scoring_rows, self.prepared_updates)
-        self.end_ids = tuple(int(e) for e in self.end_ids)
-        self.reward_set = Rewards.of(self.rewards)
-        self.policy = CausalPolicy(
-            model=self.model,
-            what=what,
-            tokenizer=self.tokenizer,
-            init_params=self.init_params,
-            reference=self.reference,
-        )
-        self.tokenizer = self.policy.tokenizer
+        self.reward_set  # noqa: B018  (checks the rewards now)
+        self.policy  # noqa: B018  (checks the tokenizer and vocabulary now)
         check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
         check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
-        self.debug = debug_enabled(self.check_first_ratio)
+
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """``end_ids`` as a tuple of ints."""
+        return tuple(int(e) for e in self.end_ids)
+
+    @functools.cached_property
+    def reward_set(self) -> Rewards:
+        return Rewards.of(self.rewards)
+
+    @functools.cached_property
+    def policy(self) -> CausalPolicy:
+        """The causal-LM core: policy, tokenizer, initial weights and reference."""
+        return policy_of(self)
+
+    @functools.cached_property
+    def debug(self) -> bool:
+        """Assert the first update's ratio (``check_first_ratio``, else ``DEW_DEBUG``)."""
+        return debug_enabled(self.check_first_ratio)
 
     @property
     def epsilon_low(self) -> float:
@@ -233,8 +247,6 @@ class GRPOObjective(Objective):
     def batch_fields(self):
         return prompt_fields()
 
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
-
     def init(self, key, spec=None):
         length = self.max_new_tokens
         if spec is not None and "prompt" in spec:
@@ -250,6 +262,8 @@ class GRPOObjective(Objective):
         return variables
 
     # --------------------------------------------------------------- prepare
+    phases = ("prepare", "prepare_host", "prepare_finish")
+
     def prepare(self, variables, batch, step: Step):
         """Rollouts (compiled): ``G`` completions per prompt, old and reference
         log-probs, token rewards; the reader's other keys repeated per completion."""
@@ -263,7 +277,7 @@ class GRPOObjective(Objective):
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling,
             group_size=self.group_size,
-            end_ids=self.end_ids,
+            end_ids=self.stop_ids,
             pad_id=self.pad_id,
         )
         out = dict(rollout.as_dict())
@@ -301,7 +315,7 @@ class GRPOObjective(Objective):
         """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]``."""
         return self.reward_set.host_stage(
-            rollout, self.tokenizer, end_ids=self.end_ids, group_size=self.group_size
+            rollout, self.policy.tokenizer, end_ids=self.stop_ids, group_size=self.group_size
         )
 
     def prepare_finish(self, variables, batch, step: Step):
@@ -382,7 +396,6 @@ class GRPOObjective(Objective):
     def export(self, variables):
         return self.policy.export(
             variables["params"],
-            tokenizer=self.tokenizer,
             max_new_tokens=self.max_new_tokens,
-            end_ids=self.end_ids or None,
+            end_ids=self.stop_ids or None,
         )

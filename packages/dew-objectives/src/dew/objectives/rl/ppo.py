@@ -47,6 +47,7 @@ reference, the token checks and export the LM-policy core's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,10 +55,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.objectives.contract import registry
 from dew.objectives.contract.objective import Objective, Role, Step, Updates, nn_unbox
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
-from dew.objectives.cores.policy import CausalPolicy, check_chunked_model
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 from dew.objectives.cores.rewards import READER, Rewards
 from dew.objectives.cores.rl import (
     check_epsilons,
@@ -138,7 +140,8 @@ def value_loss(
 
 
 # ----------------------------------------------------------------- objective
-@dataclasses.dataclass(eq=False)
+@registry.register("ppo")
+@dataclasses.dataclass(frozen=True, eq=False)
 class PPOObjective(Objective):
     """PPO with a KL penalty to a frozen reference policy and GAE (module docstring).
 
@@ -186,6 +189,7 @@ class PPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     reward: Any
     max_new_tokens: int
     critic: Any = None
@@ -215,23 +219,9 @@ class PPOObjective(Objective):
     headline_metrics = ("score", "kl")  # printed on the log line
 
     def __post_init__(self):
-        from dew.nn.value import ValueHead
-        from dew.sampling import Sampling
-
         what = type(self).__name__
-        if self.sampling is None:
-            self.sampling = Sampling()
-        if self.value_head is None:
-            self.value_head = ValueHead()
-        self.policy = CausalPolicy(
-            model=self.model,
-            what=what,
-            tokenizer=self.tokenizer,
-            init_params=self.init_params,
-            reference=self.reference,
-        )
-        self.tokenizer = self.policy.tokenizer
-        self.rewards = Rewards.of(self.reward)
+        self.policy  # noqa: B018  (checks the tokenizer and vocabulary now)
+        self.rewards  # noqa: B018  (checks the reward now)
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"unknown kl_estimator {self.kl_estimator!r}; use one of {KL_ESTIMATORS}"
@@ -248,10 +238,41 @@ class PPOObjective(Objective):
                     f"PPOObjective {name} must be in [0, 1], got {getattr(self, name)}"
                 )
         check_rollout_options(self.scoring_rows, self.prepared_updates)
-        self.end_ids = tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
         check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
-        check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
-        self.debug = debug_enabled(self.debug)
+        check_chunked_sampling(self.drawing, self.logits_chunk_size, what=type(self).__name__)
+
+    @functools.cached_property
+    def policy(self) -> CausalPolicy:
+        """The causal-LM core: policy, tokenizer, initial weights and reference."""
+        return policy_of(self)
+
+    @functools.cached_property
+    def rewards(self) -> Rewards:
+        return Rewards.of(self.reward)
+
+    @functools.cached_property
+    def drawing(self):
+        """``sampling``, or the default ``Sampling()``."""
+        from dew.sampling import Sampling
+
+        return Sampling() if self.sampling is None else self.sampling
+
+    @functools.cached_property
+    def head(self):
+        """``value_head``, or the default ``ValueHead()``."""
+        from dew.nn.value import ValueHead
+
+        return ValueHead() if self.value_head is None else self.value_head
+
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """``end_ids`` as a tuple of ints."""
+        return tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
+
+    @functools.cached_property
+    def checks_ratio(self) -> bool:
+        """Assert the first update's ratio (``debug``, else ``DEW_DEBUG``)."""
+        return debug_enabled(self.debug)
 
     @property
     def clip_range_upper(self) -> float:
@@ -259,7 +280,7 @@ class PPOObjective(Objective):
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:
-        value = self.critic if self.critic is not None else self.value_head
+        value = self.critic if self.critic is not None else self.head
         return (
             Role(name="policy", module=self.model),
             Role(name="value", module=value),
@@ -275,8 +296,6 @@ class PPOObjective(Objective):
     def batch_fields(self):
         return prompt_fields()
 
-    init_reads_spec = True  # init(key, spec=...): shapes from the data's spec
-
     def init(self, key, spec=None):
         k_policy, k_value = jax.random.split(key)
         prompt_len = int(tuple(spec["prompt"].shape)[0]) if spec and "prompt" in spec else 1
@@ -290,7 +309,7 @@ class PPOObjective(Objective):
             _, hidden = jax.eval_shape(
                 lambda: self.model.apply({"params": nn_unbox(policy)}, tokens, return_hidden=True)
             )
-            value = self.value_head.init(k_value, jnp.zeros(hidden.shape, hidden.dtype))["params"]
+            value = self.head.init(k_value, jnp.zeros(hidden.shape, hidden.dtype))["params"]
         reference = self.policy.init_reference(k_policy, length, policy)  # sharded like it
         return {"params": {"policy": policy, "value": value}, "reference": {"params": reference}}
 
@@ -311,11 +330,11 @@ class PPOObjective(Objective):
                 self.model,
                 params["policy"],
                 rollout,
-                self.sampling,
+                self.drawing,
                 self.logits_chunk_size,
                 return_hidden=True,
             )  # [rows, new], [rows, length, embed]
-            values = self.value_head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
+            values = self.head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
         elif self.critic is None:
             logits, hidden = self.model.apply(
                 {"params": nn_unbox(params["policy"])},
@@ -324,15 +343,15 @@ class PPOObjective(Objective):
                 attention_mask=mask,
                 return_hidden=True,
             )  # [rows, length, vocab], [rows, length, embed]
-            logps = scored_logprobs(logits[:, scored], rollout.completion, self.sampling)
+            logps = scored_logprobs(logits[:, scored], rollout.completion, self.drawing)
             logps = jnp.where(valid, logps, 0.0)
-            values = self.value_head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
+            values = self.head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
         else:
             logps = rollout_logprobs(
                 self.model,
                 params["policy"],
                 rollout,
-                sampling=self.sampling,
+                sampling=self.drawing,
                 logits_chunk_size=self.logits_chunk_size,
             )
             values = self.critic.apply(
@@ -356,8 +375,8 @@ class PPOObjective(Objective):
             batch["prompt_mask"],
             key=step.key,
             max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling,
-            end_ids=self.end_ids,
+            sampling=self.drawing,
+            end_ids=self.stop_ids,
             pad_id=self.pad_id,
         )
         mask = rollout.completion_mask
@@ -373,7 +392,7 @@ class PPOObjective(Objective):
                     self.model,
                     reference,
                     r,
-                    sampling=self.sampling,
+                    sampling=self.drawing,
                     logits_chunk_size=self.logits_chunk_size,
                 ),
             )
@@ -388,14 +407,16 @@ class PPOObjective(Objective):
         return jax.lax.stop_gradient(out)
 
     @property
-    def has_prepare_host(self) -> bool:
-        """Only text rewards need the host stage."""
-        return bool(self.rewards.text)
+    def phases(self) -> tuple[str, ...]:
+        """Only text rewards need the host stage (and the compiled part after it)."""
+        if self.rewards.text:
+            return ("prepare", "prepare_host", "prepare_finish")
+        return ("prepare",)
 
     def prepare_host(self, rollout):
         """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]`` in order."""
-        return self.rewards.host_stage(rollout, self.tokenizer, end_ids=self.end_ids)
+        return self.rewards.host_stage(rollout, self.policy.tokenizer, end_ids=self.stop_ids)
 
     def prepare_finish(self, variables, batch, step: Step):
         """Advantages (compiled): KL-penalised token rewards, GAE, whitening; the
@@ -441,7 +462,7 @@ class PPOObjective(Objective):
         vf, vf_clipped = value_loss(
             values, batch["old_values"], batch["returns"], clip_range_value=self.clip_range_value
         )
-        if self.debug:
+        if self.checks_ratio:
             check_first_update(
                 logps,
                 batch["old_logps"],
@@ -489,8 +510,7 @@ class PPOObjective(Objective):
         """A :class:`dew.sampling.TextGeneration` of the policy."""
         return self.policy.export(
             variables["params"]["policy"],
-            tokenizer=self.tokenizer,
-            sampling=self.sampling,
+            sampling=self.drawing,
             max_new_tokens=self.max_new_tokens,
-            end_ids=self.end_ids or None,
+            end_ids=self.stop_ids or None,
         )

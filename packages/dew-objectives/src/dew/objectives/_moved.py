@@ -49,6 +49,9 @@ MOVED = {
 # old module that is now a folder's name -> where its names went
 FOLDED = {"rl": "cores.rl", "diffusion": "diffusion.images", "jepa": "jepa.jepa"}
 DEPRECATED = ("rl",)  # of FOLDED: the folder's own names are not these
+# of MOVED: short public paths that stay, without a warning (`from dew.objectives.lm
+# import LMObjective` is the seed program's and the key-concepts page's import)
+STABLE = ("lm",)
 
 
 def _warn(old: str, new: str, stacklevel: int) -> None:
@@ -72,8 +75,10 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         old = module.__name__
-        new = f"{PACKAGE}.{MOVED[old[len(PACKAGE) + 1 :]]}"
-        _warn(old, new, stacklevel=2)  # importlib's own frames are skipped
+        short = old[len(PACKAGE) + 1 :]
+        new = f"{PACKAGE}.{MOVED[short]}"
+        if short not in STABLE:
+            _warn(old, new, stacklevel=2)  # importlib's own frames are skipped
         sys.modules[old] = importlib.import_module(new)
 
 

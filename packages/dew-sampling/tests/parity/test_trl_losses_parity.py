@@ -1,7 +1,8 @@
 """Dew's post-training losses equal TRL's on the same log-probabilities
 (issue 43): GSPO (``GRPOTrainer`` with ``importance_sampling_level="sequence"``),
 SimPO (``CPOTrainer(loss_type="simpo")``), ORPO (``ORPOTrainer``) and KTO
-(``KTOTrainer``), loss and gradient with respect to the log-probs, to float32
+(``KTOTrainer``) and the Bradley-Terry reward-model loss (``RewardTrainer``),
+loss and gradient with respect to the log-probs, to float32
 rounding. TRL's own loss code runs, bound to a stand-in trainer whose model
 returns the given log-probs; run by the ``parity`` nox session."""
 
@@ -21,11 +22,13 @@ from trl.experimental.cpo.cpo_trainer import CPOTrainer  # noqa: E402
 from trl.experimental.orpo.orpo_trainer import ORPOTrainer  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.kto_trainer import KTOTrainer  # noqa: E402
+from trl.trainer.reward_trainer import RewardTrainer  # noqa: E402
 
 from dew.objectives.cores.rl_variants import sequence_clipped_policy_loss  # noqa: E402
 from dew.objectives.grpo import aggregate  # noqa: E402
 from dew.objectives.logprobs import kl_k3  # noqa: E402
 from dew.objectives.preference.losses import (  # noqa: E402
+    bradley_terry_losses,
     kto_losses,
     kto_reference_point,
     orpo_losses,
@@ -215,3 +218,29 @@ def test_kto_equals_trl():
     want.backward()
     close(loss, want)
     close(grad, torch_tokens.grad[:, -1])
+
+
+def test_bradley_terry_equals_trl():
+    pairs = 6
+    rewards = RNG.normal(0, 2, (pairs, 2)).astype(np.float32)
+    margin = np.abs(RNG.normal(0, 1, pairs)).astype(np.float32)
+    center = 0.01
+
+    def dew_loss(r):
+        losses = bradley_terry_losses(r[:, 0], r[:, 1], margin=margin, center_coefficient=center)
+        return jnp.mean(losses)
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(rewards))
+    # TRL's model scores [chosen rows; rejected rows] as logits [2 pairs, 1]
+    logits = torch.tensor(
+        np.concatenate([rewards[:, 0], rewards[:, 1]])[:, None], requires_grad=True
+    )
+    trainer = stand_in(
+        args=SimpleNamespace(center_rewards_coefficient=center), _total_train_tokens=0, _tp_size=1
+    )
+    model = mock.MagicMock(return_value=SimpleNamespace(logits=logits))
+    inputs = dict(attention_mask=torch.ones(2 * pairs, 3), margin=torch.tensor(margin))
+    want = RewardTrainer.compute_loss(trainer, model, inputs)
+    want.backward()
+    close(loss, want)
+    close(grad, torch.stack(torch.chunk(logits.grad[:, 0], 2), dim=1))

@@ -133,3 +133,24 @@ def kto_losses(
     good = 1.0 - jax.nn.sigmoid(beta * (r - z0))
     bad = 1.0 - jax.nn.sigmoid(beta * (z0 - r))
     return jnp.where(desirable, desirable_weight * good, undesirable_weight * bad)
+
+
+def bradley_terry_losses(
+    chosen_rewards: jax.Array,
+    rejected_rewards: jax.Array,
+    *,
+    margin: jax.Array | float = 0.0,
+    center_coefficient: float = 0.0,
+) -> jax.Array:
+    """A reward model's per-pair loss under the Bradley-Terry model (Bradley & Terry
+    1952; Ouyang et al. 2022, eq. 1; TRL's ``RewardTrainer``)::
+
+        -log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2
+
+    ``margin``: per pair or one value (Llama 2's margin loss); ``c``: TRL's
+    ``center_rewards_coefficient`` (Eisenstein et al. 2023), 0 = off."""
+    r_w, r_l = _f32(chosen_rewards), _f32(rejected_rewards)
+    losses = -jax.nn.log_sigmoid(r_w - r_l - _f32(margin))
+    if center_coefficient:
+        losses = losses + center_coefficient * (r_w + r_l) ** 2
+    return losses

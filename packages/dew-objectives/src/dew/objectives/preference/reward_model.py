@@ -1,0 +1,227 @@
+"""A Bradley-Terry reward model: a causal backbone with a scalar head on the
+last non-padding token (Ouyang et al. 2022, InstructGPT, section 3.5; TRL's
+``RewardTrainer``; Hugging Face's ``...ForSequenceClassification`` with
+``num_labels=1``), trained on preference pairs.
+
+For a pair ``(x, y_w, y_l)`` the model scores each sequence ``r = w .
+h_last(x, y)`` (``h_last``: the backbone's final hidden state, after its
+output norm, at the sequence's last real token; ``w``: the head, no bias, as
+Hugging Face's ``score``) and the loss per pair is
+:func:`dew.objectives.preference.losses.bradley_terry_losses`::
+
+    -log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2
+
+a :class:`Weighted` mean over pairs. Metrics: ``accuracy`` (``1[r_w > r_l]``),
+``margin`` (``r_w - r_l``), ``reward_chosen``, ``reward_rejected``.
+
+Batches are :class:`dew.data.PreferencePairs`' (right-padded: prompt,
+completion, padding); the last real token of a row is the last True of
+``prompt_mask | <side>_mask``. A left-padded row is refused (the head would
+read a padding position).
+
+``export`` gives a :class:`RewardScorer`: the module, its parameters and the
+tokenizer, scoring ``(prompt, completion)`` texts on the host, or token
+arrays inside a compiled program (:meth:`RewardScorer.score_tokens`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Objective, Role, Step, with_initial_values
+from dew.objectives.batch import FLOATS, IDS, MASK, BatchField, first_row
+from dew.objectives.policy import CausalPolicy
+from dew.objectives.preference.losses import bradley_terry_losses
+from dew.objectives.weighted import Summed, Weighted
+
+KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask")
+
+
+def last_real_index(mask: jax.Array) -> jax.Array:
+    """``[rows]`` the index of each row's last True in ``mask [rows, length]``
+    (right padding); 0 for an empty row."""
+    length = mask.shape[1]
+    positions = jnp.arange(length)[None, :]
+    return jnp.max(jnp.where(mask, positions, 0), axis=1)
+
+
+class RewardModel(nn.Module):
+    """A causal backbone (``backbone(ids, return_hidden=True) -> (logits, hidden)``,
+    :class:`dew.nn.CausalTransformer`) with a scalar head ``score`` on the hidden
+    state of each row's last real token: ``(ids [rows, length], mask [rows, length])
+    -> [rows]`` float32."""
+
+    backbone: Any
+
+    @nn.compact
+    def __call__(self, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        _, hidden = self.backbone(ids, return_hidden=True)  # [rows, length, embed]
+        if mask is None:
+            mask = jnp.ones(ids.shape, bool)
+        last = last_real_index(mask)
+        h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [rows, embed]
+        score = nn.Dense(1, use_bias=False, name="score", kernel_init=nn.initializers.normal(0.02))
+        return score(h.astype(jnp.float32))[:, 0].astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardScorer:
+    """A trained reward model: ``scorer(prompts, completions) -> [rows]`` float32 on
+    the host (texts through ``tokenizer``, right-padded to ``max_len``), or
+    :meth:`score_tokens` on id arrays inside a compiled program."""
+
+    module: RewardModel
+    params: Any
+    tokenizer: Any
+    max_len: int
+
+    def score_tokens(self, params, ids: jax.Array, mask: jax.Array) -> jax.Array:
+        """Rewards ``[rows]`` of right-padded ``ids`` (``mask`` True on real tokens)."""
+        return self.module.apply({"params": params}, ids, mask)
+
+    def __call__(self, prompts, completions) -> np.ndarray:
+        rows = len(prompts)
+        ids = np.zeros((rows, self.max_len), np.int32)
+        mask = np.zeros((rows, self.max_len), bool)
+        for r, (p, c) in enumerate(zip(prompts, completions)):
+            tokens = list(self.tokenizer.encode(p)) + list(self.tokenizer.encode(c))
+            tokens = tokens[-self.max_len :]
+            ids[r, : len(tokens)], mask[r, : len(tokens)] = tokens, True
+        return np.asarray(jax.jit(self.score_tokens)(self.params, ids, mask))
+
+
+@dataclasses.dataclass(eq=False)
+class RewardModelObjective(Objective):
+    """Train a Bradley-Terry reward model on preference pairs (module docstring).
+
+    model: the causal backbone (:class:`dew.nn.CausalTransformer`); the objective
+      trains ``RewardModel(model)`` (the role ``"reward"``).
+    init_params: the backbone's starting weights (a ``Pretrained`` load, an SFT
+      policy's parameters); the head starts at random. None = a fresh backbone.
+    margin: subtracted from every pair's reward gap (a float); 0 = none.
+    center_rewards_coefficient: TRL's, ``c (r_w + r_l)^2``; 0 = off.
+    tokenizer: for :meth:`export`; None = ``ByteTokenizer()``.
+    """
+
+    model: Any
+    init_params: Any = None
+    margin: float = 0.0
+    center_rewards_coefficient: float = 0.0
+    tokenizer: Any = None
+
+    headline_metrics = ("accuracy", "margin")
+
+    def __post_init__(self):
+        if self.center_rewards_coefficient < 0:
+            raise ValueError(
+                f"RewardModelObjective center_rewards_coefficient must be >= 0, got "
+                f"{self.center_rewards_coefficient}"
+            )
+        self.backbone = CausalPolicy(
+            model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer
+        )
+        self.tokenizer = self.backbone.tokenizer
+        self.reward_model = RewardModel(self.model)
+
+    def roles(self):
+        return (Role(name="reward", module=self.reward_model),)
+
+    def batch_fields(self):
+        kinds = {"chosen": IDS, "rejected": IDS}
+        return tuple(BatchField(k, ("length",), kinds.get(k, MASK)) for k in KEYS) + (
+            BatchField("margin", (), FLOATS, required=False),
+        )
+
+    init_reads_spec = True
+
+    def init(self, key, spec=None):
+        length = int(tuple(spec[KEYS[0]].shape)[0]) if spec and KEYS[0] in spec else 8
+        ids = jnp.zeros((1, length), jnp.int32)
+        params = self.reward_model.init(key, ids, jnp.ones((1, length), bool))["params"]
+        if self.init_params is not None:
+            params = dict(params)
+            params["backbone"] = with_initial_values(
+                params["backbone"], self.init_params, what="RewardModelObjective init_params"
+            )
+        return {"params": params}
+
+    def rewards(self, params, batch) -> jax.Array:
+        """``[pairs, 2]`` rewards of the chosen (column 0) and rejected sequences."""
+        chosen, chosen_mask, rejected, rejected_mask, prompt_mask = (batch[k] for k in KEYS)
+        pairs, length = chosen.shape
+        ids = jnp.stack([chosen, rejected], axis=1).reshape(2 * pairs, length)
+        real = jnp.stack([chosen_mask | prompt_mask, rejected_mask | prompt_mask], axis=1)
+        return self.reward_model.apply(
+            {"params": params}, ids, real.reshape(2 * pairs, length)
+        ).reshape(pairs, 2)
+
+    def _terms(self, variables, batch):
+        rewards = self.rewards(variables["params"], batch)
+        rows = (
+            batch["example_mask"].astype(jnp.float32)
+            if "example_mask" in batch
+            else jnp.ones(rewards.shape[:1], jnp.float32)
+        )
+        margin = batch.get("margin", self.margin)
+        losses = bradley_terry_losses(
+            rewards[:, 0],
+            rewards[:, 1],
+            margin=margin,
+            center_coefficient=self.center_rewards_coefficient,
+        )
+        loss = Weighted.mean(losses, rows)
+        fixed = jax.lax.stop_gradient(rewards)
+        gap = fixed[:, 0] - fixed[:, 1]
+        metrics = {
+            "reward_loss": loss,
+            "accuracy": Weighted.mean((gap > 0).astype(jnp.float32), rows),
+            "margin": Weighted.mean(gap, rows),
+            "reward_chosen": Weighted.mean(fixed[:, 0], rows),
+            "reward_rejected": Weighted.mean(fixed[:, 1], rows),
+            "pairs": Summed(jnp.sum(rows)),
+        }
+        return loss, metrics
+
+    def loss(self, variables, batch, step: Step):
+        return self._terms(variables, batch)
+
+    def evaluate(self, variables, batch, step: Step):
+        loss, metrics = self._terms(variables, batch)
+        return {"loss": loss, **{k: v for k, v in metrics.items() if k != "reward_loss"}}
+
+    def export(self, variables):
+        return RewardScorer(
+            module=self.reward_model,
+            params=variables["params"],
+            tokenizer=self.tokenizer,
+            max_len=int(getattr(self.model, "max_seq_len", None) or 512),
+        )
+
+    def check_batch(self, batch):
+        super().check_batch(batch)
+        prompt = np.asarray(batch["prompt_mask"]).astype(bool)
+        rows = np.asarray(batch.get("example_mask", np.ones(len(prompt), bool))).astype(bool)
+        for side in ("chosen", "rejected"):
+            ids = np.asarray(batch[side])
+            self.backbone.check_ids(ids, key=side)
+            real = prompt | np.asarray(batch[f"{side}_mask"]).astype(bool)
+            right_padded = (np.cumsum(~real, axis=1) == 0) == real
+            if found := first_row(rows & ~right_padded.all(axis=1)):
+                raise ValueError(
+                    f"RewardModelObjective: row {found[0]} of batch[{side!r}] is not right-padded "
+                    f"({found[1]} such rows): the scalar head reads each row's last real token, "
+                    f"which Dew's readers put before the padding (PreferencePairs pads on the "
+                    f"right); left-padded data (a Hugging Face tokenizer with "
+                    f"padding_side='left') must be re-padded on the right"
+                )
+            if found := first_row(rows & ~np.asarray(batch[f"{side}_mask"]).astype(bool).any(1)):
+                raise ValueError(
+                    f"RewardModelObjective: pair {found[0]} has an empty {side} completion "
+                    f"({found[1]} such pairs); drop them in the data"
+                )

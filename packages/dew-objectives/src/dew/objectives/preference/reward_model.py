@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dew.nn import CausalTransformer, models
 from dew.objectives.base import Objective, Role, Step, with_initial_values
 from dew.objectives.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.policy import CausalPolicy
@@ -51,23 +52,43 @@ def last_real_index(mask: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(mask, positions, 0), axis=1)
 
 
-class RewardModel(nn.Module):
-    """A causal backbone (``backbone(ids, return_hidden=True) -> (logits, hidden)``,
-    :class:`dew.nn.CausalTransformer`) with a scalar head ``score`` on the hidden
-    state of each row's last real token: ``(ids [rows, length], mask [rows, length])
-    -> [rows]`` float32."""
+@models.register("causal_reward_model")
+class CausalRewardModel(CausalTransformer):
+    """A :class:`dew.nn.CausalTransformer` (its options, its parameters: ``embed``,
+    ``layers``, ``final_norm``, ``lm_head``) with a scalar head ``score`` (no bias,
+    Hugging Face's ``...ForSequenceClassification`` with ``num_labels=1``) on the final
+    hidden state of each row's last real token: ``(ids [rows, length], mask [rows,
+    length]) -> [rows]`` float32. Registered as ``"causal_reward_model"``, so a run's
+    checkpoint rebuilds it (``load_model(directory, role="reward")``)."""
 
-    backbone: Any
+    def setup(self):
+        self.score = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.normal(0.02))
 
-    @nn.compact
     def __call__(self, ids: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        _, hidden = self.backbone(ids, return_hidden=True)  # [rows, length, embed]
+        _, hidden = super().__call__(ids, return_hidden=True)  # [rows, length, embed]
         if mask is None:
             mask = jnp.ones(ids.shape, bool)
         last = last_real_index(mask)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [rows, embed]
-        score = nn.Dense(1, use_bias=False, name="score", kernel_init=nn.initializers.normal(0.02))
-        return score(h.astype(jnp.float32))[:, 0].astype(jnp.float32)
+        return self.score(h.astype(jnp.float32))[:, 0].astype(jnp.float32)
+
+    @classmethod
+    def of(cls, backbone: CausalTransformer) -> CausalRewardModel:
+        """The reward model of ``backbone``'s configuration."""
+        if not isinstance(backbone, CausalTransformer):
+            raise TypeError(
+                f"a reward model needs a dew.nn.CausalTransformer backbone, got "
+                f"{type(backbone).__qualname__}"
+            )
+        if isinstance(backbone, cls):
+            return backbone
+        return cls(
+            **{
+                f.name: getattr(backbone, f.name)
+                for f in dataclasses.fields(backbone)
+                if f.init and f.name not in ("parent", "name")
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,7 +97,7 @@ class RewardScorer:
     the host (texts through ``tokenizer``, right-padded to ``max_len``), or
     :meth:`score_tokens` on id arrays inside a compiled program."""
 
-    module: RewardModel
+    module: CausalRewardModel
     params: Any
     tokenizer: Any
     max_len: int
@@ -101,9 +122,10 @@ class RewardModelObjective(Objective):
     """Train a Bradley-Terry reward model on preference pairs (module docstring).
 
     model: the causal backbone (:class:`dew.nn.CausalTransformer`); the objective
-      trains ``RewardModel(model)`` (the role ``"reward"``).
+      trains ``CausalRewardModel.of(model)`` (the role ``"reward"``).
     init_params: the backbone's starting weights (a ``Pretrained`` load, an SFT
-      policy's parameters); the head starts at random. None = a fresh backbone.
+      policy's parameters), or a reward model's (with ``score``); a head not given
+      starts at random. None = a fresh model.
     margin: subtracted from every pair's reward gap (a float); 0 = none.
     center_rewards_coefficient: TRL's, ``c (r_w + r_l)^2``; 0 = off.
     tokenizer: for :meth:`export`; None = ``ByteTokenizer()``.
@@ -127,7 +149,7 @@ class RewardModelObjective(Objective):
             model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer
         )
         self.tokenizer = self.backbone.tokenizer
-        self.reward_model = RewardModel(self.model)
+        self.reward_model = CausalRewardModel.of(self.model)
 
     def roles(self):
         return (Role(name="reward", module=self.reward_model),)
@@ -145,10 +167,9 @@ class RewardModelObjective(Objective):
         ids = jnp.zeros((1, length), jnp.int32)
         params = self.reward_model.init(key, ids, jnp.ones((1, length), bool))["params"]
         if self.init_params is not None:
-            params = dict(params)
-            params["backbone"] = with_initial_values(
-                params["backbone"], self.init_params, what="RewardModelObjective init_params"
-            )
+            given = nn.unbox(self.init_params.get("params", self.init_params))
+            given = {**given, "score": given.get("score", nn.unbox(params["score"]))}
+            params = with_initial_values(params, given, what="RewardModelObjective init_params")
         return {"params": params}
 
     def rewards(self, params, batch) -> jax.Array:

@@ -27,6 +27,8 @@ arrays inside a compiled program (:meth:`RewardScorer.score_tokens`).
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from typing import Any
 
 import flax.linen as nn
@@ -246,3 +248,91 @@ class RewardModelObjective(Objective):
                     f"RewardModelObjective: pair {found[0]} has an empty {side} completion "
                     f"({found[1]} such pairs); drop them in the data"
                 )
+
+
+# ------------------------------------------------ Hugging Face ...ForSequenceClassification
+def _backbone(model: CausalRewardModel) -> CausalTransformer:
+    fields = dataclasses.fields(CausalTransformer)
+    init = {
+        f.name: getattr(model, f.name)
+        for f in fields
+        if f.init and f.name not in ("parent", "name")
+    }
+    return CausalTransformer(**init)
+
+
+def _classification_architecture(architecture: str) -> str:
+    for suffix in ("ForCausalLM", "LMHeadModel"):
+        if architecture.endswith(suffix):
+            return architecture[: -len(suffix)] + "ForSequenceClassification"
+    raise ValueError(f"no ...ForSequenceClassification class is known for {architecture!r}")
+
+
+def save_hf_reward_model(
+    path, model: CausalRewardModel, params, *, family: str, pad_id: int = 0
+) -> pathlib.Path:
+    """Write a reward model as the Hugging Face ``...ForSequenceClassification``
+    (``num_labels=1``) of ``family`` (``"llama"``, ``"qwen2"``, ``"mistral"``,
+    ``"gpt2"``): the causal LM's tensors without ``lm_head``, plus ``score.weight``
+    ``[1, hidden]``; ``config.json`` names the class and ``pad_token_id`` (transformers
+    finds each row's last real token from it). The tokenizer is not written."""
+    from dew.nn import hf
+    from dew.sampling.checkpoint_io.files import write_tensors
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fmt = hf.get(family)
+    params = nn.unbox(params)
+    backbone = _backbone(model)
+    tensors = fmt.params_to_hf({k: v for k, v in params.items() if k != "score"}, backbone)
+    tensors.pop("lm_head.weight", None)
+    tensors["score.weight"] = np.asarray(params["score"]["kernel"], np.float32).T
+    dtype = str(next(iter(tensors.values())).dtype)
+    config = fmt.config_from_dew(backbone, base=None, dtype_name=dtype)
+    config.update(
+        architectures=[_classification_architecture(fmt.architecture)],
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        pad_token_id=int(pad_id),
+    )
+    write_tensors(path, tensors)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path
+
+
+def load_hf_reward_model(path, *, use_scan: bool = True) -> tuple[CausalRewardModel, Any]:
+    """``(model, params)`` of a Hugging Face ``...ForSequenceClassification`` with one
+    label, of a causal family Dew reads (``config.json`` and ``*.safetensors``). Rows
+    it scores must be right-padded (the last real token is read from the mask)."""
+    from dew.nn import hf
+    from dew.sampling.checkpoint_io.files import TensorReader
+
+    path = pathlib.Path(path)
+    config = json.loads((path / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(
+            f"{path}: config.json names {architectures}, not a ...ForSequenceClassification; "
+            f"a causal LM loads with dew.sampling.Pretrained.load"
+        )
+    labels = config.get("num_labels", len(config.get("id2label") or {0: None}))
+    if labels != 1:
+        raise ValueError(
+            f"{path}: a reward model has one label (a scalar score), this has {labels}"
+        )
+    fmt = hf.get(hf.family_of(config, str(path)))
+    causal = {k: v for k, v in config.items() if k not in ("id2label", "label2id", "num_labels")}
+    causal["architectures"] = [fmt.architecture]
+    name, options = fmt.config_to_dew(
+        causal, where=str(path), ignore_fields=("problem_type", "pad_token_id")
+    )
+    backbone = models.build(name, **options, use_scan=use_scan)
+    tensors = dict(TensorReader(path))
+    score = np.asarray(tensors.pop("score.weight"), np.float32)  # [1, hidden]
+    if not backbone.tie_embeddings and "lm_head.weight" not in tensors:
+        # a classifier has no LM head; the backbone's stays unused (never read by the score)
+        tensors["lm_head.weight"] = np.zeros((backbone.vocab_size, score.shape[1]), np.float32)
+    params = dict(fmt.params_from_hf(tensors, backbone, where=str(path)))
+    params["score"] = {"kernel": jnp.asarray(score.T)}
+    return CausalRewardModel.of(backbone), params

@@ -17,15 +17,8 @@ from dew.objectives.preference.reward_model import (  # noqa: E402
     save_hf_reward_model,
 )
 
-SIZES = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+WIDTHS = dict(vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=64)
+SIZES = dict(WIDTHS, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForSequenceClassification", dict(SIZES, rope_theta=100.0)),
     "qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification", dict(SIZES, rope_theta=1000.0)),

@@ -101,6 +101,7 @@ def test_left_padding_is_refused():
         objective.check_batch(batch)
 
 
+@pytest.mark.slow
 def test_toy_held_out_accuracy_rises(tmp_path):
     """Held-out pairs never trained on: accuracy ~0.5 at init, >= 0.9 after 60 steps;
     the checkpoint rebuilds the reward model (load_model) and it scores as trained."""

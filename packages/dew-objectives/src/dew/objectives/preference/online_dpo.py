@@ -1,0 +1,286 @@
+"""Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI
+Feedback", arXiv 2402.04792; TRL's ``OnlineDPOTrainer``): DPO on pairs the
+policy samples inside the step.
+
+Per prompt the current policy samples two completions (compiled, in the
+prepare phase, as GRPO's rollouts); a judge orders them, the higher-rewarded
+one chosen; the DPO loss (:func:`dew.objectives.preference.losses.dpo_losses`,
+``"sigmoid"`` or ``"ipo"``) trains on the pair with sequence log-probs summed
+over each completion's tokens::
+
+    h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))
+    sigmoid: -log sigmoid(beta h)        ipo: (h - 1 / (2 beta))^2
+
+The judge is a trained reward model (``reward_model=``, a
+:class:`~dew.objectives.preference.reward_model.CausalRewardModel` with
+``reward_params=``: the frozen role ``"reward"``, scoring the rollout inside the
+compiled step), rewards as GRPO takes them (``rewards=``: token rewards traced
+into the step, text rewards on the host), or both, summed with weights. A pair
+whose two rewards are equal carries no preference: it gets weight 0 (its share
+is logged as ``tie_fraction``).
+
+As for GRPO, the rollout's log-probs (``old_logps``, ``ref_logps``) come from
+:func:`dew.objectives.rollouts.rollout_logprobs`, the function the loss calls,
+so the first update's ratio is 1 (asserted with ``check_first_ratio=True`` or
+``DEW_DEBUG=1``: :func:`dew.objectives.rl.check_first_update`).
+
+Metrics: ``reward`` (the judge's mean over the sampled completions),
+``tie_fraction``, ``accuracy`` and ``margin`` of the implicit rewards
+``beta (log pi - log ref)``, ``completion_length``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dew.objectives.base import Objective, Role, Step
+from dew.objectives.logprobs import masked_sum
+from dew.objectives.policy import CausalPolicy
+from dew.objectives.preference.losses import dpo_losses
+from dew.objectives.rewards import Rewards
+from dew.objectives.rl import check_first_update
+from dew.objectives.rollouts import (
+    Rollout,
+    check_rollout_rows,
+    debug_enabled,
+    prompt_fields,
+    rollout_logprobs,
+    sample_completions,
+)
+from dew.objectives.weighted import Summed, Weighted
+from dew.sampling import Sampling
+
+LOSSES = ("sigmoid", "ipo")
+
+
+def right_aligned(rollout: Rollout) -> tuple[jax.Array, jax.Array]:
+    """A rollout's rows as a reward model reads them: prompt (without its left
+    padding), completion, then padding, ``(ids, mask)`` each ``[rows, prompt_len +
+    new]``; ``mask`` True on the prompt's and the completion's ids."""
+    ids = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)
+    rows, length = ids.shape
+    left_pad = rollout.prompt.shape[1] - jnp.sum(rollout.prompt_mask, axis=1, dtype=jnp.int32)
+    real = jnp.sum(rollout.prompt_mask, axis=1, dtype=jnp.int32) + rollout.lengths
+    t = jnp.arange(length)[None, :]
+    source = (t + left_pad[:, None]) % length
+    return jnp.take_along_axis(ids, source, axis=1), t < real[:, None]
+
+
+@dataclasses.dataclass(eq=False)
+class OnlineDPOObjective(Objective):
+    """Online DPO on a causal policy (module docstring).
+
+    model: the policy (:class:`dew.nn.CausalTransformer`, decoding with a KV cache).
+    reward_model, reward_params: a trained reward model and its parameters (the
+      frozen role ``"reward"``); its vocabulary must be the policy's.
+    rewards: GRPO's rewards (:class:`~dew.objectives.rewards.TokenReward`,
+      :class:`~dew.objectives.rewards.TextReward`, plain callables = text rewards).
+    reward_model_weight: the reward model's weight in the sum.
+    max_new_tokens, sampling, end_ids, pad_id: the rollout (as GRPO's; not greedy).
+    beta: DPO's inverse temperature (TRL's default 0.1).
+    loss_type: ``"sigmoid"`` or ``"ipo"``.
+    reference: the reference's parameters; None = a copy of the initial policy.
+    init_params, tokenizer, check_first_ratio: as :class:`~dew.objectives.GRPOObjective`'s.
+    """
+
+    model: Any
+    reward_model: Any = None
+    reward_params: Any = None
+    rewards: Sequence[Any] = ()
+    reward_model_weight: float = 1.0
+    max_new_tokens: int = 16
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    end_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    reference: Any = None
+    init_params: Any = None
+    tokenizer: Any = None
+    check_first_ratio: bool | None = None
+
+    headline_metrics = ("reward", "accuracy")
+
+    def __post_init__(self):
+        what = "OnlineDPOObjective"
+        if self.loss_type not in LOSSES:
+            raise ValueError(f"{what}(loss_type={self.loss_type!r}): use one of {list(LOSSES)}")
+        if not self.beta > 0:
+            raise ValueError(f"{what} needs beta > 0, got {self.beta}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 tokens, got {self.max_new_tokens}")
+        if self.sampling.is_greedy:
+            raise ValueError(
+                f"{what} samples two completions per prompt; {self.sampling} is greedy, so "
+                f"they would be the same. Use a temperature > 0"
+            )
+        if (self.reward_model is None) != (self.reward_params is None):
+            raise ValueError(
+                f"{what}: reward_model= and reward_params= come together (a trained reward "
+                f"model and its weights)"
+            )
+        if self.reward_model is None and not self.rewards:
+            raise ValueError(
+                f"{what} needs a judge: reward_model= (with reward_params=) or rewards=[...]"
+            )
+        self.end_ids = tuple(int(e) for e in self.end_ids)
+        self.reward_set = Rewards.of(self.rewards) if self.rewards else Rewards(())
+        self.policy = CausalPolicy(
+            model=self.model,
+            what=what,
+            tokenizer=self.tokenizer,
+            init_params=self.init_params,
+            reference=self.reference,
+        )
+        self.tokenizer = self.policy.tokenizer
+        if self.reward_model is not None:
+            vocab = getattr(self.reward_model, "vocab_size", None)
+            if vocab != self.policy.vocab_size:
+                raise ValueError(
+                    f"{what}: the reward model's vocabulary has {vocab} ids, the policy's "
+                    f"{self.policy.vocab_size}; the reward model reads the policy's token ids, "
+                    f"so both need one tokenizer"
+                )
+        self.debug = debug_enabled(self.check_first_ratio)
+
+    def roles(self):
+        roles = [
+            Role(name="policy", module=self.model),
+            Role(
+                name="reference",
+                module=self.model,
+                trained=False,
+                initial_from="policy" if self.reference is None else None,
+            ),
+        ]
+        if self.reward_model is not None:
+            roles.append(Role(name="reward", module=self.reward_model, trained=False))
+        return tuple(roles)
+
+    def batch_fields(self):
+        return prompt_fields()
+
+    init_reads_spec = True
+
+    def init(self, key, spec=None):
+        length = self.max_new_tokens
+        if spec is not None and "prompt" in spec:
+            prompt_len = int(tuple(spec["prompt"].shape)[0])
+            self.policy.check_rollout_length(prompt_len, self.max_new_tokens)
+            length += prompt_len
+        params = self.policy.init_policy(key, length)
+        variables = {
+            "params": params,
+            "reference": {"params": self.policy.init_reference(key, length, params)},
+        }
+        if self.reward_model is not None:
+            variables["reward"] = {"params": self.reward_params}
+        return variables
+
+    # --------------------------------------------------------------- prepare
+    def _logps(self, params, rollout):
+        return rollout_logprobs(self.model, params, rollout, sampling=self.sampling)
+
+    def prepare(self, variables, batch, step: Step):
+        """Two completions per prompt, their old and reference log-probs, token
+        rewards and the reward model's scores (compiled)."""
+        rollout = sample_completions(
+            self.model,
+            variables["params"],
+            batch["prompt"],
+            batch["prompt_mask"],
+            key=step.key,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            group_size=2,
+            end_ids=self.end_ids,
+            pad_id=self.pad_id,
+        )
+        out = dict(rollout.as_dict())
+        out["old_logps"] = self._logps(variables["params"], rollout)
+        out["ref_logps"] = self._logps(variables["reference"]["params"], rollout)
+        seen = {"prompt": rollout.prompt, "prompt_mask": rollout.prompt_mask}
+        out["token_rewards"] = self.reward_set.token_values(
+            rollout.completion, rollout.completion_mask, seen
+        )
+        if self.reward_model is not None:
+            ids, mask = right_aligned(rollout)
+            out["model_rewards"] = self.reward_model.apply(
+                {"params": variables["reward"]["params"]}, ids, mask
+            ).astype(jnp.float32)
+        return out
+
+    def prepare_host(self, rollout):
+        if not self.reward_set.items:  # the reward model alone
+            return {"rewards": np.zeros((len(rollout["prompt"]), 0), np.float32)}
+        return self.reward_set.host_stage(
+            rollout, self.tokenizer, end_ids=self.end_ids, group_size=2
+        )
+
+    def prepare_finish(self, variables, batch, step: Step):
+        """The judge's total per completion; which of each pair is chosen."""
+        total = self.reward_set.total(batch["rewards"])  # [rows]
+        if "model_rewards" in batch:
+            total = total + self.reward_model_weight * batch["model_rewards"]
+        pairs = total.reshape(-1, 2)
+        first_wins = (pairs[:, 0] > pairs[:, 1]).astype(jnp.float32)
+        tie = (pairs[:, 0] == pairs[:, 1]).astype(jnp.float32)
+        keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps", "ref_logps")
+        out = {k: batch[k] for k in keep}
+        # per row (rows 2p, 2p+1 a pair): +1 on the chosen row, -1 on the rejected, 0 on ties
+        sign = jnp.stack([2 * first_wins - 1, 1 - 2 * first_wins], axis=1) * (1 - tie[:, None])
+        out.update(reward=total, preference=sign.reshape(-1), tie=jnp.repeat(tie, 2))
+        return out
+
+    # ------------------------------------------------------------------ loss
+    def loss(self, variables, batch, step: Step):
+        rollout = Rollout.from_batch(batch)
+        mask = rollout.completion_mask
+        logps = self._logps(variables["params"], rollout)  # [rows, new]
+        if self.debug:
+            check_first_update(
+                logps,
+                batch["old_logps"],
+                mask,
+                step=step.index,
+                updates_per_batch=1,
+                what="OnlineDPOObjective",
+            )
+        ratio = masked_sum(logps, mask) - masked_sum(batch["ref_logps"], mask)  # [rows]
+        sign = batch["preference"].reshape(-1, 2)  # [pairs, 2]
+        h = jnp.sum(ratio.reshape(-1, 2) * sign, axis=1)  # chosen minus rejected
+        valid = jnp.abs(sign[:, 0])  # 0 on ties
+        loss = Weighted.mean(dpo_losses(h, beta=self.beta, loss_type=self.loss_type), valid)
+        margin = jax.lax.stop_gradient(self.beta * h)
+        metrics = {
+            "reward": Weighted.mean(batch["reward"]),
+            "tie_fraction": Weighted.mean(batch["tie"]),
+            "accuracy": Weighted.mean((margin > 0).astype(jnp.float32), valid),
+            "margin": Weighted.mean(margin, valid),
+            "completion_length": Weighted.mean(rollout.lengths),
+            "pairs": Summed(jnp.sum(valid)),
+        }
+        return loss, metrics
+
+    def check_batch(self, batch):
+        super().check_batch(batch)
+        prompt = np.asarray(batch["prompt"])
+        self.policy.check_rollout_length(prompt.shape[1], self.max_new_tokens)
+        check_rollout_rows(
+            prompt.shape[0] * 2, minibatches=1, scoring_rows=None, what="OnlineDPOObjective"
+        )
+        self.policy.check_ids(prompt, key="prompt")
+
+    def export(self, variables):
+        return self.policy.export(
+            variables["params"],
+            tokenizer=self.tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            end_ids=self.end_ids or None,
+        )

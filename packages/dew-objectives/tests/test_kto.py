@@ -122,3 +122,41 @@ def test_bad_batches(weights):
         objective.check_batch({k: v for k, v in batch.items() if k != "label"})
     with pytest.raises(ValueError, match="needs beta > 0"):
         KTOObjective(MODEL, beta=0.0)
+
+
+def test_pairs_are_unpaired(weights):
+    """pairs=True on a PreferencePairs batch equals the unpaired rows [c0, r0, c1, ...]
+    with the mismatched completions taken from the next pair."""
+    rng = np.random.default_rng(4)
+    pairs = {k: v[:4] for k, v in make_batch(5).items() if k != "label"}
+    rejected = pairs["completion"].copy()
+    rejected[pairs["completion_mask"]] = rng.integers(1, 32, int(pairs["completion_mask"].sum()))
+    batch = {
+        "chosen": pairs["completion"],
+        "chosen_mask": pairs["completion_mask"],
+        "rejected": rejected,
+        "rejected_mask": pairs["completion_mask"],
+        "prompt_mask": pairs["prompt_mask"],
+    }
+    variables = {"params": weights[0], "reference": {"params": weights[1]}}
+    paired = KTOObjective(MODEL, reference=weights[1], pairs=True)
+    paired.check_batch(batch)
+    loss, metrics = jax.jit(paired.loss)(variables, batch, STEP)
+    # by hand: the rows, their log-ratios, z0 over (prompt of pair i, chosen of pair i + 1)
+    ids = np.stack([batch["chosen"], rejected], 1).reshape(8, LENGTH)
+    mask = np.stack([batch["chosen_mask"]] * 2, 1).reshape(8, LENGTH)
+    r = numpy_logps(weights[0], ids, mask) - numpy_logps(weights[1], ids, mask)
+    prompt = np.repeat(batch["prompt_mask"], 2, axis=0)
+    other_ids, other_mask = mismatched(jnp.asarray(ids), prompt, mask, shift=2)
+    gap = numpy_logps(weights[0], np.asarray(other_ids), np.asarray(other_mask)) - numpy_logps(
+        weights[1], np.asarray(other_ids), np.asarray(other_mask)
+    )
+    z0 = max(0.0, gap.mean())
+    label = np.tile([True, False], 4)
+    sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    want = np.where(label, 1 - sig(0.1 * (r - z0)), 1 - sig(0.1 * (z0 - r))).mean()
+    np.testing.assert_allclose(loss.value, want, rtol=1e-5)
+    # shift 2: row 0's (pair 0's chosen) mismatched completion is pair 1's chosen
+    c1 = batch["chosen"][1][batch["chosen_mask"][1]]
+    p0 = int(batch["prompt_mask"][0].sum())
+    np.testing.assert_array_equal(np.asarray(other_ids[0])[p0 : p0 + len(c1)], c1[: LENGTH - p0])

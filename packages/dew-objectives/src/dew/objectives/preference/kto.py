@@ -19,7 +19,11 @@ Batches (the layout of :class:`dew.data.PreferencePairs`' sequences, ``[rows,
 length]``: prompt, then completion, then right padding): ``completion`` (ids),
 ``completion_mask`` (True on the completion), ``prompt_mask`` (True on the
 prompt, a prefix of the row) and ``label`` ``[rows]`` (True = desirable).
-Every batch needs both labels (the paper: imbalance is handled with
+With ``pairs=True`` it reads :class:`dew.data.PreferencePairs`' batches instead
+and unpairs them (TRL's ``unpair_preference_dataset``): each pair's chosen
+completion a desirable row, its rejected one an undesirable row; the mismatched
+pairs then take the completion of the next *pair*. Every batch needs both
+labels (the paper: imbalance is handled with
 ``desirable_weight`` / ``undesirable_weight``, TRL's recommended range
 ``lambda_D n_D / (lambda_U n_U)`` in [1, 4/3]).
 
@@ -45,17 +49,40 @@ from dew.objectives.preference.losses import kto_losses, kto_reference_point
 from dew.objectives.weighted import Summed, Weighted
 
 KEYS = ("completion", "completion_mask", "prompt_mask", "label")
+PAIR_KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask")
 
 
-def mismatched(ids: jax.Array, prompt_mask: jax.Array, completion_mask: jax.Array):
-    """Each row's prompt followed by the next row's completion (cut to the row's
-    length), then padding with the row's own pad ids: ``(ids, completion_mask)``,
-    each ``[rows, length]``. Prompts are prefixes of their rows."""
+def unpaired(batch):
+    """Rows ``[c0, r0, c1, r1, ...]`` (KEYS, and ``example_mask`` when given) from a
+    batch of preference pairs: chosen desirable, rejected undesirable."""
+    pairs = batch["chosen"].shape[0]
+
+    def mix(a, b):
+        return jnp.stack([a, b], axis=1).reshape(2 * pairs, *a.shape[1:])
+
+    out = {
+        KEYS[0]: mix(batch["chosen"], batch["rejected"]),
+        KEYS[1]: mix(batch["chosen_mask"], batch["rejected_mask"]),
+        KEYS[2]: mix(batch["prompt_mask"], batch["prompt_mask"]),
+        KEYS[3]: mix(jnp.ones(pairs, bool), jnp.zeros(pairs, bool)),
+    }
+    if "example_mask" in batch:
+        out["example_mask"] = mix(batch["example_mask"], batch["example_mask"])
+    return out
+
+
+def mismatched(
+    ids: jax.Array, prompt_mask: jax.Array, completion_mask: jax.Array, *, shift: int = 1
+):
+    """Each row's prompt followed by the completion of the row ``shift`` rows on
+    (cyclically; cut to the row's length), then the row's own ids as padding:
+    ``(ids, completion_mask)``, each ``[rows, length]``. Prompts are prefixes of
+    their rows."""
     rows, length = ids.shape
     prompt_len = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)  # [rows]
-    other = jnp.roll(ids, -1, axis=0)
-    other_start = jnp.roll(prompt_len, -1)  # the next row's completion starts after its prompt
-    other_len = jnp.roll(jnp.sum(completion_mask, axis=1).astype(jnp.int32), -1)
+    other = jnp.roll(ids, -shift, axis=0)
+    other_start = jnp.roll(prompt_len, -shift)  # its completion starts after its prompt
+    other_len = jnp.roll(jnp.sum(completion_mask, axis=1).astype(jnp.int32), -shift)
     t = jnp.arange(length)[None, :]
     offset = t - prompt_len[:, None]  # position within the borrowed completion
     in_completion = (offset >= 0) & (offset < other_len[:, None])
@@ -77,6 +104,7 @@ class KTOObjective(Objective):
     init_params: start the policy from these parameters.
     tokenizer: previews and the exported pipeline; None = ``ByteTokenizer()``.
     logits_chunk_size: as :class:`~dew.objectives.DPOObjective`'s.
+    pairs: read preference pairs and unpair them (module docstring).
     """
 
     model: Any
@@ -87,6 +115,7 @@ class KTOObjective(Objective):
     init_params: Any = None
     tokenizer: Any = None
     logits_chunk_size: int | None = None
+    pairs: bool = False
 
     headline_metrics = ("accuracy", "kl")
 
@@ -114,6 +143,11 @@ class KTOObjective(Objective):
         )
 
     def batch_fields(self):
+        if self.pairs:
+            return tuple(
+                BatchField(k, ("length",), IDS if k in ("chosen", "rejected") else MASK)
+                for k in PAIR_KEYS
+            )
         completion, completion_mask, prompt_mask, label = KEYS
         return (
             BatchField(completion, ("length",), IDS),
@@ -125,8 +159,9 @@ class KTOObjective(Objective):
     init_reads_spec = True
 
     def init(self, key, spec=None):
-        if spec is not None and KEYS[0] in spec:
-            length = int(tuple(spec[KEYS[0]].shape)[0])
+        key = PAIR_KEYS[0] if self.pairs else KEYS[0]
+        if spec is not None and key in spec:
+            length = int(tuple(spec[key].shape)[0])
         else:
             length = int(getattr(self.model, "max_seq_len", 8))
         params = self.policy.init_policy(key, length)
@@ -143,6 +178,8 @@ class KTOObjective(Objective):
         return masked_sum(tokens, mask)
 
     def _terms(self, variables, batch):
+        if self.pairs:
+            batch = unpaired(batch)
         ids, mask, prompt_mask = batch[KEYS[0]], batch[KEYS[1]], batch[KEYS[2]]
         desirable = batch[KEYS[3]].astype(bool)
         rows = (
@@ -150,7 +187,8 @@ class KTOObjective(Objective):
             if "example_mask" in batch
             else jnp.ones(desirable.shape, jnp.float32)
         )
-        other_ids, other_mask = mismatched(ids, prompt_mask, mask)
+        shift = 2 if self.pairs else 1  # the next pair's completion, not the partner's
+        other_ids, other_mask = mismatched(ids, prompt_mask, mask, shift=shift)
         # one forward pass per model scores the rows and the mismatched pairs
         both = jnp.concatenate([ids, other_ids])
         both_mask = jnp.concatenate([mask, other_mask])
@@ -160,7 +198,7 @@ class KTOObjective(Objective):
         )
         n = ids.shape[0]
         z0 = kto_reference_point(
-            policy[n:], reference[n:], rows=rows * jnp.roll(rows, -1)
+            policy[n:], reference[n:], rows=rows * jnp.roll(rows, -shift)
         )  # both rows of a mismatched pair real
         logratios = policy[:n] - reference[:n]
         losses = kto_losses(
@@ -202,6 +240,8 @@ class KTOObjective(Objective):
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):
         super().check_batch(batch)
+        if self.pairs:
+            batch = jax.tree.map(np.asarray, unpaired(batch))
         ids = np.asarray(batch[KEYS[0]])
         mask = np.asarray(batch[KEYS[1]]).astype(bool)
         prompt = np.asarray(batch[KEYS[2]]).astype(bool)

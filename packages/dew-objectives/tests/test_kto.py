@@ -84,7 +84,7 @@ def test_loss_is_kto_eq_7(weights):
     weights_rows = np.array([1.0, 1.0, 0.0, 1.0, 1.0], np.float32)  # one padded row
     batch["example_mask"] = weights_rows
     objective = KTOObjective(
-        MODEL, reference=weights[1], beta=beta, desirable_weight=lam_d, undesirable_weight=lam_u
+        model=MODEL, reference=weights[1], beta=beta, desirable_weight=lam_d, undesirable_weight=lam_u
     )
     variables = {"params": weights[0], "reference": {"params": weights[1]}}
     loss, metrics = jax.jit(objective.loss)(variables, batch, STEP)
@@ -112,7 +112,7 @@ def test_loss_is_kto_eq_7(weights):
 
 
 def test_bad_batches(weights):
-    objective = KTOObjective(MODEL, reference=weights[1])
+    objective = KTOObjective(model=MODEL, reference=weights[1])
     batch = make_batch()
     with pytest.raises(ValueError, match="every row of this batch is desirable; KTO needs both"):
         objective.check_batch({**batch, "label": np.ones(ROWS, bool)})
@@ -121,7 +121,7 @@ def test_bad_batches(weights):
     with pytest.raises(KeyError, match=r"reads batch\['label'\] \[rows\]"):
         objective.check_batch({k: v for k, v in batch.items() if k != "label"})
     with pytest.raises(ValueError, match="needs beta > 0"):
-        KTOObjective(MODEL, beta=0.0)
+        KTOObjective(model=MODEL, beta=0.0)
 
 
 def test_pairs_are_unpaired(weights):
@@ -139,7 +139,7 @@ def test_pairs_are_unpaired(weights):
         "prompt_mask": pairs["prompt_mask"],
     }
     variables = {"params": weights[0], "reference": {"params": weights[1]}}
-    paired = KTOObjective(MODEL, reference=weights[1], pairs=True)
+    paired = KTOObjective(model=MODEL, reference=weights[1], pairs=True)
     paired.check_batch(batch)
     loss, metrics = jax.jit(paired.loss)(variables, batch, STEP)
     # by hand: the rows, their log-ratios, z0 over (prompt of pair i, chosen of pair i + 1)

@@ -15,10 +15,10 @@ import pytest
 from dew.data import Dataset
 from dew.nn.testing import tiny_lm
 from dew.objectives import Step
+from dew.objectives.cores.rewards import TokenReward
+from dew.objectives.cores.rollouts import Rollout
 from dew.objectives.preference.online_dpo import OnlineDPOObjective, right_aligned
 from dew.objectives.preference.reward_model import CausalRewardModel
-from dew.objectives.rewards import TokenReward
-from dew.objectives.rollouts import Rollout
 from dew.sampling import Sampling
 from dew.train import MeshSpec, Trainer
 
@@ -55,7 +55,7 @@ def test_prepare_scores_with_the_frozen_reward_model_and_the_loss_is_dpo(reward_
     model, reward_params = reward_model
     beta = 0.3
     objective = OnlineDPOObjective(
-        MODEL,
+        model=MODEL,
         reward_model=model,
         reward_params=reward_params,
         rewards=[TokenReward(fn=sevens, weight=0.5)],
@@ -104,12 +104,12 @@ def test_prepare_scores_with_the_frozen_reward_model_and_the_loss_is_dpo(reward_
 def test_bad_input(reward_model):
     model, params = reward_model
     with pytest.raises(ValueError, match="needs a judge"):
-        OnlineDPOObjective(MODEL)
+        OnlineDPOObjective(model=MODEL)
     other = CausalRewardModel.of(tiny_lm(vocab_size=32))
     with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
-        OnlineDPOObjective(MODEL, reward_model=other, reward_params=params)
+        OnlineDPOObjective(model=MODEL, reward_model=other, reward_params=params)
     with pytest.raises(ValueError, match="use one of \\['sigmoid', 'ipo'\\]"):
-        OnlineDPOObjective(MODEL, rewards=[TokenReward(fn=sevens)], loss_type="simpo")
+        OnlineDPOObjective(model=MODEL, rewards=[TokenReward(fn=sevens)], loss_type="simpo")
 
 
 @pytest.mark.slow
@@ -125,7 +125,7 @@ def test_toy_reward_rises(tmp_path):
             }
 
     objective = OnlineDPOObjective(
-        MODEL,
+        model=MODEL,
         rewards=[TokenReward(fn=sevens)],
         max_new_tokens=4,
         sampling=Sampling(temperature=1.0),

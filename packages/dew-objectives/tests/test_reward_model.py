@@ -62,7 +62,7 @@ def test_last_real_index():
 
 
 def test_loss_is_bradley_terry():
-    objective = RewardModelObjective(MODEL, margin=0.3, center_rewards_coefficient=0.01)
+    objective = RewardModelObjective(model=MODEL, margin=0.3, center_rewards_coefficient=0.01)
     batch = make_batch()
     variables = objective.init(jax.random.key(0), spec={"chosen": jnp.zeros((LENGTH,))})
     params = nn.unbox(variables["params"])
@@ -93,7 +93,7 @@ def test_loss_is_bradley_terry():
 
 
 def test_left_padding_is_refused():
-    objective = RewardModelObjective(MODEL)
+    objective = RewardModelObjective(model=MODEL)
     batch = make_batch()
     for k in ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask"):
         batch[k] = np.roll(batch[k], 4, axis=1)  # padding moves to the left
@@ -126,7 +126,7 @@ def test_toy_held_out_accuracy_rises(tmp_path):
     )
     mesh = MeshSpec(data=1, devices=jax.devices()[:1])
     trainer = Trainer(
-        RewardModelObjective(model), optax.adam(3e-3), key=jax.random.key(0), mesh=mesh
+        RewardModelObjective(model=model), optax.adam(3e-3), key=jax.random.key(0), mesh=mesh
     )
     before = trainer.evaluate(trainer.init_state(data.spec), data)
     state = trainer.fit(data, steps=60, log_every=30)

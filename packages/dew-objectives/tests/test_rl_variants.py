@@ -1,4 +1,4 @@
-"""GRPO-family choices (dew.objectives.cores.rl_variants) against numpy loops
+"""GRPO-family choices (dew.objectives.cores.rl) against numpy loops
 transcribing the papers' formulas: RLOO (Ahmadian et al. 2024), REINFORCE++
 (Hu 2025), GSPO (Zheng et al. 2025, eq. 5-7)."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dew.objectives.cores.rl_variants import (
+from dew.objectives.cores.rl import (
     reinforce_advantages,
     rloo_advantages,
     sequence_clipped_policy_loss,
@@ -54,9 +54,21 @@ def test_reinforce_normalises_over_the_batch():
     np.testing.assert_array_equal(zero, np.repeat([0.0, 1.0, 0.0], G))
 
 
-def test_rloo_rejects_an_unknown_scale():
-    with pytest.raises(ValueError, match=r"scale must be one of \['none', 'batch'\], got 'group'"):
-        rloo_advantages(jnp.asarray(REWARDS), G, scale="group")
+def test_rloo_group_scale_and_an_unknown_scale():
+    advantages, _ = rloo_advantages(jnp.asarray(REWARDS), G, scale="group", eps=1e-4)
+    groups = np.float64(REWARDS).reshape(-1, G)
+    std = np.repeat(groups.std(axis=1, ddof=1), G)
+    np.testing.assert_allclose(
+        advantages, numpy_rloo(REWARDS, G) / (std + 1e-4), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(
+        ValueError, match=r"scale must be one of \['group', 'batch', 'none'\], got 'x'"
+    ):
+        rloo_advantages(jnp.asarray(REWARDS), G, scale="x")
+    none, _ = reinforce_advantages(jnp.asarray(REWARDS), G, scale="none")
+    np.testing.assert_allclose(
+        none, np.float64(REWARDS) - np.mean(np.float64(REWARDS)), rtol=1e-6, atol=1e-6
+    )
 
 
 def numpy_gspo(logps, old, mask, adv, weights, eps_low, eps_high):

@@ -24,9 +24,8 @@ from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.kto_trainer import KTOTrainer  # noqa: E402
 from trl.trainer.reward_trainer import RewardTrainer  # noqa: E402
 
-from dew.objectives.cores.rl_variants import sequence_clipped_policy_loss  # noqa: E402
-from dew.objectives.grpo import aggregate  # noqa: E402
-from dew.objectives.logprobs import kl_k3  # noqa: E402
+from dew.objectives.cores.logprobs import kl_k3  # noqa: E402
+from dew.objectives.cores.rl import sequence_clipped_policy_loss  # noqa: E402
 from dew.objectives.preference.losses import (  # noqa: E402
     bradley_terry_losses,
     kto_losses,
@@ -34,6 +33,7 @@ from dew.objectives.preference.losses import (  # noqa: E402
     orpo_losses,
     simpo_losses,
 )
+from dew.objectives.rl.grpo import aggregate  # noqa: E402
 
 RNG = np.random.default_rng(43)
 RTOL, ATOL = 2e-5, 1e-7  # float32 rounding

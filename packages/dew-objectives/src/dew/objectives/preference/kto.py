@@ -35,18 +35,20 @@ rows on the side of ``z0`` their label asks for).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step
-from dew.objectives.batch import IDS, MASK, BatchField, first_row
-from dew.objectives.logprobs import masked_sum, sequence_logprobs
-from dew.objectives.policy import CausalPolicy, check_chunked_model
+from dew.objectives.contract import registry
+from dew.objectives.contract.batch import IDS, MASK, BatchField, first_row
+from dew.objectives.contract.objective import Objective, Role, Step
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.logprobs import masked_sum, sequence_logprobs
+from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 from dew.objectives.preference.losses import kto_losses, kto_reference_point
-from dew.objectives.weighted import Summed, Weighted
 
 KEYS = ("completion", "completion_mask", "prompt_mask", "label")
 PAIR_KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask")
@@ -92,7 +94,8 @@ def mismatched(
     return new_ids, in_completion
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("kto")
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class KTOObjective(Objective):
     """KTO on a causal policy (module docstring for the maths).
 
@@ -125,15 +128,13 @@ class KTOObjective(Objective):
         for name in ("desirable_weight", "undesirable_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"KTOObjective needs {name} > 0, got {getattr(self, name)}")
-        self.policy = CausalPolicy(
-            model=self.model,
-            what="KTOObjective",
-            tokenizer=self.tokenizer,
-            init_params=self.init_params,
-            reference=self.reference,
-        )
-        self.tokenizer = self.policy.tokenizer
+        self.policy  # noqa: B018  (checks the tokenizer and vocabulary now)
         check_chunked_model(self.model, self.logits_chunk_size, what="KTOObjective")
+
+    @functools.cached_property
+    def policy(self) -> CausalPolicy:
+        """The causal-LM core: policy, tokenizer, initial weights and reference."""
+        return policy_of(self)
 
     def roles(self) -> tuple[Role, ...]:
         initial = "policy" if self.reference is None else None
@@ -155,8 +156,6 @@ class KTOObjective(Objective):
             BatchField(prompt_mask, ("length",), MASK),
             BatchField(label, (), MASK),
         )
-
-    init_reads_spec = True
 
     def init(self, key, spec=None):
         key = PAIR_KEYS[0] if self.pairs else KEYS[0]
@@ -232,10 +231,10 @@ class KTOObjective(Objective):
         return {"loss": loss, **{k: v for k, v in metrics.items() if k != "kto_loss"}}
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key, tokenizer=self.tokenizer)
+        return self.policy.preview(variables["params"], key, tokenizer=self.policy.tokenizer)
 
     def export(self, variables):
-        return self.policy.export(variables["params"], tokenizer=self.tokenizer)
+        return self.policy.export(variables["params"], tokenizer=self.policy.tokenizer)
 
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):

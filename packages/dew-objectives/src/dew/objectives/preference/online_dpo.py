@@ -32,6 +32,7 @@ Metrics: ``reward`` (the judge's mean over the sampled completions),
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,13 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dew.objectives.base import Objective, Role, Step
-from dew.objectives.logprobs import masked_sum
-from dew.objectives.policy import CausalPolicy
-from dew.objectives.preference.losses import dpo_losses
-from dew.objectives.rewards import Rewards
-from dew.objectives.rl import check_first_update
-from dew.objectives.rollouts import (
+from dew.objectives.contract import registry
+from dew.objectives.contract.objective import Objective, Role, Step
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.logprobs import masked_sum
+from dew.objectives.cores.policy import CausalPolicy, policy_of
+from dew.objectives.cores.rewards import Rewards
+from dew.objectives.cores.rl import check_first_update
+from dew.objectives.cores.rollouts import (
     Rollout,
     check_rollout_rows,
     debug_enabled,
@@ -53,7 +55,7 @@ from dew.objectives.rollouts import (
     rollout_logprobs,
     sample_completions,
 )
-from dew.objectives.weighted import Summed, Weighted
+from dew.objectives.preference.losses import dpo_losses
 from dew.sampling import Sampling
 
 LOSSES = ("sigmoid", "ipo")
@@ -72,7 +74,8 @@ def right_aligned(rollout: Rollout) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(ids, source, axis=1), t < real[:, None]
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("online_dpo")
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class OnlineDPOObjective(Objective):
     """Online DPO on a causal policy (module docstring).
 
@@ -129,16 +132,7 @@ class OnlineDPOObjective(Objective):
             raise ValueError(
                 f"{what} needs a judge: reward_model= (with reward_params=) or rewards=[...]"
             )
-        self.end_ids = tuple(int(e) for e in self.end_ids)
-        self.reward_set = Rewards.of(self.rewards) if self.rewards else Rewards(())
-        self.policy = CausalPolicy(
-            model=self.model,
-            what=what,
-            tokenizer=self.tokenizer,
-            init_params=self.init_params,
-            reference=self.reference,
-        )
-        self.tokenizer = self.policy.tokenizer
+        self.reward_set  # noqa: B018  (checks the rewards now)
         if self.reward_model is not None:
             vocab = getattr(self.reward_model, "vocab_size", None)
             if vocab != self.policy.vocab_size:
@@ -147,7 +141,23 @@ class OnlineDPOObjective(Objective):
                     f"{self.policy.vocab_size}; the reward model reads the policy's token ids, "
                     f"so both need one tokenizer"
                 )
-        self.debug = debug_enabled(self.check_first_ratio)
+
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(int(e) for e in self.end_ids)
+
+    @functools.cached_property
+    def reward_set(self) -> Rewards:
+        return Rewards.of(self.rewards) if self.rewards else Rewards(())
+
+    @functools.cached_property
+    def policy(self) -> CausalPolicy:
+        """The causal-LM core: policy, tokenizer, initial weights and reference."""
+        return policy_of(self)
+
+    @functools.cached_property
+    def debug(self) -> bool:
+        return debug_enabled(self.check_first_ratio)
 
     def roles(self):
         roles = [
@@ -165,8 +175,6 @@ class OnlineDPOObjective(Objective):
 
     def batch_fields(self):
         return prompt_fields()
-
-    init_reads_spec = True
 
     def init(self, key, spec=None):
         length = self.max_new_tokens
@@ -187,6 +195,8 @@ class OnlineDPOObjective(Objective):
     def _logps(self, params, rollout):
         return rollout_logprobs(self.model, params, rollout, sampling=self.sampling)
 
+    phases = ("prepare", "prepare_host", "prepare_finish")
+
     def prepare(self, variables, batch, step: Step):
         """Two completions per prompt, their old and reference log-probs, token
         rewards and the reward model's scores (compiled)."""
@@ -199,7 +209,7 @@ class OnlineDPOObjective(Objective):
             max_new_tokens=self.max_new_tokens,
             sampling=self.sampling,
             group_size=2,
-            end_ids=self.end_ids,
+            end_ids=self.stop_ids,
             pad_id=self.pad_id,
         )
         out = dict(rollout.as_dict())
@@ -220,7 +230,7 @@ class OnlineDPOObjective(Objective):
         if not self.reward_set.items:  # the reward model alone
             return {"rewards": np.zeros((len(rollout["prompt"]), 0), np.float32)}
         return self.reward_set.host_stage(
-            rollout, self.tokenizer, end_ids=self.end_ids, group_size=2
+            rollout, self.policy.tokenizer, end_ids=self.stop_ids, group_size=2
         )
 
     def prepare_finish(self, variables, batch, step: Step):
@@ -280,7 +290,7 @@ class OnlineDPOObjective(Objective):
     def export(self, variables):
         return self.policy.export(
             variables["params"],
-            tokenizer=self.tokenizer,
+            tokenizer=self.policy.tokenizer,
             max_new_tokens=self.max_new_tokens,
-            end_ids=self.end_ids or None,
+            end_ids=self.stop_ids or None,
         )

@@ -27,6 +27,7 @@ arrays inside a compiled program (:meth:`RewardScorer.score_tokens`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from typing import Any
@@ -37,11 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.nn import CausalTransformer, models
-from dew.objectives.base import Objective, Role, Step, with_initial_values
-from dew.objectives.batch import FLOATS, IDS, MASK, BatchField, first_row
-from dew.objectives.policy import CausalPolicy
+from dew.objectives.contract import registry
+from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField, first_row
+from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
+from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.cores.policy import CausalPolicy
 from dew.objectives.preference.losses import bradley_terry_losses
-from dew.objectives.weighted import Summed, Weighted
 
 KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask")
 
@@ -119,7 +121,8 @@ class RewardScorer:
         return np.asarray(jax.jit(self.score_tokens)(self.params, ids, mask))
 
 
-@dataclasses.dataclass(eq=False)
+@registry.register("reward_model")
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class RewardModelObjective(Objective):
     """Train a Bradley-Terry reward model on preference pairs (module docstring).
 
@@ -147,11 +150,17 @@ class RewardModelObjective(Objective):
                 f"RewardModelObjective center_rewards_coefficient must be >= 0, got "
                 f"{self.center_rewards_coefficient}"
             )
-        self.backbone = CausalPolicy(
-            model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer
-        )
-        self.tokenizer = self.backbone.tokenizer
-        self.reward_model = CausalRewardModel.of(self.model)
+        self.backbone  # noqa: B018  (checks the tokenizer and vocabulary now)
+        self.reward_model  # noqa: B018  (a CausalTransformer backbone)
+
+    @functools.cached_property
+    def backbone(self) -> CausalPolicy:
+        """The backbone's token checks and tokenizer."""
+        return CausalPolicy(model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer)
+
+    @functools.cached_property
+    def reward_model(self) -> CausalRewardModel:
+        return CausalRewardModel.of(self.model)
 
     def roles(self):
         return (Role(name="reward", module=self.reward_model),)
@@ -161,8 +170,6 @@ class RewardModelObjective(Objective):
         return tuple(BatchField(k, ("length",), kinds.get(k, MASK)) for k in KEYS) + (
             BatchField("margin", (), FLOATS, required=False),
         )
-
-    init_reads_spec = True
 
     def init(self, key, spec=None):
         length = int(tuple(spec[KEYS[0]].shape)[0]) if spec and KEYS[0] in spec else 8
@@ -222,7 +229,7 @@ class RewardModelObjective(Objective):
         return RewardScorer(
             module=self.reward_model,
             params=variables["params"],
-            tokenizer=self.tokenizer,
+            tokenizer=self.backbone.tokenizer,
             max_len=int(getattr(self.model, "max_seq_len", None) or 512),
         )
 

@@ -343,3 +343,64 @@ def test_logits_in_chunks_give_todays_log_probs_and_gradient(prepared):
         np.testing.assert_allclose(a, b, atol=1e-5)
     with pytest.raises(ValueError, match=r"truncates \(top_k=4.*logits_chunk_size=None"):
         objective(sampling=Sampling(temperature=0.8, top_k=4), logits_chunk_size=3)
+
+
+# ------------------------------------------- methods by name (issue 43)
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce"])
+def test_advantage_estimators_by_name(params, prepared, estimator):
+    """prepare_finish's advantages: RLOO's leave-one-out (the paper's, unscaled) and
+    REINFORCE++'s batch-normalised rewards, against numpy."""
+    variables, first, batch = prepared
+    obj = objective(beta=0.05, advantage_estimator=estimator, scale_rewards="none")
+    merged = {**first, **OBJ.prepare_host(first)}
+    out = jax.jit(obj.prepare_finish)(variables, merged, Step(index=jnp.int32(0), key=KEY))
+    r = np.asarray(out["reward"], np.float64)
+    groups = r.reshape(-1, G)
+    if estimator == "rloo":
+        want = (groups - (groups.sum(1, keepdims=True) - groups) / (G - 1)).reshape(-1)
+    else:
+        want = r - r.mean()
+    np.testing.assert_allclose(out["advantages"], want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want).max() > 0
+
+
+def test_gspo_loss_is_the_sequence_ratio_clipped_per_completion(params, prepared):
+    """importance_sampling_level="sequence" against a numpy loop of GSPO's eq. 5-7 (with
+    the k3 term), off-policy so that the paper's tiny clip acts on some completions."""
+    variables, _, batch = prepared
+    eps_low, eps_high, beta = 3e-4, 4e-4, 0.05
+    obj = objective(
+        beta=beta, importance_sampling_level="sequence", epsilon=eps_low, epsilon_high=eps_high
+    )
+    mask = np.asarray(batch["completion_mask"], np.float64)
+    shift = np.linspace(-1e-3, 1e-3, mask.shape[0])[:, None] * mask  # per-row log-ratio offsets
+    advantages = np.where(np.arange(mask.shape[0]) % 2, 1.0, -1.0).astype(np.float32)
+    moved = {
+        **batch,
+        "old_logps": batch["old_logps"] - shift.astype(np.float32),
+        "advantages": jnp.asarray(advantages),
+    }
+    loss, metrics = jax.jit(obj.loss)(variables, moved, Step(index=jnp.int32(1), key=KEY))
+    logp = np.asarray(batch["old_logps"], np.float64)  # the policy's own: prepare's weights
+    old = np.asarray(moved["old_logps"], np.float64)
+    ref = np.asarray(batch["ref_logps"], np.float64)
+    per_row, clipped = [], []
+    for i in range(mask.shape[0]):
+        n = mask[i].sum()
+        s = np.exp(((logp[i] - old[i]) * mask[i]).sum() / n)
+        a = advantages[i]
+        bounded = min(max(s, 1 - eps_low), 1 + eps_high)
+        d = np.clip(ref[i] - logp[i], -20, 20)
+        k3 = ((np.exp(d) - d - 1) * mask[i]).sum() / n
+        per_row.append(max(-a * s, -a * bounded) + beta * k3)
+        clipped.append((s < 1 - eps_low and a < 0) or (s > 1 + eps_high and a > 0))
+    np.testing.assert_allclose(float(loss.value), np.mean(per_row), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(metrics["clip_fraction"].value), np.mean(clipped))
+    assert 0 < np.mean(clipped) < 1
+
+
+def test_method_names_are_listed_when_wrong():
+    with pytest.raises(ValueError, match=r"advantage_estimator must be one of .*'rloo'.*got 'gae'"):
+        objective(advantage_estimator="gae")
+    with pytest.raises(ValueError, match=r"importance_sampling_level must be one of .*'sequence'"):
+        objective(importance_sampling_level="seq")

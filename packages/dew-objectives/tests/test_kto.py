@@ -84,7 +84,11 @@ def test_loss_is_kto_eq_7(weights):
     weights_rows = np.array([1.0, 1.0, 0.0, 1.0, 1.0], np.float32)  # one padded row
     batch["example_mask"] = weights_rows
     objective = KTOObjective(
-        model=MODEL, reference=weights[1], beta=beta, desirable_weight=lam_d, undesirable_weight=lam_u
+        model=MODEL,
+        reference=weights[1],
+        beta=beta,
+        desirable_weight=lam_d,
+        undesirable_weight=lam_u,
     )
     variables = {"params": weights[0], "reference": {"params": weights[1]}}
     loss, metrics = jax.jit(objective.loss)(variables, batch, STEP)

@@ -25,6 +25,14 @@ aggregated over the completion tokens (``loss_aggregation``):
 Each is a :class:`~dew.objectives.Weighted` mean, so microbatches and devices
 divide once by the global weight.
 
+Methods by name (issue 43; the maths in :mod:`dew.objectives.cores.rl`):
+``advantage_estimator="rloo"`` (RLOO, Ahmadian et al. 2024: each completion
+against the mean of the other ``G - 1`` rewards) or ``"reinforce"``
+(REINFORCE++, Hu 2025: the batch's mean and std, no group baseline), and
+``importance_sampling_level="sequence"`` (GSPO, Zheng et al. 2025: one
+length-normalised ratio per completion, clipped per sequence; ``ratio`` and
+``clip_fraction`` are then per completion).
+
 The on-policy contract (``docs/concepts.md``): the rollout runs in the
 trainer's prepare phase, compiled, on the pre-update weights, with
 :func:`dew.sampling.decode`; its ``old_logps`` and ``ref_logps`` come from
@@ -66,12 +74,17 @@ from dew.objectives.cores.logprobs import kl_k3
 from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 from dew.objectives.cores.rewards import READER, Rewards
 from dew.objectives.cores.rl import (
+    ADVANTAGE_ESTIMATORS,
+    IMPORTANCE_SAMPLING_LEVELS,
     SCALE_REWARDS,
     check_epsilons,
     check_first_update,
     check_group_size,
     clipped_policy_loss,
     group_advantages,
+    reinforce_advantages,
+    rloo_advantages,
+    sequence_clipped_policy_loss,
 )
 from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
@@ -131,6 +144,13 @@ class GRPOObjective(Objective):
     kl_clamp: the log-ratio ``log pi_ref - log pi`` is clipped to ``+-kl_clamp``
       before k3's exponential (float32 overflow, Tunix's ``kl_clamp_value``).
     scale_rewards: ``"group"`` | ``"batch"`` | ``"none"`` (Dr.GRPO).
+    advantage_estimator: ``"grpo"`` (the group's mean as the baseline, the default),
+      ``"rloo"`` (RLOO: the mean of the other ``G - 1`` rewards; ``scale_rewards="none"``
+      is the paper's) or ``"reinforce"`` (REINFORCE++: the batch's mean and std)
+      (:mod:`dew.objectives.cores.rl`).
+    importance_sampling_level: ``"token"`` (GRPO's per-token ratio, the default) or
+      ``"sequence"`` (GSPO: one length-normalised ratio per completion, clipped per
+      sequence; the paper clips at ``epsilon=3e-4``, ``epsilon_high=4e-4``).
     advantage_eps: added to the standard deviation (TRL's 1e-4).
     loss_aggregation: ``"sequence-mean"`` | ``"token-mean"`` | ``"dr_grpo"``.
     prepared_updates: updates per rollout batch (:class:`~dew.objectives.Updates`);
@@ -168,6 +188,8 @@ class GRPOObjective(Objective):
     beta: float = 0.04
     kl_clamp: float = 20.0
     scale_rewards: str = "group"
+    advantage_estimator: str = "grpo"
+    importance_sampling_level: str = "token"
     advantage_eps: float = 1e-4
     loss_aggregation: str = "sequence-mean"
     prepared_updates: Updates = dataclasses.field(default_factory=Updates)
@@ -197,6 +219,12 @@ class GRPOObjective(Objective):
             raise ValueError(f"beta (the KL weight) must be >= 0, got {self.beta}")
         for name, value, allowed in (
             ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+            ("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
+            (
+                "importance_sampling_level",
+                self.importance_sampling_level,
+                IMPORTANCE_SAMPLING_LEVELS,
+            ),
             ("loss_aggregation", self.loss_aggregation, LOSS_AGGREGATION),
         ):
             if value not in allowed:
@@ -322,9 +350,18 @@ class GRPOObjective(Objective):
         """Advantages (compiled) from the summed rewards; the training batch."""
         rewards = batch["rewards"]  # [rows, rewards]
         total = self.reward_set.total(rewards)  # [rows]
-        advantages, zero = group_advantages(
-            total, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
-        )
+        estimator = {
+            "grpo": lambda r: group_advantages(
+                r, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
+            ),
+            "rloo": lambda r: rloo_advantages(
+                r, self.group_size, scale=self.scale_rewards, eps=self.advantage_eps
+            ),
+            "reinforce": lambda r: reinforce_advantages(
+                r, self.group_size, scale=self.scale_rewards, eps=self.advantage_eps
+            ),
+        }[self.advantage_estimator]
+        advantages, zero = estimator(total)
         keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps", "ref_logps")
         out = {k: batch[k] for k in keep if k in batch}
         out.update(rewards=rewards, reward=total, advantages=advantages, zero_variance=zero)
@@ -341,13 +378,17 @@ class GRPOObjective(Objective):
             sampling=self.sampling,
             logits_chunk_size=self.logits_chunk_size,
         )  # [rows, new]
-        per_token, ratio, clipped = clipped_policy_loss(
-            logps,
-            batch["old_logps"],
-            batch["advantages"],
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_upper,
-        )
+        clip = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_upper)
+        if self.importance_sampling_level == "sequence":  # GSPO: one ratio per completion
+            per_token, ratio, clipped = sequence_clipped_policy_loss(
+                logps, batch["old_logps"], mask, batch["advantages"], **clip
+            )
+            ratio_mean, clip_fraction = Weighted.mean(ratio), Weighted.mean(clipped)
+        else:
+            per_token, ratio, clipped = clipped_policy_loss(
+                logps, batch["old_logps"], batch["advantages"], **clip
+            )
+            ratio_mean, clip_fraction = Weighted.mean(ratio, mask), Weighted.mean(clipped, mask)
         updates = self.prepared_updates
         if self.debug:
             check_first_update(
@@ -369,8 +410,8 @@ class GRPOObjective(Objective):
         metrics.update(
             reward=Weighted.mean(batch["reward"]),
             zero_variance_fraction=Weighted.mean(batch["zero_variance"]),
-            clip_fraction=Weighted.mean(clipped, mask),
-            ratio=Weighted.mean(ratio, mask),
+            clip_fraction=clip_fraction,
+            ratio=ratio_mean,
             completion_length=Weighted.mean(rollout.lengths),
             tokens=Summed(tokens),
             rollout_tokens=Summed(jnp.where(first_epoch, tokens, 0.0)),

@@ -148,7 +148,7 @@ def make_objective(method: str, reference):
         return KTOObjective(model=MODEL, beta=0.1, init_params=reference)
     if method == "simpo":  # the paper's beta (2.0) and margin gamma (0.5)
         return DPOObjective(
-            MODEL, loss_type="simpo", beta=2.0, simpo_gamma=0.5, init_params=reference
+            model=MODEL, loss_type="simpo", beta=2.0, simpo_gamma=0.5, init_params=reference
         )
     if method == "orpo":  # lambda = beta, TRL's default 0.1
         return DPOObjective(model=MODEL, loss_type="orpo", beta=0.1, init_params=reference)

@@ -164,3 +164,9 @@ def test_pairs_are_unpaired(weights):
     c1 = batch["chosen"][1][batch["chosen_mask"][1]]
     p0 = int(batch["prompt_mask"][0].sum())
     np.testing.assert_array_equal(np.asarray(other_ids[0])[p0 : p0 + len(c1)], c1[: LENGTH - p0])
+
+
+def test_init_reads_the_length_from_the_spec():
+    spec = {"chosen": jnp.zeros((LENGTH,), jnp.int32)}
+    variables = KTOObjective(model=MODEL, pairs=True).init(jax.random.key(0), spec=spec)
+    assert set(variables) == {"params", "reference"}

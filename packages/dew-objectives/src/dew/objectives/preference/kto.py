@@ -158,9 +158,9 @@ class KTOObjective(Objective):
         )
 
     def init(self, key, spec=None):
-        key = PAIR_KEYS[0] if self.pairs else KEYS[0]
-        if spec is not None and key in spec:
-            length = int(tuple(spec[key].shape)[0])
+        ids = PAIR_KEYS[0] if self.pairs else KEYS[0]
+        if spec is not None and ids in spec:
+            length = int(tuple(spec[ids].shape)[0])
         else:
             length = int(getattr(self.model, "max_seq_len", 8))
         params = self.policy.init_policy(key, length)

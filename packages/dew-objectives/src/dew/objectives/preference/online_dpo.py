@@ -13,11 +13,12 @@ over each completion's tokens::
 
 The judge is a trained reward model (``reward_model=``, a
 :class:`~dew.objectives.preference.reward_model.CausalRewardModel` with
-``reward_params=``: the frozen role ``"reward"``, scoring the rollout inside the
+``reward_model_params=``: the frozen role ``"reward"``, scoring the rollout inside the
 compiled step), rewards as GRPO takes them (``rewards=``: token rewards traced
 into the step, text rewards on the host), or both, summed with weights. A pair
-whose two rewards are equal carries no preference: it gets weight 0 (its share
-is logged as ``tie_fraction``).
+whose two rewards are equal carries no preference: it adds 0 to the mean over
+the pairs (its share is logged as ``tie_fraction``), so a batch of ties only
+is a step without gradient (a policy that starts far from any reward).
 
 As for GRPO, the rollout's log-probs (``old_logps``, ``ref_logps``) come from
 :func:`dew.objectives.rollouts.rollout_logprobs`, the function the loss calls,
@@ -45,13 +46,15 @@ from dew.objectives.contract.objective import Objective, Role, Step
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import masked_sum
 from dew.objectives.cores.policy import CausalPolicy, policy_of
-from dew.objectives.cores.rewards import Rewards
+from dew.objectives.cores.rewards import READER, Rewards
 from dew.objectives.cores.rl import check_first_update
 from dew.objectives.cores.rollouts import (
+    PROMPT_KEYS,
     Rollout,
     check_rollout_rows,
     debug_enabled,
     prompt_fields,
+    repeat_rows,
     rollout_logprobs,
     sample_completions,
 )
@@ -80,7 +83,7 @@ class OnlineDPOObjective(Objective):
     """Online DPO on a causal policy (module docstring).
 
     model: the policy (:class:`dew.nn.CausalTransformer`, decoding with a KV cache).
-    reward_model, reward_params: a trained reward model and its parameters (the
+    reward_model, reward_model_params: a trained reward model and its parameters (the
       frozen role ``"reward"``); its vocabulary must be the policy's.
     rewards: GRPO's rewards (:class:`~dew.objectives.rewards.TokenReward`,
       :class:`~dew.objectives.rewards.TextReward`, plain callables = text rewards).
@@ -94,7 +97,7 @@ class OnlineDPOObjective(Objective):
 
     model: Any
     reward_model: Any = None
-    reward_params: Any = None
+    reward_model_params: Any = None
     rewards: Sequence[Any] = ()
     reward_model_weight: float = 1.0
     max_new_tokens: int = 16
@@ -123,14 +126,14 @@ class OnlineDPOObjective(Objective):
                 f"{what} samples two completions per prompt; {self.sampling} is greedy, so "
                 f"they would be the same. Use a temperature > 0"
             )
-        if (self.reward_model is None) != (self.reward_params is None):
+        if (self.reward_model is None) != (self.reward_model_params is None):
             raise ValueError(
-                f"{what}: reward_model= and reward_params= come together (a trained reward "
+                f"{what}: reward_model= and reward_model_params= come together (a trained reward "
                 f"model and its weights)"
             )
         if self.reward_model is None and not self.rewards:
             raise ValueError(
-                f"{what} needs a judge: reward_model= (with reward_params=) or rewards=[...]"
+                f"{what} needs a judge: reward_model= (with reward_model_params=) or rewards=[...]"
             )
         self.reward_set  # noqa: B018  (checks the rewards now)
         if self.reward_model is not None:
@@ -188,7 +191,7 @@ class OnlineDPOObjective(Objective):
             "reference": {"params": self.policy.init_reference(key, length, params)},
         }
         if self.reward_model is not None:
-            variables["reward"] = {"params": self.reward_params}
+            variables["reward"] = {"params": self.reward_model_params}
         return variables
 
     # --------------------------------------------------------------- prepare
@@ -215,10 +218,13 @@ class OnlineDPOObjective(Objective):
         out = dict(rollout.as_dict())
         out["old_logps"] = self._logps(variables["params"], rollout)
         out["ref_logps"] = self._logps(variables["reference"]["params"], rollout)
-        seen = {"prompt": rollout.prompt, "prompt_mask": rollout.prompt_mask}
+        # the reader's other keys (answers) repeated per completion, for the rewards
+        data = {k: repeat_rows(v, 2) for k, v in batch.items() if k not in PROMPT_KEYS}
+        seen = {**data, "prompt": rollout.prompt, "prompt_mask": rollout.prompt_mask}
         out["token_rewards"] = self.reward_set.token_values(
             rollout.completion, rollout.completion_mask, seen
         )
+        out.update({READER + k: v for k, v in data.items()})
         if self.reward_model is not None:
             ids, mask = right_aligned(rollout)
             out["model_rewards"] = self.reward_model.apply(
@@ -266,7 +272,10 @@ class OnlineDPOObjective(Objective):
         sign = batch["preference"].reshape(-1, 2)  # [pairs, 2]
         h = jnp.sum(ratio.reshape(-1, 2) * sign, axis=1)  # chosen minus rejected
         valid = jnp.abs(sign[:, 0])  # 0 on ties
-        loss = Weighted.mean(dpo_losses(h, beta=self.beta, loss_type=self.loss_type), valid)
+        # a mean over all pairs, ties adding 0: a batch of ties only is a step without
+        # gradient, not an empty batch
+        pair_losses = dpo_losses(h, beta=self.beta, loss_type=self.loss_type)
+        loss = Weighted.mean(pair_losses * valid)
         margin = jax.lax.stop_gradient(self.beta * h)
         metrics = {
             "reward": Weighted.mean(batch["reward"]),

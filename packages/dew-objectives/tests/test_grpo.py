@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from dew.nn import CausalTransformer
@@ -18,9 +19,8 @@ from dew.sampling import Sampling
 from dew.sampling.causal.generate import decode
 
 V, G, NEW = 16, 4, 5
-MODEL = CausalTransformer(
-    vocab_size=V, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=12
-)
+TINY = dict(emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=12)
+MODEL = CausalTransformer(vocab_size=V, **TINY)
 SAMPLING = Sampling(temperature=0.8)
 
 
@@ -404,3 +404,54 @@ def test_method_names_are_listed_when_wrong():
         objective(advantage_estimator="gae")
     with pytest.raises(ValueError, match=r"importance_sampling_level must be one of .*'sequence'"):
         objective(importance_sampling_level="seq")
+
+
+def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
+    """reward_model=: the frozen role 'reward' scores each completion after its prompt
+    (re-aligned to the right, rows built here by a loop) inside prepare; Trainer keeps
+    it frozen; a reward model of another vocabulary is refused."""
+    from dew.data import Dataset
+    from dew.objectives.preference.reward_model import CausalRewardModel
+    from dew.train import MeshSpec, Trainer
+
+    reward_model = CausalRewardModel.of(MODEL)
+    init = jax.jit(reward_model.init)(jax.random.key(4), jnp.zeros((1, 8), jnp.int32))
+    reward_params = nn.unbox(init)["params"]
+    obj = objective(
+        rewards=(), beta=0.0, reward_model=reward_model, reward_model_params=reward_params
+    )
+    assert [r.name for r in obj.roles()] == ["policy", "reward"]
+    variables = {"params": params, "reward": {"params": reward_params}}
+    step = Step(index=jnp.int32(0), key=KEY)
+    prompts = {"prompt": jnp.asarray(PROMPT), "prompt_mask": jnp.asarray(PROMPT_MASK)}
+    first = jax.device_get(jax.jit(obj.prepare)(variables, prompts, step))
+    merged = {**first, **obj.prepare_host(first)}
+    batch = jax.jit(obj.prepare_finish)(variables, merged, step)
+    length = PROMPT.shape[1] + NEW
+    ids = np.zeros((len(first["prompt"]), length), np.int32)
+    real = np.zeros(ids.shape, bool)
+    for r in range(len(ids)):
+        row = first["prompt"][r][first["prompt_mask"][r]].tolist()
+        row += first["completion"][r][first["completion_mask"][r]].tolist()
+        ids[r, : len(row)], real[r, : len(row)] = row, True
+    want = reward_model.apply({"params": reward_params}, ids, real)
+    np.testing.assert_allclose(batch["reward"], want, rtol=1e-6)
+    _, metrics = jax.jit(obj.loss)(variables, batch, Step(index=jnp.int32(0), key=KEY))
+    assert float(metrics["reward/reward_model"].value) == pytest.approx(
+        float(np.mean(want)), rel=1e-5
+    )
+
+    def prompts(partition):
+        while True:
+            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
+
+    mesh = MeshSpec(data=1, devices=jax.devices()[:1])
+    trainer = Trainer(obj, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
+    state = trainer.fit(Dataset(prompts, None, records=0, batch=2), steps=2, log_every=2)
+    assert set(state.frozen) == {"reward"}
+    np.testing.assert_array_equal(
+        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
+    )
+    other = CausalRewardModel.of(CausalTransformer(**{**TINY, "vocab_size": 32}))
+    with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
+        objective(reward_model=other, reward_model_params=reward_params)

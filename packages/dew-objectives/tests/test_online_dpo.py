@@ -16,8 +16,8 @@ from dew.data import Dataset
 from dew.nn.testing import tiny_lm
 from dew.objectives import Step
 from dew.objectives.cores.rewards import TokenReward
-from dew.objectives.cores.rollouts import Rollout
-from dew.objectives.preference.online_dpo import OnlineDPOObjective, right_aligned
+from dew.objectives.cores.rollouts import Rollout, right_aligned
+from dew.objectives.preference.online_dpo import OnlineDPOObjective
 from dew.objectives.preference.reward_model import CausalRewardModel
 from dew.sampling import Sampling
 from dew.train import MeshSpec, Trainer

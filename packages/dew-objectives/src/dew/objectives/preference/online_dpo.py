@@ -46,7 +46,13 @@ from dew.objectives.contract.objective import Objective, Role, Step
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import masked_sum
 from dew.objectives.cores.policy import CausalPolicy, policy_of
-from dew.objectives.cores.rewards import READER, Rewards
+from dew.objectives.cores.rewards import (
+    READER,
+    Rewards,
+    check_reward_model,
+    no_host_rewards,
+    reward_roles,
+)
 from dew.objectives.cores.rl import check_first_update
 from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
@@ -55,6 +61,7 @@ from dew.objectives.cores.rollouts import (
     debug_enabled,
     prompt_fields,
     repeat_rows,
+    right_aligned,
     rollout_logprobs,
     sample_completions,
 )
@@ -62,19 +69,6 @@ from dew.objectives.preference.losses import dpo_losses
 from dew.sampling import Sampling
 
 LOSSES = ("sigmoid", "ipo")
-
-
-def right_aligned(rollout: Rollout) -> tuple[jax.Array, jax.Array]:
-    """A rollout's rows as a reward model reads them: prompt (without its left
-    padding), completion, then padding, ``(ids, mask)`` each ``[rows, prompt_len +
-    new]``; ``mask`` True on the prompt's and the completion's ids."""
-    ids = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)
-    rows, length = ids.shape
-    left_pad = rollout.prompt.shape[1] - jnp.sum(rollout.prompt_mask, axis=1, dtype=jnp.int32)
-    real = jnp.sum(rollout.prompt_mask, axis=1, dtype=jnp.int32) + rollout.lengths
-    t = jnp.arange(length)[None, :]
-    source = (t + left_pad[:, None]) % length
-    return jnp.take_along_axis(ids, source, axis=1), t < real[:, None]
 
 
 @registry.register("online_dpo")
@@ -126,24 +120,14 @@ class OnlineDPOObjective(Objective):
                 f"{what} samples two completions per prompt; {self.sampling} is greedy, so "
                 f"they would be the same. Use a temperature > 0"
             )
-        if (self.reward_model is None) != (self.reward_model_params is None):
-            raise ValueError(
-                f"{what}: reward_model= and reward_model_params= come together (a trained reward "
-                f"model and its weights)"
-            )
         if self.reward_model is None and not self.rewards:
             raise ValueError(
                 f"{what} needs a judge: reward_model= (with reward_model_params=) or rewards=[...]"
             )
         self.reward_set  # noqa: B018  (checks the rewards now)
-        if self.reward_model is not None:
-            vocab = getattr(self.reward_model, "vocab_size", None)
-            if vocab != self.policy.vocab_size:
-                raise ValueError(
-                    f"{what}: the reward model's vocabulary has {vocab} ids, the policy's "
-                    f"{self.policy.vocab_size}; the reward model reads the policy's token ids, "
-                    f"so both need one tokenizer"
-                )
+        check_reward_model(
+            self.reward_model, self.reward_model_params, self.policy.vocab_size, what=what
+        )
 
     @functools.cached_property
     def stop_ids(self) -> tuple[int, ...]:
@@ -172,19 +156,13 @@ class OnlineDPOObjective(Objective):
                 initial_from="policy" if self.reference is None else None,
             ),
         ]
-        if self.reward_model is not None:
-            roles.append(Role(name="reward", module=self.reward_model, trained=False))
-        return tuple(roles)
+        return (*roles, *reward_roles(self.reward_model))
 
     def batch_fields(self):
         return prompt_fields()
 
     def init(self, key, spec=None):
-        length = self.max_new_tokens
-        if spec is not None and "prompt" in spec:
-            prompt_len = int(tuple(spec["prompt"].shape)[0])
-            self.policy.check_rollout_length(prompt_len, self.max_new_tokens)
-            length += prompt_len
+        length = self.policy.rollout_length(spec, self.max_new_tokens)
         params = self.policy.init_policy(key, length)
         variables = {
             "params": params,
@@ -234,7 +212,7 @@ class OnlineDPOObjective(Objective):
 
     def prepare_host(self, rollout):
         if not self.reward_set.items:  # the reward model alone
-            return {"rewards": np.zeros((len(rollout["prompt"]), 0), np.float32)}
+            return no_host_rewards(rollout)
         return self.reward_set.host_stage(
             rollout, self.policy.tokenizer, end_ids=self.stop_ids, group_size=2
         )

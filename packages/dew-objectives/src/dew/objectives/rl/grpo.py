@@ -72,7 +72,13 @@ from dew.objectives.contract.objective import Objective, Role, Step, Updates
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k3
 from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
-from dew.objectives.cores.rewards import READER, Rewards
+from dew.objectives.cores.rewards import (
+    READER,
+    Rewards,
+    check_reward_model,
+    no_host_rewards,
+    reward_roles,
+)
 from dew.objectives.cores.rl import (
     ADVANTAGE_ESTIMATORS,
     IMPORTANCE_SAMPLING_LEVELS,
@@ -96,6 +102,7 @@ from dew.objectives.cores.rollouts import (
     in_chunks,
     prompt_fields,
     repeat_rows,
+    right_aligned,
     rollout_logprobs,
     sample_completions,
 )
@@ -168,6 +175,12 @@ class GRPOObjective(Objective):
       (``rows / minibatches``), so the loss's first forward pass has the rollout
       scoring's shapes and the first update's ratio is 1 bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
+    reward_model, reward_model_params: a trained reward model
+      (:class:`dew.objectives.preference.reward_model.CausalRewardModel`, or any module
+      ``(ids, mask) -> [rows]`` of right-padded rows) and its weights: the frozen role
+      ``"reward"``, scoring each completion after its prompt inside the compiled
+      prepare; its vocabulary must be the policy's. Logged as ``reward/reward_model``.
+    reward_model_weight: its weight in the summed reward.
     logits_chunk_size: score completions this many positions of every row at a time
       (:func:`dew.objectives.cores.rollouts.chunked_rollout_logprobs`), in prepare and in the
       loss alike, so the ``[rows, length, vocab]`` float32 logits are never held whole;
@@ -199,6 +212,9 @@ class GRPOObjective(Objective):
     check_first_ratio: bool | None = None
     scoring_rows: int | None = None
     logits_chunk_size: int | None = None
+    reward_model: Any = None
+    reward_model_params: Any = None
+    reward_model_weight: float = 1.0
 
     headline_metrics = ("reward", "kl")  # printed on the log line
 
@@ -232,6 +248,9 @@ class GRPOObjective(Objective):
         check_rollout_options(self.scoring_rows, self.prepared_updates)
         self.reward_set  # noqa: B018  (checks the rewards now)
         self.policy  # noqa: B018  (checks the tokenizer and vocabulary now)
+        check_reward_model(
+            self.reward_model, self.reward_model_params, self.policy.vocab_size, what=what
+        )
         check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
         check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
 
@@ -242,6 +261,8 @@ class GRPOObjective(Objective):
 
     @functools.cached_property
     def reward_set(self) -> Rewards:
+        if not self.rewards and self.reward_model is not None:
+            return Rewards(())  # the reward model alone
         return Rewards.of(self.rewards)
 
     @functools.cached_property
@@ -270,23 +291,21 @@ class GRPOObjective(Objective):
             roles.append(
                 Role(name="reference", module=self.model, trained=False, initial_from=initial)
             )
-        return tuple(roles)
+        return (*roles, *reward_roles(self.reward_model))
 
     def batch_fields(self):
         return prompt_fields()
 
     def init(self, key, spec=None):
-        length = self.max_new_tokens
-        if spec is not None and "prompt" in spec:
-            prompt_len = int(tuple(spec["prompt"].shape)[0])
-            self.policy.check_rollout_length(prompt_len, self.max_new_tokens)
-            length += prompt_len
+        length = self.policy.rollout_length(spec, self.max_new_tokens)
         params = self.policy.init_policy(key, length)
         variables = {"params": params}
         if self.beta > 0:
             # the initial policy: the same arrays (under LoRA the trainer makes it a view of
             # the base, stored nowhere), or the given reference weights
             variables["reference"] = {"params": self.policy.init_reference(key, length, params)}
+        if self.reward_model is not None:
+            variables["reward"] = {"params": self.reward_model_params}
         return variables
 
     # --------------------------------------------------------------- prepare
@@ -336,12 +355,18 @@ class GRPOObjective(Objective):
         out["token_rewards"] = self.reward_set.token_values(
             rollout.completion, rollout.completion_mask, seen
         )
+        if self.reward_model is not None:  # the frozen role scores prompt + completion
+            ids, real = right_aligned(rollout)
+            scores = self.reward_model.apply({"params": variables["reward"]["params"]}, ids, real)
+            out["model_rewards"] = scores.astype(jnp.float32)
         out.update({READER + k: v for k, v in data.items()})
         return out
 
     def prepare_host(self, rollout):
         """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]``."""
+        if not self.reward_set.items:  # the reward model alone
+            return no_host_rewards(rollout)
         return self.reward_set.host_stage(
             rollout, self.policy.tokenizer, end_ids=self.stop_ids, group_size=self.group_size
         )
@@ -350,6 +375,8 @@ class GRPOObjective(Objective):
         """Advantages (compiled) from the summed rewards; the training batch."""
         rewards = batch["rewards"]  # [rows, rewards]
         total = self.reward_set.total(rewards)  # [rows]
+        if "model_rewards" in batch:
+            total = total + self.reward_model_weight * batch["model_rewards"]
         estimator = {
             "grpo": lambda r: group_advantages(
                 r, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
@@ -365,6 +392,8 @@ class GRPOObjective(Objective):
         keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps", "ref_logps")
         out = {k: batch[k] for k in keep if k in batch}
         out.update(rewards=rewards, reward=total, advantages=advantages, zero_variance=zero)
+        if "model_rewards" in batch:
+            out["model_rewards"] = batch["model_rewards"]
         return out
 
     # ------------------------------------------------------------------ loss
@@ -418,6 +447,8 @@ class GRPOObjective(Objective):
         )
         for k, name in enumerate(self.reward_set.names):
             metrics[f"reward/{name}"] = Weighted.mean(batch["rewards"][:, k])
+        if "model_rewards" in batch:
+            metrics["reward/reward_model"] = Weighted.mean(batch["model_rewards"])
         return loss, metrics
 
     # ---------------------------------------------------------- validation

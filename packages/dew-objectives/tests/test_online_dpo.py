@@ -84,7 +84,7 @@ def test_prepare_scores_with_the_frozen_reward_model_and_the_loss_is_dpo(reward_
     total = 0.5 * np.asarray(
         sevens(rollout.completion, rollout.completion_mask, None)
     ) + np.asarray(want)
-    np.testing.assert_allclose(batch["reward"], total, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch["reward"]).reshape(-1), total, rtol=1e-6)
     loss, metrics = jax.jit(objective.loss)(variables, batch, STEP)
     # numpy: each pair's chosen = the higher total; sequence log-probs summed
     policy = np.asarray(out["old_logps"], np.float64).sum(1)

@@ -13,7 +13,9 @@ a :class:`Weighted` mean over the rows (TRL's mean of the concatenated
 weighted losses). ``z0 = max(0, mean_i (log pi(y_{i+1}|x_i) - log ref(y_{i+1}|x_i)))``
 estimates ``KL(pi || ref)`` on mismatched pairs, each row's prompt with the
 next row's completion in the (micro)batch, as TRL pairs them; it carries no
-gradient. The maths are :mod:`dew.objectives.preference.losses`'.
+gradient. The maths are :mod:`dew.objectives.preference.losses`'. ``z0`` is
+a mean over the whole batch (on any number of devices), so the trainer's
+``accumulate`` stays 1 (:meth:`KTOObjective.accumulate_for`).
 
 Batches (the layout of :class:`dew.data.PreferencePairs`' sequences, ``[rows,
 length]``: prompt, then completion, then right padding): ``completion`` (ids),
@@ -95,7 +97,7 @@ def mismatched(
 
 
 @registry.register("kto")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class KTOObjective(Objective):
     """KTO on a causal policy (module docstring for the maths).
 
@@ -111,6 +113,7 @@ class KTOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     reference: Any = None
     beta: float = 0.1
     desirable_weight: float = 1.0
@@ -135,6 +138,12 @@ class KTOObjective(Objective):
     def policy(self) -> CausalPolicy:
         """The causal-LM core: policy, tokenizer, initial weights and reference."""
         return policy_of(self)
+
+    def accumulate_for(self, data_parallel: int) -> int | None:
+        """1: the reference point ``z0`` is a mean over the whole batch, and each
+        microbatch of an accumulated step would have its own (another loss); the
+        trainer refuses ``accumulate`` > 1. Devices share one batch (``z0`` global)."""
+        return 1
 
     def roles(self) -> tuple[Role, ...]:
         initial = "policy" if self.reference is None else None

@@ -71,8 +71,13 @@ from dew.sampling import Sampling
 LOSSES = ("sigmoid", "ipo")
 
 
+def rows_lengths(mask: jax.Array, pairs: int) -> jax.Array:
+    """``[pairs, 2]`` completion lengths from the rows' mask ``[2 pairs, new]``."""
+    return jnp.sum(mask, axis=-1, dtype=jnp.float32).reshape(pairs, 2)
+
+
 @registry.register("online_dpo")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class OnlineDPOObjective(Objective):
     """Online DPO on a causal policy (module docstring).
 
@@ -90,6 +95,7 @@ class OnlineDPOObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     reward_model: Any = None
     reward_model_params: Any = None
     rewards: Sequence[Any] = ()
@@ -218,37 +224,48 @@ class OnlineDPOObjective(Objective):
         )
 
     def prepare_finish(self, variables, batch, step: Step):
-        """The judge's total per completion; which of each pair is chosen."""
+        """The judge's total per completion, which of each pair is chosen, and the
+        training batch with one row per pair (``[pairs, 2, ...]`` for the two
+        completions), so microbatches and devices never split a pair."""
         total = self.reward_set.total(batch["rewards"])  # [rows]
         if "model_rewards" in batch:
             total = total + self.reward_model_weight * batch["model_rewards"]
         pairs = total.reshape(-1, 2)
         first_wins = (pairs[:, 0] > pairs[:, 1]).astype(jnp.float32)
         tie = (pairs[:, 0] == pairs[:, 1]).astype(jnp.float32)
-        keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps", "ref_logps")
-        out = {k: batch[k] for k in keep}
-        # per row (rows 2p, 2p+1 a pair): +1 on the chosen row, -1 on the rejected, 0 on ties
+        out = {k: batch[k][0::2] for k in ("prompt", "prompt_mask")}  # each pair's prompt
+        for k in ("completion", "completion_mask", "old_logps", "ref_logps"):
+            out[k] = batch[k].reshape(-1, 2, *batch[k].shape[1:])
+        # +1 on the chosen completion, -1 on the rejected, 0 on both of a tie
         sign = jnp.stack([2 * first_wins - 1, 1 - 2 * first_wins], axis=1) * (1 - tie[:, None])
-        out.update(reward=total, preference=sign.reshape(-1), tie=jnp.repeat(tie, 2))
+        out.update(reward=pairs, preference=sign, tie=tie)
         return out
 
     # ------------------------------------------------------------------ loss
     def loss(self, variables, batch, step: Step):
-        rollout = Rollout.from_batch(batch)
+        pairs = batch["completion"].shape[0]
+        rows = lambda x: x.reshape(2 * pairs, *x.shape[2:])  # noqa: E731  [pairs, 2, ...] -> rows
+        rollout = Rollout(
+            prompt=jnp.repeat(batch["prompt"], 2, axis=0),
+            prompt_mask=jnp.repeat(batch["prompt_mask"], 2, axis=0),
+            completion=rows(batch["completion"]),
+            completion_mask=rows(batch["completion_mask"]),
+        )
         mask = rollout.completion_mask
         logps = self._logps(variables["params"], rollout)  # [rows, new]
+        old_logps, ref_logps = rows(batch["old_logps"]), rows(batch["ref_logps"])
         if self.debug:
             check_first_update(
                 logps,
-                batch["old_logps"],
+                old_logps,
                 mask,
                 step=step.index,
                 updates_per_batch=1,
                 what="OnlineDPOObjective",
             )
-        ratio = masked_sum(logps, mask) - masked_sum(batch["ref_logps"], mask)  # [rows]
-        sign = batch["preference"].reshape(-1, 2)  # [pairs, 2]
-        h = jnp.sum(ratio.reshape(-1, 2) * sign, axis=1)  # chosen minus rejected
+        ratio = masked_sum(logps, mask) - masked_sum(ref_logps, mask)  # [rows]
+        sign = batch["preference"]  # [pairs, 2]
+        h = jnp.sum(ratio.reshape(pairs, 2) * sign, axis=1)  # chosen minus rejected
         valid = jnp.abs(sign[:, 0])  # 0 on ties
         # a mean over all pairs, ties adding 0: a batch of ties only is a step without
         # gradient, not an empty batch
@@ -256,11 +273,11 @@ class OnlineDPOObjective(Objective):
         loss = Weighted.mean(pair_losses * valid)
         margin = jax.lax.stop_gradient(self.beta * h)
         metrics = {
-            "reward": Weighted.mean(batch["reward"]),
+            "reward": Weighted.mean(jnp.mean(batch["reward"], axis=1)),
             "tie_fraction": Weighted.mean(batch["tie"]),
             "accuracy": Weighted.mean((margin > 0).astype(jnp.float32), valid),
             "margin": Weighted.mean(margin, valid),
-            "completion_length": Weighted.mean(rollout.lengths),
+            "completion_length": Weighted.mean(jnp.mean(rows_lengths(mask, pairs), axis=1)),
             "pairs": Summed(jnp.sum(valid)),
         }
         return loss, metrics

@@ -122,7 +122,7 @@ class RewardScorer:
 
 
 @registry.register("reward_model")
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RewardModelObjective(Objective):
     """Train a Bradley-Terry reward model on preference pairs (module docstring).
 
@@ -137,6 +137,7 @@ class RewardModelObjective(Objective):
     """
 
     model: Any
+    _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
     init_params: Any = None
     margin: float = 0.0
     center_rewards_coefficient: float = 0.0

@@ -259,7 +259,9 @@ def parity(session: nox.Session) -> None:
         external=True,
     )
     session.install("-q", "-r", requirements)
-    session.install("-q", "torch==2.13.0", "transformers>=5", "diffusers", "peft", "safetensors")
+    session.install(
+        "-q", "torch==2.13.0", "transformers>=5", "diffusers", "peft", "safetensors", "trl"
+    )
     session.install(
         "-q",
         "--no-deps",

@@ -14,7 +14,12 @@ cores.
 
 From the repository root (``uv run`` installs what it needs; nothing besides Dew):
 
-    uv run --locked python examples/grpo_arithmetic.py [--iterations 100]
+    uv run --locked python examples/grpo_arithmetic.py [--iterations 100] [--method grpo]
+
+``--method`` picks a method of the GRPO family by name (issue 43): ``grpo``
+(the default), ``gspo`` (``importance_sampling_level="sequence"``, the paper's
+clip 3e-4 / 4e-4), ``rloo`` (``advantage_estimator="rloo"``, unscaled) or
+``reinforce`` (``advantage_estimator="reinforce"``, REINFORCE++).
 
 Elsewhere: ``pip install dew-jax`` (packages/dew/README.md), then
 ``python examples/grpo_arithmetic.py``.
@@ -77,7 +82,15 @@ SUMS = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--iterations", type=int, default=100)
-iterations = parser.parse_args().iterations
+parser.add_argument("--method", choices=("grpo", "gspo", "rloo", "reinforce"), default="grpo")
+args = parser.parse_args()
+iterations = args.iterations
+METHOD = {
+    "grpo": {},
+    "gspo": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    "rloo": dict(advantage_estimator="rloo", scale_rewards="none"),
+    "reinforce": dict(advantage_estimator="reinforce"),
+}[args.method]
 
 tokenizer = DigitTokenizer()
 rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in SUMS]
@@ -106,6 +119,7 @@ objective = GRPOObjective(
     loss_aggregation="token-mean",
     prepared_updates=Updates(epochs=2),
     tokenizer=tokenizer,
+    **METHOD,
 )
 trainer = Trainer(
     objective,

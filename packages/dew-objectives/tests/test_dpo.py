@@ -259,7 +259,9 @@ def test_bad_input_is_refused_before_compiling(weights):
         DPOObjective(model=MODEL, loss_type="cdpo")
     with pytest.raises(ValueError, match="takes no label_smoothing"):
         DPOObjective(model=MODEL, loss_type="ipo", label_smoothing=0.1)
-    with pytest.raises(ValueError, match=r"use one of \['sigmoid', 'cdpo', 'ipo'\]"):
+    with pytest.raises(
+        ValueError, match=r"use one of \['sigmoid', 'cdpo', 'ipo', 'simpo', 'orpo'\]"
+    ):
         DPOObjective(model=MODEL, loss_type="hinge")
 
 
@@ -287,3 +289,45 @@ def test_logits_in_chunks_give_todays_loss_and_gradient(weights, rpo_loss):
         np.testing.assert_allclose(a, b, atol=1e-5)
     with pytest.raises(ValueError, match="DPOObjective: logits_chunk_size must be"):
         objective(weights, logits_chunk_size=0)
+
+
+# ------------------------------------------- SimPO, ORPO (issue 43)
+@pytest.mark.parametrize("loss_type", ["simpo", "orpo"])
+def test_reference_free_losses_match_their_papers(weights, loss_type):
+    """SimPO eq. 6 and ORPO eq. 4-7 written out over numpy log-probs of unequal
+    completions (per-token means), with one padded pair; no reference role."""
+    policy_params, _ = weights
+    beta = 2.0 if loss_type == "simpo" else 0.1
+    extra = dict(simpo_gamma=0.4) if loss_type == "simpo" else {}
+    obj = DPOObjective(model=MODEL, loss_type=loss_type, beta=beta, **extra)
+    assert [r.name for r in obj.roles()] == ["policy"]  # no reference role is created
+    batch = make_batch(2)
+    rows = np.array([1.0, 1.0, 0.0, 1.0], np.float32)
+    out, metrics = jax.jit(obj.loss)(
+        {"params": policy_params}, {**batch, "example_mask": rows}, STEP
+    )
+    pw = numpy_logps(policy_params, batch["chosen"], batch["chosen_mask"])
+    pl = numpy_logps(policy_params, batch["rejected"], batch["rejected_mask"])
+    aw, al = pw / batch["chosen_mask"].sum(1), pl / batch["rejected_mask"].sum(1)
+    log_sigmoid = lambda x: -np.logaddexp(0.0, -x)  # noqa: E731
+    if loss_type == "simpo":
+        losses = -log_sigmoid(beta * aw - beta * al - 0.4)
+        loss = out
+    else:
+        log_odds = lambda a: a - np.log1p(-np.exp(a))  # noqa: E731
+        losses = -beta * log_sigmoid(log_odds(aw) - log_odds(al))
+        loss, nll = out
+        tokens = (batch["chosen_mask"].sum(1) * rows).sum()
+        assert float(nll.value) == pytest.approx(-(pw * rows).sum() / tokens, rel=1e-5)
+    assert float(loss.value) == pytest.approx((losses * rows).sum() / rows.sum(), rel=1e-5)
+    margin = beta * (aw - al)
+    assert float(metrics["margin"].value) == pytest.approx((margin * rows).sum() / 3, rel=1e-4)
+
+
+def test_reference_free_losses_refuse_a_reference(weights):
+    with pytest.raises(ValueError, match="'simpo'\\) is reference-free: the reference is unused"):
+        DPOObjective(model=MODEL, loss_type="simpo", reference=weights[1])
+    with pytest.raises(ValueError, match="'orpo'\\) takes no label_smoothing or rpo_alpha"):
+        DPOObjective(model=MODEL, loss_type="orpo", rpo_alpha=0.5)
+    with pytest.raises(ValueError, match="simpo_gamma is SimPO's margin"):
+        DPOObjective(model=MODEL, simpo_gamma=1.0)

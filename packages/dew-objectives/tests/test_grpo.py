@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from dew.nn import CausalTransformer
@@ -18,9 +19,8 @@ from dew.sampling import Sampling
 from dew.sampling.causal.generate import decode
 
 V, G, NEW = 16, 4, 5
-MODEL = CausalTransformer(
-    vocab_size=V, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=12
-)
+TINY = dict(emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=12)
+MODEL = CausalTransformer(vocab_size=V, **TINY)
 SAMPLING = Sampling(temperature=0.8)
 
 
@@ -343,3 +343,115 @@ def test_logits_in_chunks_give_todays_log_probs_and_gradient(prepared):
         np.testing.assert_allclose(a, b, atol=1e-5)
     with pytest.raises(ValueError, match=r"truncates \(top_k=4.*logits_chunk_size=None"):
         objective(sampling=Sampling(temperature=0.8, top_k=4), logits_chunk_size=3)
+
+
+# ------------------------------------------- methods by name (issue 43)
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce"])
+def test_advantage_estimators_by_name(params, prepared, estimator):
+    """prepare_finish's advantages: RLOO's leave-one-out (the paper's, unscaled) and
+    REINFORCE++'s batch-normalised rewards, against numpy."""
+    variables, first, batch = prepared
+    obj = objective(beta=0.05, advantage_estimator=estimator, scale_rewards="none")
+    merged = {**first, **OBJ.prepare_host(first)}
+    out = jax.jit(obj.prepare_finish)(variables, merged, Step(index=jnp.int32(0), key=KEY))
+    r = np.asarray(out["reward"], np.float64)
+    groups = r.reshape(-1, G)
+    if estimator == "rloo":
+        want = (groups - (groups.sum(1, keepdims=True) - groups) / (G - 1)).reshape(-1)
+    else:
+        want = r - r.mean()
+    np.testing.assert_allclose(out["advantages"], want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want).max() > 0
+
+
+def test_gspo_loss_is_the_sequence_ratio_clipped_per_completion(params, prepared):
+    """importance_sampling_level="sequence" against a numpy loop of GSPO's eq. 5-7 (with
+    the k3 term), off-policy so that the paper's tiny clip acts on some completions."""
+    variables, _, batch = prepared
+    eps_low, eps_high, beta = 3e-4, 4e-4, 0.05
+    obj = objective(
+        beta=beta, importance_sampling_level="sequence", epsilon=eps_low, epsilon_high=eps_high
+    )
+    mask = np.asarray(batch["completion_mask"], np.float64)
+    shift = np.linspace(-1e-3, 1e-3, mask.shape[0])[:, None] * mask  # per-row log-ratio offsets
+    advantages = np.where(np.arange(mask.shape[0]) % 2, 1.0, -1.0).astype(np.float32)
+    moved = {
+        **batch,
+        "old_logps": batch["old_logps"] - shift.astype(np.float32),
+        "advantages": jnp.asarray(advantages),
+    }
+    loss, metrics = jax.jit(obj.loss)(variables, moved, Step(index=jnp.int32(1), key=KEY))
+    logp = np.asarray(batch["old_logps"], np.float64)  # the policy's own: prepare's weights
+    old = np.asarray(moved["old_logps"], np.float64)
+    ref = np.asarray(batch["ref_logps"], np.float64)
+    per_row, clipped = [], []
+    for i in range(mask.shape[0]):
+        n = mask[i].sum()
+        s = np.exp(((logp[i] - old[i]) * mask[i]).sum() / n)
+        a = advantages[i]
+        bounded = min(max(s, 1 - eps_low), 1 + eps_high)
+        d = np.clip(ref[i] - logp[i], -20, 20)
+        k3 = ((np.exp(d) - d - 1) * mask[i]).sum() / n
+        per_row.append(max(-a * s, -a * bounded) + beta * k3)
+        clipped.append((s < 1 - eps_low and a < 0) or (s > 1 + eps_high and a > 0))
+    np.testing.assert_allclose(float(loss.value), np.mean(per_row), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(metrics["clip_fraction"].value), np.mean(clipped))
+    assert 0 < np.mean(clipped) < 1
+
+
+def test_method_names_are_listed_when_wrong():
+    with pytest.raises(ValueError, match=r"advantage_estimator must be one of .*'rloo'.*got 'gae'"):
+        objective(advantage_estimator="gae")
+    with pytest.raises(ValueError, match=r"importance_sampling_level must be one of .*'sequence'"):
+        objective(importance_sampling_level="seq")
+
+
+def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
+    """reward_model=: the frozen role 'reward' scores each completion after its prompt
+    (re-aligned to the right, rows built here by a loop) inside prepare; Trainer keeps
+    it frozen; a reward model of another vocabulary is refused."""
+    from dew.data import Dataset
+    from dew.objectives.preference.reward_model import CausalRewardModel
+    from dew.train import MeshSpec, Trainer
+
+    reward_model = CausalRewardModel.of(MODEL)
+    init = jax.jit(reward_model.init)(jax.random.key(4), jnp.zeros((1, 8), jnp.int32))
+    reward_params = nn.unbox(init)["params"]
+    obj = objective(
+        rewards=(), beta=0.0, reward_model=reward_model, reward_model_params=reward_params
+    )
+    assert [r.name for r in obj.roles()] == ["policy", "reward"]
+    variables = {"params": params, "reward": {"params": reward_params}}
+    step = Step(index=jnp.int32(0), key=KEY)
+    prompts = {"prompt": jnp.asarray(PROMPT), "prompt_mask": jnp.asarray(PROMPT_MASK)}
+    first = jax.device_get(jax.jit(obj.prepare)(variables, prompts, step))
+    merged = {**first, **obj.prepare_host(first)}
+    batch = jax.jit(obj.prepare_finish)(variables, merged, step)
+    length = PROMPT.shape[1] + NEW
+    ids = np.zeros((len(first["prompt"]), length), np.int32)
+    real = np.zeros(ids.shape, bool)
+    for r in range(len(ids)):
+        row = first["prompt"][r][first["prompt_mask"][r]].tolist()
+        row += first["completion"][r][first["completion_mask"][r]].tolist()
+        ids[r, : len(row)], real[r, : len(row)] = row, True
+    want = reward_model.apply({"params": reward_params}, ids, real)
+    np.testing.assert_allclose(batch["reward"], want, rtol=1e-6)
+    _, metrics = jax.jit(obj.loss)(variables, batch, Step(index=jnp.int32(0), key=KEY))
+    assert float(metrics["reward/reward_model"].value) == pytest.approx(
+        float(np.mean(want)), rel=1e-5
+    )
+
+    def prompts(partition):
+        while True:
+            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
+
+    mesh = MeshSpec(data=1, devices=jax.devices()[:1])
+    trainer = Trainer(obj, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
+    state = trainer.fit(Dataset(prompts, None, records=0, batch=2), steps=2, log_every=2)
+    assert set(state.frozen) == {"reward"}
+    np.testing.assert_array_equal(
+        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
+    )
+    other = CausalRewardModel.of(CausalTransformer(**{**TINY, "vocab_size": 32}))
+    with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
+        objective(reward_model=other, reward_model_params=reward_params)

@@ -229,6 +229,16 @@ class CausalPolicy:
             f"(Prompts(prompt_len=...)) or fewer new tokens",
         )
 
+    def rollout_length(self, spec, max_new_tokens: int) -> int:
+        """The positions a rollout of the data's prompts (``spec['prompt']``, when the
+        spec has it) plus ``max_new_tokens`` needs, checked against ``max_seq_len``."""
+        length = max_new_tokens
+        if spec is not None and "prompt" in spec:
+            prompt_len = int(tuple(spec["prompt"].shape)[0])
+            self.check_rollout_length(prompt_len, max_new_tokens)
+            length += prompt_len
+        return length
+
     def check_ids(self, ids, *, key: str) -> None:
         """Integer ids inside the model's vocabulary (the error names ``key``)."""
         check_token_ids(ids, self.vocab_size, key=key, what=f"{self.what}'s model")

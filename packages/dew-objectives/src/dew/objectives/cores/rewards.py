@@ -529,3 +529,35 @@ def _first_failing_image_row(fn, images, kwargs) -> int | None:
         except Exception:
             return row
     return None
+
+
+def check_reward_model(reward_model, reward_model_params, policy_vocab, *, what: str) -> None:
+    """A frozen reward model (``reward_model=``, ``reward_model_params=``) comes with
+    its weights and reads the policy's token ids (one vocabulary), or a ValueError."""
+    if (reward_model is None) != (reward_model_params is None):
+        raise ValueError(
+            f"{what}: reward_model= and reward_model_params= come together (a trained reward "
+            f"model and its weights)"
+        )
+    vocab = getattr(reward_model, "vocab_size", None)
+    if reward_model is not None and vocab != policy_vocab:
+        raise ValueError(
+            f"{what}: the reward model's vocabulary has {vocab} ids, the policy's "
+            f"{policy_vocab}; the reward model reads the policy's token ids, so both need "
+            f"one tokenizer"
+        )
+
+
+def no_host_rewards(rollout) -> dict[str, np.ndarray]:
+    """The host stage of an objective whose only judge is a reward model:
+    ``{'rewards': [rows, 0]}``."""
+    return {"rewards": np.zeros((len(rollout["prompt"]), 0), np.float32)}
+
+
+def reward_roles(reward_model) -> tuple:
+    """The frozen role ``"reward"`` of a reward model given to an RL family, or none."""
+    from dew.objectives.contract.objective import Role
+
+    if reward_model is None:
+        return ()
+    return (Role(name="reward", module=reward_model, trained=False),)

@@ -189,6 +189,19 @@ def sample_completions(
     )
 
 
+def right_aligned(rollout: Rollout) -> tuple[jax.Array, jax.Array]:
+    """A rollout's rows as a reward model reads them: prompt (without its left
+    padding), completion, then padding, ``(ids, mask)`` each ``[rows, prompt_len +
+    new]``; ``mask`` True on the prompt's and the completion's ids."""
+    ids = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)
+    rows, length = ids.shape
+    left_pad = rollout.prompt.shape[1] - jnp.sum(rollout.prompt_mask, axis=1, dtype=jnp.int32)
+    real = jnp.sum(rollout.prompt_mask, axis=1, dtype=jnp.int32) + rollout.lengths
+    t = jnp.arange(length)[None, :]
+    source = (t + left_pad[:, None]) % length
+    return jnp.take_along_axis(ids, source, axis=1), t < real[:, None]
+
+
 def rollout_logprobs(
     model, params, rollout: Rollout, *, sampling: Sampling, logits_chunk_size: int | None = None
 ) -> jax.Array:

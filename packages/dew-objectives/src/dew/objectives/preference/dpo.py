@@ -14,7 +14,19 @@ the loss per pair is
       label_smoothing):       -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
     ipo (Azar et al. 2023, arXiv 2310.12036, eq. 17):   (h - 1 / (2 beta))^2
 
-``sigmoid`` takes ``label_smoothing`` too (then it is cDPO). With ``rpo_alpha``
+    simpo (Meng et al. 2024, arXiv 2405.14734, eq. 6):
+                              -log sigmoid(beta avg_w - beta avg_l - simpo_gamma)
+    orpo (Hong et al. 2024, arXiv 2403.07691, eq. 4-7):
+                              NLL(y_w) - beta log sigmoid(log odds(y_w) - log odds(y_l))
+
+with ``avg = pi / |y|`` the length-normalised log-prob and ``log odds(y) = avg -
+log(1 - exp(avg))`` (:mod:`dew.objectives.preference.losses` holds each loss as
+a pure function). SimPO and ORPO are reference-free: no reference role is
+created, and a reference given is refused (it would be unused); their implicit
+rewards are ``beta avg``. ORPO's NLL is the mean over the chosen completions'
+tokens, a second term as RPO's.
+
+``sigmoid`` and ``simpo`` take ``label_smoothing`` too (then it is cDPO's). With ``rpo_alpha``
 (Pang et al. 2024, "Iterative Reasoning Preference Optimization", arXiv
 2404.19733) the loss adds ``rpo_alpha`` times the policy's mean per-token NLL
 of the chosen completions, a second term weighted by chosen tokens.
@@ -59,8 +71,10 @@ from dew.objectives.contract.objective import Objective, Role, Step
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import masked_sum, sequence_logprobs
 from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
+from dew.objectives.preference.losses import dpo_losses, orpo_losses, simpo_losses
 
-LOSSES = ("sigmoid", "cdpo", "ipo")
+LOSSES = ("sigmoid", "cdpo", "ipo", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask")
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -81,11 +95,14 @@ class DPOObjective(Objective):
     reference_free: no reference at all (``ref_w = ref_l = 0``); no frozen role.
     beta: the inverse temperature of the implicit reward (TRL and the paper's
       default 0.1).
-    loss_type: ``"sigmoid"`` (DPO), ``"cdpo"`` (``label_smoothing`` > 0 required) or
-      ``"ipo"`` (TRL's name; ``loss`` is the objective's method).
+    loss_type: ``"sigmoid"`` (DPO), ``"cdpo"`` (``label_smoothing`` > 0 required),
+      ``"ipo"`` (TRL's name; ``loss`` is the objective's method), ``"simpo"`` or
+      ``"orpo"`` (reference-free; ``beta`` is ORPO's ``lambda``).
     label_smoothing: the assumed probability ``eps`` in [0, 0.5) that a label is
       flipped (cDPO); 0 = plain DPO. Not with ``"ipo"``.
     rpo_alpha: weight of the NLL of the chosen completions (RPO); 0 = off.
+    simpo_gamma: SimPO's target margin ``gamma`` (the paper's and TRL's 0.5);
+      ``loss_type="simpo"`` only.
     init_params: start the policy from these parameters (a ``Pretrained`` load,
       an SFT run) instead of a random initialisation.
     tokenizer: for previews and the exported pipeline; None = ``ByteTokenizer()``.
@@ -107,6 +124,7 @@ class DPOObjective(Objective):
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
     rpo_alpha: float = 0.0
+    simpo_gamma: float = 0.5
     init_params: Any = None
     tokenizer: Any = None
     keys: tuple[str, str, str, str] = KEYS
@@ -138,6 +156,22 @@ class DPOObjective(Objective):
             )
         if self.rpo_alpha < 0:
             raise ValueError(f"DPOObjective rpo_alpha must be >= 0, got {self.rpo_alpha}")
+        if self.loss_type in REFERENCE_FREE_LOSSES:
+            if self.reference is not None or self.reference_model is not None:
+                raise ValueError(
+                    f"DPOObjective(loss_type={self.loss_type!r}) is reference-free: the reference "
+                    f"is unused; drop reference= and reference_model="
+                )
+            if self.loss_type == "orpo" and (self.label_smoothing or self.rpo_alpha):
+                raise ValueError(
+                    "DPOObjective(loss_type='orpo') takes no label_smoothing or rpo_alpha (its "
+                    "NLL term on the chosen is built in); drop them"
+                )
+        if self.simpo_gamma != 0.5 and self.loss_type != "simpo":
+            raise ValueError(
+                f"DPOObjective: simpo_gamma is SimPO's margin; with loss_type="
+                f"{self.loss_type!r} it is unused (got {self.simpo_gamma})"
+            )
         if self.reference_free and (self.reference is not None or self.reference_model):
             raise ValueError(
                 "DPOObjective(reference_free=True) uses no reference; drop reference= and "
@@ -150,7 +184,7 @@ class DPOObjective(Objective):
             )
         reference_model = self.policy.reference_model  # tokenizer and vocabularies checked
         check_chunked_model(self.model, self.logits_chunk_size, what="DPOObjective")
-        if not self.reference_free:
+        if self.uses_reference:
             check_chunked_model(
                 reference_model,
                 self.logits_chunk_size,
@@ -164,9 +198,14 @@ class DPOObjective(Objective):
         return policy_of(self)
 
     # ------------------------------------------------------------- roles, init
+    @property
+    def uses_reference(self) -> bool:
+        """A frozen reference role: not with ``reference_free`` nor SimPO / ORPO."""
+        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
+
     def roles(self) -> tuple[Role, ...]:
         policy = Role(name="policy", module=self.model)
-        if self.reference_free:
+        if not self.uses_reference:
             return (policy,)
         # without reference weights the reference is the initial policy (declared)
         initial = "policy" if self.reference is None else None
@@ -192,7 +231,7 @@ class DPOObjective(Objective):
             length = int(getattr(self.model, "max_seq_len", 8))
         params = self.policy.init_policy(key, length)
         variables = {"params": params}
-        if not self.reference_free:  # the initial policy, or the given reference
+        if self.uses_reference:  # the initial policy, or the given reference
             variables["reference"] = {"params": self.policy.init_reference(key, length, params)}
         return variables
 
@@ -214,7 +253,7 @@ class DPOObjective(Objective):
         chosen_tokens = tokens.reshape(pairs, 2, length)[:, 0]
         nll_sum = -masked_sum(chosen_tokens, chosen_mask)  # [pairs]
         count = jnp.sum(chosen_mask.astype(jnp.float32), axis=-1)
-        if self.reference_free:
+        if not self.uses_reference:
             reference = jnp.zeros_like(policy)
         elif all(k in batch for k in REF_KEYS):
             reference = jnp.stack([batch[k].astype(jnp.float32) for k in REF_KEYS], axis=1)
@@ -229,13 +268,31 @@ class DPOObjective(Objective):
         return policy, jax.lax.stop_gradient(reference), nll_sum, count
 
     def pair_losses(self, h: jax.Array) -> jax.Array:
-        """The loss of each pair from ``h [pairs]`` (module docstring)."""
-        if self.loss_type == "ipo":
-            return (h - 1.0 / (2.0 * self.beta)) ** 2
-        eps = self.label_smoothing
-        return -(1.0 - eps) * jax.nn.log_sigmoid(self.beta * h) - eps * jax.nn.log_sigmoid(
-            -self.beta * h
+        """The DPO / cDPO / IPO loss of each pair from ``h [pairs]`` (module docstring)."""
+        loss_type = "ipo" if self.loss_type == "ipo" else "sigmoid"  # cdpo: label smoothing
+        return dpo_losses(
+            h, beta=self.beta, loss_type=loss_type, label_smoothing=self.label_smoothing
         )
+
+    def reference_free_losses(self, policy, batch):
+        """SimPO's or ORPO's per-pair losses and implicit rewards ``beta avg [pairs, 2]``
+        from the summed log-probs ``policy [pairs, 2]``."""
+        _, chosen_mask, _, rejected_mask = (batch[k] for k in self.keys)
+        counts = jnp.stack(
+            [jnp.sum(m.astype(jnp.float32), axis=-1) for m in (chosen_mask, rejected_mask)], axis=1
+        )
+        avg = policy / jnp.maximum(counts, 1.0)  # [pairs, 2]
+        if self.loss_type == "simpo":
+            losses = simpo_losses(
+                avg[:, 0],
+                avg[:, 1],
+                beta=self.beta,
+                gamma=self.simpo_gamma,
+                label_smoothing=self.label_smoothing,
+            )
+        else:
+            losses = orpo_losses(avg[:, 0], avg[:, 1], lam=self.beta)
+        return losses, jax.lax.stop_gradient(self.beta * avg)
 
     def _terms(self, variables, batch):
         policy, reference, nll_sum, count = self.logps(variables, batch)
@@ -245,9 +302,13 @@ class DPOObjective(Objective):
             if "example_mask" in batch
             else jnp.ones(h.shape, jnp.float32)
         )
-        rewards = jax.lax.stop_gradient(self.beta * (policy - reference))  # [pairs, 2]
+        if self.loss_type in REFERENCE_FREE_LOSSES:
+            losses, rewards = self.reference_free_losses(policy, batch)
+        else:
+            losses = self.pair_losses(h)
+            rewards = jax.lax.stop_gradient(self.beta * (policy - reference))  # [pairs, 2]
         margin = rewards[:, 0] - rewards[:, 1]
-        loss = Weighted.mean(self.pair_losses(h), rows)
+        loss = Weighted.mean(losses, rows)
         metrics = {
             "dpo_loss": loss,
             "reward_chosen": Weighted.mean(rewards[:, 0], rows),
@@ -264,6 +325,8 @@ class DPOObjective(Objective):
 
     def loss(self, variables, batch, step: Step):
         loss, nll, metrics = self._terms(variables, batch)
+        if self.loss_type == "orpo":  # the SFT term on the chosen, weight 1
+            return (loss, nll), metrics
         if self.rpo_alpha:
             return (loss, nll.scale(self.rpo_alpha)), metrics
         return loss, metrics

@@ -25,6 +25,14 @@ aggregated over the completion tokens (``loss_aggregation``):
 Each is a :class:`~dew.objectives.Weighted` mean, so microbatches and devices
 divide once by the global weight.
 
+Methods by name (issue 43; the maths in :mod:`dew.objectives.cores.rl`):
+``advantage_estimator="rloo"`` (RLOO, Ahmadian et al. 2024: each completion
+against the mean of the other ``G - 1`` rewards) or ``"reinforce"``
+(REINFORCE++, Hu 2025: the batch's mean and std, no group baseline), and
+``importance_sampling_level="sequence"`` (GSPO, Zheng et al. 2025: one
+length-normalised ratio per completion, clipped per sequence; ``ratio`` and
+``clip_fraction`` are then per completion).
+
 The on-policy contract (``docs/concepts.md``): the rollout runs in the
 trainer's prepare phase, compiled, on the pre-update weights, with
 :func:`dew.sampling.decode`; its ``old_logps`` and ``ref_logps`` come from
@@ -64,14 +72,25 @@ from dew.objectives.contract.objective import Objective, Role, Step, Updates
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k3
 from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
-from dew.objectives.cores.rewards import READER, Rewards
+from dew.objectives.cores.rewards import (
+    READER,
+    Rewards,
+    check_reward_model,
+    no_host_rewards,
+    reward_roles,
+)
 from dew.objectives.cores.rl import (
+    ADVANTAGE_ESTIMATORS,
+    IMPORTANCE_SAMPLING_LEVELS,
     SCALE_REWARDS,
     check_epsilons,
     check_first_update,
     check_group_size,
     clipped_policy_loss,
     group_advantages,
+    reinforce_advantages,
+    rloo_advantages,
+    sequence_clipped_policy_loss,
 )
 from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
@@ -83,6 +102,7 @@ from dew.objectives.cores.rollouts import (
     in_chunks,
     prompt_fields,
     repeat_rows,
+    right_aligned,
     rollout_logprobs,
     sample_completions,
 )
@@ -131,6 +151,13 @@ class GRPOObjective(Objective):
     kl_clamp: the log-ratio ``log pi_ref - log pi`` is clipped to ``+-kl_clamp``
       before k3's exponential (float32 overflow, Tunix's ``kl_clamp_value``).
     scale_rewards: ``"group"`` | ``"batch"`` | ``"none"`` (Dr.GRPO).
+    advantage_estimator: ``"grpo"`` (the group's mean as the baseline, the default),
+      ``"rloo"`` (RLOO: the mean of the other ``G - 1`` rewards; ``scale_rewards="none"``
+      is the paper's) or ``"reinforce"`` (REINFORCE++: the batch's mean and std)
+      (:mod:`dew.objectives.cores.rl`).
+    importance_sampling_level: ``"token"`` (GRPO's per-token ratio, the default) or
+      ``"sequence"`` (GSPO: one length-normalised ratio per completion, clipped per
+      sequence; the paper clips at ``epsilon=3e-4``, ``epsilon_high=4e-4``).
     advantage_eps: added to the standard deviation (TRL's 1e-4).
     loss_aggregation: ``"sequence-mean"`` | ``"token-mean"`` | ``"dr_grpo"``.
     prepared_updates: updates per rollout batch (:class:`~dew.objectives.Updates`);
@@ -148,6 +175,12 @@ class GRPOObjective(Objective):
       (``rows / minibatches``), so the loss's first forward pass has the rollout
       scoring's shapes and the first update's ratio is 1 bit for bit. With
       ``Trainer(accumulate=k)`` give the microbatch's rows.
+    reward_model, reward_model_params: a trained reward model
+      (:class:`dew.objectives.preference.reward_model.CausalRewardModel`, or any module
+      ``(ids, mask) -> [rows]`` of right-padded rows) and its weights: the frozen role
+      ``"reward"``, scoring each completion after its prompt inside the compiled
+      prepare; its vocabulary must be the policy's. Logged as ``reward/reward_model``.
+    reward_model_weight: its weight in the summed reward.
     logits_chunk_size: score completions this many positions of every row at a time
       (:func:`dew.objectives.cores.rollouts.chunked_rollout_logprobs`), in prepare and in the
       loss alike, so the ``[rows, length, vocab]`` float32 logits are never held whole;
@@ -168,6 +201,8 @@ class GRPOObjective(Objective):
     beta: float = 0.04
     kl_clamp: float = 20.0
     scale_rewards: str = "group"
+    advantage_estimator: str = "grpo"
+    importance_sampling_level: str = "token"
     advantage_eps: float = 1e-4
     loss_aggregation: str = "sequence-mean"
     prepared_updates: Updates = dataclasses.field(default_factory=Updates)
@@ -177,6 +212,9 @@ class GRPOObjective(Objective):
     check_first_ratio: bool | None = None
     scoring_rows: int | None = None
     logits_chunk_size: int | None = None
+    reward_model: Any = None
+    reward_model_params: Any = None
+    reward_model_weight: float = 1.0
 
     headline_metrics = ("reward", "kl")  # printed on the log line
 
@@ -197,6 +235,12 @@ class GRPOObjective(Objective):
             raise ValueError(f"beta (the KL weight) must be >= 0, got {self.beta}")
         for name, value, allowed in (
             ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+            ("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS),
+            (
+                "importance_sampling_level",
+                self.importance_sampling_level,
+                IMPORTANCE_SAMPLING_LEVELS,
+            ),
             ("loss_aggregation", self.loss_aggregation, LOSS_AGGREGATION),
         ):
             if value not in allowed:
@@ -204,6 +248,9 @@ class GRPOObjective(Objective):
         check_rollout_options(self.scoring_rows, self.prepared_updates)
         self.reward_set  # noqa: B018  (checks the rewards now)
         self.policy  # noqa: B018  (checks the tokenizer and vocabulary now)
+        check_reward_model(
+            self.reward_model, self.reward_model_params, self.policy.vocab_size, what=what
+        )
         check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
         check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
 
@@ -214,6 +261,8 @@ class GRPOObjective(Objective):
 
     @functools.cached_property
     def reward_set(self) -> Rewards:
+        if not self.rewards and self.reward_model is not None:
+            return Rewards(())  # the reward model alone
         return Rewards.of(self.rewards)
 
     @functools.cached_property
@@ -242,23 +291,21 @@ class GRPOObjective(Objective):
             roles.append(
                 Role(name="reference", module=self.model, trained=False, initial_from=initial)
             )
-        return tuple(roles)
+        return (*roles, *reward_roles(self.reward_model))
 
     def batch_fields(self):
         return prompt_fields()
 
     def init(self, key, spec=None):
-        length = self.max_new_tokens
-        if spec is not None and "prompt" in spec:
-            prompt_len = int(tuple(spec["prompt"].shape)[0])
-            self.policy.check_rollout_length(prompt_len, self.max_new_tokens)
-            length += prompt_len
+        length = self.policy.rollout_length(spec, self.max_new_tokens)
         params = self.policy.init_policy(key, length)
         variables = {"params": params}
         if self.beta > 0:
             # the initial policy: the same arrays (under LoRA the trainer makes it a view of
             # the base, stored nowhere), or the given reference weights
             variables["reference"] = {"params": self.policy.init_reference(key, length, params)}
+        if self.reward_model is not None:
+            variables["reward"] = {"params": self.reward_model_params}
         return variables
 
     # --------------------------------------------------------------- prepare
@@ -308,12 +355,18 @@ class GRPOObjective(Objective):
         out["token_rewards"] = self.reward_set.token_values(
             rollout.completion, rollout.completion_mask, seen
         )
+        if self.reward_model is not None:  # the frozen role scores prompt + completion
+            ids, real = right_aligned(rollout)
+            scores = self.reward_model.apply({"params": variables["reward"]["params"]}, ids, real)
+            out["model_rewards"] = scores.astype(jnp.float32)
         out.update({READER + k: v for k, v in data.items()})
         return out
 
     def prepare_host(self, rollout):
         """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]``."""
+        if not self.reward_set.items:  # the reward model alone
+            return no_host_rewards(rollout)
         return self.reward_set.host_stage(
             rollout, self.policy.tokenizer, end_ids=self.stop_ids, group_size=self.group_size
         )
@@ -322,12 +375,25 @@ class GRPOObjective(Objective):
         """Advantages (compiled) from the summed rewards; the training batch."""
         rewards = batch["rewards"]  # [rows, rewards]
         total = self.reward_set.total(rewards)  # [rows]
-        advantages, zero = group_advantages(
-            total, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
-        )
+        if "model_rewards" in batch:
+            total = total + self.reward_model_weight * batch["model_rewards"]
+        estimator = {
+            "grpo": lambda r: group_advantages(
+                r, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
+            ),
+            "rloo": lambda r: rloo_advantages(
+                r, self.group_size, scale=self.scale_rewards, eps=self.advantage_eps
+            ),
+            "reinforce": lambda r: reinforce_advantages(
+                r, self.group_size, scale=self.scale_rewards, eps=self.advantage_eps
+            ),
+        }[self.advantage_estimator]
+        advantages, zero = estimator(total)
         keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps", "ref_logps")
         out = {k: batch[k] for k in keep if k in batch}
         out.update(rewards=rewards, reward=total, advantages=advantages, zero_variance=zero)
+        if "model_rewards" in batch:
+            out["model_rewards"] = batch["model_rewards"]
         return out
 
     # ------------------------------------------------------------------ loss
@@ -341,13 +407,17 @@ class GRPOObjective(Objective):
             sampling=self.sampling,
             logits_chunk_size=self.logits_chunk_size,
         )  # [rows, new]
-        per_token, ratio, clipped = clipped_policy_loss(
-            logps,
-            batch["old_logps"],
-            batch["advantages"],
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_upper,
-        )
+        clip = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_upper)
+        if self.importance_sampling_level == "sequence":  # GSPO: one ratio per completion
+            per_token, ratio, clipped = sequence_clipped_policy_loss(
+                logps, batch["old_logps"], mask, batch["advantages"], **clip
+            )
+            ratio_mean, clip_fraction = Weighted.mean(ratio), Weighted.mean(clipped)
+        else:
+            per_token, ratio, clipped = clipped_policy_loss(
+                logps, batch["old_logps"], batch["advantages"], **clip
+            )
+            ratio_mean, clip_fraction = Weighted.mean(ratio, mask), Weighted.mean(clipped, mask)
         updates = self.prepared_updates
         if self.debug:
             check_first_update(
@@ -369,14 +439,16 @@ class GRPOObjective(Objective):
         metrics.update(
             reward=Weighted.mean(batch["reward"]),
             zero_variance_fraction=Weighted.mean(batch["zero_variance"]),
-            clip_fraction=Weighted.mean(clipped, mask),
-            ratio=Weighted.mean(ratio, mask),
+            clip_fraction=clip_fraction,
+            ratio=ratio_mean,
             completion_length=Weighted.mean(rollout.lengths),
             tokens=Summed(tokens),
             rollout_tokens=Summed(jnp.where(first_epoch, tokens, 0.0)),
         )
         for k, name in enumerate(self.reward_set.names):
             metrics[f"reward/{name}"] = Weighted.mean(batch["rewards"][:, k])
+        if "model_rewards" in batch:
+            metrics["reward/reward_model"] = Weighted.mean(batch["model_rewards"])
         return loss, metrics
 
     # ---------------------------------------------------------- validation

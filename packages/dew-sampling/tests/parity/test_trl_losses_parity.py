@@ -1,0 +1,246 @@
+"""Dew's post-training losses equal TRL's on the same log-probabilities
+(issue 43): GSPO (``GRPOTrainer`` with ``importance_sampling_level="sequence"``),
+SimPO (``CPOTrainer(loss_type="simpo")``), ORPO (``ORPOTrainer``) and KTO
+(``KTOTrainer``) and the Bradley-Terry reward-model loss (``RewardTrainer``),
+loss and gradient with respect to the log-probs, to float32
+rounding. TRL's own loss code runs, bound to a stand-in trainer whose model
+returns the given log-probs; run by the ``parity`` nox session."""
+
+from collections import defaultdict
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+torch = pytest.importorskip("torch")
+trl = pytest.importorskip("trl")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from trl.experimental.cpo.cpo_trainer import CPOTrainer  # noqa: E402
+from trl.experimental.orpo.orpo_trainer import ORPOTrainer  # noqa: E402
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+from trl.trainer.kto_trainer import KTOTrainer  # noqa: E402
+from trl.trainer.reward_trainer import RewardTrainer  # noqa: E402
+
+from dew.objectives.cores.logprobs import kl_k3  # noqa: E402
+from dew.objectives.cores.rl import sequence_clipped_policy_loss  # noqa: E402
+from dew.objectives.preference.losses import (  # noqa: E402
+    bradley_terry_losses,
+    kto_losses,
+    kto_reference_point,
+    orpo_losses,
+    simpo_losses,
+)
+from dew.objectives.rl.grpo import aggregate  # noqa: E402
+
+RNG = np.random.default_rng(43)
+RTOL, ATOL = 2e-5, 1e-7  # float32 rounding
+
+
+def stand_in(**attributes):
+    """A trainer to bind TRL's loss methods to: the given attributes, an identity
+    ``accelerator.gather``, a metrics store, everything else a mock."""
+    trainer = mock.MagicMock()
+    trainer.accelerator.gather.side_effect = lambda x: x
+    trainer.accelerator.gather_for_metrics.side_effect = lambda x: x
+    trainer.accelerator.device = "cpu"
+    trainer.accelerator.num_processes = 1
+    trainer._metrics = defaultdict(lambda: defaultdict(list))
+    trainer.model.training = True
+    trainer.aux_loss_enabled = False
+    for name, value in attributes.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
+def close(dew, trl_value):
+    np.testing.assert_allclose(np.asarray(dew), trl_value.detach().numpy(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_equals_trl(beta):
+    rows, tokens = 6, 7
+    lengths = np.array([7, 3, 1, 5, 2, 6])
+    mask = (np.arange(tokens)[None] < lengths[:, None]).astype(np.float32)
+    logps = RNG.normal(-2.0, 0.5, (rows, tokens)).astype(np.float32)
+    # sequence ratios exp(offset) inside and outside the paper's clip range
+    offsets = np.array([6e-4, -6e-4, 1e-4, -1e-4, 8e-4, 2e-4])
+    noise = RNG.normal(0, 1e-4, (rows, tokens))
+    old = (logps - offsets[:, None] + noise - noise.mean(1, keepdims=True)).astype(np.float32)
+    ref = (logps + RNG.normal(0, 0.2, (rows, tokens))).astype(np.float32)
+    adv = np.array([1.0, -1.0, 0.5, -0.5, -2.0, 1.5], np.float32)
+    eps_low, eps_high = 3e-4, 4e-4  # the paper's
+
+    def dew_loss(lp):
+        per_token, _, _ = sequence_clipped_policy_loss(
+            lp, old, mask, adv, epsilon_low=eps_low, epsilon_high=eps_high
+        )
+        if beta:
+            per_token = per_token + beta * kl_k3(lp, ref)
+        return aggregate(per_token, mask, "sequence-mean").value
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(logps))
+
+    torch_logps = torch.tensor(logps, requires_grad=True)
+    trainer = stand_in(
+        importance_sampling_level="sequence",
+        loss_type="grpo",
+        beta=beta,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        current_gradient_accumulation_steps=1,
+        _entropy_bonus_enabled=False,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None),
+    )
+    trainer._get_per_token_logps_and_entropies.return_value = (
+        torch_logps,
+        torch.zeros(rows, tokens),
+        None,
+    )
+    inputs = dict(
+        prompt_ids=torch.zeros(rows, 1, dtype=torch.long),
+        prompt_mask=torch.ones(rows, 1),
+        completion_ids=torch.zeros(rows, tokens, dtype=torch.long),
+        completion_mask=torch.tensor(mask),
+        advantages=torch.tensor(adv),
+        old_per_token_logps=torch.tensor(old),
+        ref_per_token_logps=torch.tensor(ref),
+    )
+    want = GRPOTrainer._compute_loss(trainer, None, inputs)
+    want.backward()
+    close(loss, want)
+    close(grad, torch_logps.grad)
+    # the paper's clip acts on some rows here, so the comparison covers it
+    _, _, clipped = sequence_clipped_policy_loss(
+        logps, old, mask, adv, epsilon_low=eps_low, epsilon_high=eps_high
+    )
+    assert 0 < float(jnp.mean(clipped)) < 1
+
+
+def pair_logps(pairs=6):
+    tokens = np.array([[5, 2], [1, 7], [3, 3], [8, 1], [2, 4], [6, 6]][:pairs], np.float32)
+    avg = RNG.normal(-1.2, 0.6, (pairs, 2)).astype(np.float32)
+    return avg, tokens
+
+
+def test_simpo_equals_trl():
+    avg, _ = pair_logps()
+    beta, gamma, smoothing = 2.0, 0.5, 0.1
+
+    def dew_loss(a):
+        return jnp.mean(
+            simpo_losses(a[:, 0], a[:, 1], beta=beta, gamma=gamma, label_smoothing=smoothing)
+        )
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(avg))
+    t = torch.tensor(avg, requires_grad=True)
+    trainer = stand_in(alpha=0.0, loss_type="simpo", beta=beta, simpo_gamma=gamma)
+    trainer.label_smoothing = smoothing
+    losses, _, _ = CPOTrainer.cpo_loss(trainer, t[:, 0], t[:, 1])
+    want = losses.mean()
+    want.backward()
+    close(loss, want)
+    close(grad, t.grad)
+
+
+def test_orpo_equals_trl():
+    avg, tokens = pair_logps()
+    avg = np.minimum(avg, -1e-3)  # a mean token log-prob is below 0
+    avg[0, 0] = -0.2  # both branches of log(1 - exp(x)) (at -log 2)
+    lam = 0.1
+    nll = np.float32(1.7)  # the chosen completions' NLL, added by both
+
+    def dew_loss(a):
+        return nll + jnp.mean(orpo_losses(a[:, 0], a[:, 1], lam=lam))
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(avg))
+    t = torch.tensor(avg, requires_grad=True)
+    losses, _, _, _, _ = ORPOTrainer.odds_ratio_loss(stand_in(beta=lam), t[:, 0], t[:, 1])
+    want = torch.tensor(nll) - losses.mean()  # ORPOTrainer.get_batch_loss_metrics
+    want.backward()
+    close(loss, want)
+    close(grad, t.grad)
+
+
+def test_kto_equals_trl():
+    rows, length = 7, 5
+    beta, lam_d, lam_u = 0.1, 1.0, 1.33
+    logps = RNG.normal(-8, 2, rows).astype(np.float32)
+    ref = (logps + RNG.normal(0, 1, rows)).astype(np.float32)
+    desirable = np.array([1, 0, 1, 1, 0, 0, 1], bool)
+    mismatched = RNG.normal(-12, 2, rows).astype(np.float32)
+    mismatched_ref = (mismatched - np.abs(RNG.normal(0, 1, rows))).astype(np.float32)
+
+    def dew_loss(lp):
+        z0 = kto_reference_point(mismatched, mismatched_ref)
+        losses = kto_losses(
+            lp - ref, desirable, z0, beta=beta, desirable_weight=lam_d, undesirable_weight=lam_u
+        )
+        return jnp.mean(losses)
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(logps))
+
+    # TRL sums per-token log-probs over a row: give it the row's log-prob at one position
+    per_token = np.zeros((rows, length - 1), np.float32)
+    per_token[:, -1] = logps
+    torch_tokens = torch.tensor(per_token, requires_grad=True)
+    outputs = SimpleNamespace(
+        log_probs=torch_tokens,
+        entropy=torch.zeros(rows, length - 1),
+        mean_logits=torch.zeros(rows, length - 1),
+    )
+    trainer = stand_in(
+        beta=beta,
+        loss_type="kto",
+        desirable_weight=lam_d,
+        undesirable_weight=lam_u,
+        precompute_ref_logps=True,
+        calculate_KL=True,
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    trainer._compute_kl_logps.return_value = torch.tensor(mismatched)
+    model = mock.MagicMock(return_value=outputs)
+    batch = dict(
+        input_ids=torch.zeros(rows, length, dtype=torch.long),
+        attention_mask=torch.ones(rows, length),
+        completion_mask=torch.ones(rows, length),
+        label=torch.tensor(desirable),
+        ref_logps=torch.tensor(ref),
+        ref_KL_logps=torch.tensor(mismatched_ref),
+    )
+    want = KTOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
+    want.backward()
+    close(loss, want)
+    close(grad, torch_tokens.grad[:, -1])
+
+
+def test_bradley_terry_equals_trl():
+    pairs = 6
+    rewards = RNG.normal(0, 2, (pairs, 2)).astype(np.float32)
+    margin = np.abs(RNG.normal(0, 1, pairs)).astype(np.float32)
+    center = 0.01
+
+    def dew_loss(r):
+        losses = bradley_terry_losses(r[:, 0], r[:, 1], margin=margin, center_coefficient=center)
+        return jnp.mean(losses)
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(rewards))
+    # TRL's model scores [chosen rows; rejected rows] as logits [2 pairs, 1]
+    logits = torch.tensor(
+        np.concatenate([rewards[:, 0], rewards[:, 1]])[:, None], requires_grad=True
+    )
+    trainer = stand_in(
+        args=SimpleNamespace(center_rewards_coefficient=center), _total_train_tokens=0, _tp_size=1
+    )
+    model = mock.MagicMock(return_value=SimpleNamespace(logits=logits))
+    inputs = dict(attention_mask=torch.ones(2 * pairs, 3), margin=torch.tensor(margin))
+    want = RewardTrainer.compute_loss(trainer, model, inputs)
+    want.backward()
+    close(loss, want)
+    close(grad, torch.stack(torch.chunk(logits.grad[:, 0], 2), dim=1))

@@ -186,7 +186,10 @@ BAD = [
         "model.config has no argument 'num_layerz'; did you mean 'num_layers'",
     ),
     (["model.config.num_layers=two"], "num_layers"),
-    (["model.name=gpt9"], "unknown model 'gpt9'; the registered models are causal_transformer"),
+    (
+        ["model.name=gpt9"],
+        "unknown model 'gpt9'; the registered models are causal_reward_model, causal_transformer",
+    ),
     (["objective.name=dpoo"], "did you mean 'dpo'"),
     (["data.name=tokens"], "did you mean 'token_windows'"),
     (["optimizer.name=adamx"], "unknown optimizer 'adamx'"),
@@ -1058,7 +1061,9 @@ def test_recipe_yaml_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
         (lambda text: "", "is empty"),
         (lambda text: "\n".join(text.splitlines()[:-3]) + "\n", "is cut short: it has no"),
         (lambda text: "- model\n", "holds a YAML list, not a mapping"),
-        (lambda text: text[: len(text) // 2] + "\n  :[\n", "is not valid YAML"),
+        # cut mid-line, then a line that no YAML context can take (a mapping inside
+        # a plain scalar, or an unclosed flow sequence)
+        (lambda text: text[: len(text) // 2] + "\n  x: [\n", "is not valid YAML"),
     ],
     ids=["empty", "cut_at_a_line", "a_list", "cut_mid_line"],
 )

@@ -265,7 +265,8 @@ def outside_code(raw: dict) -> list[str]:
     ``class_path``, whose module is not ``dew`` or under it. ``resume``, ``sample``
     and ``export`` of a run folder refuse them unless given :data:`ALLOW_CODE`
     (a run folder is code: it imports and calls what it names)."""
-    from dew.cli.recipe import OBJECTIVES, READERS
+    from dew.cli.recipe import READERS
+    from dew.objectives.contract.registry import OBJECTIVES
 
     found = []
 

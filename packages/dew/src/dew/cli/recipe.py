@@ -80,6 +80,7 @@ READERS = {
     "videos": "dew.data:Videos",
     "npz_arrays": "dew.cli.readers:NpzArrays",
     "mixture": "dew.cli.readers:MixtureOf",
+    "parquet_stream": "dew.data:ParquetStream",
 }
 # optax schedule names (optax.schedules); "constant" = no schedule
 SCHEDULES = ("constant", "cosine", "linear", "warmup_cosine", "warmup_constant")

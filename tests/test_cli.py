@@ -198,6 +198,32 @@ def test_a_mixture_recipe_reads_what_the_mixture_reads(tmp_path):
         parse_recipe({**raw, "data": {**raw["data"], "name": "mixture"}})
 
 
+def test_a_parquet_stream_recipe_reads_what_the_reader_reads(tmp_path):
+    """``data: {name: parquet_stream, args: {path: hub}}``, ``hub`` relative to the
+    recipe's folder: the batches of ``dew.data.ParquetStream`` on the same shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from dew.cli.loading import read_recipe
+    from dew.data import ParquetStream, Partition
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for shard in range(2):
+        rows = [f"row {i} of shard {shard}. " * (1 + i % 3) for i in range(30)]
+        path = tmp_path / "hub" / "data" / f"train-{shard:05d}-of-00002.parquet"
+        pq.write_table(pa.table({"text": rows}), path, row_group_size=10)
+    raw = recipe_of("lm_scratch.yaml", [f"run_dir={tmp_path}", "tokenizer.kind=bytes"])
+    raw["data"] = {"name": "parquet_stream", "batch": 8, "args": {"path": "hub", "seq_len": 32}}
+    (tmp_path / "stream.yaml").write_text(yaml.safe_dump(raw))
+    built = build(parse_recipe(read_recipe(str(tmp_path / "stream.yaml"), [])), str(tmp_path))
+    direct = ParquetStream(tmp_path / "hub", seq_len=32).load(batch=8)
+    streams = [built.data.train(Partition()), direct.train(Partition())]
+    for _ in range(5):
+        first, second = [next(stream)["text"] for stream in streams]
+        np.testing.assert_array_equal(first, second)
+
+
 BAD = [
     (["trainer.stepz=3"], "trainer has no key 'stepz'; did you mean 'steps'"),
     (

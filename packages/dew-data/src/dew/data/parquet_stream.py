@@ -83,7 +83,8 @@ class ParquetStream:
     Batches hold ``"text"``: int32 ``[rows, seq_len + 1]``, the spec of
     ``TokenWindows``. See the module's text for the order, the shares and the
     position. Training is endless (epochs repeat); there is no validation set
-    (validate with a ``TokenWindows`` of held-out files).
+    (validate with a ``TokenWindows`` of held-out files), and it is not a
+    :class:`Mixture` source (a mixture addresses rows at random).
 
     path: a ``datasets`` repository on disk (a directory; ``split`` chooses its
       files), or parquet files, directories or glob patterns.

@@ -20,7 +20,7 @@ import pytest
 from dew.cli import EXIT, main
 from dew.cli.build import build
 from dew.cli.loading import anchored
-from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe
+from dew.cli.recipe import RecipeError, apply_overrides, load_recipe, parse_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -139,35 +139,52 @@ def test_a_recipe_ema_warms_up_unless_told_not_to(tmp_path):
 
 
 def test_a_mixture_recipe_reads_what_the_mixture_reads(tmp_path):
-    """``data: {name: mixture, args: {sources: [...]}}``: two token_windows sources of
-    the shipped text, 3:1 and then 1:1 from step 4, build the batches of the
-    ``dew.data.Mixture`` written in Python; the saved recipe rebuilds the same."""
+    """``data: {mixture: [...], batch: 8}`` (the short form of ``data: {name: mixture,
+    args: {sources: [...]}}``) in a recipe file whose sources name files relative to
+    its folder: two token_windows sources of the shipped text, 3:1 and then 1:1 from
+    step 4, build the batches of the ``dew.data.Mixture`` written in Python; the saved
+    recipe (the long form, absolute paths) rebuilds the same."""
+    import shutil
+
+    import yaml
+
+    from dew.cli.loading import read_recipe
     from dew.data import ByteTokenizer, Mixture, Partition, TokenWindows
 
-    tiny = str(RECIPES / "data" / "tiny.txt")
-    digits = tmp_path / "digits.txt"
-    digits.write_text(" ".join(str(i) for i in range(400)))
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    shutil.copy(RECIPES / "data" / "tiny.txt", folder / "tiny.txt")
+    (folder / "digits.txt").write_text(" ".join(str(i) for i in range(400)))
     window = {"seq_len": 32, "val_fraction": 0.1, "cache_dir": str(tmp_path / "c")}
     sources = [
-        {"name": "text", "reader": "token_windows", "weight": 3, "args": {"paths": tiny, **window}},
+        {
+            "name": "text",
+            "reader": "token_windows",
+            "weight": 3,
+            "args": {"paths": "tiny.txt", **window},
+        },
         {
             "name": "digits",
             "reader": "token_windows",
             "weight": 1,
-            "args": {"paths": str(digits), **window},
+            "args": {"paths": "digits.txt", **window},
         },
     ]
     schedule = [{"step": 4, "weights": {"text": 1, "digits": 1}}]
     raw = recipe_of("lm_scratch.yaml", [f"run_dir={tmp_path}", "tokenizer.kind=bytes"])
     raw["data"] = {
-        "name": "mixture",
+        "mixture": sources,
         "batch": 8,
-        "args": {"sources": sources, "schedule": schedule, "read_threads": 0},
+        "args": {"schedule": schedule, "read_threads": 0},
     }
-    built = build(parse_recipe(raw), str(tmp_path))
-    again = build(parse_recipe(json.loads(json.dumps(built.resolved))), str(tmp_path))
+    (folder / "mixture.yaml").write_text(yaml.safe_dump(raw))
+    built = build(parse_recipe(read_recipe(str(folder / "mixture.yaml"), [])), str(tmp_path))
+    saved = json.loads(json.dumps(built.resolved))
+    assert saved["data"]["name"] == "mixture"
+    assert saved["data"]["args"]["sources"][1]["args"]["paths"] == str(folder / "digits.txt")
+    again = build(parse_recipe(saved), str(tmp_path))
     readers = {
-        s["name"]: TokenWindows(s["args"]["paths"], tokenizer=ByteTokenizer(), **window)
+        s["name"]: TokenWindows(folder / s["args"]["paths"], tokenizer=ByteTokenizer(), **window)
         for s in sources
     }
     direct = Mixture(readers, {"text": 3, "digits": 1}, schedule=[(4, {"text": 1, "digits": 1})])
@@ -177,6 +194,34 @@ def test_a_mixture_recipe_reads_what_the_mixture_reads(tmp_path):
         for other in others:
             np.testing.assert_array_equal(other, first)
     assert streams[0].get_state()["sources"]["digits"]["position"] == 4 * 2 + 2 * 4
+    with pytest.raises(RecipeError, match="give either data.mixture or data.name"):
+        parse_recipe({**raw, "data": {**raw["data"], "name": "mixture"}})
+
+
+def test_a_parquet_stream_recipe_reads_what_the_reader_reads(tmp_path):
+    """``data: {name: parquet_stream, args: {path: hub}}``, ``hub`` relative to the
+    recipe's folder: the batches of ``dew.data.ParquetStream`` on the same shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    from dew.cli.loading import read_recipe
+    from dew.data import ParquetStream, Partition
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for shard in range(2):
+        rows = [f"row {i} of shard {shard}. " * (1 + i % 3) for i in range(30)]
+        path = tmp_path / "hub" / "data" / f"train-{shard:05d}-of-00002.parquet"
+        pq.write_table(pa.table({"text": rows}), path, row_group_size=10)
+    raw = recipe_of("lm_scratch.yaml", [f"run_dir={tmp_path}", "tokenizer.kind=bytes"])
+    raw["data"] = {"name": "parquet_stream", "batch": 8, "args": {"path": "hub", "seq_len": 32}}
+    (tmp_path / "stream.yaml").write_text(yaml.safe_dump(raw))
+    built = build(parse_recipe(read_recipe(str(tmp_path / "stream.yaml"), [])), str(tmp_path))
+    direct = ParquetStream(tmp_path / "hub", seq_len=32).load(batch=8)
+    streams = [built.data.train(Partition()), direct.train(Partition())]
+    for _ in range(5):
+        first, second = [next(stream)["text"] for stream in streams]
+        np.testing.assert_array_equal(first, second)
 
 
 BAD = [

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from dew import models
-from dew.data import Dataset, HFImages, Mixture, TokenWindows
+from dew.data import Dataset, HFImages, Mixture, ParquetStream, TokenWindows
 from dew.objectives.language.lm import LMObjective
 from dew.train import Checkpoints, Trainer
 
@@ -164,3 +164,18 @@ def test_padded_validation_gives_the_exact_loss_of_the_real_windows(tmp_path):
     nll = -np.take_along_axis(log_probs, real[:, 1:, None], axis=-1)[..., 0]
     assert results["tokens"] == real.shape[0] * SEQ_LEN
     np.testing.assert_allclose(results["loss"], nll.mean(), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_parquet_stream_resumes_at_the_same_batch(tmp_path):
+    """A datasets repository's parquet shards streamed: the checkpoint holds the
+    (epoch, row group, row, id) the next window starts at."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for shard in range(2):
+        rows = [f"shard {shard} row {i}: streamed." for i in range(24)]
+        path = tmp_path / "hub" / "data" / f"train-{shard:05d}-of-00002.parquet"
+        pq.write_table(pa.table({"text": rows}), path, row_group_size=6)
+    check_resume(ParquetStream(tmp_path / "hub", seq_len=SEQ_LEN).load(batch=8), tmp_path)

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_data.py            # about a minute on a quiet core
     .venv/bin/python tools/bench_data.py --quick    # smaller, a few seconds
+    .venv/bin/python tools/bench_data.py --shares-only   # mixture and packing vs the step
 
 Measures, with the process pinned to one CPU and Grain reading in the
 caller's thread (``read_threads=0``):
@@ -9,9 +10,12 @@ caller's thread (``read_threads=0``):
 - TokenWindows tokens/s (shuffled windows of ``seq_len + 1`` ids, batched)
   against a raw reader: the same token file memory-mapped with numpy, random
   windows gathered with one fancy index per batch.
-- Host milliseconds per batch of a three-source ``Mixture`` (70/20/10) and of
-  document-aware packing (``TokenWindows(documents="pack")``, documents of 50 to
-  3,000 words), next to plain TokenWindows on the same documents.
+- Host milliseconds per batch of a three-source ``Mixture`` (70/20/10, of plain and
+  of packed windows) and of document-aware packing (``TokenWindows(documents="pack")``,
+  documents of 5 to 400 words, longer ones split), next to plain TokenWindows on the
+  same documents, at the seed LM's size (batch 8 x 65) and the medium LM's (16 x
+  257), each as a share of the training step of that size, timed in the same run on
+  all cores (``LMObjective``, adamw, batches already in memory).
 - HFImages images/s (JPEG decode, resize, centre crop, from a ``datasets``
   table) against a raw reader of already decoded images (a memory-mapped
   uint8 array) and against a plain decode loop (PIL + the same resize, no
@@ -108,16 +112,24 @@ def bench_tokens(workdir: str, *, megabytes: int, seq_len: int, batch: int, batc
     }
 
 
+# emb, layers, heads, mlp, seq_len, batch: the seed run's LM (examples/quickstart.py) and
+# the medium LM (as tools/bench_cpu_split.py's sizes)
+SIZES = {"seed": (64, 2, 4, 256, 64, 8), "medium": (256, 4, 8, 1024, 256, 16)}
+STEPS = {"seed": 60, "medium": 5}  # timed steps a fit: a second or more at each size
+
+
 def bench_mixture_and_packing(
     workdir: str, *, documents: int, seq_len: int, batch: int, batches: int
 ):
+    """Host ms per batch of plain TokenWindows, ``documents="pack"`` and a three-source
+    Mixture (70/20/10) on documents of 5 to 400 words, in the caller's thread."""
     from dew.data import Mixture, Partition, TokenWindows
 
     words = np.asarray("dew trains jax models on grain with windows of tokens".split())
     rng = np.random.default_rng(1)
-    corpus = os.path.join(workdir, "documents.jsonl")
+    corpus = os.path.join(workdir, f"documents-{documents}.jsonl")
     with open(corpus, "w") as f:
-        for size in rng.integers(50, 3000, documents):
+        for size in rng.integers(5, 400, documents):
             f.write(json.dumps({"text": " ".join(rng.choice(words, size))}) + "\n")
     common = dict(
         seq_len=seq_len,
@@ -128,14 +140,13 @@ def bench_mixture_and_packing(
     )
     stream = TokenWindows(corpus, **common)
     packed = TokenWindows(corpus, documents="pack", long_documents="split", **common)
+    weights = {"web": 0.7, "code": 0.2, "books": 0.1}
     readers = {
         "token_windows": stream,
         "packed": packed,
-        "mixture": Mixture(
-            {"web": stream, "code": stream, "books": stream},
-            {"web": 0.7, "code": 0.2, "books": 0.1},
-            read_threads=0,
-            prefetch=0,
+        "mixture": Mixture(dict.fromkeys(weights, stream), weights, read_threads=0, prefetch=0),
+        "mixture_packed": Mixture(
+            dict.fromkeys(weights, packed), weights, read_threads=0, prefetch=0
         ),
     }
     loaded = {name: reader.load(batch=batch) for name, reader in readers.items()}
@@ -150,6 +161,41 @@ def bench_mixture_and_packing(
 
     seconds = best_times({name: reading(data) for name, data in loaded.items()})
     return {f"{name}_ms_per_batch": 1e3 * s / batches for name, s in seconds.items()}
+
+
+def bench_step(size: str, steps: int) -> float:
+    """Seconds per training step (``LMObjective``, adamw, all cores) of the LM of ``size``
+    on batches already in memory: the step the data must keep up with."""
+    import itertools
+    import sys
+
+    import jax
+    import optax
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _timing
+
+    from dew import Dataset, Trainer, models
+    from dew.objectives.language.lm import LMObjective
+
+    emb, layers, heads, mlp, seq_len, batch = SIZES[size]
+    model = models.build(
+        "causal_transformer", vocab_size=264, emb_features=emb, num_layers=layers,
+        num_heads=heads, mlp_features=mlp, max_seq_len=seq_len,
+    )  # fmt: skip
+    rows = np.random.default_rng(0).integers(0, 256, (4, batch, seq_len + 1)).astype(np.int32)
+    data = Dataset(
+        train=lambda p: ({"text": b} for b in itertools.cycle(rows)),
+        val=None,
+        records=4 * batch,
+        batch=batch,
+    )
+    trainer = Trainer(
+        LMObjective(model, seq_len=seq_len), optax.adamw(3e-3), key=jax.random.key(0),
+        progress=False,
+    )  # fmt: skip
+    _timing.fit_seconds(trainer, data, 2)  # compiles
+    return min(_timing.fit_seconds(trainer, data, steps + 1)[1] for _ in range(3))
 
 
 def bench_images(
@@ -262,63 +308,96 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     parser.add_argument("--no-train", action="store_true", help="skip the training run")
+    parser.add_argument(
+        "--shares-only",
+        action="store_true",
+        help="only the mixture and packing per batch against the step, at both sizes",
+    )
     parser.add_argument("--json", help="also write the numbers to this file")
     args, _ = parser.parse_known_args()  # the nox bench session passes the same posargs to all
     quick = args.quick
+    tokens = images = training = {}
     with tempfile.TemporaryDirectory() as workdir:
         allowed = pin_to_one_core()
-        windows = {"seq_len": 1024, "batch": 32, "batches": 20 if quick else 200}
-        tokens = bench_tokens(workdir, megabytes=2 if quick else 16, **windows)
-        mixing = bench_mixture_and_packing(workdir, documents=200 if quick else 2000, **windows)
-        images = bench_images(
-            workdir,
-            count=64 if quick else 512,
-            source_size=(240, 320),
-            image_size=64,
-            batch=32,
-            batches=4 if quick else 32,
-        )
+        if not args.shares_only:
+            windows = {"seq_len": 1024, "batch": 32, "batches": 20 if quick else 200}
+            tokens = bench_tokens(workdir, megabytes=2 if quick else 16, **windows)
+            images = bench_images(
+                workdir,
+                count=64 if quick else 512,
+                source_size=(240, 320),
+                image_size=64,
+                batch=32,
+                batches=4 if quick else 32,
+            )
+        mixing = {}
+        for size, (*_, seq_len, batch) in SIZES.items():
+            numbers = bench_mixture_and_packing(
+                workdir,
+                documents=300 if quick else 3000,
+                seq_len=seq_len,
+                batch=batch,
+                batches=50 if quick else 400,
+            )
+            mixing.update({f"{size}_{key}": value for key, value in numbers.items()})
         if allowed is not None:
             os.sched_setaffinity(0, allowed)
-        training = {} if args.no_train else bench_training(workdir, 30 if quick else 100)
+        for size in SIZES:  # all cores, as a training process has them
+            mixing[f"{size}_step_ms"] = 1e3 * bench_step(size, 3 if quick else STEPS[size])
+        if not (args.no_train or args.shares_only):
+            training = bench_training(workdir, 30 if quick else 100)
     results = {**tokens, **mixing, **images, **training}
     print(
-        f"one core ({'pinned' if allowed is not None else 'not pinned'}), "
-        f"read_threads=0, best of 3 alternating runs"
+        f"data on one core ({'pinned' if allowed is not None else 'not pinned'}), "
+        f"read_threads=0, best of 3 alternating runs; steps on all cores, best of 3"
     )
-    print(
-        f"  tokenize once (ByteTokenizer)   {tokens['tokenize_tokens_per_s'] / 1e6:9.1f} "
-        f"M tokens/s ({tokens['corpus_tokens'] / 1e6:.1f} M tokens)"
-    )
-    print(
-        f"  TokenWindows                    {tokens['token_windows_tokens_per_s'] / 1e6:9.1f} "
-        f"M tokens/s"
-    )
-    print(
-        f"  raw memmap numpy windows        {tokens['raw_memmap_tokens_per_s'] / 1e6:9.1f} "
-        f"M tokens/s"
-    )
-    print(
-        f"  ratio TokenWindows / raw        "
-        f"{tokens['token_windows_tokens_per_s'] / tokens['raw_memmap_tokens_per_s']:9.2f}"
-    )
-    for name, what in (
-        ("token_windows", "TokenWindows, documents       "),
-        ("mixture", "Mixture of 3 (70/20/10)       "),
-        ("packed", "documents='pack'              "),
-    ):
-        print(f"  {what}  {mixing[f'{name}_ms_per_batch']:9.2f} ms a batch of 32 x 1025")
-    print(f"  HFImages (JPEG 320x240 -> 64)   {images['hf_images_per_s']:9.0f} images/s")
-    print(f"  plain PIL decode loop           {images['decode_loop_images_per_s']:9.0f} images/s")
-    print(f"  raw memmap numpy (pre-decoded)  {images['raw_memmap_images_per_s']:9.0f} images/s")
-    print(
-        f"  ratio HFImages / decode loop    "
-        f"{images['hf_images_per_s'] / images['decode_loop_images_per_s']:9.2f}"
-    )
-    print(
-        f"  ratio HFImages / raw memmap     "
-        f"{images['hf_images_per_s'] / images['raw_memmap_images_per_s']:9.4f}"
-    )
+    if tokens:
+        print(
+            f"  tokenize once (ByteTokenizer)   {tokens['tokenize_tokens_per_s'] / 1e6:9.1f} "
+            f"M tokens/s ({tokens['corpus_tokens'] / 1e6:.1f} M tokens)"
+        )
+        print(
+            f"  TokenWindows                    "
+            f"{tokens['token_windows_tokens_per_s'] / 1e6:9.1f} M tokens/s"
+        )
+        print(
+            f"  raw memmap numpy windows        {tokens['raw_memmap_tokens_per_s'] / 1e6:9.1f} "
+            f"M tokens/s"
+        )
+        print(
+            f"  ratio TokenWindows / raw        "
+            f"{tokens['token_windows_tokens_per_s'] / tokens['raw_memmap_tokens_per_s']:9.2f}"
+        )
+    for size, (emb, layers, _, _, seq_len, batch) in SIZES.items():
+        step = mixing[f"{size}_step_ms"]
+        print(
+            f"  {size} LM (emb {emb}, {layers} layers, batch {batch} x {seq_len + 1}): "
+            f"step {step:.2f} ms"
+        )
+        for name, what in (
+            ("token_windows", "TokenWindows, documents      "),
+            ("packed", "documents='pack'             "),
+            ("mixture", "Mixture of 3 (70/20/10)      "),
+            ("mixture_packed", "Mixture of 3, packed         "),
+        ):
+            ms = mixing[f"{size}_{name}_ms_per_batch"]
+            print(f"    {what} {ms:8.3f} ms a batch, {100 * ms / step:7.3g}% of the step")
+    if images:
+        print(f"  HFImages (JPEG 320x240 -> 64)   {images['hf_images_per_s']:9.0f} images/s")
+        print(
+            f"  plain PIL decode loop           {images['decode_loop_images_per_s']:9.0f} images/s"
+        )
+        print(
+            f"  raw memmap numpy (pre-decoded)  {images['raw_memmap_images_per_s']:9.0f} images/s"
+        )
+        print(
+            f"  ratio HFImages / decode loop    "
+            f"{images['hf_images_per_s'] / images['decode_loop_images_per_s']:9.2f}"
+        )
+        print(
+            f"  ratio HFImages / raw memmap     "
+            f"{images['hf_images_per_s'] / images['raw_memmap_images_per_s']:9.4f}"
+        )
     if training:
         share = training["train_data_s"] / training["train_wall_s"]
         print(

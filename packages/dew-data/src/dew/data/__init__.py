@@ -11,7 +11,8 @@ fine-tuning on prompt/completion or chat rows, rendered with a
 :class:`ChatTemplate`, packed or not) and :class:`TeacherTopK` (a teacher's top-k
 log-probs stored once by :class:`TopKWriter`, for offline distillation).
 :class:`Mixture` mixes readers' examples by weight (a schedule may change the
-weights at given steps). :func:`from_records` turns any
+weights at given steps); :class:`ParquetStream` streams a ``datasets`` repository's
+parquet shards row group by row group. :func:`from_records` turns any
 random-access source into a Grain-backed :class:`Dataset` the same way.
 """
 
@@ -19,6 +20,7 @@ from dew.data.chat_template import ChatTemplate, ChatTemplateError
 from dew.data.dataset import Batch, Dataset, Field, Partition, spec_of_batch
 from dew.data.images import HFImages
 from dew.data.mixture import Mixture
+from dew.data.parquet_stream import ParquetStream
 from dew.data.preferences import PreferencePairs
 from dew.data.prompts import Prompts
 from dew.data.records import RecordError, Records, from_records
@@ -40,6 +42,7 @@ __all__ = [
     "HFImages",
     "HFTokenizer",
     "Mixture",
+    "ParquetStream",
     "Partition",
     "PreferencePairs",
     "Prompts",

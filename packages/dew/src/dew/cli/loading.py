@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe
+from dew.cli.recipe import apply_overrides, load_recipe, parse_recipe, shorthands
 
 __all__ = [
     "add_recipe_arguments",
@@ -56,7 +56,8 @@ PATH_KEYS = {
 
 def anchored(raw: dict, base: str) -> dict:
     """Relative paths of a recipe file that exist from its folder, made absolute
-    (so a recipe runs from any directory and the saved recipe from any other)."""
+    (so a recipe runs from any directory and the saved recipe from any other),
+    those of a mixture's ``sources`` included."""
 
     def fix(value):
         if isinstance(value, list):
@@ -67,13 +68,21 @@ def anchored(raw: dict, base: str) -> dict:
                 return os.path.abspath(candidate)
         return value
 
+    def fix_keys(node, keys):
+        for key in keys:
+            if isinstance(node, dict) and key in node:
+                node[key] = fix(node[key])
+
+    raw = shorthands(raw)
     for section, keys in PATH_KEYS.items():
         node = raw.get(section)
         if isinstance(node, dict):
             node = node.get("args", node) if section == "data" else node
-            for key in keys:
-                if isinstance(node, dict) and key in node:
-                    node[key] = fix(node[key])
+            fix_keys(node, keys)
+            sources = node.get("sources") if section == "data" and isinstance(node, dict) else None
+            for source in sources if isinstance(sources, list) else ():
+                if isinstance(source, dict):  # a mixture's sources (MixtureOf)
+                    fix_keys(source.get("args"), keys)
     return raw
 
 

@@ -7,6 +7,7 @@ jsonargparse, which reads Dew's own dataclasses and type hints without a base cl
     tokenizer:  {kind: bytes | hf | bpe, ...}
     objective:  {name: lm, args: {...}, models: {role: {name, config}}}
     data:       {name: token_windows, args: {...}, batch: 8}
+                # or {mixture: [{name, reader, weight, args}, ...], batch: 8}
     optimizer:  {name: adamw, learning_rate: 3e-3, args: {...},
                  schedule: {name: cosine, warmup_steps: 10}, clip_norm: 1.0}
     trainer:    {steps: 100, log_every: 10, eval_every: 0, checkpoint_every: 0,
@@ -63,6 +64,7 @@ READERS = {
     "videos": "dew.data:Videos",
     "npz_arrays": "dew.cli.readers:NpzArrays",
     "mixture": "dew.cli.readers:MixtureOf",
+    "parquet_stream": "dew.data:ParquetStream",
 }
 # optax schedule names (optax.schedules); "constant" = no schedule
 SCHEDULES = ("constant", "cosine", "linear", "warmup_cosine", "warmup_constant")
@@ -239,8 +241,30 @@ def _type_name(hint) -> str:
 # ------------------------------------------------------------------ reading
 
 
+def shorthands(raw: dict) -> dict:
+    """``raw`` with ``data: {mixture: [...], batch: N, args: {...}}`` written out as
+    ``data: {name: mixture, batch: N, args: {sources: [...], ...}}`` (the form a run
+    saves); any other recipe is returned as it is."""
+    data = raw.get("data") if isinstance(raw, dict) else None
+    if not isinstance(data, dict) or "mixture" not in data:
+        return raw
+    args = data.get("args") or {}
+    if "name" in data or (isinstance(args, dict) and "sources" in args):
+        raise RecipeError(
+            "data.mixture is the short form of data: {name: mixture, args: {sources: [...]}}; "
+            "give either data.mixture or data.name (with data.args.sources), not both"
+        )
+    if not isinstance(args, dict):
+        raise RecipeError(f"data.args must be a mapping of the reader's arguments, got {args!r}")
+    rest = {key: value for key, value in data.items() if key not in ("mixture", "args")}
+    return {
+        **raw,
+        "data": {"name": "mixture", **rest, "args": {"sources": data["mixture"], **args}},
+    }
+
+
 def load_recipe(path: str) -> dict:
-    """The recipe file as a dict (YAML or JSON)."""
+    """The recipe file as a dict (YAML or JSON), short forms written out (:func:`shorthands`)."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
@@ -250,7 +274,7 @@ def load_recipe(path: str) -> dict:
         raise RecipeError(f"{path} is not valid YAML: {error}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path} holds a YAML {type(raw).__name__}, not a mapping of sections")
-    return raw
+    return shorthands(raw)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -302,6 +326,7 @@ def parse_recipe(raw: Mapping) -> Recipe:
     ones), then typed by jsonargparse."""
     from jsonargparse import ArgumentParser
 
+    raw = shorthands(dict(raw))
     _check_keys(raw, Recipe, "the recipe")
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(Recipe, "recipe", instantiate=True)

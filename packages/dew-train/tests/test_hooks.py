@@ -108,8 +108,7 @@ def test_an_own_checkpoint_policy_replaces_the_default_and_resumes_exactly(tmp_p
 
     def odd_steps_after_two(info):
         if info.step in (3, 5):
-            info.save_checkpoint()
-            assert info.checkpoint == str(tmp_path / "run" / str(info.step))
+            assert info.save_checkpoint() == str(tmp_path / "run" / str(info.step))
 
     def own(policy=odd_steps_after_two):
         t = trainer()
@@ -144,8 +143,13 @@ def test_an_own_checkpoint_policy_replaces_the_default_and_resumes_exactly(tmp_p
 def test_checkpointing_bad_arguments_name_their_values(tmp_path):
     with pytest.raises(TypeError, match=r"needs a dew.train.Checkpoints .*got str"):
         Checkpointing(str(tmp_path))
-    with pytest.raises(ValueError, match=r"every= must be an int >= 0 steps .*got -2"):
-        Checkpointing(Checkpoints(tmp_path), every=-2)
+    for every in (-2, 0, 1.5):
+        with pytest.raises(
+            ValueError,
+            match=rf"Checkpointing: every={every} must be a whole number >= 1 \(steps "
+            rf"between checkpoints; None = only at the end\)",
+        ):
+            Checkpointing(Checkpoints(tmp_path), every=every)
     with pytest.raises(ValueError, match=r"the policy decides when to save; drop every="):
         Checkpointing(Checkpoints(tmp_path), every=2, policy=lambda info: None)
 

@@ -2,7 +2,7 @@
 
 The loop is ``data -> prepare -> updates`` (:func:`dew.train.training_steps`);
 after every step ``fit`` runs the installed hooks in order: the trainer's own
-(:data:`DEFAULT_HOOKS`), each with its own state and cadence, then the user's
+(:data:`DEFAULT_HOOKS`), each with its own state and settings, then the user's
 in the order they were added::
 
     def report(info):
@@ -10,15 +10,25 @@ in the order they were added::
 
     trainer.add_hook(report, every=50)              # add one
     trainer.hook_names()                            # list them, in order
-    trainer.replace_hook("log", None)               # leave a default one out
+    trainer.replace_hook("log", LogMetrics(every=10))  # other settings
+    trainer.replace_hook("evaluation", None)        # leave a default one out
     trainer.replace_hook("checkpoints",             # or replace it: a checkpoint
         Checkpointing(Checkpoints(dir), policy=fn)) # policy of one's own
 
-A hook sees :class:`StepInfo`: the step just finished, the state after it,
-the metrics the default hooks read off it (the log interval's on log steps,
-this step's evaluation under ``eval/...``), and ``print`` / ``log`` /
-``request_stop`` / ``save_checkpoint`` to talk to the run. No subclassing.
-(Levanter's ``Trainer.add_hook`` and its default hooks are the model.)
+A default hook (:mod:`dew.train._default_hooks`: ``Rejections``, ``LogMetrics``,
+``Evaluation``, ``EarlyStop``, ``StopSignalsHook``; ``Checkpointing``) takes its
+settings when it is built, checked then, and the run's context (:class:`RunStart`)
+in ``start``; ``fit(log_every=, eval_every=, eval_batches=, checkpoint_every=)``
+are shorthands that build them.
+
+A hook sees :class:`StepInfo`, a frozen record: the step just finished, the
+state after it, the metrics the default hooks read off it (the log interval's
+on log steps, this step's evaluation under ``eval/...``), and ``print`` /
+``log`` / ``request_stop`` / ``save_checkpoint`` to talk to the run. A hook's
+results reach the hooks after it as fields of the record they see: ``run``
+returns a :class:`StepReport` (metrics, evaluation, checkpoint). No
+subclassing. (Levanter's ``Trainer.add_hook`` and its default hooks are the
+model.)
 
 A hook's life in one ``fit`` (:class:`Installed`): ``start`` before the first
 step (the ``checkpoints`` hook restores the newest checkpoint there and
@@ -52,9 +62,10 @@ DEFAULT_HOOKS = (
 - ``rejections``: counts steps whose loss or gradients were not finite, prints
   each, raises :class:`dew.train.NonFiniteError` past ``max_rejected``;
 - ``log``: the interval metrics and the ``step N: loss ...`` line every
-  ``log_every`` steps (``metrics.jsonl``, TensorBoard, trackers);
+  ``LogMetrics(every=)`` (``fit(log_every=)``) steps (``metrics.jsonl``,
+  TensorBoard, trackers);
 - ``evaluation``: ``objective.evaluate`` over the validation data and a preview
-  every ``eval_every`` steps;
+  every ``Evaluation(every=)`` (``fit(eval_every=)``) steps;
 - ``checkpoints``: with ``Trainer(checkpoints=...)``, a
   :class:`dew.train.Checkpointing`: restores the newest usable checkpoint
   before the first step, saves every ``checkpoint_every`` steps (ranked by this

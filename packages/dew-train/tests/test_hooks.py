@@ -345,6 +345,12 @@ def test_a_hooks_settings_are_checked_when_it_is_built():
         EarlyStop(EarlyStopping(), patience=2)
     with pytest.raises(TypeError, match=r"needs a dew.train.EarlyStopping .*got str"):
         EarlyStop("mse")
+    with pytest.raises(
+        ValueError,
+        match=r"LogMetrics\(every=10\) is the 'log' hook: replace_hook\('log', \.\.\.\) puts "
+        r"it in its place; in the place of 'evaluation'",
+    ):
+        trainer().replace_hook("evaluation", LogMetrics(every=10))
     assert repr(LogMetrics(every=10)) == "LogMetrics(every=10)"
     assert repr(Evaluation(every=5)) == "Evaluation(every=5, batches=None)"
     assert EarlyStop(metric="mse", patience=2).spec == EarlyStopping(metric="mse", patience=2)

@@ -224,6 +224,12 @@ class Trainer:
                 f"there is no default hook {name!r} to replace; the default hooks are "
                 f"{list(DEFAULT_HOOKS)} (add a new one with Trainer.add_hook)"
             )
+        if isinstance(fn, Checkpointing | DefaultHook) and fn.name != name:
+            raise ValueError(
+                f"{fn!r} is the {fn.name!r} hook: replace_hook({fn.name!r}, ...) puts it in "
+                f"its place; in the place of {name!r} goes a hook of one's own (a function "
+                f"or a dew.train.Hook) or None"
+            )
         own = isinstance(fn, Hook | Checkpointing | DefaultHook)
         hook = None if fn is None else fn if own else Hook(fn, every=every)
         if hook is not None and hook.name != name and not own:
@@ -270,13 +276,18 @@ class Trainer:
     ) -> TrainState:
         """Train until the step counter reaches ``steps``; returns the final state.
 
+        The cadences are shorthands that build the default hooks (a hook
+        installed with :meth:`replace_hook` keeps its own settings instead):
+
         log_every: print and record metrics every this many steps (0 = never);
           the logged loss and metrics are means over the steps since the last
-          log line.
+          log line: ``LogMetrics(every=log_every)``.
         eval_every: run ``objective.evaluate`` over ``data.val`` (and a preview)
-          every this many steps (0 = never).
+          every this many steps (0 = never): ``Evaluation(every=eval_every,
+          batches=eval_batches)``.
         checkpoint_every: save a checkpoint every this many steps; 0 = only at
-          the end. Needs ``checkpoints=``, which always saves at the end.
+          the end. Needs ``checkpoints=``, which always saves at the end:
+          ``Checkpointing(checkpoints, every=checkpoint_every)``.
         eval_batches: stop each evaluation after this many batches (0 = all).
 
         With ``checkpoints=``, a directory that holds a checkpoint continues

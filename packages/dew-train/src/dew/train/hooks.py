@@ -57,21 +57,25 @@ DEFAULT_HOOKS = (
     "early_stopping",
     "stop_signals",
 )
-"""The trainer's own hooks, in the order they run (before the user's):
+"""The trainer's own hooks, in the order they run (before the user's), each a
+public class of ``dew.train`` that takes its settings when built:
 
-- ``rejections``: counts steps whose loss or gradients were not finite, prints
-  each, raises :class:`dew.train.NonFiniteError` past ``max_rejected``;
-- ``log``: the interval metrics and the ``step N: loss ...`` line every
-  ``LogMetrics(every=)`` (``fit(log_every=)``) steps (``metrics.jsonl``,
+- ``rejections`` (``Rejections``): counts steps whose loss or gradients were not
+  finite, prints each, raises :class:`dew.train.NonFiniteError` past
+  ``Trainer(max_rejected=)``;
+- ``log`` (``LogMetrics(every=)``): the interval metrics and the ``step N: loss
+  ...`` line every ``every`` (``fit(log_every=)``) steps (``metrics.jsonl``,
   TensorBoard, trackers);
-- ``evaluation``: ``objective.evaluate`` over the validation data and a preview
-  every ``Evaluation(every=)`` (``fit(eval_every=)``) steps;
-- ``checkpoints``: with ``Trainer(checkpoints=...)``, a
-  :class:`dew.train.Checkpointing`: restores the newest usable checkpoint
-  before the first step, saves every ``checkpoint_every`` steps (ranked by this
-  step's evaluation for ``keep_best``) and at the end;
-- ``early_stopping``: ``Trainer(early_stopping=...)`` on the evaluations;
-- ``stop_signals``: SIGTERM / SIGINT end the run after the step in flight.
+- ``evaluation`` (``Evaluation(every=, batches=)``): ``objective.evaluate`` over
+  the validation data and a preview every ``every`` (``fit(eval_every=)``) steps;
+- ``checkpoints`` (``Checkpointing(checkpoints, every=)``, with
+  ``Trainer(checkpoints=...)``): restores the newest usable checkpoint before the
+  first step, saves every ``every`` (``fit(checkpoint_every=)``) steps (ranked by
+  this step's evaluation for ``keep_best``) and at the end;
+- ``early_stopping`` (``EarlyStop(metric=, patience=, ...)``,
+  ``Trainer(early_stopping=...)``) on the evaluations;
+- ``stop_signals`` (``StopSignalsHook``): SIGTERM / SIGINT end the run after the
+  step in flight.
 """
 
 

@@ -41,7 +41,7 @@ class Regression(Objective):
     def __init__(self, ema=None):
         self.ema = ema
 
-    def init(self, key):
+    def init(self, key, spec=None):
         return {"params": {"w": jax.random.normal(key, (IN,))}}
 
     def loss(self, variables, batch, step):

@@ -106,7 +106,7 @@ class HookRunner:
             state=state,
             print=self.print_fn,
             at_boundary=at_boundary,
-            step_metrics=step_metrics,
+            step_metrics=tuple(step_metrics),
             step_flops=step_flops,
             is_model_flops=is_model_flops,
             prepare_seconds=prepare_seconds,

@@ -99,7 +99,8 @@ class Trainer:
     learning_rate: the schedule (or constant) the optimizer was built with, for
       the log only; None = read ``learning_rate`` from an
       ``optax.inject_hyperparams`` state when there is one.
-    early_stopping: an :class:`dew.train.EarlyStopping` on an evaluation metric.
+    early_stopping: an :class:`dew.train.EarlyStopping` on an evaluation metric
+      (a shorthand for the ``early_stopping`` hook, :class:`dew.train.EarlyStop`).
     device_memory_bytes: bytes one device may hold (an int, or a size such as
       ``'16GiB'``); None = ``$DEW_DEVICE_MEMORY`` when set, else the device's own
       limit (``memory_stats()['bytes_limit']`` on a TPU or GPU; a CPU has none and

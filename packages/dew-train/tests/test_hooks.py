@@ -3,7 +3,9 @@ checkpoint policy), left out, or followed by the user's; what a hook sees
 checked against numpy; the EMA weights as the default of evaluation and
 ``state.variables()``."""
 
+import dataclasses
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,18 @@ import pytest
 
 from dew.data import Dataset
 from dew.objectives import EMA, Objective, Weighted
-from dew.train import DEFAULT_HOOKS, Checkpointing, Checkpoints, MeshSpec, Trainer
+from dew.train import (
+    DEFAULT_HOOKS,
+    Checkpointing,
+    Checkpoints,
+    EarlyStop,
+    EarlyStopping,
+    Evaluation,
+    LogMetrics,
+    MeshSpec,
+    StepReport,
+    Trainer,
+)
 
 ROWS, IN = 8, 3
 ONE = MeshSpec(data=1, devices=jax.devices()[:1])
@@ -28,7 +41,7 @@ class Regression(Objective):
     def __init__(self, ema=None):
         self.ema = ema
 
-    def init(self, key):
+    def init(self, key, spec=None):
         return {"params": {"w": jax.random.normal(key, (IN,))}}
 
     def loss(self, variables, batch, step):
@@ -54,9 +67,9 @@ DATA = Dataset(
 )
 
 
-def numpy_mse(w) -> float:
-    """The validation error of weights ``w``, in float64 numpy."""
-    errors = [b["x"].astype(np.float64) @ np.asarray(w, np.float64) - b["y"] for b in VAL]
+def numpy_mse(w, val=VAL) -> float:
+    """The validation error of weights ``w`` over ``val``, in float64 numpy."""
+    errors = [b["x"].astype(np.float64) @ np.asarray(w, np.float64) - b["y"] for b in val]
     return float(np.mean(np.concatenate(errors) ** 2))
 
 
@@ -108,8 +121,7 @@ def test_an_own_checkpoint_policy_replaces_the_default_and_resumes_exactly(tmp_p
 
     def odd_steps_after_two(info):
         if info.step in (3, 5):
-            info.save_checkpoint()
-            assert info.checkpoint == str(tmp_path / "run" / str(info.step))
+            assert info.save_checkpoint() == str(tmp_path / "run" / str(info.step))
 
     def own(policy=odd_steps_after_two):
         t = trainer()
@@ -144,8 +156,13 @@ def test_an_own_checkpoint_policy_replaces_the_default_and_resumes_exactly(tmp_p
 def test_checkpointing_bad_arguments_name_their_values(tmp_path):
     with pytest.raises(TypeError, match=r"needs a dew.train.Checkpoints .*got str"):
         Checkpointing(str(tmp_path))
-    with pytest.raises(ValueError, match=r"every= must be an int >= 0 steps .*got -2"):
-        Checkpointing(Checkpoints(tmp_path), every=-2)
+    for every in (-2, 0, 1.5):
+        with pytest.raises(
+            ValueError,
+            match=rf"Checkpointing: every={every} must be a whole number >= 1 \(steps "
+            rf"between checkpoints; None = only at the end\)",
+        ):
+            Checkpointing(Checkpoints(tmp_path), every=every)
     with pytest.raises(ValueError, match=r"the policy decides when to save; drop every="):
         Checkpointing(Checkpoints(tmp_path), every=2, policy=lambda info: None)
 
@@ -251,3 +268,137 @@ def test_evaluation_and_variables_default_to_the_moving_average():
     other = Trainer(objective, optax.sgd(0.05), key=jax.random.key(0), mesh=ONE)
     state = other.fit(DATA, steps=3, log_every=0)
     np.testing.assert_array_equal(state.variables()["params"]["w"], state.params["w"])
+
+
+# the timing fields of a metrics.jsonl record: the same run gives other values
+TIMES = {"time", "step_seconds", "examples_per_second", "mfu", "step_flops"}
+
+
+def jsonl(path) -> list[dict]:
+    """The records of a run's ``metrics.jsonl`` without their timings (the goodput
+    record: its names)."""
+    rows = [json.loads(line) for line in open(path / "metrics.jsonl")]
+    return [
+        sorted(r) if r["kind"] == "goodput" else {k: v for k, v in r.items() if k not in TIMES}
+        for r in rows
+    ]
+
+
+def test_fits_cadences_are_shorthands_for_the_hooks_settings(tmp_path):
+    """``fit(log_every=2, eval_every=2, eval_batches=1, checkpoint_every=2)`` and the
+    hooks built with those settings (``fit()`` at its defaults) record the same
+    ``metrics.jsonl`` (timings aside), write the same checkpoints, end at the same
+    weights; the settings win over ``fit``'s defaults; the order is the defaults'."""
+    shorthand = trainer(run_dir=tmp_path / "a", checkpoints=Checkpoints(tmp_path / "ca"))
+    shorthand_final = shorthand.fit(
+        DATA, steps=4, log_every=2, eval_every=2, eval_batches=1, checkpoint_every=2
+    )
+
+    own = trainer(run_dir=tmp_path / "b")
+    own.replace_hook("log", LogMetrics(every=2))
+    own.replace_hook("evaluation", Evaluation(every=2, batches=1))
+    own.replace_hook("checkpoints", Checkpointing(Checkpoints(tmp_path / "cb"), every=2))
+    assert own.hook_names() == list(DEFAULT_HOOKS)
+    weights = {}
+    own.add_hook(lambda info: weights.update({info.step: np.asarray(info.state.params["w"])}))
+    own.fit(DATA, steps=4)
+
+    a, b = jsonl(tmp_path / "a"), jsonl(tmp_path / "b")
+    assert a == b
+    assert [(r["kind"], r["step"]) for r in a[:-1]] == [
+        ("train", 2),
+        ("eval", 2),
+        ("train", 4),
+        ("eval", 4),
+    ]
+    # batches=1: the first validation batch only, as numpy computes it
+    for r in a[:-1]:
+        if r["kind"] == "eval":
+            assert r["mse"] == pytest.approx(numpy_mse(weights[r["step"]], VAL[:1]), rel=1e-5)
+            assert r["mse"] != pytest.approx(numpy_mse(weights[r["step"]]), rel=1e-3)
+    assert Checkpoints(tmp_path / "cb").steps() == Checkpoints(tmp_path / "ca").steps() == [2, 4]
+    np.testing.assert_array_equal(shorthand_final.params["w"], weights[4])
+
+
+def test_a_hooks_settings_are_checked_when_it_is_built():
+    for every in (0, -1, 2.5, True):
+        with pytest.raises(
+            ValueError,
+            match=rf"LogMetrics: every={every!r} must be a whole number >= 1 \(steps between "
+            rf"log lines; None = none\)",
+        ):
+            LogMetrics(every=every)
+        with pytest.raises(
+            ValueError, match=rf"Evaluation: every={every!r} must be a whole number >= 1"
+        ):
+            Evaluation(every=every)
+    for batches in (0, -1):
+        with pytest.raises(
+            ValueError,
+            match=rf"Evaluation: batches={batches} must be a whole number >= 1 \(batches per "
+            rf"evaluation; None = all\)",
+        ):
+            Evaluation(every=2, batches=batches)
+    with pytest.raises(ValueError, match=r"patience must be >= 1 evaluations, got 0"):
+        EarlyStop(metric="mse", patience=0)
+    with pytest.raises(ValueError, match=r"an EarlyStopping or its settings as keywords, not"):
+        EarlyStop(EarlyStopping(), patience=2)
+    with pytest.raises(TypeError, match=r"needs a dew.train.EarlyStopping .*got str"):
+        EarlyStop("mse")
+    with pytest.raises(
+        ValueError,
+        match=r"LogMetrics\(every=10\) is the 'log' hook: replace_hook\('log', \.\.\.\) puts "
+        r"it in its place; in the place of 'evaluation'",
+    ):
+        trainer().replace_hook("evaluation", LogMetrics(every=10))
+    assert repr(LogMetrics(every=10)) == "LogMetrics(every=10)"
+    assert repr(Evaluation(every=5)) == "Evaluation(every=5, batches=None)"
+    assert EarlyStop(metric="mse", patience=2).spec == EarlyStopping(metric="mse", patience=2)
+
+
+def test_later_hooks_read_the_results_of_earlier_ones_from_a_frozen_record(tmp_path):
+    """A user's hook sees the default evaluation's results (numpy's error of the
+    weights it sees), the checkpoint the default hook wrote at this step, and what an
+    earlier user hook reported (``StepReport``); the record itself cannot be written."""
+    t = trainer(checkpoints=Checkpoints(tmp_path / "run", use_async=False))
+    t.replace_hook("evaluation", Evaluation(every=2))
+    seen = {}
+
+    def first(info):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            info.evaluation = {}
+        with pytest.raises(TypeError):
+            info.metrics["mse"] = 0.0
+        if info.evaluation:
+            return StepReport(metrics={"double_mse": 2 * info.evaluation["mse"]})
+        return None
+
+    def second(info):
+        w = np.asarray(info.state.params["w"])
+        seen[info.step] = (info.evaluation, dict(info.metrics), info.checkpoint, w)
+
+    t.add_hook(first)
+    t.add_hook(second)
+    t.fit(DATA, steps=4, log_every=0, checkpoint_every=2)
+    assert sorted(seen) == [1, 2, 3, 4]
+    for step, (evaluation, metrics, _, w) in seen.items():
+        if step % 2:
+            assert (evaluation, metrics) == (None, {})
+            continue
+        assert evaluation["mse"] == pytest.approx(numpy_mse(w), rel=1e-5)
+        assert metrics["eval/mse"] == evaluation["mse"]
+        assert metrics["double_mse"] == 2 * evaluation["mse"]
+    path = str(tmp_path / "run")
+    assert [seen[s][2] for s in (1, 2, 3, 4)] == [None, f"{path}/2", None, f"{path}/4"]
+
+
+def test_an_early_stop_with_settings_of_its_own_replaces_the_default():
+    """``min_delta`` larger than any change: the first evaluation (step 2) is the
+    best, the second (step 4) does not improve on it, so ``patience=1`` stops there;
+    the same hook object starts afresh in a second fit."""
+    t = trainer()
+    t.replace_hook("evaluation", Evaluation(every=2))
+    t.replace_hook("early_stopping", EarlyStop(metric="mse", patience=1, min_delta=1e9))
+    for _ in range(2):
+        t.fit(DATA, steps=8, log_every=0)
+        assert (t.result.reason, t.result.step) == ("early_stopped", 4)

@@ -2,6 +2,13 @@
 
 from dew.nn.allocator import configure_allocator
 from dew.train._checkpointing import Checkpointing
+from dew.train._default_hooks import (
+    EarlyStop,
+    Evaluation,
+    LogMetrics,
+    Rejections,
+    StopSignalsHook,
+)
 from dew.train._loop import StepRecord, training_steps
 from dew.train._programs import Compiled, Programs
 from dew.train._run import NonFiniteError
@@ -21,6 +28,7 @@ from dew.train.hooks import (
     Resume,
     RunStart,
     StepInfo,
+    StepReport,
 )
 from dew.train.memory import StepDoesNotFit
 from dew.train.mesh import DEFAULT_RULES, MESH_AXES, MeshSpec
@@ -48,20 +56,26 @@ __all__ = [
     "OptimizerMismatchError",
     "DEFAULT_RULES",
     "MESH_AXES",
+    "EarlyStop",
     "EarlyStopping",
+    "Evaluation",
     "FitResult",
     "Goodput",
     "Hook",
+    "LogMetrics",
     "MeshSpec",
     "NonFiniteError",
     "Plan",
     "Recommendation",
+    "Rejections",
     "StepDoesNotFit",
     "Resume",
     "RunStart",
     "Programs",
     "StepRecord",
     "StepInfo",
+    "StepReport",
+    "StopSignalsHook",
     "TrainState",
     "Trainer",
     "build_train_step",

@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from dew.nn.keywords import is_whole_number
+from dew.nn.keywords import whole_number
 from dew.train.checkpoints import Checkpoints, Restored, resume_position
-from dew.train.hooks import Resume, RunStart, StepInfo
+from dew.train.hooks import Resume, RunStart, StepInfo, StepReport
 
 
 class Checkpointing:
@@ -25,9 +25,9 @@ class Checkpointing:
 
     checkpoints: a :class:`dew.train.Checkpoints` (directory, ``keep``,
       ``keep_best``, ``use_async``, ...).
-    every: a checkpoint every this many steps at a data-batch boundary, and one
-      at the end; 0 = only at the end. ``Trainer.fit(checkpoint_every=)`` sets it
-      on the default hook.
+    every: a checkpoint every this many steps (>= 1) at a data-batch boundary, and
+      one at the end; None = only at the end. ``Trainer.fit(checkpoint_every=)``
+      sets it on the default hook (``checkpoint_every=0``: None).
     policy: a checkpoint policy of one's own instead: ``policy(StepInfo)`` after
       every step, writing with ``info.save_checkpoint(metrics)`` when it chooses;
       no other checkpoint is written (none at the end unless the policy writes
@@ -46,7 +46,7 @@ class Checkpointing:
         self,
         checkpoints: Checkpoints,
         *,
-        every: int = 0,
+        every: int | None = None,
         policy: Callable[[StepInfo], Any] | None = None,
     ):
         if not isinstance(checkpoints, Checkpoints):
@@ -54,14 +54,17 @@ class Checkpointing:
                 f"Checkpointing needs a dew.train.Checkpoints (e.g. Checkpoints('runs/x')), "
                 f"got {type(checkpoints).__name__}"
             )
-        if not is_whole_number(every) or every < 0:
-            raise ValueError(
-                f"Checkpointing every= must be an int >= 0 steps (0 = only at the end), "
-                f"got {every!r}"
+        if every is not None:
+            every = whole_number(
+                every,
+                "every",
+                low=1,
+                what="Checkpointing",
+                meaning="steps between checkpoints; None = only at the end",
             )
         if policy is not None and not callable(policy):
             raise TypeError(f"Checkpointing policy must be callable, got {type(policy).__name__}")
-        if policy is not None and every:
+        if policy is not None and every is not None:
             raise ValueError(
                 f"Checkpointing(every={every}, policy=...): the policy decides when to save; "
                 f"drop every= (or the policy)"
@@ -105,20 +108,24 @@ class Checkpointing:
 
         return Resume(restored=restored, open_batches=open_batches, save=self.save)
 
-    def run(self, info: StepInfo) -> None:
+    def __repr__(self) -> str:
+        return f"Checkpointing({self.checkpoints!r}, every={self.every!r}, policy={self.policy!r})"
+
+    def run(self, info: StepInfo) -> StepReport | None:
         if info.evaluation:
             self.session.check_best_metric(set(info.evaluation))
             self._last_eval = (info.step, dict(info.evaluation))
         if self.policy is not None:
             with self._goodput.measure("checkpoint"):
                 self.policy(info)
-            return
+            return None
         every = self.every
-        if info.at_boundary and every and info.step % every == 0:
+        if info.at_boundary and every is not None and info.step % every == 0:
             with self._goodput.measure("checkpoint"):
-                info.checkpoint = self.save(info.step, info.state, info.evaluation)
+                return StepReport(checkpoint=self.save(info.step, info.state, info.evaluation))
+        return None
 
-    def finish(self, info: StepInfo) -> None:
+    def finish(self, info: StepInfo) -> StepReport | None:
         """The final checkpoint (unless this step has one, or a policy decides), then
         wait until every write is on disk."""
         with self._goodput.measure("checkpoint"):
@@ -129,7 +136,8 @@ class Checkpointing:
                 self.save(info.step, info.state, fresh)
             self.session.wait()
         if self.saved_at == info.step:
-            info.checkpoint = self.path(info.step)
+            return StepReport(checkpoint=self.path(info.step))
+        return None
 
     def close(self) -> None:
         self.session.close()
@@ -137,7 +145,7 @@ class Checkpointing:
     def acts_at(self, step: int) -> bool:
         """A checkpoint step (a step with an evaluation is the evaluation's); every
         step under a policy (it reads the state when it chooses)."""
-        return self.policy is not None or (bool(self.every) and step % self.every == 0)
+        return self.policy is not None or (self.every is not None and step % self.every == 0)
 
     # ----------------------------------------------------------------- save
     def save(self, step: int, state, metrics: Mapping[str, float] | None = None) -> str:

@@ -1,44 +1,66 @@
-"""The trainer's own hooks (:data:`dew.train.hooks.DEFAULT_HOOKS`), each with its
-own state and cadence: rejections, the log, evaluation and previews, early
-stopping, stop signals (checkpoints: :mod:`dew.train._checkpointing`)."""
+"""The trainer's own hooks (:data:`dew.train.hooks.DEFAULT_HOOKS`): each takes its
+settings when it is built and the run's context (the log, the time buckets, the
+programs, the data) in ``start``; rejections, the log, evaluation and previews,
+early stopping, stop signals (checkpoints: :mod:`dew.train._checkpointing`).
+``Trainer.fit(log_every=, eval_every=, eval_batches=)`` are shorthands that build
+them; ``trainer.replace_hook("log", LogMetrics(every=10))`` installs one of one's own.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
+from dew.nn.keywords import whole_number
 from dew.objectives.contract import weighted as wt
 from dew.train._run import ROLLOUT_SAMPLES, ROLLOUT_TOKENS, NonFiniteError
-from dew.train.hooks import EarlyStopping, EarlyStoppingState, RunStart, StepInfo
+from dew.train.hooks import EarlyStopping, EarlyStoppingState, RunStart, StepInfo, StepReport
 from dew.train.logs import MetricsLog, format_value
-from dew.train.preemption import StopSignals
 from dew.train.previews import as_pixels
 from dew.train.step import Stream, microbatch_key
 from dew.train.throughput import Throughput
 
 
-class _Default:
-    """What the trainer's own hooks (but the checkpoint hook) share: nothing to
-    start (the state is the run's) and nothing to close."""
+def every_steps(hook: str, every, meaning: str) -> int:
+    """``every`` as a whole number of steps >= 1, else a ValueError naming ``hook``."""
+    return whole_number(every, "every", low=1, what=hook, meaning=meaning)
+
+
+class DefaultHook:
+    """What the trainer's own hooks share: the run's log and time buckets, taken in
+    ``start``; nothing to finish or close."""
+
+    log: MetricsLog
+    goodput = None
 
     def start(self, run: RunStart) -> None:
-        """Nothing: the run's state and data come from elsewhere."""
+        """Take the run's log and time buckets."""
+        self.log, self.goodput = run.log, run.goodput
+
+    def finish(self, info: StepInfo) -> StepReport | None:
+        """Nothing: the hook acts on its steps only."""
+        return None
 
     def close(self) -> None:
         """Nothing to close."""
 
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({settings})"
 
-class Rejections(_Default):
+    def settings(self) -> dict:
+        return {}
+
+
+class Rejections(DefaultHook):
     """Counts consecutive steps whose loss or gradients were not finite: a line for
-    each, :class:`NonFiniteError` past ``max_rejected``."""
+    each, :class:`dew.train.NonFiniteError` past ``Trainer(max_rejected=)``."""
 
     name = "rejections"
 
-    def __init__(self, *, objective_name: str, max_rejected: int, log: MetricsLog, goodput):
-        self.objective_name = objective_name
-        self.max_rejected = max_rejected
-        self.log = log
-        self.goodput = goodput
+    def start(self, run: RunStart) -> None:
+        super().start(run)
+        self.objective_name = type(run.objective).__name__
+        self.max_rejected = run.max_rejected
         self.run_of: list[int] = []  # the current run of rejected steps
 
     def run(self, info: StepInfo) -> None:
@@ -75,39 +97,41 @@ class Rejections(_Default):
             )
 
 
-class LogMetrics(_Default):
-    """The interval metrics and the ``step N: loss ...`` line every ``log_every``
-    steps; the throughput line (FLOPs, peak) before the first."""
+class LogMetrics(DefaultHook):
+    """The interval metrics and the ``step N: loss ...`` line every ``every`` steps;
+    the throughput line (FLOPs, peak) before the first.
+
+    every: steps between log lines (>= 1); None = no log lines, the throughput line
+      only. ``Trainer.fit(log_every=)`` builds this hook (``log_every=0``: None).
+    """
 
     name = "log"
 
-    def __init__(
-        self,
-        *,
-        log: MetricsLog,
-        goodput,
-        log_every: int,
-        rows: int,
-        devices,
-        peak_flops: float | None = None,
-        headline: tuple[str, ...] = (),
-        notes_fn=lambda step, values: [],
-    ):
-        self.log = log
-        self.headline = headline  # the objective's metrics printed after the loss
-        self.notes_fn = notes_fn  # the objective's warnings after the line (JEPA's collapse)
-        self.goodput = goodput
-        self.log_every = log_every
-        self.rows = rows  # examples per step
-        self.devices = devices
-        self.peak_flops = peak_flops
+    def __init__(self, *, every: int | None = 100):
+        self.every = (
+            None
+            if every is None
+            else every_steps("LogMetrics", every, "steps between log lines; None = none")
+        )
+
+    def settings(self) -> dict:
+        return {"every": self.every}
+
+    def start(self, run: RunStart) -> None:
+        super().start(run)
+        objective = run.objective
+        self.headline = tuple(objective.headline_metrics)  # printed after the loss
+        self.notes_fn = objective.log_notes  # warnings after the line (JEPA's collapse)
+        self.rows = run.data.batch  # examples per step
+        self.devices = run.devices
+        self.peak_flops = run.peak_flops
         self.interval = Interval()
         self.throughput: Throughput | None = None
 
-    def run(self, info: StepInfo) -> None:
-        is_log = bool(self.log_every) and info.step % self.log_every == 0
+    def run(self, info: StepInfo) -> StepReport | None:
+        is_log = self.every is not None and info.step % self.every == 0
         if not (is_log or info.step_metrics or info.is_first or info.prepare_seconds):
-            return  # nothing to add up or show at this step
+            return None  # nothing to add up or show at this step
         with self.goodput.measure("logging"):
             if info.is_first:
                 self.throughput = Throughput(
@@ -122,18 +146,19 @@ class LogMetrics(_Default):
             self.interval.prepare_seconds += info.prepare_seconds
             for _, values in info.step_metrics:
                 self.interval.add(values)
-            if is_log:
-                values = self.interval.reduce(self.rows, "tokens")
-                self.interval = Interval()
-                rates = self._rates(values)
-                shown = "".join(
-                    f"{k} {format_value(values[k])}, " for k in self.headline if k in values
-                )
-                line = f"step {info.step}: loss {format_value(values['loss'])}, {shown}{rates}"
-                self.log.log(info.step, values, line=line)
-                for note in self.notes_fn(info.step, values):
-                    self.log.print(note)
-                info.metrics.update(values)
+            if not is_log:
+                return None
+            values = self.interval.reduce(self.rows, "tokens")
+            self.interval = Interval()
+            rates = self._rates(values)
+            shown = "".join(
+                f"{k} {format_value(values[k])}, " for k in self.headline if k in values
+            )
+            line = f"step {info.step}: loss {format_value(values['loss'])}, {shown}{rates}"
+            self.log.log(info.step, values, line=line)
+            for note in self.notes_fn(info.step, values):
+                self.log.print(note)
+            return StepReport(metrics=values)
 
     def finish(self, info: StepInfo) -> None:
         for _, values in info.step_metrics:
@@ -141,7 +166,7 @@ class LogMetrics(_Default):
 
     def acts_at(self, step: int) -> bool:
         """A log step; this fit's first step (the throughput line)."""
-        return bool(self.log_every and step % self.log_every == 0) or self.throughput is None
+        return (self.every is not None and step % self.every == 0) or self.throughput is None
 
     def _rates(self, values: dict) -> str:
         """``12,345 tokens/s, MFU 31.2%`` (examples/s when the objective counts no
@@ -159,44 +184,62 @@ class LogMetrics(_Default):
         return f"{rate}, MFU {100 * mfu:.2f}%" if mfu == mfu else f"{rate}, MFU n/a"
 
 
-class Evaluation(_Default):
+class Evaluation(DefaultHook):
     """``objective.evaluate`` over the validation data, then a preview, every
-    ``eval_every`` steps, on the weights ``state.variables()`` gives (the moving
-    average where the objective evaluates with it: ``eval (ema)`` in the log)."""
+    ``every`` steps, on the weights ``state.variables()`` gives (the moving
+    average where the objective evaluates with it: ``eval (ema)`` in the log).
+    The hooks after it see the results as ``info.evaluation`` and under
+    ``eval/...`` in ``info.metrics``.
+
+    every: steps between evaluations (>= 1).
+    batches: stop each evaluation after this many batches (>= 1); None = all.
+    ``Trainer.fit(eval_every=, eval_batches=)`` builds this hook.
+    """
 
     name = "evaluation"
 
-    def __init__(self, *, programs, data, partition, eval_every, eval_batches, log, goodput):
-        self.programs = programs
-        self.data = data
-        self.partition = partition
-        self.eval_every = eval_every
-        self.eval_batches = eval_batches
-        self.log = log
-        self.goodput = goodput
+    def __init__(self, *, every: int, batches: int | None = None):
+        self.every = every_steps("Evaluation", every, "steps between evaluations")
+        self.batches = (
+            None
+            if batches is None
+            else whole_number(
+                batches,
+                "batches",
+                low=1,
+                what="Evaluation",
+                meaning="batches per evaluation; None = all",
+            )
+        )
 
-    def run(self, info: StepInfo) -> None:
-        if not self.eval_every or info.step % self.eval_every:
-            return
+    def settings(self) -> dict:
+        return {"every": self.every, "batches": self.batches}
+
+    def start(self, run: RunStart) -> None:
+        super().start(run)
+        self.programs, self.data, self.partition = run.programs, run.data, run.partition
+
+    def run(self, info: StepInfo) -> StepReport | None:
+        if info.step % self.every:
+            return None
         with self.goodput.measure("eval"):
             results = self._evaluate(info.state, info.step)
-        info.metrics.update({f"eval/{k}": v for k, v in results.items()})
-        info.evaluation = results or None
-
-    def finish(self, info: StepInfo) -> None:
-        """Nothing: evaluation runs on its steps only."""
+        return StepReport(
+            metrics={f"eval/{k}": v for k, v in results.items()}, evaluation=results or None
+        )
 
     def acts_at(self, step: int) -> bool:
-        return bool(self.eval_every) and step % self.eval_every == 0
+        return step % self.every == 0
 
     def _evaluate(self, state, step: int) -> dict[str, float]:
         objective = self.programs.objective
-        results = self.programs.evaluate(state, self.data.val, self.partition, self.eval_batches)
+        batches = self.batches or 0
+        results = self.programs.evaluate(state, self.data.val, self.partition, batches)
         averaged = state.evaluate_averaged and state.averaged is not None
         if results and averaged:
             # the live weights too: a short run's average may lag them (issue 42)
             live = self.programs.evaluate(
-                state, self.data.val, self.partition, self.eval_batches, averaged=False
+                state, self.data.val, self.partition, batches, averaged=False
             )
             results = {**results, **{f"live/{k}": v for k, v in live.items()}}
         if results:
@@ -229,16 +272,37 @@ class Evaluation(_Default):
             )
 
 
-class EarlyStop(_Default):
-    """Stops the run when ``spec.metric`` has not improved for ``spec.patience``
-    evaluations."""
+class EarlyStop(DefaultHook):
+    """Stops the run when an evaluation metric has not improved for ``patience``
+    evaluations (it reads ``info.evaluation``, which the ``evaluation`` hook before
+    it reports).
+
+    spec: an :class:`dew.train.EarlyStopping`; or its settings as keywords
+      (``EarlyStop(metric="loss", patience=2)``). ``Trainer(early_stopping=)``
+      builds this hook.
+    """
 
     name = "early_stopping"
 
-    def __init__(self, spec: EarlyStopping, *, print_fn: Callable[[str], None]):
-        self.spec = spec
-        self.state = EarlyStoppingState(spec)
-        self.print_fn = print_fn
+    def __init__(self, spec: EarlyStopping | None = None, **settings):
+        if spec is not None and settings:
+            raise ValueError(
+                f"EarlyStop takes an EarlyStopping or its settings as keywords, not both: "
+                f"got {spec!r} and {sorted(settings)}"
+            )
+        if spec is not None and not isinstance(spec, EarlyStopping):
+            raise TypeError(
+                f"EarlyStop needs a dew.train.EarlyStopping (e.g. EarlyStopping(metric="
+                f"'loss', patience=3)), got {type(spec).__name__}"
+            )
+        self.spec = spec if spec is not None else EarlyStopping(**settings)
+
+    def settings(self) -> dict:
+        return {"spec": self.spec}
+
+    def start(self, run: RunStart) -> None:
+        super().start(run)
+        self.state = EarlyStoppingState(self.spec)
 
     def run(self, info: StepInfo) -> None:
         results = info.evaluation
@@ -255,32 +319,28 @@ class EarlyStop(_Default):
                 f"{metric} did not improve on {self.state.best:.6g} for "
                 f"{self.spec.patience} evaluations"
             )
-            self.print_fn(f"Stopping early at step {info.step}: {detail}")
+            self.log.print(f"Stopping early at step {info.step}: {detail}")
             info.stop("early_stopped", detail)
-
-    def finish(self, info: StepInfo) -> None:
-        """Nothing to finish."""
 
     def acts_at(self, step: int) -> bool:
         """Only on an evaluation's results (the evaluation's step)."""
         return False
 
 
-class StopSignalsHook(_Default):
+class StopSignalsHook(DefaultHook):
     """SIGTERM / SIGINT (on any process) end the run at the next data-batch
-    boundary (:mod:`dew.train.preemption`)."""
+    boundary (:mod:`dew.train.preemption`); the run's signal handlers come in
+    ``start``."""
 
     name = "stop_signals"
 
-    def __init__(self, signals: StopSignals):
-        self.signals = signals
+    def start(self, run: RunStart) -> None:
+        super().start(run)
+        self.signals = run.signals
 
     def run(self, info: StepInfo) -> None:
         if info.at_boundary and self.signals.requested(info.step):
             info.stop("interrupted", str(self.signals.received))
-
-    def finish(self, info: StepInfo) -> None:
-        """Nothing to finish."""
 
     def acts_at(self, step: int) -> bool:
         """A stop prints nothing here and needs no metrics (``finish`` fetches them)."""

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from dew.train.goodput import Goodput
-from dew.train.hooks import FitResult, Hook, Installed, StepInfo
+from dew.train.hooks import FitResult, Hook, Installed, StepInfo, StepRequests
 
 ROLLOUT_TOKENS = "rollout_tokens"
 """The ``Summed`` metric of tokens an objective's prepare phase generated; with
@@ -104,16 +104,14 @@ class HookRunner:
         return StepInfo(
             step=step,
             state=state,
-            metrics={},
             print=self.print_fn,
             at_boundary=at_boundary,
-            step_metrics=step_metrics,
+            step_metrics=tuple(step_metrics),
             step_flops=step_flops,
             is_model_flops=is_model_flops,
             prepare_seconds=prepare_seconds,
             is_first=is_first,
-            _log=self.log_fn,
-            _save=self.save_fn,
+            requests=StepRequests(self.log_fn, self.save_fn),
         )
 
     def after_step(self, record) -> bool:
@@ -155,21 +153,22 @@ class HookRunner:
         ``finish`` (the final checkpoint); returns the final step's info."""
         with self.goodput.measure("steps"):
             fetched = self.pending.fetch()
-        info = self.info(step, state, fetched)
-        self._run(info, finish=True)
-        return info
+        return self._run(self.info(step, state, fetched), finish=True)
 
-    def _run(self, info: StepInfo, *, finish: bool) -> None:
+    def _run(self, info: StepInfo, *, finish: bool) -> StepInfo:
+        """Each hook in order, each seeing the record the ones before it left
+        (:meth:`StepInfo.after`); returns the last one."""
         users: list[str] = []
-        requests = info.stop_requests
+        requests = info.requests.stops
         for hook in self.hooks:
             before = len(requests)
             call = hook.finish if finish else hook.run
             if isinstance(hook, Hook):  # a user's function: its time is "logging"
                 with self.goodput.measure("logging"):
-                    call(info)
+                    report = call(info)
             else:  # the default hooks measure their own buckets
-                call(info)
+                report = call(info)
+            info = info.after(report)
             if len(requests) == before:
                 continue
             for kind, detail in requests[before:]:
@@ -180,6 +179,7 @@ class HookRunner:
                         self.stopped = (kind, detail)
         if users and self.stopped is None:
             self.stopped = ("stopped_by_hook", "; ".join(users))
+        return info
 
     def result(self, step: int) -> FitResult:
         if self.stopped is None:

@@ -2,7 +2,7 @@
 
 The loop is ``data -> prepare -> updates`` (:func:`dew.train.training_steps`);
 after every step ``fit`` runs the installed hooks in order: the trainer's own
-(:data:`DEFAULT_HOOKS`), each with its own state and cadence, then the user's
+(:data:`DEFAULT_HOOKS`), each with its own state and settings, then the user's
 in the order they were added::
 
     def report(info):
@@ -10,15 +10,25 @@ in the order they were added::
 
     trainer.add_hook(report, every=50)              # add one
     trainer.hook_names()                            # list them, in order
-    trainer.replace_hook("log", None)               # leave a default one out
+    trainer.replace_hook("log", LogMetrics(every=10))  # other settings
+    trainer.replace_hook("evaluation", None)        # leave a default one out
     trainer.replace_hook("checkpoints",             # or replace it: a checkpoint
         Checkpointing(Checkpoints(dir), policy=fn)) # policy of one's own
 
-A hook sees :class:`StepInfo`: the step just finished, the state after it,
-the metrics the default hooks read off it (the log interval's on log steps,
-this step's evaluation under ``eval/...``), and ``print`` / ``log`` /
-``request_stop`` / ``save_checkpoint`` to talk to the run. No subclassing.
-(Levanter's ``Trainer.add_hook`` and its default hooks are the model.)
+A default hook (:mod:`dew.train._default_hooks`: ``Rejections``, ``LogMetrics``,
+``Evaluation``, ``EarlyStop``, ``StopSignalsHook``; ``Checkpointing``) takes its
+settings when it is built, checked then, and the run's context (:class:`RunStart`)
+in ``start``; ``fit(log_every=, eval_every=, eval_batches=, checkpoint_every=)``
+are shorthands that build them.
+
+A hook sees :class:`StepInfo`, a frozen record: the step just finished, the
+state after it, the metrics the default hooks read off it (the log interval's
+on log steps, this step's evaluation under ``eval/...``), and ``print`` /
+``log`` / ``request_stop`` / ``save_checkpoint`` to talk to the run. A hook's
+results reach the hooks after it as fields of the record they see: ``run``
+returns a :class:`StepReport` (metrics, evaluation, checkpoint). No
+subclassing. (Levanter's ``Trainer.add_hook`` and its default hooks are the
+model.)
 
 A hook's life in one ``fit`` (:class:`Installed`): ``start`` before the first
 step (the ``checkpoints`` hook restores the newest checkpoint there and
@@ -31,8 +41,10 @@ best, waits for the writes and closes; replacing it replaces all of that.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from dew.nn.keywords import is_whole_number
@@ -45,32 +57,71 @@ DEFAULT_HOOKS = (
     "early_stopping",
     "stop_signals",
 )
-"""The trainer's own hooks, in the order they run (before the user's):
+"""The trainer's own hooks, in the order they run (before the user's), each a
+public class of ``dew.train`` that takes its settings when built:
 
-- ``rejections``: counts steps whose loss or gradients were not finite, prints
-  each, raises :class:`dew.train.NonFiniteError` past ``max_rejected``;
-- ``log``: the interval metrics and the ``step N: loss ...`` line every
-  ``log_every`` steps (``metrics.jsonl``, TensorBoard, trackers);
-- ``evaluation``: ``objective.evaluate`` over the validation data and a preview
-  every ``eval_every`` steps;
-- ``checkpoints``: with ``Trainer(checkpoints=...)``, a
-  :class:`dew.train.Checkpointing`: restores the newest usable checkpoint
-  before the first step, saves every ``checkpoint_every`` steps (ranked by this
-  step's evaluation for ``keep_best``) and at the end;
-- ``early_stopping``: ``Trainer(early_stopping=...)`` on the evaluations;
-- ``stop_signals``: SIGTERM / SIGINT end the run after the step in flight.
+- ``rejections`` (``Rejections``): counts steps whose loss or gradients were not
+  finite, prints each, raises :class:`dew.train.NonFiniteError` past
+  ``Trainer(max_rejected=)``;
+- ``log`` (``LogMetrics(every=)``): the interval metrics and the ``step N: loss
+  ...`` line every ``every`` (``fit(log_every=)``) steps (``metrics.jsonl``,
+  TensorBoard, trackers);
+- ``evaluation`` (``Evaluation(every=, batches=)``): ``objective.evaluate`` over
+  the validation data and a preview every ``every`` (``fit(eval_every=)``) steps;
+- ``checkpoints`` (``Checkpointing(checkpoints, every=)``, with
+  ``Trainer(checkpoints=...)``): restores the newest usable checkpoint before the
+  first step, saves every ``every`` (``fit(checkpoint_every=)``) steps (ranked by
+  this step's evaluation for ``keep_best``) and at the end;
+- ``early_stopping`` (``EarlyStop(metric=, patience=, ...)``,
+  ``Trainer(early_stopping=...)``) on the evaluations;
+- ``stop_signals`` (``StopSignalsHook``): SIGTERM / SIGINT end the run after the
+  step in flight.
 """
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """What a hook's ``run`` (or ``finish``) returns for the hooks after it: the
+    next :class:`StepInfo` they see carries it (a hook's results reach later hooks
+    here, never by writing into the record).
+
+    metrics: added to :attr:`StepInfo.metrics` (the log's interval metrics, the
+      evaluation's under ``eval/...``).
+    evaluation: this step's evaluation results (:attr:`StepInfo.evaluation`).
+    checkpoint: the directory of a checkpoint of this step (:attr:`StepInfo.checkpoint`).
+    """
+
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    evaluation: Mapping[str, float] | None = None
+    checkpoint: str | None = None
+
+
+class StepRequests:
+    """What the hooks of one step ask of the run through :class:`StepInfo`'s methods
+    (``log``, ``request_stop``, ``save_checkpoint``); the run reads it after each
+    hook and gives the checkpoint to the hooks after it in their record."""
+
+    def __init__(self, log_fn: Callable[..., None] | None, save_fn: Callable[..., str] | None):
+        self.log_fn = log_fn
+        self.save_fn = save_fn
+        # (kind, detail) stop requests of this step, in the order the hooks made them
+        self.stops: list[tuple[str, str]] = []
+        self.checkpoint: str | None = None
+
+
+_NO_METRICS: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepInfo:
-    """What a hook sees after a step.
+    """What a hook sees after a step (frozen: each hook sees the results of the
+    hooks before it as fields of its own record, :class:`StepReport`).
 
     step: steps done (``state.step``).
     state: the ``TrainState`` after the step (arrays on the devices).
     metrics: the last log interval's reduced training metrics when this step
       logged, this step's evaluation under ``eval/...`` when it evaluated;
-      empty otherwise (the default hooks fill it before the user's run).
+      empty otherwise (the default hooks report them before the user's run).
     print: print a line to the run's output (the main process only).
     at_boundary: the step is the last update of its data batch (always True
       without a prepare phase): a checkpoint or a stop happens only here.
@@ -88,48 +139,68 @@ class StepInfo:
       first update of a prepared batch; 0 otherwise).
     is_first: the first step of this ``fit`` (it compiled the step).
     checkpoint: the directory of a checkpoint of this step, once the checkpoint
-      hook (or :meth:`save_checkpoint`) has written one; None otherwise.
+      hook (or :meth:`save_checkpoint`) of an earlier hook has written one; None
+      otherwise.
     """
 
     step: int
     state: Any
-    metrics: dict[str, float]
-    print: Callable[[str], None]
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=lambda: _NO_METRICS)
+    print: Callable[[str], None] = builtins.print
     at_boundary: bool = True
     evaluation: Mapping[str, float] | None = None
-    step_metrics: list[tuple[int, Mapping[str, Any]]] = dataclasses.field(default_factory=list)
+    step_metrics: Sequence[tuple[int, Mapping[str, Any]]] = ()
     step_flops: float = 0.0
     is_model_flops: bool = False
     prepare_seconds: float = 0.0
     is_first: bool = False
     checkpoint: str | None = None
-    _log: Callable[..., None] | None = dataclasses.field(default=None, repr=False)
-    _save: Callable[..., None] | None = dataclasses.field(default=None, repr=False)
-    # (kind, detail) stop requests of this step, in the order the hooks made them
-    stop_requests: list[tuple[str, str]] = dataclasses.field(default_factory=list, repr=False)
+    requests: StepRequests | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def after(self, report: StepReport | None) -> StepInfo:
+        """The record the next hook sees: this one with ``report`` (a hook's
+        results) and the checkpoint a :meth:`save_checkpoint` wrote."""
+        changes: dict[str, Any] = {}
+        if report is not None:
+            if report.metrics:
+                changes["metrics"] = MappingProxyType({**self.metrics, **report.metrics})
+            if report.evaluation is not None:
+                changes["evaluation"] = MappingProxyType(dict(report.evaluation))
+            if report.checkpoint is not None:
+                changes["checkpoint"] = report.checkpoint
+        saved = self.requests.checkpoint if self.requests is not None else None
+        if saved is not None and saved != self.checkpoint and "checkpoint" not in changes:
+            changes["checkpoint"] = saved
+        return dataclasses.replace(self, **changes) if changes else self
 
     def log(self, values: Mapping[str, float], kind: str = "hook") -> None:
         """Record ``values`` at this step in ``metrics.jsonl`` and the trackers."""
-        if self._log is not None:
-            self._log(self.step, values, kind=kind)
+        if self.requests is not None and self.requests.log_fn is not None:
+            self.requests.log_fn(self.step, values, kind=kind)
 
     def request_stop(self, reason: str) -> None:
         """End the run after this step (at the end of its data batch with a prepare
         phase); a checkpoint is written as on SIGTERM. ``fit``'s result says
         ``stopped_by_hook`` with the hook's name and ``reason``."""
-        self.stop_requests.append(("stopped_by_hook", reason))
+        self.stop("stopped_by_hook", reason)
 
     def stop(self, kind: str, detail: str) -> None:
         """A stop request of a given :attr:`FitResult.reason` (``"early_stopped"``,
         ``"interrupted"``); :meth:`request_stop` is the user's form."""
-        self.stop_requests.append((kind, detail))
+        if self.requests is None:
+            raise ValueError(
+                f"step {self.step}: a stop request needs a run; this StepInfo was not "
+                f"made by Trainer.fit"
+            )
+        self.requests.stops.append((kind, detail))
 
-    def save_checkpoint(self, metrics: Mapping[str, float] | None = None) -> None:
+    def save_checkpoint(self, metrics: Mapping[str, float] | None = None) -> str:
         """Write a checkpoint of this step now (with ``keep_best``: ranked by
         ``metrics``), through the installed checkpoint hook
         (:class:`dew.train.Checkpointing`): for a checkpoint policy of one's own,
-        ``Checkpointing(Checkpoints(dir), policy=fn)``. Sets :attr:`checkpoint`."""
-        if self._save is None:
+        ``Checkpointing(Checkpoints(dir), policy=fn)``. Returns its directory,
+        which the hooks after this one see as :attr:`checkpoint`."""
+        if self.requests is None or self.requests.save_fn is None:
             raise ValueError(
                 "save_checkpoint needs somewhere to write: pass Trainer(..., "
                 "checkpoints=Checkpoints(directory)), or install a checkpoint hook with a "
@@ -141,7 +212,9 @@ class StepInfo:
                 f"step {self.step} is inside a prepared batch's updates; a checkpoint is "
                 f"written only at the end of a batch (StepInfo.at_boundary)"
             )
-        self.checkpoint = self._save(self.step, self.state, metrics)
+        path = self.requests.save_fn(self.step, self.state, metrics)
+        self.requests.checkpoint = path
+        return path
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,7 +233,17 @@ class RunStart:
     open_batches: opens this process's training iterator, from its start.
     context: enters the mesh and the logical-axis rules (``Programs.context``).
     print: print a line to the run's output.
-    goodput: the run's time buckets (``checkpoint``, ``data``).
+    goodput: the run's time buckets (``checkpoint``, ``data``, ``logging``, ``eval``).
+    log: the run's :class:`dew.train.logs.MetricsLog` (``metrics.jsonl``, the
+      trackers, the printed lines).
+    programs: the run's :class:`dew.train.Programs` (its ``evaluate``, its objective).
+    objective: the objective being trained.
+    data: the ``dew.data.Dataset`` ``fit`` was given (``data.val``, ``data.batch``).
+    partition: this process's ``dew.data.Partition`` of the data.
+    devices: the devices of the mesh (for the log's MFU).
+    peak_flops: ``Trainer(peak_flops=)`` (None: by device kind).
+    max_rejected: ``Trainer(max_rejected=)``.
+    signals: the run's :class:`dew.train.preemption.StopSignals`.
     """
 
     abstract: Any
@@ -174,6 +257,15 @@ class RunStart:
     context: Callable[[], Any]
     print: Callable[[str], None]
     goodput: Any
+    log: Any = None
+    programs: Any = None
+    objective: Any = None
+    data: Any = None
+    partition: Any = None
+    devices: Sequence[Any] = ()
+    peak_flops: float | None = None
+    max_rejected: int = 10
+    signals: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,7 +290,8 @@ class Installed(Protocol):
     """What ``fit`` calls on each installed hook: ``start`` once before the first
     step (a :class:`Resume` from the checkpoint hook, None from any other),
     ``run`` after every step, ``finish`` once at the end (the final step's
-    info; remaining ``step_metrics``), ``close`` once after it (also when the
+    info; remaining ``step_metrics``), each returning a :class:`StepReport` for
+    the hooks after it (or None), ``close`` once after it (also when the
     run raised), and ``acts_at(step)``: whether ``run`` does anything at
     ``step`` that others see (prints, reads the state, stops the run). On a step
     where no hook acts, the rejection count's fetch leaves that step's metrics
@@ -208,9 +301,9 @@ class Installed(Protocol):
 
     def start(self, run: RunStart) -> Resume | None: ...
 
-    def run(self, info: StepInfo) -> None: ...
+    def run(self, info: StepInfo) -> StepReport | None: ...
 
-    def finish(self, info: StepInfo) -> None: ...
+    def finish(self, info: StepInfo) -> StepReport | None: ...
 
     def close(self) -> None: ...
 
@@ -247,9 +340,13 @@ class Hook:
     def acts_at(self, step: int) -> bool:
         return self.due(step)
 
-    def run(self, info: StepInfo) -> None:
+    def run(self, info: StepInfo) -> StepReport | None:
+        """``fn(info)`` on its steps; a :class:`StepReport` it returns reaches the
+        hooks after it."""
         if self.due(info.step):
-            self.fn(info)
+            out = self.fn(info)
+            return out if isinstance(out, StepReport) else None
+        return None
 
     def finish(self, info: StepInfo) -> None:
         """Nothing: a function hook runs on its steps only."""

@@ -27,9 +27,16 @@ from dew.data import Dataset, Partition
 from dew.nn.keywords import check_keywords, is_whole_number
 from dew.objectives import Objective, check_batch_spec
 from dew.objectives.contract.errors import raising_host_errors as raising_ratio_errors
-from dew.train import _default_hooks as defaults
 from dew.train._checkpoint_meta import checkpoint_meta, first_trained_record
 from dew.train._checkpointing import Checkpointing
+from dew.train._default_hooks import (
+    DefaultHook,
+    EarlyStop,
+    Evaluation,
+    LogMetrics,
+    Rejections,
+    StopSignalsHook,
+)
 from dew.train._fit_input import check_fit_arguments, check_resume, check_spec
 from dew.train._loop import training_steps
 from dew.train._programs import INIT_CPU_OPTIONS, Programs, check_roles
@@ -92,7 +99,8 @@ class Trainer:
     learning_rate: the schedule (or constant) the optimizer was built with, for
       the log only; None = read ``learning_rate`` from an
       ``optax.inject_hyperparams`` state when there is one.
-    early_stopping: an :class:`dew.train.EarlyStopping` on an evaluation metric.
+    early_stopping: an :class:`dew.train.EarlyStopping` on an evaluation metric
+      (a shorthand for the ``early_stopping`` hook, :class:`dew.train.EarlyStop`).
     device_memory_bytes: bytes one device may hold (an int, or a size such as
       ``'16GiB'``); None = ``$DEW_DEVICE_MEMORY`` when set, else the device's own
       limit (``memory_stats()['bytes_limit']`` on a TPU or GPU; a CPU has none and
@@ -190,13 +198,19 @@ class Trainer:
     def replace_hook(
         self,
         name: str,
-        fn: Callable[[StepInfo], Any] | Hook | Checkpointing | None,
+        fn: Callable[[StepInfo], Any] | Hook | Checkpointing | DefaultHook | None,
         *,
         every: int = 1,
-    ) -> Hook | Checkpointing | None:
+    ) -> Hook | Checkpointing | DefaultHook | None:
         """Run ``fn(StepInfo)`` every ``every`` steps in place of the default hook
         ``name`` (:data:`dew.train.hooks.DEFAULT_HOOKS`), at its place in the order;
-        None leaves it out. Replacing ``checkpoints`` replaces all of checkpointing
+        None leaves it out. A default hook with settings of one's own takes its
+        place as it is (it wins over ``fit``'s shorthands)::
+
+            trainer.replace_hook("log", LogMetrics(every=10))
+            trainer.replace_hook("evaluation", Evaluation(every=50, batches=4))
+
+        Replacing ``checkpoints`` replaces all of checkpointing
         (restoring included), so it goes without ``Trainer(checkpoints=)``; a
         checkpoint policy of one's own::
 
@@ -211,7 +225,13 @@ class Trainer:
                 f"there is no default hook {name!r} to replace; the default hooks are "
                 f"{list(DEFAULT_HOOKS)} (add a new one with Trainer.add_hook)"
             )
-        own = isinstance(fn, Hook | Checkpointing)
+        if isinstance(fn, Checkpointing | DefaultHook) and fn.name != name:
+            raise ValueError(
+                f"{fn!r} is the {fn.name!r} hook: replace_hook({fn.name!r}, ...) puts it in "
+                f"its place; in the place of {name!r} goes a hook of one's own (a function "
+                f"or a dew.train.Hook) or None"
+            )
+        own = isinstance(fn, Hook | Checkpointing | DefaultHook)
         hook = None if fn is None else fn if own else Hook(fn, every=every)
         if hook is not None and hook.name != name and not own:
             hook = dataclasses.replace(hook, name=f"{name} ({hook.name})")
@@ -257,13 +277,18 @@ class Trainer:
     ) -> TrainState:
         """Train until the step counter reaches ``steps``; returns the final state.
 
+        The cadences are shorthands that build the default hooks (a hook
+        installed with :meth:`replace_hook` keeps its own settings instead):
+
         log_every: print and record metrics every this many steps (0 = never);
           the logged loss and metrics are means over the steps since the last
-          log line.
+          log line: ``LogMetrics(every=log_every)``.
         eval_every: run ``objective.evaluate`` over ``data.val`` (and a preview)
-          every this many steps (0 = never).
+          every this many steps (0 = never): ``Evaluation(every=eval_every,
+          batches=eval_batches)``.
         checkpoint_every: save a checkpoint every this many steps; 0 = only at
-          the end. Needs ``checkpoints=``, which always saves at the end.
+          the end. Needs ``checkpoints=``, which always saves at the end:
+          ``Checkpointing(checkpoints, every=checkpoint_every)``.
         eval_batches: stop each evaluation after this many batches (0 = all).
 
         With ``checkpoints=``, a directory that holds a checkpoint continues
@@ -346,15 +371,7 @@ class Trainer:
         self.result = None
         signals = StopSignals()
         hooks = self._hooks(
-            data,
-            partition,
-            log,
-            goodput,
-            checkpointing,
-            signals,
-            log_every=log_every,
-            eval_every=eval_every,
-            eval_batches=eval_batches,
+            checkpointing, log_every=log_every, eval_every=eval_every, eval_batches=eval_batches
         )
         try:
             return self._fit(
@@ -366,7 +383,6 @@ class Trainer:
                 signals,
                 notes=notes,
                 steps=steps,
-                log_every=log_every,
             )
         finally:
             try:
@@ -375,9 +391,7 @@ class Trainer:
             finally:
                 log.close()
 
-    def _fit(
-        self, data, partition, goodput, log, hooks, signals, *, notes, steps, log_every
-    ) -> TrainState:
+    def _fit(self, data, partition, goodput, log, hooks, signals, *, notes, steps) -> TrainState:
         programs = self.programs
         spec = dict(data.spec) if data.spec else None
         if spec:  # the objective's declared fields against the data's, before compiling
@@ -398,8 +412,20 @@ class Trainer:
             context=programs.context,
             print=log.print,
             goodput=goodput,
+            log=log,
+            programs=programs,
+            objective=self.objective,
+            data=data,
+            partition=partition,
+            devices=tuple(self.device_mesh.devices.flat),
+            peak_flops=self.peak_flops,
+            max_rejected=self.max_rejected,
+            signals=signals,
         )
         resume = _start(hooks, run)
+        # the metrics leave the devices (and the step computes its diagnostics) on the
+        # log hook's steps
+        log_every = next((h.every or 0 for h in hooks if isinstance(h, LogMetrics)), 0)
         restored = resume.restored if resume is not None else None
         rows = data.batch // max(1, jax.process_count())
 
@@ -500,61 +526,26 @@ class Trainer:
             return self._replaced["checkpoints"]
         if self.checkpoints is None:
             return None
-        return Checkpointing(self.checkpoints, every=checkpoint_every)
+        return Checkpointing(self.checkpoints, every=checkpoint_every or None)
 
-    def _hooks(
-        self,
-        data,
-        partition,
-        log,
-        goodput,
-        checkpointing,
-        signals,
-        *,
-        log_every,
-        eval_every,
-        eval_batches,
-    ) -> list[Installed]:
-        """The hooks of one ``fit``, in order: the defaults (as replaced), the user's."""
-        programs = self.programs
-        built = {
-            "rejections": lambda: defaults.Rejections(
-                objective_name=type(self.objective).__name__,
-                max_rejected=self.max_rejected,
-                log=log,
-                goodput=goodput,
-            ),
-            "log": lambda: defaults.LogMetrics(
-                log=log,
-                goodput=goodput,
-                log_every=log_every,
-                rows=data.batch,
-                devices=self.device_mesh.devices.flat,
-                peak_flops=self.peak_flops,
-                headline=tuple(self.objective.headline_metrics),
-                notes_fn=self.objective.log_notes,
-            ),
-            "evaluation": lambda: defaults.Evaluation(
-                programs=programs,
-                data=data,
-                partition=partition,
-                eval_every=eval_every,
-                eval_batches=eval_batches,
-                log=log,
-                goodput=goodput,
-            ),
-            "checkpoints": lambda: checkpointing,
-            "early_stopping": lambda: (
-                defaults.EarlyStop(self.early_stopping, print_fn=log.print)
-                if self.early_stopping is not None
-                else None
-            ),
-            "stop_signals": lambda: defaults.StopSignalsHook(signals),
-        }
+    def _hooks(self, checkpointing, *, log_every, eval_every, eval_batches) -> list[Installed]:
+        """The hooks of one ``fit``, in order: the defaults (as replaced; ``fit``'s
+        cadences are shorthands that build them), then the user's."""
         hooks = []
         for name in DEFAULT_HOOKS:
-            replaced = name in self._replaced and name != "checkpoints"
-            hook = self._replaced[name] if replaced else built[name]()
+            if name == "checkpoints":
+                hook = checkpointing
+            elif name in self._replaced:
+                hook = self._replaced[name]
+            elif name == "log":
+                hook = LogMetrics(every=log_every or None)
+            elif name == "evaluation":
+                batches = eval_batches or None
+                hook = Evaluation(every=eval_every, batches=batches) if eval_every else None
+            elif name == "early_stopping":
+                hook = EarlyStop(self.early_stopping) if self.early_stopping is not None else None
+            else:
+                hook = {"rejections": Rejections, "stop_signals": StopSignalsHook}[name]()
             if hook is not None:
                 hooks.append(hook)
         return hooks + list(self.hooks)

@@ -145,9 +145,8 @@ def test_in_chunks_is_the_whole_batch_in_row_order():
 
 # ------------------------------------------------------- the objective itself
 VOCAB, END = 16, 3
-POLICY = CausalTransformer(
-    vocab_size=VOCAB, emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8
-)
+POLICY_CONFIG = dict(emb_features=16, num_layers=1, num_heads=2, mlp_features=32, max_seq_len=8)
+POLICY = CausalTransformer(vocab_size=VOCAB, **POLICY_CONFIG)
 CRITIC = Critic(
     trunk=CausalTransformer(
         vocab_size=VOCAB,
@@ -352,3 +351,67 @@ def test_logits_in_chunks_give_todays_loss_and_gradient(prepared):
     assert float(chunked_value) == pytest.approx(float(value), rel=1e-5)
     for a, b in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role():
+    """reward_model=: the frozen role 'reward' scores each completion after its prompt
+    (re-aligned to the right, rows built here by a loop) inside the compiled prepare,
+    weighted and summed with the token reward; alone, Trainer keeps it frozen; weights
+    without a model, a model without weights or of another vocabulary are refused."""
+    import optax
+
+    from dew.data import Dataset
+    from dew.objectives.preference.reward_model import CausalRewardModel
+    from dew.train import MeshSpec, Trainer
+
+    reward_model = CausalRewardModel.of(POLICY)
+    init = jax.jit(reward_model.init)(jax.random.key(4), jnp.zeros((1, 7), jnp.int32))
+    reward_params = nn.unbox(init)["params"]
+    judged = dict(reward_model=reward_model, reward_model_params=reward_params)
+    ppo = objective(**judged, reward_model_weight=0.5)
+    assert [r.name for r in ppo.roles()] == ["policy", "value", "reference", "reward"]
+    assert not ppo.has_prepare_host  # scored inside the one compiled prepare
+    variables = nn.unbox(jax.jit(ppo.init)(jax.random.key(0)))
+    jax.tree.map(np.testing.assert_array_equal, variables["reward"]["params"], reward_params)
+    step = Step(index=jnp.int32(0), key=jax.random.key(7))
+    out = jax.device_get(
+        jax.jit(ppo.prepare)(variables, {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}, step)
+    )
+    ids = np.zeros((len(PROMPT), PROMPT.shape[1] + 4), np.int32)
+    real = np.zeros(ids.shape, bool)
+    for r in range(len(ids)):
+        row = out["prompt"][r][out["prompt_mask"][r]].tolist()
+        row += out["completion"][r][out["completion_mask"][r]].tolist()
+        ids[r, : len(row)], real[r, : len(row)] = row, True
+    want = np.asarray(reward_model.apply({"params": reward_params}, ids, real), np.float64)
+    assert np.ptp(want) > 1e-4  # the rows differ, so a misaligned row would show
+    np.testing.assert_allclose(out["reward/reward_model"], want, rtol=1e-6)
+    mask = out["completion_mask"]
+    sevens_ = (np.where(mask, out["completion"], -1) == 7).sum(-1) / mask.sum(-1)
+    np.testing.assert_allclose(out["reward/sevens"], sevens_, rtol=1e-6)
+    np.testing.assert_allclose(out["scores"], sevens_ + 0.5 * want, rtol=1e-6, atol=1e-7)
+    _, metrics = jax.jit(ppo.loss)(variables, out, step)
+    metrics = wt.to_float(metrics)
+    assert metrics["reward/reward_model"] == pytest.approx(float(np.mean(want)), rel=1e-5)
+
+    def prompts(partition):
+        while True:
+            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
+
+    alone = objective(reward=None, **judged, prepared_updates=Updates(epochs=1, minibatches=1))
+    mesh = MeshSpec(data=1, devices=jax.devices()[:1])
+    trainer = Trainer(alone, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
+    state = trainer.fit(Dataset(prompts, None, records=0, batch=8), steps=2, log_every=2)
+    assert set(state.frozen) == {"reference", "reward"}
+    np.testing.assert_array_equal(
+        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
+    )
+    with pytest.raises(ValueError, match="reward_model= and reward_model_params= come together"):
+        objective(reward_model_params=reward_params)
+    with pytest.raises(ValueError, match="reward_model= and reward_model_params= come together"):
+        objective(reward_model=reward_model)
+    with pytest.raises(ValueError, match="needs a score: reward="):
+        objective(reward=None)
+    other = CausalRewardModel.of(CausalTransformer(**{**POLICY_CONFIG, "vocab_size": 32}))
+    with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
+        objective(reward_model=other, reward_model_params=reward_params)

@@ -1,5 +1,6 @@
 """Dew's post-training losses equal TRL's on the same log-probabilities
 (issue 43): GSPO (``GRPOTrainer`` with ``importance_sampling_level="sequence"``),
+RLOO's advantages (``RLOOTrainer._generate_and_score_completions``, from given rewards),
 SimPO (``CPOTrainer(loss_type="simpo")``), ORPO (``ORPOTrainer``) and KTO
 (``KTOTrainer``) and the Bradley-Terry reward-model loss (``RewardTrainer``),
 loss and gradient with respect to the log-probs, to float32
@@ -23,8 +24,11 @@ from trl.experimental.orpo.orpo_trainer import ORPOTrainer  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.kto_trainer import KTOTrainer  # noqa: E402
 from trl.trainer.reward_trainer import RewardTrainer  # noqa: E402
+from trl.trainer.rloo_trainer import RLOOTrainer  # noqa: E402
 
+from dew.nn import CausalTransformer  # noqa: E402
 from dew.objectives.cores.logprobs import kl_k3  # noqa: E402
+from dew.objectives.cores.rewards import TokenReward  # noqa: E402
 from dew.objectives.cores.rl import sequence_clipped_policy_loss  # noqa: E402
 from dew.objectives.preference.losses import (  # noqa: E402
     bradley_terry_losses,
@@ -33,7 +37,7 @@ from dew.objectives.preference.losses import (  # noqa: E402
     orpo_losses,
     simpo_losses,
 )
-from dew.objectives.rl.grpo import aggregate  # noqa: E402
+from dew.objectives.rl.grpo import GRPOObjective, aggregate  # noqa: E402
 
 RNG = np.random.default_rng(43)
 RTOL, ATOL = 2e-5, 1e-7  # float32 rounding
@@ -120,6 +124,61 @@ def test_gspo_equals_trl(beta):
         logps, old, mask, adv, epsilon_low=eps_low, epsilon_high=eps_high
     )
     assert 0 < float(jnp.mean(clipped)) < 1
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rloo_advantages_equal_trl(normalize):
+    """GRPOObjective(advantage_estimator="rloo")'s prepare_finish and TRL's
+    RLOOTrainer on the same rewards of two weighted functions (G = 4, a group of equal
+    rewards among them); TRL's normalize_advantages is scale_rewards="batch". Without
+    a KL penalty: TRL subtracts beta * sum_t k1 from the rewards, Dew adds GRPO's k3
+    to the loss."""
+    prompts, group = 3, 4
+    rows = prompts * group
+    per_function = RNG.normal(0, 1, (rows, 2)).astype(np.float32)
+    per_function[4:8] = (1.0, 0.5)  # the second prompt's completions score alike
+    weights = (1.0, 0.5)
+    dew = GRPOObjective(
+        model=CausalTransformer(
+            vocab_size=16, emb_features=8, num_layers=1, num_heads=1, mlp_features=8, max_seq_len=8
+        ),
+        rewards=[TokenReward(fn=lambda c, m, b: c[:, 0], weight=w, name=f"r{w}") for w in weights],
+        group_size=group,
+        beta=0.0,
+        advantage_estimator="rloo",
+        scale_rewards="batch" if normalize else "none",
+    )
+    got = dew.prepare_finish(None, {"rewards": jnp.asarray(per_function)}, None)["advantages"]
+
+    lengths = [3, 1, 2, 3] * prompts
+    trainer = stand_in(
+        num_generations=group,
+        normalize_advantages=normalize,
+        beta=0.0,
+        reward_weights=torch.tensor(weights),
+        reward_func_names=["r1", "r2"],
+        reward_clip_range=None,
+        mask_truncated_completions=False,
+        pad_to_multiple_of=None,
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        _logs=defaultdict(lambda: defaultdict(list)),
+        _pending_extra_logs={},
+        _pending_metrics={},
+    )
+    trainer._logs.update(prompt=[], completion=[], advantages=[])
+    trainer.accelerator.process_index = 0
+    trainer._generate.return_value = (
+        [[1, 2]] * rows,
+        [[5] * n for n in lengths],
+        ["x" * n for n in lengths],
+    )
+    trainer._calculate_rewards.return_value = torch.tensor(per_function)
+    trainer._get_per_token_logps_and_entropies.return_value = (torch.zeros(rows, 3), None, None)
+    with mock.patch("trl.trainer.rloo_trainer.gather_object", side_effect=lambda x: x):
+        out = RLOOTrainer._generate_and_score_completions(trainer, [{"prompt": "q"}] * rows)
+    close(got, out["advantages"])
+    assert np.all(np.asarray(got)[4:8] == 0.0) != normalize  # the equal group: 0 before scaling
+    assert np.ptp(np.asarray(got)) > 0.5
 
 
 def pair_logps(pairs=6):

@@ -561,3 +561,14 @@ def reward_roles(reward_model) -> tuple:
     if reward_model is None:
         return ()
     return (Role(name="reward", module=reward_model, trained=False),)
+
+
+def reward_model_scores(reward_model, variables, rollout) -> jax.Array:
+    """``[rows]`` float32: the frozen role ``"reward"`` (``variables['reward']``) scoring
+    each rollout row as a reward model reads it, the prompt then the completion, right
+    padded (:func:`dew.objectives.cores.rollouts.right_aligned`). Traced, in prepare."""
+    from dew.objectives.cores.rollouts import right_aligned
+
+    ids, real = right_aligned(rollout)
+    scores = reward_model.apply({"params": variables["reward"]["params"]}, ids, real)
+    return scores.astype(jnp.float32)

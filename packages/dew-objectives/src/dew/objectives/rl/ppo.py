@@ -8,7 +8,9 @@ RLHF with PPO" (Huang et al., 2024). References: huggingface/trl
 
 Prepare (compiled, no gradient, the pre-update weights) samples a completion
 ``o`` of every prompt ``q`` with :func:`dew.objectives.cores.rollouts.sample_completions`,
-scores it with the reward ``s(q, o)``, and computes per completion token ``t``
+scores it with the reward ``s(q, o)`` (the rewards summed, a frozen reward model's
+score of ``[q | o]`` among them: :func:`dew.objectives.cores.rewards.reward_model_scores`),
+and computes per completion token ``t``
 (``m_t`` = 1 on the completion's tokens, its end id included, 0 on the padding
 after it):
 
@@ -60,7 +62,13 @@ from dew.objectives.contract.objective import Objective, Role, Step, Updates, nn
 from dew.objectives.contract.weighted import Summed, Weighted
 from dew.objectives.cores.logprobs import kl_k1, kl_k3, masked_mean, rollout_positions
 from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
-from dew.objectives.cores.rewards import READER, Rewards
+from dew.objectives.cores.rewards import (
+    READER,
+    Rewards,
+    check_reward_model,
+    reward_model_scores,
+    reward_roles,
+)
 from dew.objectives.cores.rl import (
     check_epsilons,
     check_first_update,
@@ -152,11 +160,19 @@ class PPOObjective(Objective):
       (host Python over decoded text, with the reader's other columns; a plain
       callable is one), or a sequence of them, weighted and summed, each logged as
       ``reward/<name>``. Text rewards run between two compiled parts of prepare.
+      None: the reward model alone (``reward_model=``).
     max_new_tokens: completion length (tokens, an end id included).
     critic: None = a :class:`~dew.nn.value.ValueHead` on the policy's trunk
       (``value_head``); a module ``critic(tokens, positions=, attention_mask=) ->
       [batch, length]`` (:class:`~dew.nn.value.Critic`) = a separate critic model,
       a second trained role ``value``.
+    reward_model, reward_model_params: a trained reward model
+      (:class:`dew.objectives.preference.reward_model.CausalRewardModel`, or any module
+      ``(ids, mask) -> [rows]`` of right-padded rows) and its weights: the frozen role
+      ``"reward"``, scoring each completion after its prompt inside the compiled
+      prepare; its vocabulary must be the policy's. Logged as ``reward/reward_model``,
+      summed with ``reward`` (if any) into ``s(q, o)``.
+    reward_model_weight: its weight in the summed score.
     value_head: the head used without a critic.
     sampling: how completions are drawn; the log-probs use its temperature and
       truncation (TRL's PPO demo: temperature 0.7).
@@ -190,9 +206,12 @@ class PPOObjective(Objective):
 
     model: Any
     _: dataclasses.KW_ONLY  # the model may come first, positional (the seed's form)
-    reward: Any
+    reward: Any = None
     max_new_tokens: int
     critic: Any = None
+    reward_model: Any = None
+    reward_model_params: Any = None
+    reward_model_weight: float = 1.0
     value_head: Any = None
     sampling: Any = None
     kl_coef: float = 0.05
@@ -221,7 +240,15 @@ class PPOObjective(Objective):
     def __post_init__(self):
         what = type(self).__name__
         self.policy  # noqa: B018  (checks the tokenizer and vocabulary now)
+        if self.reward is None and self.reward_model is None:
+            raise ValueError(
+                f"{what} needs a score: reward= (a TokenReward, a TextReward or a list) or "
+                f"reward_model= with reward_model_params= (a trained reward model)"
+            )
         self.rewards  # noqa: B018  (checks the reward now)
+        check_reward_model(
+            self.reward_model, self.reward_model_params, self.policy.vocab_size, what=what
+        )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"unknown kl_estimator {self.kl_estimator!r}; use one of {KL_ESTIMATORS}"
@@ -248,7 +275,14 @@ class PPOObjective(Objective):
 
     @functools.cached_property
     def rewards(self) -> Rewards:
+        if self.reward is None:
+            return Rewards(())  # the reward model alone
         return Rewards.of(self.reward)
+
+    @property
+    def metric_rewards(self) -> tuple[str, ...]:
+        """The ``reward/<name>`` columns: each reward's, then the reward model's."""
+        return (*self.rewards.names, *(("reward_model",) if self.reward_model is not None else ()))
 
     @functools.cached_property
     def drawing(self):
@@ -291,6 +325,7 @@ class PPOObjective(Objective):
                 trained=False,
                 initial_from="policy" if self.reference is None else None,
             ),
+            *reward_roles(self.reward_model),
         )
 
     def batch_fields(self):
@@ -311,7 +346,13 @@ class PPOObjective(Objective):
             )
             value = self.head.init(k_value, jnp.zeros(hidden.shape, hidden.dtype))["params"]
         reference = self.policy.init_reference(k_policy, length, policy)  # sharded like it
-        return {"params": {"policy": policy, "value": value}, "reference": {"params": reference}}
+        variables = {
+            "params": {"policy": policy, "value": value},
+            "reference": {"params": reference},
+        }
+        if self.reward_model is not None:
+            variables["reward"] = {"params": self.reward_model_params}
+        return variables
 
     # ------------------------------------------------ log-probs and values
     def evaluate_rollout(self, params, rollout: Rollout) -> tuple[jax.Array, jax.Array]:
@@ -400,6 +441,8 @@ class PPOObjective(Objective):
         logps, values, ref_logps = in_chunks(scores, rollout, chunk)
         out = dict(rollout.as_dict(), old_logps=logps, old_values=values, ref_logps=ref_logps)
         out["token_rewards"] = self.rewards.token_values(rollout.completion, mask, dict(batch))
+        if self.reward_model is not None:  # the frozen role scores prompt + completion
+            out["model_rewards"] = reward_model_scores(self.reward_model, variables, rollout)
         if not self.has_prepare_host:
             out["rewards"] = out.pop("token_rewards")  # every reward is a token reward
             return self.prepare_finish(variables, out, step)
@@ -427,6 +470,8 @@ class PPOObjective(Objective):
         kl = jnp.where(mask, kl_fn(batch["old_logps"], batch["ref_logps"]), 0.0)  # [rows, new]
         columns = batch["rewards"]  # [rows, rewards]
         scores = self.rewards.total(columns)  # [rows]
+        if self.reward_model is not None:
+            scores = scores + self.reward_model_weight * batch["model_rewards"]
         rewards = token_rewards(scores, kl, mask, kl_coef=self.kl_coef)
         advantages, returns = gae(rewards, values, mask, gamma=self.gamma, lam=self.lam)
         if self.whiten_advantages:
@@ -445,6 +490,8 @@ class PPOObjective(Objective):
         )
         for k, name in enumerate(self.rewards.names):
             prepared[f"reward/{name}"] = columns[:, k]
+        if self.reward_model is not None:
+            prepared["reward/reward_model"] = batch["model_rewards"]
         return jax.lax.stop_gradient(prepared)
 
     # ---------------------------------------------------------------- loss
@@ -489,7 +536,7 @@ class PPOObjective(Objective):
             "completion_length": Weighted.mean(rollout.lengths),
             "tokens": Summed(jnp.sum(weights)),
         }
-        for name in self.rewards.names:
+        for name in self.metric_rewards:
             metrics[f"reward/{name}"] = Weighted.mean(batch[f"reward/{name}"])
         return (policy, value.scale(self.vf_coef)), metrics
 

@@ -406,17 +406,44 @@ def test_method_names_are_listed_when_wrong():
         objective(importance_sampling_level="seq")
 
 
-def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
-    """reward_model=: the frozen role 'reward' scores each completion after its prompt
-    (re-aligned to the right, rows built here by a loop) inside prepare; Trainer keeps
-    it frozen; a reward model of another vocabulary is refused."""
-    from dew.data import Dataset
+def reward_model_and_params():
     from dew.objectives.preference.reward_model import CausalRewardModel
-    from dew.train import MeshSpec, Trainer
 
     reward_model = CausalRewardModel.of(MODEL)
     init = jax.jit(reward_model.init)(jax.random.key(4), jnp.zeros((1, 8), jnp.int32))
-    reward_params = nn.unbox(init)["params"]
+    return reward_model, nn.unbox(init)["params"]
+
+
+def fit_keeps_the_reward_model_frozen(train) -> None:
+    """Through ``train`` (the dew.train module, which this package does not depend on:
+    tests/test_reward_model_roles.py calls this): two steps leave the role frozen."""
+    from dew.data import Dataset
+
+    reward_model, reward_params = reward_model_and_params()
+    obj = objective(
+        rewards=(), beta=0.0, reward_model=reward_model, reward_model_params=reward_params
+    )
+
+    def prompts(partition):
+        while True:
+            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
+
+    mesh = train.MeshSpec(data=1, devices=jax.devices()[:1])
+    trainer = train.Trainer(obj, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
+    state = trainer.fit(Dataset(prompts, None, records=0, batch=2), steps=2, log_every=2)
+    assert set(state.frozen) == {"reward"}
+    np.testing.assert_array_equal(
+        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
+    )
+
+
+def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
+    """reward_model=: the frozen role 'reward' scores each completion after its prompt
+    (re-aligned to the right, rows built here by a loop) inside prepare; a reward model
+    of another vocabulary is refused. (Through Trainer: tests/test_reward_model_roles.py.)"""
+    from dew.objectives.preference.reward_model import CausalRewardModel
+
+    reward_model, reward_params = reward_model_and_params()
     obj = objective(
         rewards=(), beta=0.0, reward_model=reward_model, reward_model_params=reward_params
     )
@@ -440,18 +467,7 @@ def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
     assert float(metrics["reward/reward_model"].value) == pytest.approx(
         float(np.mean(want)), rel=1e-5
     )
-
-    def prompts(partition):
-        while True:
-            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
-
-    mesh = MeshSpec(data=1, devices=jax.devices()[:1])
-    trainer = Trainer(obj, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
-    state = trainer.fit(Dataset(prompts, None, records=0, batch=2), steps=2, log_every=2)
-    assert set(state.frozen) == {"reward"}
-    np.testing.assert_array_equal(
-        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
-    )
+    assert not [r for r in obj.roles() if r.name == "reward" and r.trained]
     other = CausalRewardModel.of(CausalTransformer(**{**TINY, "vocab_size": 32}))
     with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
         objective(reward_model=other, reward_model_params=reward_params)

@@ -353,20 +353,52 @@ def test_logits_in_chunks_give_todays_loss_and_gradient(prepared):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role():
-    """reward_model=: the frozen role 'reward' scores each completion after its prompt
-    (re-aligned to the right, rows built here by a loop) inside the compiled prepare,
-    weighted and summed with the token reward; alone, Trainer keeps it frozen; weights
-    without a model, a model without weights or of another vocabulary are refused."""
-    import optax
-
-    from dew.data import Dataset
+def reward_model_and_params():
     from dew.objectives.preference.reward_model import CausalRewardModel
-    from dew.train import MeshSpec, Trainer
 
     reward_model = CausalRewardModel.of(POLICY)
     init = jax.jit(reward_model.init)(jax.random.key(4), jnp.zeros((1, 7), jnp.int32))
-    reward_params = nn.unbox(init)["params"]
+    return reward_model, nn.unbox(init)["params"]
+
+
+def fit_keeps_the_reward_model_frozen(train) -> None:
+    """Through ``train`` (the dew.train module, which this package does not depend on:
+    tests/test_reward_model_roles.py calls this): the reward model alone scores, two
+    steps leave it frozen beside the reference."""
+    import optax
+
+    from dew.data import Dataset
+
+    reward_model, reward_params = reward_model_and_params()
+
+    def prompts(partition):
+        while True:
+            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
+
+    alone = objective(
+        reward=None,
+        reward_model=reward_model,
+        reward_model_params=reward_params,
+        prepared_updates=Updates(epochs=1, minibatches=1),
+    )
+    mesh = train.MeshSpec(data=1, devices=jax.devices()[:1])
+    trainer = train.Trainer(alone, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
+    state = trainer.fit(Dataset(prompts, None, records=0, batch=8), steps=2, log_every=2)
+    assert set(state.frozen) == {"reference", "reward"}
+    np.testing.assert_array_equal(
+        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
+    )
+
+
+def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role():
+    """reward_model=: the frozen role 'reward' scores each completion after its prompt
+    (re-aligned to the right, rows built here by a loop) inside the compiled prepare,
+    weighted and summed with the token reward; weights without a model, a model without
+    weights or of another vocabulary are refused. (Through Trainer:
+    tests/test_reward_model_roles.py.)"""
+    from dew.objectives.preference.reward_model import CausalRewardModel
+
+    reward_model, reward_params = reward_model_and_params()
     judged = dict(reward_model=reward_model, reward_model_params=reward_params)
     ppo = objective(**judged, reward_model_weight=0.5)
     assert [r.name for r in ppo.roles()] == ["policy", "value", "reference", "reward"]
@@ -393,19 +425,7 @@ def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role():
     _, metrics = jax.jit(ppo.loss)(variables, out, step)
     metrics = wt.to_float(metrics)
     assert metrics["reward/reward_model"] == pytest.approx(float(np.mean(want)), rel=1e-5)
-
-    def prompts(partition):
-        while True:
-            yield {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
-
-    alone = objective(reward=None, **judged, prepared_updates=Updates(epochs=1, minibatches=1))
-    mesh = MeshSpec(data=1, devices=jax.devices()[:1])
-    trainer = Trainer(alone, optax.adam(1e-3), key=jax.random.key(0), mesh=mesh)
-    state = trainer.fit(Dataset(prompts, None, records=0, batch=8), steps=2, log_every=2)
-    assert set(state.frozen) == {"reference", "reward"}
-    np.testing.assert_array_equal(
-        state.frozen["reward"]["params"]["score"]["kernel"], reward_params["score"]["kernel"]
-    )
+    assert not [r for r in ppo.roles() if r.name == "reward" and r.trained]
     with pytest.raises(ValueError, match="reward_model= and reward_model_params= come together"):
         objective(reward_model_params=reward_params)
     with pytest.raises(ValueError, match="reward_model= and reward_model_params= come together"):

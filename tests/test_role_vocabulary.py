@@ -38,6 +38,9 @@ EXPECTED = {
     "bd3": ({"policy"}, {}),
     "distill": ({"policy"}, {"teacher": None}),
     "flow_grpo": ({"policy"}, {"reference": ("initial_from", "policy")}),
+    "kto": ({"policy"}, {"reference": ("initial_from", "policy")}),
+    "online_dpo": ({"policy"}, {"reference": ("initial_from", "policy"), "reward": None}),
+    "reward_model": ({"reward"}, {}),
 }
 
 

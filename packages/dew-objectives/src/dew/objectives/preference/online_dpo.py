@@ -51,6 +51,7 @@ from dew.objectives.cores.rewards import (
     Rewards,
     check_reward_model,
     no_host_rewards,
+    reward_model_scores,
     reward_roles,
 )
 from dew.objectives.cores.rl import check_first_update
@@ -61,7 +62,6 @@ from dew.objectives.cores.rollouts import (
     debug_enabled,
     prompt_fields,
     repeat_rows,
-    right_aligned,
     rollout_logprobs,
     sample_completions,
 )
@@ -210,10 +210,7 @@ class OnlineDPOObjective(Objective):
         )
         out.update({READER + k: v for k, v in data.items()})
         if self.reward_model is not None:
-            ids, mask = right_aligned(rollout)
-            out["model_rewards"] = self.reward_model.apply(
-                {"params": variables["reward"]["params"]}, ids, mask
-            ).astype(jnp.float32)
+            out["model_rewards"] = reward_model_scores(self.reward_model, variables, rollout)
         return out
 
     def prepare_host(self, rollout):

@@ -77,6 +77,7 @@ from dew.objectives.cores.rewards import (
     Rewards,
     check_reward_model,
     no_host_rewards,
+    reward_model_scores,
     reward_roles,
 )
 from dew.objectives.cores.rl import (
@@ -102,7 +103,6 @@ from dew.objectives.cores.rollouts import (
     in_chunks,
     prompt_fields,
     repeat_rows,
-    right_aligned,
     rollout_logprobs,
     sample_completions,
 )
@@ -356,9 +356,7 @@ class GRPOObjective(Objective):
             rollout.completion, rollout.completion_mask, seen
         )
         if self.reward_model is not None:  # the frozen role scores prompt + completion
-            ids, real = right_aligned(rollout)
-            scores = self.reward_model.apply({"params": variables["reward"]["params"]}, ids, real)
-            out["model_rewards"] = scores.astype(jnp.float32)
+            out["model_rewards"] = reward_model_scores(self.reward_model, variables, rollout)
         out.update({READER + k: v for k, v in data.items()})
         return out
 

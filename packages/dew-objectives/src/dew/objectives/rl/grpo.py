@@ -139,8 +139,9 @@ class GRPOObjective(Objective):
 
     model: the policy, a causal module that decodes with a KV cache
       (:class:`dew.nn.CausalTransformer`).
-    rewards: :class:`~dew.objectives.cores.rewards.TokenReward` /
-      :class:`~dew.objectives.cores.rewards.TextReward` objects (a plain callable is a
+    rewards: :class:`~dew.objectives.cores.rewards.Reward` objects, jitted
+      (:func:`~dew.objectives.cores.rewards.TokenReward`) or on the host
+      (:func:`~dew.objectives.cores.rewards.TextReward`) (a plain callable is a
       text reward of weight 1), weighted and summed.
     group_size: completions per prompt, ``G >= 2``.
     max_new_tokens: completion length, in tokens.

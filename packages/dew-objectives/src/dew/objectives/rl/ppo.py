@@ -193,9 +193,9 @@ class PPOObjective(Objective):
 
     model: the policy, a causal module (:class:`dew.nn.CausalTransformer`) that
       decodes with a cache and takes ``return_hidden=True``.
-    reward: the score of a completion: a :class:`~dew.objectives.cores.rewards.TokenReward`
-      (jittable, traced into prepare), a :class:`~dew.objectives.cores.rewards.TextReward`
-      (host Python over decoded text, with the reader's other columns; a plain
+    reward: the score of a completion: a :class:`~dew.objectives.cores.rewards.Reward`,
+      jitted (``TokenReward``, traced into prepare) or on the host (``TextReward``:
+      host Python over decoded text, with the reader's other columns; a plain
       callable is one), or a sequence of them, weighted and summed, each logged as
       ``reward/<name>``. Text rewards run between two compiled parts of prepare.
       None: the reward model alone (``reward_model=``).
@@ -414,7 +414,7 @@ class PPOObjective(Objective):
     @property
     def phases(self) -> tuple[str, ...]:
         """Only text rewards need the host stage (and the compiled part after it)."""
-        if self.rewards.text:
+        if self.rewards.host:
             return ("prepare", "prepare_host", "prepare_finish")
         return ("prepare",)
 

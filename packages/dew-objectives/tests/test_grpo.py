@@ -12,7 +12,16 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.cores.rewards import RewardError, TextReward, TokenReward
+from dew.objectives.cores.rewards import (
+    HostImageReward,
+    ImageReward,
+    ImageRewards,
+    Reward,
+    RewardError,
+    Rewards,
+    TextReward,
+    TokenReward,
+)
 from dew.objectives.cores.rollouts import rollout_logprobs
 from dew.objectives.rl.grpo import GRPOObjective, group_advantages
 from dew.sampling import Sampling
@@ -471,3 +480,35 @@ def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
     other = CausalRewardModel.of(CausalTransformer(**{**TINY, "vocab_size": 32}))
     with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
         objective(reward_model=other, reward_model_params=reward_params)
+
+
+def test_one_reward_type_for_tokens_text_and_images():
+    """Every kind is a Reward (jitted, or host=True); a plain callable is a host one; the
+    same Reward objects score completions and images, in the order given."""
+    kinds = [
+        TokenReward(fn=sevens),
+        TextReward(fn=len, name="chars"),
+        ImageReward(fn=sevens, name="image", pixels=False),
+        HostImageReward(fn=len, name="host_image"),
+    ]
+    assert [type(r) for r in kinds] == [Reward] * 4
+    assert [r.host for r in kinds] == [False, True, False, True]
+    assert [r.host for r in Rewards.of([len, kinds[0]]).items] == [True, False]
+
+    points = np.linspace(-1, 1, 10, dtype=np.float32).reshape(5, 2)  # 2-D samples
+    rewards = ImageRewards.of(
+        [
+            Reward(fn=lambda images: images.sum(1), name="host_sum", host=True, pixels=False),
+            Reward(fn=lambda x, batch: x[:, 0] * batch["w"], name="first", pixels=False),
+            Reward(fn=lambda images: images[:, 1], name="pixel", host=True),
+        ]
+    )
+    jitted = rewards.compiled_values(jnp.asarray(points), {"w": 2.0})
+    got = rewards.host_stage(points, jitted, {}, group_size=5)
+    pixels = np.clip(np.round((points + 1) * 127.5), 0, 255)
+    want = np.stack([points.sum(1), 2 * points[:, 0], pixels[:, 1]], axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(
+        RewardError, match=r"host image reward 'host_sum' returned nan for sample 2"
+    ):
+        rewards.host_stage(np.where(points == points[2, 0], np.nan, points), jitted, {}, 5)

@@ -177,6 +177,11 @@ class JepaObjective(Objective):
     loss_type: str = "smooth_l1"
     alarm: CollapseAlarm | None = dataclasses.field(default_factory=CollapseAlarm)
     input_key: str | None = None
+    # the feature statistics of the first log line this objective saw (filled by
+    # log_notes): what the collapse alarm compares against; not an option
+    _first_logged: dict[str, float] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
 
     headline_metrics = ("target_std", "effective_rank")  # printed on the log line
 
@@ -221,12 +226,6 @@ class JepaObjective(Objective):
         """The target encoder's decay: role ``target`` averages role ``encoder``."""
         start, end = self.momentum
         return EMA(decay=momentum_schedule(start, end, self.planned_updates))
-
-    @functools.cached_property
-    def _first_logged(self) -> dict[str, float]:
-        """The feature statistics of the first log line this objective saw (filled
-        by :meth:`log_notes`): what the collapse alarm compares against."""
-        return {}
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:
@@ -279,7 +278,9 @@ class JepaObjective(Objective):
         :meth:`Step.row_keys`)."""
         return self.layout.sample(key, batch)
 
-    def _terms(self, variables, batch, step: Step):
+    def loss(self, variables, batch, step: Step):
+        """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
+        the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""
         from dew.sampling.features import encode, scale_inputs
 
         pixels = scale_inputs(batch[self.data_key])
@@ -315,11 +316,6 @@ class JepaObjective(Objective):
         )
         return loss, metrics
 
-    def loss(self, variables, batch, step: Step):
-        """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
-        the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""
-        return self._terms(variables, batch, step)
-
     def log_notes(self, step: int, metrics: Mapping[str, float]) -> list[str]:
         """A one-line warning after a training log line whose feature statistics
         have collapsed (:attr:`alarm`), against the first logged line this
@@ -341,7 +337,7 @@ class JepaObjective(Objective):
         """The loss and the feature statistics on a validation batch (masks from the
         evaluation key); the trainer evaluates with the averaged weights, so the
         target encoder reads itself."""
-        loss, metrics = self._terms(variables, batch, step)
+        loss, metrics = self.loss(variables, batch, step)
         return {"loss": loss, **metrics}
 
     # ------------------------------------------------------- checks, export

@@ -268,11 +268,6 @@ class FlowGRPOObjective(Objective):
     def reward_set(self) -> ImageRewards:
         return ImageRewards.of(self.rewards)
 
-    @functools.cached_property
-    def debug(self) -> bool:
-        """Assert the first update's ratio (``check_first_ratio``, else ``DEW_DEBUG``)."""
-        return debug_enabled(self.check_first_ratio)
-
     @classmethod
     def from_pipeline(cls, pipeline, **options) -> FlowGRPOObjective:
         """Start from a trained flow pipeline (``ClassToImage``: a diffusion run's
@@ -457,7 +452,7 @@ class FlowGRPOObjective(Objective):
         per_step, ratio, clipped = clipped_policy_loss(
             logps, old, advantages, epsilon_low=self.epsilon, epsilon_high=upper
         )
-        if self.debug:
+        if debug_enabled(self.check_first_ratio):  # else DEW_DEBUG=1
             check_first_update(
                 logps,
                 old,

@@ -177,11 +177,6 @@ class JepaObjective(Objective):
     loss_type: str = "smooth_l1"
     alarm: CollapseAlarm | None = dataclasses.field(default_factory=CollapseAlarm)
     input_key: str | None = None
-    # the feature statistics of the first log line this objective saw (filled by
-    # log_notes): what the collapse alarm compares against; not an option
-    _first_logged: dict[str, float] = dataclasses.field(
-        default_factory=dict, init=False, repr=False
-    )
 
     headline_metrics = ("target_std", "effective_rank")  # printed on the log line
 
@@ -226,6 +221,12 @@ class JepaObjective(Objective):
         """The target encoder's decay: role ``target`` averages role ``encoder``."""
         start, end = self.momentum
         return EMA(decay=momentum_schedule(start, end, self.planned_updates))
+
+    @functools.cached_property
+    def _first_logged(self) -> dict[str, float]:
+        """The feature statistics of the first log line this objective saw (filled
+        by :meth:`log_notes`): what the collapse alarm compares against."""
+        return {}
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:

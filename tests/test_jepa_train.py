@@ -133,7 +133,7 @@ def numpy_statistics(objective, state, pixels):
     h = full - full.mean(-1, keepdims=True)
     h = h / np.sqrt((h**2).mean(-1, keepdims=True) + 1e-6)
     key = microbatch_key(typed(state).key, state.step, 0)
-    masks = objective.draw_masks(key, len(pixels))
+    masks = objective.layout.sample(key, len(pixels))
     targets = np.asarray(masks.targets).reshape(len(pixels), -1)  # [batch, blocks * patches]
     gathered = np.take_along_axis(h, targets[:, :, None], axis=1)
     target_std = gathered.reshape(-1, h.shape[-1]).std(axis=0).mean()

@@ -42,7 +42,7 @@ def numpy_loss(obj, variables, pixels, key, loss_type):
     """The I-JEPA loss step by step in numpy around the two modules."""
     encoder, predictor = jax.jit(ENCODER.apply), jax.jit(PREDICTOR.apply)
     x = pixels.astype(np.float64) / 127.5 - 1.0
-    masks = jax.device_get(obj.draw_masks(key, len(x)))
+    masks = jax.device_get(obj.layout.sample(key, len(x)))
     xf = jnp.asarray(x, jnp.float32)
     h = np.asarray(encoder(variables["target"], xf), np.float64)
     h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-6)
@@ -162,7 +162,7 @@ def test_video_runs_on_tubes():
     obj.check_batch({"video": clip})
     loss, _ = obj.loss(variables, {"video": clip}, Step(index=0, key=jax.random.key(0)))
     assert np.isfinite(float(loss.value)) and float(loss.weight) == 2 * obj.layout.target_keep * 16
-    masks = obj.draw_masks(jax.random.key(0), 2)
+    masks = obj.layout.sample(jax.random.key(0), 2)
     blocks = np.asarray(masks.target_blocks).reshape(2, 1, 2, 4)
     np.testing.assert_array_equal(blocks[:, :, 0], blocks[:, :, 1])  # one tube over both tubelets
 

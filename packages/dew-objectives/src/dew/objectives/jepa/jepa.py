@@ -40,7 +40,7 @@ from dew.objectives.contract import registry
 from dew.objectives.contract.batch import PIXELS, BatchField
 from dew.objectives.contract.objective import EMA, Objective, Role, Step
 from dew.objectives.contract.weighted import Weighted
-from dew.objectives.jepa.masks import MaskLayout, Masks, MultiBlock
+from dew.objectives.jepa.masks import MaskLayout, MultiBlock
 
 LOSSES = ("smooth_l1", "l1")
 
@@ -211,7 +211,9 @@ class JepaObjective(Objective):
 
     @functools.cached_property
     def layout(self) -> MaskLayout:
-        """The masks laid out on the encoder's patch grid."""
+        """The masks laid out on the encoder's patch grid; ``layout.sample(key, batch)``
+        draws a batch's masks as the loss does for a step of that key (row ``i`` from
+        ``split(key, batch)[i]``, :meth:`Step.row_keys`)."""
         shape = tuple(self.encoder.grid.shape)
         frames, height, width = (1, *shape) if len(shape) == 2 else shape
         return self.masks.layout(frames, height, width)
@@ -273,12 +275,6 @@ class JepaObjective(Objective):
         return {"params": {"encoder": encoder["params"], "predictor": predictor["params"]}}
 
     # --------------------------------------------------------------- loss
-    def draw_masks(self, key: jax.Array, batch: int) -> Masks:
-        """The masks of a batch of ``batch`` examples (a pure function of ``key``): the
-        loss's own masks for a step of that key (row ``i`` from ``split(key, batch)[i]``,
-        :meth:`Step.row_keys`)."""
-        return self.layout.sample(key, batch)
-
     def loss(self, variables, batch, step: Step):
         """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
         the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""

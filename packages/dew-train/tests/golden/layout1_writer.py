@@ -1,0 +1,142 @@
+"""Writes ``golden/layout1``: checkpoints in the layout of Dew before trained
+parameters were keyed by role (checkpoint format 2, written at commit b5d5b98), and
+what that code's own continuation of each run ends with.
+
+Run once with that commit's code (``cd <checkout at b5d5b98> && uv run --locked python
+<this file> <out>``); ``test_layout_versions.py`` imports the objectives from here.
+Both runs are tiny: a one-layer causal LM with an EMA (one trained role: its tree
+unkeyed in format 2) and a two-role regression (``policy`` and ``value``: keyed in
+every format).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+STEPS, SAVED = 4, 2
+BATCH = 4
+
+
+def lm_objective():
+    from dew.nn import models
+    from dew.objectives import EMA
+    from dew.objectives.lm import LMObjective
+
+    model = models.build(
+        "causal_transformer",
+        vocab_size=16,
+        emb_features=8,
+        num_layers=1,
+        num_heads=2,
+        mlp_features=16,
+        max_seq_len=8,
+    )
+    return LMObjective(model=model, seq_len=8, ema=EMA(decay=0.9))
+
+
+def lm_data():
+    from dew.data import Dataset
+
+    def train(partition):
+        step = 0
+        while True:
+            rng = np.random.default_rng(step)
+            yield {"text": rng.integers(0, 16, (BATCH, 9), dtype=np.int32)}
+            step += 1
+
+    return Dataset(train=train, val=None, records=10**6, batch=BATCH)
+
+
+def two_roles_objective():
+    """A linear policy and a linear value model, both trained (keyed by role in every
+    checkpoint format)."""
+    from dew.objectives import Objective, Role
+
+    class TwoRoles(Objective):
+        model = nn.Dense(2)
+        value = nn.Dense(1)
+
+        def roles(self):
+            return (Role(name="policy", module=self.model), Role(name="value", module=self.value))
+
+        def init(self, key, spec=None):
+            k1, k2 = jax.random.split(key)
+            x = jnp.zeros((1, 3))
+            return {
+                "params": {
+                    "policy": self.model.init(k1, x)["params"],
+                    "value": self.value.init(k2, x)["params"],
+                }
+            }
+
+        def loss(self, variables, batch, step):
+            params = variables["params"]
+            pred = self.model.apply({"params": params["policy"]}, batch["x"])
+            value = self.value.apply({"params": params["value"]}, batch["x"])
+            return jnp.mean((pred - batch["y"]) ** 2) + jnp.mean((value - 1.0) ** 2), {}
+
+    return TwoRoles()
+
+
+def two_roles_data():
+    from dew.data import Dataset
+
+    def train(partition):
+        step = 0
+        while True:
+            rng = np.random.default_rng(step)
+            x = rng.normal(size=(BATCH, 3)).astype(np.float32)
+            yield {"x": x, "y": np.stack([x.sum(1), x[:, 0]], 1).astype(np.float32)}
+            step += 1
+
+    return Dataset(train=train, val=None, records=10**6, batch=BATCH)
+
+
+RUNS = {"lm": (lm_objective, lm_data), "two_roles": (two_roles_objective, two_roles_data)}
+
+
+def trainer(name: str, directory):
+    from dew.train import Checkpoints, Trainer
+
+    objective, _ = RUNS[name]
+    return Trainer(
+        objective(),
+        optax.adam(1e-2),
+        key=jax.random.key(0),
+        checkpoints=Checkpoints(directory, keep=None, use_async=False),
+        progress=False,
+    )
+
+
+def flat(state) -> dict[str, np.ndarray]:
+    """``{'<field>/<path>': array}`` of a state's arrays, in the layout of the code
+    that runs it."""
+    out = {}
+    for field in ("params", "opt_state", "averaged", "step", "microstep", "updates"):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, field)):
+            out[f"{field}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    return out
+
+
+def main(out: Path) -> None:
+    scratch = out / "scratch"
+    for name, (_, data) in RUNS.items():
+        shutil.rmtree(scratch, ignore_errors=True)
+        trainer(name, scratch / "run").fit(data(), steps=SAVED, log_every=0)
+        shutil.copytree(scratch / "run" / str(SAVED), out / name / str(SAVED))
+        # the old code's own continuation from that checkpoint
+        final = trainer(name, scratch / "run").fit(data(), steps=STEPS, log_every=0)
+        np.savez(out / f"{name}_continued.npz", **flat(final))
+    shutil.rmtree(scratch)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -104,13 +104,14 @@ RUNS = {"lm": (lm_objective, lm_data), "two_roles": (two_roles_objective, two_ro
 
 
 def trainer(name: str, directory):
-    from dew.train import Checkpoints, Trainer
+    from dew.train import Checkpoints, MeshSpec, Trainer
 
     objective, _ = RUNS[name]
     return Trainer(
         objective(),
         optax.adam(1e-2),
         key=jax.random.key(0),
+        mesh=MeshSpec(data=1, devices=jax.devices()[:1]),
         checkpoints=Checkpoints(directory, keep=None, use_async=False),
         progress=False,
     )

@@ -29,7 +29,12 @@ from dew.data import Partition
 from dew.objectives import Objective, Role, Step
 from dew.objectives import check_roles as _check_roles
 from dew.objectives.contract import weighted as wt
-from dew.train._roles import averaged_roles, initial_variables, keeps_average
+from dew.train._roles import (
+    averaged_roles,
+    check_params_by_role,
+    initial_variables,
+    keeps_average,
+)
 from dew.train.adapters import split_lora
 from dew.train.goodput import Goodput
 from dew.train.memory import (
@@ -201,18 +206,19 @@ class Programs:
                 f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "
                 f"return a dict with 'params' (the trained weights)"
             )
+        check_params_by_role(self.objective, self.roles, variables["params"])
         # the declared relations: initial_from roles filled, averaged ones left out
         variables = initial_variables(self.objective, self.roles, variables)
         # Under LoRA only the adapters train; the base moves to frozen (dew.train.adapters).
         params, variables, views = split_lora(self.roles, variables.pop("params"), variables)
         return TrainState(
-            params=params,
+            params_by_role=params,
             opt_state=self.optimizer.init(params),
             key=k_run,
             step=jnp.zeros((), jnp.int32),
             microstep=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
-            averaged=params if keeps_average(self.objective, self.roles) else None,
+            averaged_by_role=params if keeps_average(self.objective, self.roles) else None,
             frozen=variables,
             lora_views=views,
             averaged_roles=averaged_roles(self.roles),
@@ -243,7 +249,7 @@ class Programs:
             # moments) get a spec that fits their own shape.
             specs = specs.replace(
                 opt_state=optimizer_specs(
-                    boxed.opt_state, boxed.params, self.device_mesh, self.rules
+                    boxed.opt_state, boxed.params_by_role, self.device_mesh, self.rules
                 )
             )
             abstract = unbox_abstract(boxed)

@@ -359,7 +359,8 @@ class DiffusionObjective(TextConditioning, Objective):
             tokens = int(spec["context"].shape[0])
         x = jnp.zeros((1, *shape), jnp.float32)
         if not self.train_text_encoder:
-            return self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+            init = self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+            return {"params": {"policy": init["params"]}}
         return self.init_with_text_encoder(key, x)
 
     def _dummy(self, rows: int, tokens: int) -> dict[str, jax.Array]:

@@ -385,7 +385,7 @@ class DistillationObjective(Objective):
         ids = jnp.zeros((1, length), jnp.int32)
         fresh = jax.eval_shape(lambda: self.teacher_module.init(key, ids))["params"]
         teacher = with_initial_values(fresh, self.teacher_weights, what="the teacher's weights")
-        return {"params": params, "teacher": {"params": teacher}}
+        return {"params": {"policy": params}, "teacher": {"params": teacher}}
 
     # --------------------------------------------------------------- prepare
     def prepare(self, variables, batch, step: Step):
@@ -415,7 +415,7 @@ class DistillationObjective(Objective):
         def data(_):
             return batch["completion"].astype(jnp.int32), batch["completion_mask"].astype(bool)
 
-        student = sampled(self.student, variables["params"])
+        student = sampled(self.student, variables["params"]["policy"])
         other = (
             sampled(self.teacher_module, variables["teacher"]["params"]) if self.seq_kd else data
         )
@@ -478,7 +478,7 @@ class DistillationObjective(Objective):
         if "example_mask" in batch:  # padded rows of a last validation batch
             weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
         student, kernel, s_dtype = self._hidden(
-            self.student, variables["params"], tokens, extra, scored
+            self.student, variables["params"]["policy"], tokens, extra, scored
         )
         scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
         if self.stored_teacher:
@@ -580,7 +580,7 @@ class DistillationObjective(Objective):
                     )
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key)
+        return self.policy.preview(variables["params"]["policy"], key)
 
     def export(self, variables):
-        return self.policy.export(variables["params"])
+        return self.policy.export(variables["params"]["policy"])

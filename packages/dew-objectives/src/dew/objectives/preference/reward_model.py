@@ -180,7 +180,7 @@ class RewardModelObjective(Objective):
             given = nn.unbox(self.init_params.get("params", self.init_params))
             given = {**given, "score": given.get("score", nn.unbox(params["score"]))}
             params = with_initial_values(params, given, what="RewardModelObjective init_params")
-        return {"params": params}
+        return {"params": {"reward": params}}
 
     def rewards(self, params, batch) -> jax.Array:
         """``[pairs, 2]`` rewards of the chosen (column 0) and rejected sequences."""
@@ -193,7 +193,7 @@ class RewardModelObjective(Objective):
         ).reshape(pairs, 2)
 
     def _terms(self, variables, batch):
-        rewards = self.rewards(variables["params"], batch)
+        rewards = self.rewards(variables["params"]["reward"], batch)
         rows = (
             batch["example_mask"].astype(jnp.float32)
             if "example_mask" in batch
@@ -229,7 +229,7 @@ class RewardModelObjective(Objective):
     def export(self, variables):
         return RewardScorer(
             module=self.reward_model,
-            params=variables["params"],
+            params=variables["params"]["reward"],
             tokenizer=self.backbone.tokenizer,
             max_len=int(getattr(self.model, "max_seq_len", None) or 512),
         )

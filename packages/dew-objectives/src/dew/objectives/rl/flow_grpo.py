@@ -394,7 +394,7 @@ class FlowGRPOObjective(Objective):
             params = with_initial_values(
                 params, self.init_params, what=f"{type(self).__name__} init_params"
             )
-        variables = {"params": params}
+        variables = {"params": {"policy": params}}
         if self.beta > 0:
             # the initial model: the same arrays (a view of the base under LoRA), or given weights
             ref = params
@@ -443,7 +443,7 @@ class FlowGRPOObjective(Objective):
     def prepare(self, variables, batch, step: Step):
         """The rollout (compiled): ``G`` SDE samples per condition with their window
         states and log-probs, the compiled rewards, each row's trained steps."""
-        params = variables["params"]
+        params = variables["params"]["policy"]
         conditions = {
             k: repeat_rows(v, self.group_size) for k, v in self._conditions(batch).items()
         }
@@ -537,7 +537,7 @@ class FlowGRPOObjective(Objective):
         return logp.reshape(rows, k), mean
 
     def loss(self, variables, batch, step: Step):
-        logps, mean = self.step_log_probs(variables["params"], batch)  # [rows, K]
+        logps, mean = self.step_log_probs(variables["params"]["policy"], batch)  # [rows, K]
         old = batch["old_logps"]  # [rows, W]
         if self.train_steps < self.sampler.window_steps:
             old = jnp.take_along_axis(old, batch["train_steps"], axis=1)
@@ -600,7 +600,9 @@ class FlowGRPOObjective(Objective):
             raise ValueError(f"the model is class-conditional ({self.num_classes}); pass label=")
         num = len(label) if label is not None else num
         steps = num_steps or self.eval_steps
-        return self._ode(steps, (num, *self.example_shape()))(variables["params"], key, conditions)
+        return self._ode(steps, (num, *self.example_shape()))(
+            variables["params"]["policy"], key, conditions
+        )
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - one compiled ODE sampler per shape
     def _ode(self, steps, shape):
@@ -621,7 +623,7 @@ class FlowGRPOObjective(Objective):
         conditions = self._conditions(batch)
         rows = _rows_of(batch)
         samples = sample_diffusion(
-            self.denoiser(variables["params"], conditions),
+            self.denoiser(variables["params"]["policy"], conditions),
             schedule=self.schedule,
             sampler=FlowEuler(num_steps=self.eval_steps),
             key=step.key,
@@ -652,7 +654,7 @@ class FlowGRPOObjective(Objective):
             raise NotImplementedError("export of a text-conditioned Flow-GRPO model")
         return ClassToImage(
             model=self.model,
-            params=variables["params"],
+            params=variables["params"]["policy"],
             schedule=self.schedule,
             target=self.target,
             sample_shape=self.example_shape(),

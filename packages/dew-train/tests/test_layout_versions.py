@@ -1,11 +1,11 @@
 """Checkpoints of every layout this Dew reads (``dew.train._layout``).
 
 ``golden/layout1`` holds checkpoints written at step 2 by the code before trained
-parameters were keyed by role (format 2, commit b5d5b98, ``golden/layout1_writer.py``)
+parameters were keyed by role (layout 1, commit b5d5b98, ``golden/layout1_writer.py``)
 and that code's own continuation of each run to step 4. This code resumes them bit
 for bit: the same parameters, moving average, optimizer state and counters, array
-for array; a checkpoint of an unknown format stops the run before anything is
-compiled, naming the formats this Dew reads.
+for array; a checkpoint of an unknown layout version stops the run before anything
+is compiled, naming the versions this Dew reads.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from dew.train import CheckpointFormatError, load_model
-from dew.train._layout import FORMAT, READS
+from dew.train import CheckpointLayoutError, load_model
+from dew.train._layout import LAYOUT, READS
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
@@ -37,7 +37,7 @@ def old_run(name: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", ["lm", "two_roles"])
 def test_a_checkpoint_of_the_layout_before_roles_resumes_bit_for_bit(name, tmp_path, capsys):
     directory = old_run(name, tmp_path)
-    assert json.loads((directory / "2" / "meta" / "metadata").read_text())["format"] == 2
+    assert "layout" not in json.loads((directory / "2" / "meta" / "metadata").read_text())
     _, data = writer.RUNS[name]
     final = writer.trainer(name, directory).fit(data(), steps=writer.STEPS, log_every=0)
     # restored, not trained again from step 0 (which ends with the same numbers)
@@ -51,10 +51,10 @@ def test_a_checkpoint_of_the_layout_before_roles_resumes_bit_for_bit(name, tmp_p
     for key, value in want.items():
         np.testing.assert_array_equal(got[key], value, err_msg=key, strict=True)
     assert int(final.step) == writer.STEPS and int(final.updates) == writer.STEPS
-    # the resumed run writes the current format; load_model reads both (a registered
+    # the resumed run writes the current layout; load_model reads both (a registered
     # model's checkpoints: the LM's)
     meta = json.loads((directory / "4" / "meta" / "metadata").read_text())
-    assert meta["format"] == FORMAT
+    assert meta["layout"] == LAYOUT
     if name != "lm":
         return
     new = load_model(directory, step=4, averaged=False)[1]
@@ -65,17 +65,18 @@ def test_a_checkpoint_of_the_layout_before_roles_resumes_bit_for_bit(name, tmp_p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_checkpoint_of_an_unknown_format_stops_before_compiling(tmp_path):
+def test_a_checkpoint_of_an_unknown_layout_stops_before_compiling(tmp_path):
     directory = old_run("lm", tmp_path)
     meta_file = directory / "2" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
-    meta_file.write_text(json.dumps({**meta, "format": 99}))
+    meta_file.write_text(json.dumps({**meta, "layout": 99}))
     trainer = writer.trainer("lm", directory)
-    with pytest.raises(CheckpointFormatError) as raised:
+    with pytest.raises(CheckpointLayoutError) as raised:
         trainer.fit(writer.lm_data(), steps=writer.STEPS, log_every=0)
     message = str(raised.value)
-    assert "has format 99" in message and f"reads checkpoint formats {list(READS)}" in message
+    assert "has layout version 99" in message
+    assert f"reads layout versions {list(READS)}" in message
     assert not trainer.programs.cache.update and not trainer.programs.cache.init
     assert (directory / "2").is_dir()  # a mistake, not damage: nothing set aside
-    with pytest.raises(CheckpointFormatError, match="has format 99"):
+    with pytest.raises(CheckpointLayoutError, match="has layout version 99"):
         load_model(directory)

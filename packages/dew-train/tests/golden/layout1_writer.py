@@ -1,12 +1,12 @@
 """Writes ``golden/layout1``: checkpoints in the layout of Dew before trained
-parameters were keyed by role (checkpoint format 2, written at commit b5d5b98), and
+parameters were keyed by role (layout 1: no ``layout`` in their meta; written at commit b5d5b98), and
 what that code's own continuation of each run ends with.
 
 Run once with that commit's code (``cd <checkout at b5d5b98> && uv run --locked python
 <this file> <out>``); ``test_layout_versions.py`` imports the objectives from here.
 Both runs are tiny: a one-layer causal LM with an EMA (one trained role: its tree
-unkeyed in format 2) and a two-role regression (``policy`` and ``value``: keyed in
-every format).
+unkeyed in layout 1) and a two-role regression (``policy`` and ``value``: keyed in
+every layout).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def lm_data():
 
 def two_roles_objective():
     """A linear policy and a linear value model, both trained (keyed by role in every
-    checkpoint format)."""
+    checkpoint layout)."""
     from dew.objectives import Objective, Role
 
     class TwoRoles(Objective):

@@ -13,7 +13,7 @@ from dew.train._loop import StepRecord, training_steps
 from dew.train._programs import Compiled, Programs
 from dew.train._run import NonFiniteError
 from dew.train.checkpoints import (
-    CheckpointFormatError,
+    CheckpointLayoutError,
     CheckpointMismatchError,
     Checkpoints,
     NoUsableCheckpointError,
@@ -48,7 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compiled",
-    "CheckpointFormatError",
+    "CheckpointLayoutError",
     "CheckpointMismatchError",
     "DEFAULT_HOOKS",
     "Checkpointing",

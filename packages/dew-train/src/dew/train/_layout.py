@@ -1,20 +1,19 @@
-"""The layout of a checkpoint's state tree, by its format (the ``format`` of its
-meta), and the reader of the layouts before this one.
+"""The layout of a checkpoint's state tree: its version (the ``layout`` of its meta,
+beside the ``format`` of its files), and the reader of the layouts before this one.
 
 ====== ===================================================================
-format what it records
+layout the state's tree
 ====== ===================================================================
-1      (no ``format`` in its meta) the state, without checksums
-2      with a checksum of every array (:mod:`dew.train._integrity`)
-3      the trained parameters keyed by role whatever their number
-       (``params/<role>/...``, ``averaged/<role>/...``, the optimizer state's
-       parameter trees, ``frozen/lora_base/<role>/...``)
+1      (no ``layout`` in its meta) the trained parameters of an objective with one
+       trained role unkeyed (``params/<path>``), keyed by role with several
+2      keyed by role whatever their number (``params/<role>/...``,
+       ``averaged/<role>/...``, the optimizer state's parameter trees,
+       ``frozen/lora_base/<role>/...``)
 ====== ===================================================================
 
-Formats 1 and 2 kept the tree of an objective with one trained role unkeyed
-(``params/<path>``): :func:`disk_layout` gives the tree to restore such a
-checkpoint into, :func:`run_layout` puts what it read back in this run's layout,
-array for array, so it resumes bit for bit.
+:func:`disk_layout` gives the tree to restore a layout-1 checkpoint into,
+:func:`run_layout` puts what it read back in this run's layout, array for array, so
+it resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -23,30 +22,28 @@ import jax
 
 from dew.train._restore import CheckpointMismatchError
 
-FORMAT = 3
-"""The format this Dew writes."""
-READS = (1, 2, 3)
-"""The formats this Dew reads."""
-ROLE_KEYED = 3
-"""The first format whose trained parameters are keyed by role whatever their number."""
+LAYOUT = 2
+"""The layout this Dew writes: trained parameters keyed by role whatever their number."""
+READS = (1, 2)
+"""The layouts this Dew reads."""
 
 
-class CheckpointFormatError(CheckpointMismatchError):
-    """A checkpoint's format is not one this Dew reads (a newer Dew wrote it)."""
+class CheckpointLayoutError(CheckpointMismatchError):
+    """A checkpoint's layout version is not one this Dew reads (a newer Dew wrote it)."""
 
 
-def format_of(path: str, meta: dict) -> int:
-    """The format of the checkpoint at ``path`` (its ``meta``); raises
-    :class:`CheckpointFormatError` for one this Dew does not read."""
-    format = meta.get("format", 1)
-    if format not in READS:
-        raise CheckpointFormatError(
-            f"checkpoint {path} has format {format!r}, which this Dew does not read: it "
-            f"reads checkpoint formats {list(READS)} (dew.train._layout). A newer Dew "
+def layout_of(path: str, meta: dict) -> int:
+    """The layout version of the checkpoint at ``path`` (its ``meta``; 1 when it
+    records none); raises :class:`CheckpointLayoutError` for one this Dew does not read."""
+    layout = meta.get("layout", 1)
+    if layout not in READS:
+        raise CheckpointLayoutError(
+            f"checkpoint {path} has layout version {layout!r}, which this Dew does not "
+            f"read: it reads layout versions {list(READS)} (dew.train._layout). A newer Dew "
             f"wrote it: resume it with that version, or point Checkpoints at another "
             f"directory"
         )
-    return format
+    return layout
 
 
 def _one_role(saved: dict) -> str | None:
@@ -55,14 +52,13 @@ def _one_role(saved: dict) -> str | None:
     return next(iter(params)) if isinstance(params, dict) and len(params) == 1 else None
 
 
-def disk_layout(saved: dict, format: int) -> dict:
+def disk_layout(saved: dict, layout: int) -> dict:
     """``saved`` (this run's tree as :func:`dew.train._saved_tree.to_saved` writes it)
-    in the layout of a checkpoint of ``format``: for a format before
-    :data:`ROLE_KEYED` and a run with one trained role, that role's key taken out of
-    ``params``, ``averaged``, the optimizer state's parameter trees and
+    in ``layout``: in layout 1, for a run with one trained role, that role's key
+    taken out of ``params``, ``averaged``, the optimizer state's parameter trees and
     ``frozen['lora_base']``; else ``saved`` itself."""
     role = _one_role(saved)
-    if format >= ROLE_KEYED or role is None:
+    if layout >= LAYOUT or role is None:
         return saved
 
     def keyed(node) -> bool:

@@ -12,7 +12,7 @@ import jax
 
 from dew.train._checkpoint_dirs import incomplete_because, read_text, step_dirs
 from dew.train._integrity import read_recorded, verify
-from dew.train._layout import ROLE_KEYED, format_of
+from dew.train._layout import LAYOUT, layout_of
 from dew.train._restore import quiet_orbax
 
 
@@ -98,8 +98,8 @@ def _role_place(path: str, meta: dict, role: str | None, averaged: bool | None):
                 f"['(one unnamed model: pass role=None)']"
             )
         return meta.get("model"), (field,), None
-    # before format 3 (dew.train._layout), one trained role's tree was not keyed
-    keyed = format_of(path, meta) >= ROLE_KEYED
+    # in layout 1 (dew.train._layout), one trained role's tree was not keyed
+    keyed = layout_of(path, meta) >= LAYOUT
     trained = _trained(roles)
     if role is None:  # the trained parameters: one role's tree, or all of them by role
         first = roles[trained[0]]

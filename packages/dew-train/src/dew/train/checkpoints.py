@@ -73,7 +73,13 @@ from dew.train._checkpoint_dirs import (
 )
 from dew.train._integrity import read_recorded, verify
 from dew.train._integrity import save_args as checksums_save_args
-from dew.train._layout import FORMAT, CheckpointFormatError, disk_layout, format_of, run_layout
+from dew.train._layout import (
+    LAYOUT,
+    CheckpointLayoutError,
+    disk_layout,
+    layout_of,
+    run_layout,
+)
 from dew.train._load_model import load_model
 from dew.train._position import (
     _Position,
@@ -98,7 +104,7 @@ from dew.train._saved_tree import from_saved, is_typed_key, to_saved
 from dew.train.state import TrainState
 
 __all__ = [
-    "CheckpointFormatError",
+    "CheckpointLayoutError",
     "CheckpointMismatchError",
     "CheckpointSession",
     "Checkpoints",
@@ -109,7 +115,7 @@ __all__ = [
 ]
 
 ITEMS = ("state", "data_iter", "meta", "checksums")
-# FORMAT (dew.train._layout): 2 with checksums of every array, 3 params keyed by role
+FORMAT = 2  # 2: with checksums of every array (dew.train._integrity)
 
 
 @check_keywords
@@ -367,7 +373,7 @@ class CheckpointSession:
         meta = json.loads(read_text(os.path.join(path, "meta", "metadata")))
         # this run's tree, and the same in the checkpoint's layout (an earlier format's)
         run_abstract = to_saved(abstract, shardings=shardings)
-        saved_abstract = disk_layout(run_abstract, format_of(path, meta))
+        saved_abstract = disk_layout(run_abstract, layout_of(path, meta))
         state_dir = os.path.join(path, "state")
         with ocp.StandardCheckpointer() as checkpointer:
             saved = getattr(checkpointer.metadata(state_dir), "item_metadata", None)
@@ -493,6 +499,7 @@ class CheckpointSession:
         meta = {
             **meta,
             "format": FORMAT,
+            "layout": LAYOUT,  # dew.train._layout
             "step": step,
             "data": "position" if position is not None else "fast-forward",
         }

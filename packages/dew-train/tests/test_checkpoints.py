@@ -253,9 +253,10 @@ def test_checkpoint_of_another_model_names_the_parameters(run, tmp_path):
     before = listing(tmp_path)
     with pytest.raises(
         CheckpointMismatchError,
-        match=r"does not match this run's model .*: 'params/policy/embed/embedding' has shape "
-        r"\(32, 16\) in the checkpoint and \(32, 24\) in this run; 'params/policy/final_norm/scale' "
-        r"has shape \(16,\) in the checkpoint and \(24,\) in this run; .* and \d+ more",
+        match=r"does not match this run's model .*: 'params/policy/embed/embedding' has "
+        r"shape \(32, 16\) in the checkpoint and \(32, 24\) in this run; "
+        r"'params/policy/final_norm/scale' has shape \(16,\) in the checkpoint and \(24,\) in "
+        r"this run; .* and \d+ more",
     ) as error:
         make_trainer(tmp_path, emb=24).fit(grain_data(), steps=STEPS)
     assert not isinstance(error.value, OptimizerMismatchError)
@@ -633,8 +634,9 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
         .restore(abstract, shardings, root_key=jax.random.key(0))
     )
     assert lines == [
-        f"Skipping checkpoint {tmp_path}/2: it is damaged: array 'params/policy/w' (shard [0:8192]) "
-        f"does not match the checksum saved with it (xxh3-128-v1 {xxh3_of(saved)} saved, "
+        f"Skipping checkpoint {tmp_path}/2: it is damaged: array 'params/policy/w' "
+        f"(shard [0:8192]) does not match the checksum saved with it "
+        f"(xxh3-128-v1 {xxh3_of(saved)} saved, "
         f"{xxh3_of(read)} read back); kept as {tmp_path}/2.unusable, nothing deleted"
     ]
     assert restored.step == 1

@@ -1,6 +1,6 @@
 """Writes ``golden/layout1``: checkpoints in the layout of Dew before trained
-parameters were keyed by role (layout 1: no ``layout`` in their meta; written at commit b5d5b98), and
-what that code's own continuation of each run ends with.
+parameters were keyed by role (layout 1: no ``layout`` in their meta; written at
+commit b5d5b98), and what that code's own continuation of each run ends with.
 
 Run once with that commit's code (``cd <checkout at b5d5b98> && uv run --locked python
 <this file> <out>``); ``test_layout_versions.py`` imports the objectives from here.

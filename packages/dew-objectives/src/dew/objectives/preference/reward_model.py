@@ -42,7 +42,7 @@ from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
-from dew.objectives.cores.policy import CausalPolicy
+from dew.objectives.cores.policy import CausalPolicy, causal_policy
 from dew.objectives.preference.losses import bradley_terry_losses
 
 KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask")
@@ -157,7 +157,9 @@ class RewardModelObjective(Objective):
     @functools.cached_property
     def backbone(self) -> CausalPolicy:
         """The backbone's token checks and tokenizer."""
-        return CausalPolicy(model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer)
+        return causal_policy(
+            model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer
+        )
 
     @functools.cached_property
     def reward_model(self) -> CausalRewardModel:

@@ -89,6 +89,12 @@ def keeps_average(objective: Objective, roles: tuple[Role, ...]) -> bool:
     return objective.ema is not None or any(r.averages is not None for r in roles)
 
 
+def evaluates_averaged(objective: Objective, roles: tuple[Role, ...]) -> bool:
+    """Evaluation, previews and exports read the moving average: the objective keeps
+    one and evaluates with it (``Objective.evaluate_averaged``)."""
+    return bool(objective.evaluate_averaged and keeps_average(objective, roles))
+
+
 def relations_record(role: Role) -> dict[str, Any]:
     """A role's declared relations as a checkpoint records them."""
     record: dict[str, Any] = {}

@@ -11,6 +11,7 @@ every layout).
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import sys
 from pathlib import Path
@@ -26,33 +27,28 @@ BATCH = 4
 
 
 def lm_objective():
-    from dew.nn import models
+    from dew.nn.testing import tiny_lm
     from dew.objectives import EMA
     from dew.objectives.lm import LMObjective
 
-    model = models.build(
-        "causal_transformer",
-        vocab_size=16,
-        emb_features=8,
-        num_layers=1,
-        num_heads=2,
-        mlp_features=16,
-        max_seq_len=8,
-    )
+    small = dict(vocab_size=16, emb_features=8, num_layers=1, num_kv_heads=None)
+    model = tiny_lm(**small, num_heads=2, mlp_features=16, max_seq_len=8)
     return LMObjective(model=model, seq_len=8, ema=EMA(decay=0.9))
 
 
-def lm_data():
+def stream(batch_at):
+    """An endless deterministic stream: batch ``i`` is ``batch_at(i)``."""
     from dew.data import Dataset
 
-    def train(partition):
-        step = 0
-        while True:
-            rng = np.random.default_rng(step)
-            yield {"text": rng.integers(0, 16, (BATCH, 9), dtype=np.int32)}
-            step += 1
-
+    train = lambda partition: map(batch_at, itertools.count())  # noqa: E731
     return Dataset(train=train, val=None, records=10**6, batch=BATCH)
+
+
+def lm_data():
+    def batch_at(step):
+        return {"text": np.random.default_rng(step).integers(0, 16, (BATCH, 9), dtype=np.int32)}
+
+    return stream(batch_at)
 
 
 def two_roles_objective():
@@ -87,17 +83,11 @@ def two_roles_objective():
 
 
 def two_roles_data():
-    from dew.data import Dataset
+    def batch_at(step):
+        x = np.random.default_rng(step).normal(size=(BATCH, 3)).astype(np.float32)
+        return {"x": x, "y": np.stack([x.sum(1), x[:, 0]], 1).astype(np.float32)}
 
-    def train(partition):
-        step = 0
-        while True:
-            rng = np.random.default_rng(step)
-            x = rng.normal(size=(BATCH, 3)).astype(np.float32)
-            yield {"x": x, "y": np.stack([x.sum(1), x[:, 0]], 1).astype(np.float32)}
-            step += 1
-
-    return Dataset(train=train, val=None, records=10**6, batch=BATCH)
+    return stream(batch_at)
 
 
 RUNS = {"lm": (lm_objective, lm_data), "two_roles": (two_roles_objective, two_roles_data)}

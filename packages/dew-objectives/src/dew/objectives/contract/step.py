@@ -130,9 +130,10 @@ class EMA:
       Flow-GRPO) use it; a JEPA target's momentum does not.
     warmup_steps: ramp the decay linearly from 0 to ``decay`` over this many
       updates so early averages follow the weights; 0 = no ramp.
-    include: ``include(path) -> bool`` over '/'-joined parameter paths
-      (``"layers/mlp/up/kernel"``); None averages every parameter. Leaves
-      not included hold the live values in ``TrainState.averaged``.
+    include: ``include(path) -> bool`` over '/'-joined parameter paths inside each
+      trained role (``"layers/mlp/up/kernel"``, without the role's key); None
+      averages every parameter. Leaves not included hold the live values in
+      ``TrainState.averaged``.
     """
 
     decay: float | Callable[[jax.Array], jax.Array] = 0.999

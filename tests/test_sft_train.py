@@ -51,7 +51,7 @@ def reference(batch):
     model = CausalTransformer(**CONFIG)
     objective = LMObjective(model=model, seq_len=SEQ, **KEYS)
     k_init, _ = jax.random.split(jax.random.key(0))
-    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]
+    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]["policy"]
 
     def loss(p):
         cut = {k: v[:, :-1] for k, v in batch.items()}

@@ -80,3 +80,20 @@ def test_a_checkpoint_of_an_unknown_layout_stops_before_compiling(tmp_path):
     assert (directory / "2").is_dir()  # a mistake, not damage: nothing set aside
     with pytest.raises(CheckpointLayoutError, match="has layout version 99"):
         load_model(directory)
+
+
+def test_an_init_whose_params_are_not_keyed_by_role_is_refused_before_compiling():
+    import optax
+
+    from dew.objectives.lm import LMObjective
+    from dew.train import Trainer
+
+    class Unkeyed(LMObjective):  # the layout before: one trained role's tree as it is
+        def init(self, key, spec=None):
+            return {"params": super().init(key, spec)["params"]["policy"]}
+
+    lm = writer.lm_objective()
+    trainer = Trainer(Unkeyed(model=lm.model, seq_len=8), optax.sgd(0.1), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"Unkeyed.init returned params \['embed', .*keyed by "):
+        trainer.state_shardings()
+    assert not trainer.programs.cache.init

@@ -18,8 +18,11 @@ From the repository root (``uv run`` installs what it needs; nothing besides Dew
 
 ``--method`` picks a method of the GRPO family by name (issue 43): ``grpo``
 (the default), ``gspo`` (``importance_sampling_level="sequence"``, the paper's
-clip 3e-4 / 4e-4), ``rloo`` (``advantage_estimator="rloo"``, unscaled) or
-``reinforce`` (``advantage_estimator="reinforce"``, REINFORCE++).
+clip 3e-4 / 4e-4), ``rloo`` (``advantage_estimator="rloo"``, unscaled),
+``rloo_trl`` (RLOO's loss as TRL's ``RLOOTrainer``: also
+``importance_sampling_level="sequence-sum"``, ``loss_aggregation="sequence-mean"``,
+``kl_penalty="reward"``) or ``reinforce`` (``advantage_estimator="reinforce"``,
+REINFORCE++).
 
 Elsewhere: ``pip install dew-jax`` (packages/dew/README.md), then
 ``python examples/grpo_arithmetic.py``.
@@ -82,13 +85,21 @@ SUMS = [(a, b) for a in range(10) for b in range(10) if a + b < 10]
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--iterations", type=int, default=100)
-parser.add_argument("--method", choices=("grpo", "gspo", "rloo", "reinforce"), default="grpo")
+METHODS = ("grpo", "gspo", "rloo", "rloo_trl", "reinforce")
+parser.add_argument("--method", choices=METHODS, default="grpo")
 args = parser.parse_args()
 iterations = args.iterations
 METHOD = {
     "grpo": {},
     "gspo": dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
     "rloo": dict(advantage_estimator="rloo", scale_rewards="none"),
+    "rloo_trl": dict(
+        advantage_estimator="rloo",
+        scale_rewards="none",
+        importance_sampling_level="sequence-sum",
+        loss_aggregation="sequence-mean",
+        kl_penalty="reward",
+    ),
     "reinforce": dict(advantage_estimator="reinforce"),
 }[args.method]
 
@@ -116,10 +127,9 @@ objective = GRPOObjective(
     end_ids=(tokenizer.end_id,),
     pad_id=tokenizer.pad_id,
     beta=0.0,  # from scratch: no reference worth staying near
-    loss_aggregation="token-mean",
     prepared_updates=Updates(epochs=2),
     tokenizer=tokenizer,
-    **METHOD,
+    **{"loss_aggregation": "token-mean", **METHOD},
 )
 trainer = Trainer(
     objective,

@@ -116,6 +116,7 @@ def run_dew(
     objective = LMObjective(model=model, seq_len=s["seq"])
     optimizer = optax.adamw(3e-4)
     planned = None
+    started = time.perf_counter()
     if with_plan:
         planned = plan(objective, optimizer, mesh=MeshSpec(),
                        batch={"text": ((s["batch"], s["seq"] + 1), jnp.int32)})  # fmt: skip
@@ -123,20 +124,23 @@ def run_dew(
     data = Dataset(train=lambda p: ({"text": x} for x in itertools.cycle(r)), val=None,
                    records=4 * s["batch"], batch=s["batch"])  # fmt: skip
     trainer = Trainer(objective, optimizer, key=jax.random.key(0), progress=False)
-    marks = {}
+    marks = {"plan_s": time.perf_counter() - started}
 
     def clock(info):
         if info.step == 1:
             jax.block_until_ready(info.state.params)
             marks["t"] = time.perf_counter()
+            marks["first_step_s"] = marks["t"] - started
 
     trainer.add_hook(clock, name="bench clock")
+    started = time.perf_counter()
     state = trainer.fit(data, steps=steps, log_every=0)
     jax.block_until_ready(state.params)
     seconds = (time.perf_counter() - marks["t"]) / (steps - 1)
+    times = {k: marks[k] for k in ("plan_s", "first_step_s")}
     if planned is None:
-        return seconds, float("nan"), float("nan")
-    return seconds, planned.temporary_bytes, planned.peak_bytes
+        return seconds, float("nan"), float("nan"), times
+    return seconds, planned.temporary_bytes, planned.peak_bytes, times
 
 
 def run_hand(s: dict, steps: int, remat: str, splash: bool, param_dtype: str):
@@ -257,9 +261,10 @@ def one(a) -> dict:
     )
     try:
         if a.side == "dew":
-            sec, temp, peak = run_dew(
+            sec, temp, peak, times = run_dew(
                 s, a.steps, a.remat, a.kernel, a.param_dtype, a.stack, not a.no_plan
             )
+            res.update(times)
         else:
             sec, temp, peak = run_hand(s, a.steps, a.remat, a.side == "splash", a.param_dtype)
         res.update(step_s=sec, tokens_per_s=s["batch"] * s["seq"] / sec,
@@ -362,9 +367,9 @@ def main() -> None:
         "--stack",
         choices=["default", "scan", "straight", "loop"],
         default="default",
-        help="Dew's layer stack: its default (straight on an accelerator), the scanned "
-        "[layers, ...] parameters run as one compiled loop or straight, or a loop of "
-        "layer_{i} blocks",
+        help="Dew's layer stack: its default (one compiled loop), the scanned "
+        "[layers, ...] parameters run as one compiled loop or straight (a compile of "
+        "minutes), or a loop of layer_{i} blocks",
     )
     p.add_argument("--no-plan", action="store_true", help="Dew: skip plan's compile")
     a = p.parse_args()

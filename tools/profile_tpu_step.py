@@ -6,12 +6,14 @@ jitted step and through `Trainer.fit`, summed per operation from the trace.
 
 Each argument is a run: ``hand_*`` the model in the plain loop's step, ``fit_*`` the
 same model through ``Trainer.fit``; the stack ``loop`` (``use_scan=False``), ``scan``
-(``unroll_layers=False``: one compiled loop), ``straight`` (the scanned parameters run
-layer after layer, the accelerators' default); ``norms`` times ways of taking the
-global norm of the parameter tree. Prints, per run, the step time, the device's idle
-time between steps and the operations that take the most time per step; traces and
-the hand step's compiled HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a
-tiny model (a CPU check of the script). docs/performance.md, "On a TPU v5e chip"."""
+(``unroll_layers=False``: one compiled loop, the default), ``straight`` (the scanned
+parameters run layer after layer), ``unrolled`` (``nn.scan`` unrolled ``num_layers``
+times); a ``hand_*`` run takes a guard suffix (``hand_loop_cond``, see :func:`hand`);
+``norms`` times ways of taking the global norm of the parameter tree. Prints, per
+run, the step time, the device's idle time between steps and the operations that
+take the most time per step; traces and the hand step's compiled HLO go to ``$OUT``
+(default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check of the script).
+docs/performance.md, "On a TPU v5e chip"."""
 
 import glob
 import gzip
@@ -102,7 +104,14 @@ def params_of(model):
     return jax.tree.map(lambda a: getattr(a, "value", a), p, is_leaf=lambda a: hasattr(a, "value"))
 
 
-def hand(name, **kw):
+def hand(name, guard="none", **kw):
+    """guard: how the update is kept from non-finite values: ``none`` (the plain
+    loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
+    under ``lax.cond``), ``select`` (the same predicate, a select per leaf), ``loss``
+    (the loss's finiteness alone, a select per leaf fused into the update; the
+    gradient norm still computed), ``loss_nonorm`` (the same without the norm)."""
+    from dew.train.step import tree_norm
+
     model = models.build("causal_transformer", **S, **kw)
     params = params_of(model)
     opt = optax.adamw(3e-4)
@@ -114,8 +123,22 @@ def hand(name, **kw):
 
     def step(p, o, t):
         loss, g = jax.value_and_grad(loss_fn)(p, t)
-        u, o = opt.update(g, o, p)
-        return optax.apply_updates(p, u), o, loss
+        if guard == "none":
+            u, o = opt.update(g, o, p)
+            return optax.apply_updates(p, u), o, loss
+        norm = tree_norm(g, fused=True) if guard != "loss_nonorm" else jnp.zeros(())
+        ok = jnp.isfinite(loss) & (jnp.isfinite(norm) if guard in ("cond", "select") else True)
+
+        def apply(po):
+            u, o2 = opt.update(g, po[1], po[0])
+            return optax.apply_updates(po[0], u), o2
+
+        if guard == "cond":
+            p, o = jax.lax.cond(ok, apply, lambda po: po, (p, o))
+        else:
+            new = apply((p, o))
+            p, o = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (p, o))
+        return p, o, loss + 0 * norm
 
     t0 = time.time()
     c = jax.jit(step, donate_argnums=(0, 1)).lower(params, ost, toks[0]).compile()
@@ -156,6 +179,7 @@ def fit(name, **kw):
         if info.step == 1:
             jax.block_until_ready(info.state.params)
             marks["t"] = time.perf_counter()
+            marks["first"] = marks["t"] - marks["start"]
         if info.step == 11:
             jax.block_until_ready(info.state.params)
             marks["dt"] = (time.perf_counter() - marks["t"]) / 10
@@ -165,8 +189,10 @@ def fit(name, **kw):
             jax.profiler.stop_trace()
 
     trainer.add_hook(hook, name="diag")
+    marks["start"] = time.perf_counter()
     trainer.fit(data, steps=18, log_every=0)
-    print(json.dumps(dict(name=name, step_ms=marks["dt"] * 1e3)), flush=True)
+    print(json.dumps(dict(name=name, step_ms=marks["dt"] * 1e3, first_step_s=marks["first"])),
+          flush=True)  # fmt: skip
     summarize(d, name, 5)
 
 
@@ -199,10 +225,23 @@ for w in which:
     if w == "norms":
         norms()
         continue
-    kind, stack = w.split("_")
+    kind, stack, *guard = w.split("_", 2)
     kw = dict(use_scan=stack != "loop")
-    if stack == "scan":
-        kw["unroll_layers"] = False
+    if guard:
+        kw["guard"] = guard[0]
+    if stack in ("scan", "straight"):
+        kw["unroll_layers"] = stack == "straight"
+    if stack == "unrolled":  # nn.scan unrolled num_layers times (no option names it)
+        import dataclasses
+
+        from dew.nn.backbones._options import StackOptions
+
+        StackOptions.built_layer_stack = getattr(
+            StackOptions, "built_layer_stack", StackOptions.layer_stack
+        )
+        StackOptions.layer_stack = lambda self: dataclasses.replace(
+            StackOptions.built_layer_stack(self), unroll=self.num_layers, straight=False
+        )
     try:
         (hand if kind == "hand" else fit)(w, **kw)
     except Exception as e:  # noqa: BLE001

@@ -12,7 +12,16 @@ import pytest
 
 from dew.nn import CausalTransformer
 from dew.objectives import Step
-from dew.objectives.cores.rewards import RewardError, TextReward, TokenReward
+from dew.objectives.cores.rewards import (
+    HostImageReward,
+    ImageReward,
+    ImageRewards,
+    Reward,
+    RewardError,
+    Rewards,
+    TextReward,
+    TokenReward,
+)
 from dew.objectives.cores.rollouts import rollout_logprobs
 from dew.objectives.rl.grpo import GRPOObjective, group_advantages
 from dew.sampling import Sampling
@@ -399,6 +408,49 @@ def test_gspo_loss_is_the_sequence_ratio_clipped_per_completion(params, prepared
     assert 0 < np.mean(clipped) < 1
 
 
+def test_rloo_as_trl_through_prepare_finish_and_the_loss(params, prepared):
+    """RLOO with TRL's loss on the model's own rollout: the advantages of the rewards
+    less beta times the rollout's summed k1, the loss of the completions' probability
+    ratios (no k3 term), ``kl`` the rollout's k1 per token, ``reward`` without the
+    penalty; against numpy."""
+    variables, first, batch = prepared
+    beta, eps = 0.05, 0.2
+    obj = objective(
+        beta=beta,
+        advantage_estimator="rloo",
+        scale_rewards="none",
+        importance_sampling_level="sequence-sum",
+        kl_penalty="reward",
+    )
+    step = Step(index=jnp.int32(1), key=KEY)
+    merged = {**first, **OBJ.prepare_host(first)}
+    out = jax.jit(obj.prepare_finish)(variables, merged, step)
+    mask = np.asarray(batch["completion_mask"], np.float64)
+    logp = np.asarray(batch["old_logps"], np.float64)  # the policy's own: prepare's weights
+    k1 = (logp - np.asarray(batch["ref_logps"], np.float64)) * mask
+    reward = np.asarray(batch["reward"], np.float64)
+    groups = (reward - beta * k1.sum(1)).reshape(-1, G)
+    want = (groups - (groups.sum(1, keepdims=True) - groups) / (G - 1)).reshape(-1)
+    np.testing.assert_allclose(out["advantages"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["reward"], reward, rtol=1e-6)
+    # an off-policy update: each completion's log-ratio shifted, some past the clip
+    shift = np.linspace(-0.5, 0.5, mask.shape[0])
+    moved = {
+        **out,
+        "old_logps": out["old_logps"]
+        - (shift[:, None] * mask / mask.sum(1, keepdims=True)).astype(np.float32),
+    }
+    loss, metrics = jax.jit(obj.loss)(variables, moved, step)
+    s = np.exp(shift)  # the completions' probability ratios
+    a = np.asarray(out["advantages"], np.float64)
+    per_row = np.maximum(-a * s, -a * np.clip(s, 1 - eps, 1 + eps))
+    np.testing.assert_allclose(float(loss.value), per_row.mean(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(metrics["kl"].value), k1.sum() / mask.sum(), rtol=1e-5)
+    clipped = ((s < 1 - eps) & (a < 0)) | ((s > 1 + eps) & (a > 0))
+    np.testing.assert_allclose(float(metrics["clip_fraction"].value), clipped.mean())
+    assert 0 < clipped.mean() < 1
+
+
 def test_method_names_are_listed_when_wrong():
     with pytest.raises(ValueError, match=r"advantage_estimator must be one of .*'rloo'.*got 'gae'"):
         objective(advantage_estimator="gae")
@@ -471,3 +523,35 @@ def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
     other = CausalRewardModel.of(CausalTransformer(**{**TINY, "vocab_size": 32}))
     with pytest.raises(ValueError, match="vocabulary has 32 ids, the policy's 16"):
         objective(reward_model=other, reward_model_params=reward_params)
+
+
+def test_one_reward_type_for_tokens_text_and_images():
+    """Every kind is a Reward (jitted, or host=True); a plain callable is a host one; the
+    same Reward objects score completions and images, in the order given."""
+    kinds = [
+        TokenReward(fn=sevens),
+        TextReward(fn=len, name="chars"),
+        ImageReward(fn=sevens, name="image", pixels=False),
+        HostImageReward(fn=len, name="host_image"),
+    ]
+    assert [type(r) for r in kinds] == [Reward] * 4
+    assert [r.host for r in kinds] == [False, True, False, True]
+    assert [r.host for r in Rewards.of([len, kinds[0]]).items] == [True, False]
+
+    points = np.linspace(-1, 1, 10, dtype=np.float32).reshape(5, 2)  # 2-D samples
+    rewards = ImageRewards.of(
+        [
+            Reward(fn=lambda images: images.sum(1), name="host_sum", host=True, pixels=False),
+            Reward(fn=lambda x, batch: x[:, 0] * batch["w"], name="first", pixels=False),
+            Reward(fn=lambda images: images[:, 1], name="pixel", host=True),
+        ]
+    )
+    jitted = rewards.compiled_values(jnp.asarray(points), {"w": 2.0})
+    got = rewards.host_stage(points, jitted, {}, group_size=5)
+    pixels = np.clip(np.round((points + 1) * 127.5), 0, 255)
+    want = np.stack([points.sum(1), 2 * points[:, 0], pixels[:, 1]], axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(
+        RewardError, match=r"host image reward 'host_sum' returned nan for sample 2"
+    ):
+        rewards.host_stage(np.where(points == points[2, 0], np.nan, points), jitted, {}, 5)

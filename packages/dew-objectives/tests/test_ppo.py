@@ -20,6 +20,7 @@ from dew.objectives.cores.rl import check_first_update, clipped_policy_loss
 from dew.objectives.cores.rollouts import Rollout
 from dew.objectives.rl.ppo import (
     PPOObjective,
+    evaluate_rollout,
     explained_variance,
     gae,
     in_chunks,
@@ -193,7 +194,7 @@ def prepared(request):
     step = Step(index=jnp.int32(0), key=jax.random.key(7))
     batch = {"prompt": PROMPT, "prompt_mask": PROMPT_MASK}
     out = jax.device_get(jax.jit(ppo.prepare)(variables, batch, step))
-    fns = dict(loss=jax.jit(ppo.loss), evaluate=jax.jit(ppo.evaluate_rollout))
+    fns = dict(loss=jax.jit(ppo.loss), evaluate=jax.jit(functools.partial(evaluate_rollout, ppo)))
     return ppo, variables, out, fns
 
 

@@ -3,7 +3,9 @@
 Tiny random models made by transformers itself, one per family; Dew loads
 them with ``Pretrained.load`` and must give the same logits (within 1e-4),
 the same greedy tokens as ``generate`` (a batch of different-length prompts,
-left-padded), and checkpoints that transformers reads back exactly.
+left-padded), and checkpoints that transformers reads back exactly; and each
+family's ``...ForSequenceClassification`` with one label as Dew's reward model, read
+and written with the same scores (issue 43).
 Run by the ``parity`` nox session, which installs torch and transformers.
 """
 
@@ -19,6 +21,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dew.nn.rope import RopeScaling  # noqa: E402
+from dew.objectives.preference.reward_model import (  # noqa: E402
+    CausalRewardModel,
+    load_hf_reward_model,
+    save_hf_reward_model,
+)
 from dew.sampling import Pretrained, Sampling, generate  # noqa: E402
 
 SIZES = dict(
@@ -317,3 +324,56 @@ def test_dew_model_with_dense_layers_saved_as_qwen3_moe_reads_in_transformers(ti
     tokens = np.random.default_rng(2).integers(0, 64, (2, 20))
     ours = model.apply({"params": params}, jnp.asarray(tokens, jnp.int32))
     np.testing.assert_allclose(np.asarray(ours), hf_logits(hf, tokens), atol=TOLERANCE, rtol=0)
+
+
+# A reward model (issue 43): each family's ...ForSequenceClassification with one label
+def classifier(model_cls):
+    return model_cls.replace("ForCausalLM", "ForSequenceClassification").replace(
+        "GPT2LMHeadModel", "GPT2ForSequenceClassification"
+    )
+
+
+def right_padded_rows(pad_id):
+    """Right-padded rows of 3..12 real ids (never the pad id), and their mask."""
+    ids = np.random.default_rng(0).integers(1, 64, (4, 12))
+    mask = np.arange(12)[None] < np.array([12, 3, 7, 9])[:, None]
+    return np.where(mask, ids, pad_id), mask
+
+
+def hf_scores(model, ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask.astype(np.int64)))
+    return out.logits[:, 0].numpy()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_reward_model_round_trip(name, tmp_path):
+    """A tiny random classifier saved by transformers loads into Dew's
+    ``CausalRewardModel`` with the same scores on right-padded rows (the score read at
+    each row's last real token, as transformers finds it from ``pad_token_id``), and
+    Dew's save loads back into transformers with the same scores: every causal family
+    Dew reads, the mixtures of experts and Mistral's sliding window included."""
+    config_cls, model_cls, options = FAMILIES[name]
+    pad = 0
+    config = getattr(transformers, config_cls)(
+        **options, num_labels=1, pad_token_id=pad, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    hf = randomize(getattr(transformers, classifier(model_cls))(config), seed=1).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ids, mask = right_padded_rows(pad)
+    want = hf_scores(hf, ids, mask)
+    assert np.ptp(want) > 0.1
+
+    model, params = load_hf_reward_model(tmp_path / "hf")
+    assert isinstance(model, CausalRewardModel)
+    # the family's own parts were read, not a dense stand-in
+    experts = options.get("num_experts", options.get("num_local_experts", 0))
+    assert (model.num_experts, model.sliding_window) == (experts, options.get("sliding_window"))
+    got = np.asarray(model.apply({"params": params}, ids.astype(np.int32), mask))
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=TOLERANCE)
+
+    family = json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
+    save_hf_reward_model(tmp_path / "dew", model, params, family=family, pad_id=pad)
+    back = getattr(transformers, classifier(model_cls)).from_pretrained(tmp_path / "dew").eval()
+    np.testing.assert_allclose(hf_scores(back, ids, mask), want, atol=TOLERANCE, rtol=TOLERANCE)

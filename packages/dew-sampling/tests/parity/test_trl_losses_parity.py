@@ -1,6 +1,8 @@
 """Dew's post-training losses equal TRL's on the same log-probabilities
 (issue 43): GSPO (``GRPOTrainer`` with ``importance_sampling_level="sequence"``),
-RLOO's advantages (``RLOOTrainer._generate_and_score_completions``, from given rewards),
+RLOO's advantages with its KL penalty in the reward (``RLOOTrainer.
+_generate_and_score_completions``, from given rewards and log-probs) and its loss
+(``RLOOTrainer._compute_loss``),
 SimPO (``CPOTrainer(loss_type="simpo")``), ORPO (``ORPOTrainer``) and KTO
 (``KTOTrainer``) and the Bradley-Terry reward-model loss (``RewardTrainer``),
 loss and gradient with respect to the log-probs, to float32
@@ -29,7 +31,7 @@ from trl.trainer.rloo_trainer import RLOOTrainer  # noqa: E402
 from dew.nn import CausalTransformer  # noqa: E402
 from dew.objectives.cores.logprobs import kl_k3  # noqa: E402
 from dew.objectives.cores.rewards import TokenReward  # noqa: E402
-from dew.objectives.cores.rl import sequence_clipped_policy_loss  # noqa: E402
+from dew.objectives.cores.rl import policy_loss, sequence_clipped_policy_loss  # noqa: E402
 from dew.objectives.preference.losses import (  # noqa: E402
     bradley_terry_losses,
     kto_losses,
@@ -59,22 +61,50 @@ def stand_in(**attributes):
     return trainer
 
 
-def close(dew, trl_value):
-    np.testing.assert_allclose(np.asarray(dew), trl_value.detach().numpy(), rtol=RTOL, atol=ATOL)
+def close(dew, trl_value, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(dew), trl_value.detach().numpy(), rtol=RTOL, atol=atol)
+
+
+# six completions of 1 to 7 tokens and their advantages, for the clipped losses
+LENGTHS = np.array([7, 3, 1, 5, 2, 6])
+MASK = (np.arange(7)[None] < LENGTHS[:, None]).astype(np.float32)
+ADVANTAGES = np.array([1.0, -1.0, 0.5, -0.5, -2.0, 1.5], np.float32)
+
+
+def trl_loss_and_grad(compute_loss, trainer, logps, **inputs):
+    """``compute_loss`` (a TRL trainer's ``_compute_loss``) bound to ``trainer``, whose
+    model gives ``logps``, on the completions of MASK with ADVANTAGES and ``inputs``:
+    the loss and its gradient with respect to ``logps``."""
+    rows, tokens = logps.shape
+    torch_logps = torch.tensor(logps, requires_grad=True)
+    trainer._get_per_token_logps_and_entropies.return_value = (
+        torch_logps,
+        torch.zeros(rows, tokens),
+        None,
+    )
+    batch = dict(
+        prompt_ids=torch.zeros(rows, 1, dtype=torch.long),
+        prompt_mask=torch.ones(rows, 1),
+        completion_ids=torch.zeros(rows, tokens, dtype=torch.long),
+        completion_mask=torch.tensor(MASK),
+        advantages=torch.tensor(ADVANTAGES),
+        **{k: torch.tensor(v) for k, v in inputs.items()},
+    )
+    loss = compute_loss(trainer, None, batch)
+    loss.backward()
+    return loss, torch_logps.grad
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_gspo_equals_trl(beta):
-    rows, tokens = 6, 7
-    lengths = np.array([7, 3, 1, 5, 2, 6])
-    mask = (np.arange(tokens)[None] < lengths[:, None]).astype(np.float32)
+    rows, tokens = MASK.shape
+    mask, adv = MASK, ADVANTAGES
     logps = RNG.normal(-2.0, 0.5, (rows, tokens)).astype(np.float32)
     # sequence ratios exp(offset) inside and outside the paper's clip range
     offsets = np.array([6e-4, -6e-4, 1e-4, -1e-4, 8e-4, 2e-4])
     noise = RNG.normal(0, 1e-4, (rows, tokens))
     old = (logps - offsets[:, None] + noise - noise.mean(1, keepdims=True)).astype(np.float32)
     ref = (logps + RNG.normal(0, 0.2, (rows, tokens))).astype(np.float32)
-    adv = np.array([1.0, -1.0, 0.5, -0.5, -2.0, 1.5], np.float32)
     eps_low, eps_high = 3e-4, 4e-4  # the paper's
 
     def dew_loss(lp):
@@ -87,7 +117,6 @@ def test_gspo_equals_trl(beta):
 
     loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(logps))
 
-    torch_logps = torch.tensor(logps, requires_grad=True)
     trainer = stand_in(
         importance_sampling_level="sequence",
         loss_type="grpo",
@@ -101,24 +130,11 @@ def test_gspo_equals_trl(beta):
         _entropy_bonus_enabled=False,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None),
     )
-    trainer._get_per_token_logps_and_entropies.return_value = (
-        torch_logps,
-        torch.zeros(rows, tokens),
-        None,
+    want, want_grad = trl_loss_and_grad(
+        GRPOTrainer._compute_loss, trainer, logps, old_per_token_logps=old, ref_per_token_logps=ref
     )
-    inputs = dict(
-        prompt_ids=torch.zeros(rows, 1, dtype=torch.long),
-        prompt_mask=torch.ones(rows, 1),
-        completion_ids=torch.zeros(rows, tokens, dtype=torch.long),
-        completion_mask=torch.tensor(mask),
-        advantages=torch.tensor(adv),
-        old_per_token_logps=torch.tensor(old),
-        ref_per_token_logps=torch.tensor(ref),
-    )
-    want = GRPOTrainer._compute_loss(trainer, None, inputs)
-    want.backward()
     close(loss, want)
-    close(grad, torch_logps.grad)
+    close(grad, want_grad)
     # the paper's clip acts on some rows here, so the comparison covers it
     _, _, clipped = sequence_clipped_policy_loss(
         logps, old, mask, adv, epsilon_low=eps_low, epsilon_high=eps_high
@@ -126,35 +142,43 @@ def test_gspo_equals_trl(beta):
     assert 0 < float(jnp.mean(clipped)) < 1
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.05], ids=["no KL", "KL in the reward"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_rloo_advantages_equal_trl(normalize):
-    """GRPOObjective(advantage_estimator="rloo")'s prepare_finish and TRL's
-    RLOOTrainer on the same rewards of two weighted functions (G = 4, a group of equal
-    rewards among them); TRL's normalize_advantages is scale_rewards="batch". Without
-    a KL penalty: TRL subtracts beta * sum_t k1 from the rewards, Dew adds GRPO's k3
-    to the loss."""
+def test_rloo_advantages_equal_trl(normalize, beta):
+    """GRPOObjective(advantage_estimator="rloo", kl_penalty="reward")'s prepare_finish
+    and TRL's RLOOTrainer on the same rewards of two weighted functions (G = 4, a group
+    of equal rewards among them) and the same rollout and reference log-probs; TRL's
+    normalize_advantages is scale_rewards="batch". With beta > 0 both take beta sum_t
+    k1 of the rollout off each reward before the leave-one-out baseline."""
     prompts, group = 3, 4
     rows = prompts * group
     per_function = RNG.normal(0, 1, (rows, 2)).astype(np.float32)
     per_function[4:8] = (1.0, 0.5)  # the second prompt's completions score alike
     weights = (1.0, 0.5)
+    lengths = [3, 1, 2, 3] * prompts
+    mask = (np.arange(3)[None] < np.array(lengths)[:, None]).astype(np.float32)
+    old = (RNG.normal(-1.5, 0.5, (rows, 3)) * mask).astype(np.float32)
+    ref = (old + RNG.normal(0, 0.3, (rows, 3)) * mask).astype(np.float32)
     dew = GRPOObjective(
         model=CausalTransformer(
             vocab_size=16, emb_features=8, num_layers=1, num_heads=1, mlp_features=8, max_seq_len=8
         ),
         rewards=[TokenReward(fn=lambda c, m, b: c[:, 0], weight=w, name=f"r{w}") for w in weights],
         group_size=group,
-        beta=0.0,
+        beta=beta,
         advantage_estimator="rloo",
+        kl_penalty="reward",
         scale_rewards="batch" if normalize else "none",
     )
-    got = dew.prepare_finish(None, {"rewards": jnp.asarray(per_function)}, None)["advantages"]
+    rollout = dict(
+        rewards=per_function, old_logps=old, ref_logps=ref, completion_mask=mask.astype(bool)
+    )
+    got = dew.prepare_finish(None, jax.tree.map(jnp.asarray, rollout), None)["advantages"]
 
-    lengths = [3, 1, 2, 3] * prompts
     trainer = stand_in(
         num_generations=group,
         normalize_advantages=normalize,
-        beta=0.0,
+        beta=beta,
         reward_weights=torch.tensor(weights),
         reward_func_names=["r1", "r2"],
         reward_clip_range=None,
@@ -173,12 +197,61 @@ def test_rloo_advantages_equal_trl(normalize):
         ["x" * n for n in lengths],
     )
     trainer._calculate_rewards.return_value = torch.tensor(per_function)
-    trainer._get_per_token_logps_and_entropies.return_value = (torch.zeros(rows, 3), None, None)
+    trainer._get_per_token_logps_and_entropies.side_effect = [  # the policy's, the reference's
+        (torch.tensor(old), None, None),
+        (torch.tensor(ref), None, None),
+    ]
     with mock.patch("trl.trainer.rloo_trainer.gather_object", side_effect=lambda x: x):
         out = RLOOTrainer._generate_and_score_completions(trainer, [{"prompt": "q"}] * rows)
-    close(got, out["advantages"])
-    assert np.all(np.asarray(got)[4:8] == 0.0) != normalize  # the equal group: 0 before scaling
+    # float32 rounding of advantages of order 1 (an entry near 0 has no relative precision)
+    close(got, out["advantages"], atol=1e-6)
+    if not beta:  # the equal group: 0 before scaling
+        assert np.all(np.asarray(got)[4:8] == 0.0) != normalize
+    else:  # the KL penalty told the equal group's completions apart
+        assert np.ptp(np.asarray(got)[4:8]) > 0.01
     assert np.ptp(np.asarray(got)) > 0.5
+
+
+def test_rloo_loss_equals_trl():
+    """GRPOObjective(importance_sampling_level="sequence-sum")'s loss (the completion's
+    probability ratio clipped per sequence, the sequence-mean aggregation) and
+    RLOOTrainer._compute_loss on the same log-probs and advantages: loss and gradient.
+    TRL keeps the rollout's log-probs summed per completion."""
+    rows, tokens = MASK.shape
+    mask, adv, lengths = MASK, ADVANTAGES, LENGTHS
+    logps = RNG.normal(-2.0, 0.5, (rows, tokens)).astype(np.float32)
+    # completion ratios exp(offset) inside and outside the clip range [0.8, 1.28]
+    offsets = np.array([0.4, -0.5, 0.1, -0.1, 0.3, -0.05])
+    noise = RNG.normal(0, 0.05, (rows, tokens)) * mask
+    noise = noise - noise.sum(1, keepdims=True) / lengths[:, None] * mask
+    old = (logps - (offsets / lengths)[:, None] * mask + noise).astype(np.float32)
+    eps_low, eps_high = 0.2, 0.28
+
+    def dew_loss(lp):
+        per_token, _, _ = policy_loss(
+            lp,
+            old,
+            mask,
+            adv,
+            level="sequence-sum",
+            epsilon_low=eps_low,
+            epsilon_high=eps_high,
+        )
+        return aggregate(per_token, mask, "sequence-mean").value
+
+    loss, grad = jax.value_and_grad(dew_loss)(jnp.asarray(logps))
+
+    trainer = stand_in(epsilon_low=eps_low, epsilon_high=eps_high)
+    want, want_grad = trl_loss_and_grad(
+        RLOOTrainer._compute_loss, trainer, logps, old_logps=(old * mask).sum(1)
+    )
+    close(loss, want)
+    close(grad, want_grad)
+    # the clip acts on some completions here, so the comparison covers it
+    _, _, clip_fraction = policy_loss(
+        logps, old, mask, adv, level="sequence-sum", epsilon_low=eps_low, epsilon_high=eps_high
+    )
+    assert 0 < float(clip_fraction.value) < 1
 
 
 def pair_logps(pairs=6):

@@ -22,7 +22,8 @@ The contract (:class:`Objective`, documented in ``docs/concepts.md``):
   them with the loss's own log-prob function (``rollouts.rollout_logprobs``),
   so the first update's importance ratio is exactly 1
   (``check_first_ratio=True`` or ``DEW_DEBUG=1`` asserts it); rewards are
-  ``rewards.TokenReward`` (jittable) or ``rewards.TextReward`` (host);
+  ``cores.rewards.Reward`` objects, jitted or ``host=True`` (``TokenReward``,
+  ``TextReward`` build them);
 - ``loss(variables, batch, step)`` -> (loss, metrics), values with their weights
   (:class:`Weighted`, :class:`Summed`), so accumulation divides once;
 - optional ``evaluate`` / ``summarize`` / ``preview``; ``ema``; ``export(variables)``

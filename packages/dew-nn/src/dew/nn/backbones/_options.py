@@ -220,13 +220,13 @@ class StackOptions(nn.Module, kw_only=True):
         at least ``num_stages`` microbatches; the same parameters either way.
       unroll_layers: how a scanned stack (``use_scan``) runs, with the same
         ``[layers, ...]`` parameters either way: True = one straight program,
-        layer after layer (on a TPU as fast as a Python loop of blocks; compiles
-        longer, about as long as ``use_scan=False``); False = one compiled loop
+        layer after layer (on a TPU as fast as a Python loop of blocks, but its
+        compile takes minutes: over 330 s to the first step of the 12-layer GPT-2
+        of docs/performance.md on a v5e, against 47 s); False = one compiled loop
         over the layers (the shortest compile; on a TPU it writes each layer's
-        residuals and gradients into stacked buffers: 1.29x the step time of the
-        GPT-2 of docs/performance.md); None = straight on an accelerator; on the
-        CPU the compiled loop, unrolled for stacks of at most ``UNROLL_UP_TO``
-        layers (4 for the causal transformer).
+        residuals and gradients into stacked buffers: 1.29x the step time of that
+        GPT-2 without remat); None = the compiled loop, unrolled for stacks of at
+        most ``UNROLL_UP_TO`` layers (4 for the causal transformer).
     """
 
     num_layers: int
@@ -253,14 +253,13 @@ class StackOptions(nn.Module, kw_only=True):
         ``UNROLL_UP_TO`` layers compiles unrolled (same parameters): its loop's
         per-layer weight slicing and gradient stacking cost more than they save
         (docs/performance.md)."""
-        straight = self.unroll_layers
-        if straight is None:  # on the CPU, a shallow stack unrolls its scan instead
-            straight = jax.default_backend() != "cpu"
-        unrolled = straight or (self.unroll_layers is None and self.num_layers <= self.UNROLL_UP_TO)
+        straight = bool(self.unroll_layers)
+        shallow = self.num_layers <= self.UNROLL_UP_TO
+        unrolled = straight or (self.unroll_layers is None and shallow)
         return LayerStack(
             num_layers=self.num_layers,
             unroll=self.num_layers if unrolled else 1,
-            straight=bool(straight),
+            straight=straight,
             use_scan=self.use_scan,
             use_remat=self.use_remat,
             remat_policy=self.remat_policy,

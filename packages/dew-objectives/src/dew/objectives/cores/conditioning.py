@@ -16,15 +16,16 @@ Either way, sampling from prompts, previews and the exported ``TextToImage`` /
 ``TextToVideo`` pipeline encode with :meth:`TextConditioning.text_encoder_of` the
 variables (the trained, averaged weights when the encoder is trained).
 
-:class:`TextConditioning` is a mixin: it reads the objective's ``model``,
-``text_encoder``, ``train_text_encoder``, ``text_key``, ``null_context``,
-``context_features`` and ``is_video``.
+:class:`TextConditioning` is a component: a frozen dataclass the objective holds
+(``DiffusionObjective.conditions.text``), built from the objective's options and the
+model's ``context_features``; it checks them when it is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +57,29 @@ def guided_context_mask(context_mask, guidance: float):
     return jnp.concatenate([mask, jnp.ones_like(mask)])
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class TextConditioning:
     """The text encoder of a diffusion objective: its checks, role, init, encoding in
-    the loss, prompts and pipeline (module docstring)."""
+    the loss, prompts and pipeline (module docstring).
+
+    text_encoder: the :class:`dew.sampling.TextEncoder` (frozen: its ``params``
+      required; trained: its ``params`` the start, None = a fresh init); None = none.
+    train_text_encoder: train it with the denoiser (role ``text_encoder``).
+    text_key: the batch key of the token ids of a trained encoder.
+    null_context: ``[tokens, features]`` embedding of the null prompt; None = zeros.
+    context_features: the width of the contexts the denoiser reads (0 = none).
+    is_video: the pipeline is ``TextToVideo`` (else ``TextToImage``).
+    """
+
+    text_encoder: Any = None
+    train_text_encoder: bool = False
+    text_key: str = "text"
+    null_context: Any = None
+    context_features: int = 0
+    is_video: bool = False
+
+    def __post_init__(self):
+        self.check_text_options()
 
     def check_text_options(self) -> None:
         """Raise on a text encoder that does not fit the model or the route."""
@@ -86,13 +107,13 @@ class TextConditioning:
             )
 
     # ------------------------------------------------------------------- roles
-    def roles(self) -> tuple[Role, ...]:
-        """``policy`` (the denoiser); with ``train_text_encoder`` also the trained
-        ``text_encoder``."""
+    def roles(self, model) -> tuple[Role, ...]:
+        """``policy`` (the denoiser ``model``); with ``train_text_encoder`` also the
+        trained ``text_encoder``."""
         if not self.train_text_encoder:
-            return (Role(name="policy", module=self.model),)
+            return (Role(name="policy", module=model),)
         return (
-            Role(name="policy", module=self.model),
+            Role(name="policy", module=model),
             Role(name="text_encoder", module=self.text_encoder.module),
         )
 
@@ -108,9 +129,9 @@ class TextConditioning:
         return dataclasses.replace(self.text_encoder, params=variables["params"]["text_encoder"])
 
     # ------------------------------------------------------------ init and loss
-    def init_with_text_encoder(self, key: jax.Array, x: jax.Array):
+    def init_with_text_encoder(self, key: jax.Array, init_denoiser: Callable):
         """``{'params': {'policy': ..., 'text_encoder': ...}}`` of a trained encoder: the
-        denoiser initialised on ``x [1, *example]`` and ``max_length`` context tokens, the
+        denoiser's ``init_denoiser(key, tokens)`` with ``max_length`` context tokens, the
         encoder from its ``params`` when given (else its fresh init)."""
         k_model, k_text = jax.random.split(key)
         tokens = self.text_encoder.max_length
@@ -118,7 +139,7 @@ class TextConditioning:
         text = self.text_encoder.module.init(k_text, ids)["params"]
         if self.text_encoder.params is not None:
             text = with_initial_values(text, self.text_encoder.params, what="text_encoder.params")
-        model = self.model.init(k_model, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
+        model = init_denoiser(k_model, tokens)
         return {"params": {"policy": model["params"], "text_encoder": text}}
 
     def with_encoded_text(self, params, batch):

@@ -57,6 +57,21 @@ clipped per sequence (the paper's clip range is small: 3e-4 below, 4e-4
 above), and every token of ``o_i`` carries ``l_i`` (so the sequence-mean
 aggregation gives ``mean_i l_i``, the paper's objective).
 
+RLOO's loss (TRL's ``RLOOTrainer``, trl 1.16; Ahmadian et al. 2024 treat a
+whole completion as one action): ``importance_sampling_level="sequence-sum"``,
+the ratio of the completion's probabilities, its token log-ratios summed, not
+length-normalised,
+
+    s_i = pi(o_i | q) / pi_old(o_i | q) = exp( sum_t (log pi(o_t) - log pi_old(o_t)) )
+
+clipped per sequence as GSPO's, ``mean_i l_i`` over completions; and its KL penalty
+in the reward (``kl_penalty="reward"``): the rollout's k1 summed over the
+completion is taken off each reward before the advantages,
+
+    r_i <- r_i - beta sum_t (log pi_old(o_t) - log ref(o_t))      (no gradient)
+
+where GRPO adds ``beta k3`` per token to the loss (``kl_penalty="loss"``).
+
 First-update check (:func:`check_first_update`): prepare scores a rollout with
 the loss's own log-prob function on the pre-update weights, so the first
 update's log-probs are the rollout's. It is checked relative to the log-prob,
@@ -78,7 +93,8 @@ import jax.numpy as jnp
 
 from dew.nn.keywords import is_whole_number
 from dew.objectives.contract import errors
-from dew.objectives.cores.logprobs import masked_mean
+from dew.objectives.contract.weighted import Weighted
+from dew.objectives.cores.logprobs import kl_k1, masked_mean
 
 RATIO_TOLERANCE = 1e-6
 """The largest relative log-prob gap :func:`check_first_update` accepts."""
@@ -122,6 +138,12 @@ def check_group_size(group_size: int, *, what: str, samples: str) -> None:
             f"{what} needs group_size >= 2 {samples} (advantages are rewards against the "
             f"group's mean), got {group_size}"
         )
+
+
+def upper_clip(epsilon: float, epsilon_high: float | None) -> float:
+    """The clip range above 1: ``epsilon_high`` (DAPO's clip-higher), or ``epsilon``
+    when it is None (a symmetric clip)."""
+    return epsilon if epsilon_high is None else epsilon_high
 
 
 def check_epsilons(epsilon_low: float, epsilon_high: float, *, what: str) -> None:
@@ -255,7 +277,8 @@ raising_ratio_errors = errors.raising_host_errors
 
 # ------------------------------------------- GRPO-family choices (issue 43)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence-sum")
+KL_PENALTIES = ("loss", "reward")
 
 
 def check_choice(name: str, value: str, allowed: tuple[str, ...], *, what: str) -> None:
@@ -310,12 +333,23 @@ def reinforce_advantages(
     return _batch_normalised(rewards, eps), zero.reshape(-1)
 
 
-def sequence_log_ratio(logps: jax.Array, old_logps: jax.Array, mask: jax.Array) -> jax.Array:
-    """GSPO's length-normalised log importance ratio ``[rows]``:
-    ``sum_t m (log pi - log pi_old) / max(1, sum_t m)`` in float32."""
+def sequence_log_ratio(
+    logps: jax.Array, old_logps: jax.Array, mask: jax.Array, *, length_normalised: bool = True
+) -> jax.Array:
+    """The log importance ratio of each completion ``[rows]`` in float32: GSPO's
+    ``sum_t m (log pi - log pi_old) / max(1, sum_t m)``, or without the division
+    (``length_normalised=False``: RLOO's, the completion's log-probability ratio)."""
     mask = mask.astype(jnp.float32)
-    gap = (logps.astype(jnp.float32) - old_logps.astype(jnp.float32)) * mask
-    return jnp.sum(gap, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+    gap = jnp.sum((logps.astype(jnp.float32) - old_logps.astype(jnp.float32)) * mask, axis=-1)
+    if not length_normalised:
+        return gap
+    return gap / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+
+
+def sequence_kl_k1(old_logps: jax.Array, ref_logps: jax.Array, mask: jax.Array) -> jax.Array:
+    """``[rows]`` float32 ``sum_t m (log pi_old - log ref)``: the k1 estimate of a
+    completion's KL to the reference, RLOO's penalty on its reward."""
+    return jnp.sum(kl_k1(old_logps, ref_logps) * mask.astype(jnp.float32), axis=-1)
 
 
 def sequence_clipped_policy_loss(
@@ -326,14 +360,17 @@ def sequence_clipped_policy_loss(
     *,
     epsilon_low: float,
     epsilon_high: float,
+    length_normalised: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """GSPO (module docstring): the clipped surrogate on the sequence ratio ``s_i``.
+    """GSPO (module docstring): the clipped surrogate on the sequence ratio ``s_i``;
+    ``length_normalised=False``: RLOO's, on the completion's probability ratio.
 
     logps, old_logps, mask: ``[rows, tokens]``; advantages: ``[rows]``.
     Returns ``(per_token [rows, tokens], ratio [rows], clipped [rows])``: every
     token of a row carries the row's loss (aggregate with the completion mask);
     ``clipped`` is 1.0 where the clip removes the row's gradient."""
-    ratio = jnp.exp(sequence_log_ratio(logps, old_logps, mask))  # [rows]
+    log_ratio = sequence_log_ratio(logps, old_logps, mask, length_normalised=length_normalised)
+    ratio = jnp.exp(log_ratio)  # [rows]
     adv = advantages.astype(jnp.float32)
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
@@ -341,3 +378,43 @@ def sequence_clipped_policy_loss(
     per_row = jnp.maximum(unclipped, clipped)
     per_token = jnp.broadcast_to(per_row[:, None], logps.shape)
     return per_token, ratio, active.astype(jnp.float32)
+
+
+def policy_loss(
+    logps: jax.Array,
+    old_logps: jax.Array,
+    mask: jax.Array,
+    advantages: jax.Array,
+    *,
+    level: str,
+    epsilon_low: float,
+    epsilon_high: float,
+):
+    """The clipped surrogate at an ``importance_sampling_level`` (``"token"``: GRPO's
+    per-token ratio; ``"sequence"``: GSPO's; ``"sequence-sum"``: RLOO's), with the
+    advantages ``[rows]`` of the completions.
+
+    Returns ``(per_token [rows, tokens], ratio, clip_fraction)``, the last two
+    :class:`Weighted` means over the tokens (``"token"``) or the completions."""
+    check_choice("level", level, IMPORTANCE_SAMPLING_LEVELS, what="policy_loss")
+    clip = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    if level == "token":
+        per_token, ratio, clipped = clipped_policy_loss(logps, old_logps, advantages, **clip)
+        return per_token, Weighted.mean(ratio, mask), Weighted.mean(clipped, mask)
+    per_token, ratio, clipped = sequence_clipped_policy_loss(
+        logps, old_logps, mask, advantages, length_normalised=level == "sequence", **clip
+    )
+    return per_token, Weighted.mean(ratio), Weighted.mean(clipped)
+
+
+def advantages_by_name(
+    estimator: str, rewards: jax.Array, group_size: int, *, scale: str, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """``(advantages, zero_variance)`` of ``rewards [rows]`` by an ``advantage_estimator``
+    (:data:`ADVANTAGE_ESTIMATORS`: :func:`group_advantages`, :func:`rloo_advantages`,
+    :func:`reinforce_advantages`), scaled by ``scale`` (``scale_rewards``)."""
+    check_choice("advantage_estimator", estimator, ADVANTAGE_ESTIMATORS, what="advantages")
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, scale_rewards=scale, eps=eps)
+    by_name = {"rloo": rloo_advantages, "reinforce": reinforce_advantages}
+    return by_name[estimator](rewards, group_size, scale=scale, eps=eps)

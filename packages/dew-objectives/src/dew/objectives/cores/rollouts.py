@@ -24,25 +24,38 @@ weights, mesh and dtype as the loss (GRPO, PPO, on-policy distillation):
 3. :func:`dew.objectives.cores.rl.check_first_update` is the library's debug
    assertion of that contract (relative to the log-prob); objectives turn it
    on with a constructor flag, or ``DEW_DEBUG=1`` in the environment.
+
+:class:`CausalRollouts` holds a family's sampler settings and calls the three
+with them, so its prepare and its loss cannot read different ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dew.objectives.contract.batch import IDS, MASK, BatchField
 from dew.objectives.cores.logprobs import rollout_positions, token_logprobs
-from dew.objectives.cores.rl import RATIO_TOLERANCE, RatioError, max_ratio_deviation
+from dew.objectives.cores.rl import (
+    RATIO_TOLERANCE,
+    RatioError,
+    check_first_update,
+    max_ratio_deviation,
+)
 from dew.sampling import Sampling, decode, filter_logits
 
 __all__ = [  # RatioError and its tolerance live in dew.objectives.cores.rl; importable here too
     "RATIO_TOLERANCE",
+    "CausalRollouts",
     "PROMPT_KEYS",
     "RatioError",
     "Rollout",
@@ -335,3 +348,72 @@ def debug_enabled(flag: bool | None) -> bool:
     if flag is not None:
         return bool(flag)
     return os.environ.get("DEW_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CausalRollouts:
+    """How an RL family of a causal LM draws completions and scores them (GRPO, PPO):
+    its sampler settings, given once to :func:`sample_completions`,
+    :func:`rollout_logprobs` and :func:`dew.objectives.cores.rl.check_first_update`.
+
+    model, sampling, max_new_tokens, group_size, end_ids, pad_id, logits_chunk_size:
+      the family's options of those names (``end_ids``: one id or a sequence).
+    check_first_ratio: assert the first update's ratio; None = ``DEW_DEBUG=1``.
+    """
+
+    model: Any
+    sampling: Sampling
+    max_new_tokens: int
+    group_size: int = 1
+    end_ids: Any = ()
+    pad_id: int = 0
+    logits_chunk_size: int | None = None
+    check_first_ratio: bool | None = None
+
+    @functools.cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """``end_ids`` as a tuple of ints."""
+        return tuple(int(e) for e in np.atleast_1d(np.asarray(self.end_ids)).reshape(-1))
+
+    @functools.cached_property
+    def checks_ratio(self) -> bool:
+        """Assert the first update's ratio (``check_first_ratio``, else ``DEW_DEBUG``)."""
+        return debug_enabled(self.check_first_ratio)
+
+    def sample(self, params, batch, key: jax.Array) -> Rollout:
+        """``group_size`` completions of each of ``batch``'s prompts (traced)."""
+        return sample_completions(
+            self.model,
+            params,
+            batch["prompt"],
+            batch["prompt_mask"],
+            key=key,
+            max_new_tokens=self.max_new_tokens,
+            sampling=self.sampling,
+            group_size=self.group_size,
+            end_ids=self.stop_ids,
+            pad_id=self.pad_id,
+        )
+
+    def logprobs(self, params, rollout: Rollout) -> jax.Array:
+        """``[rows, new]`` :func:`rollout_logprobs` of ``params`` with these settings."""
+        return rollout_logprobs(
+            self.model,
+            params,
+            rollout,
+            sampling=self.sampling,
+            logits_chunk_size=self.logits_chunk_size,
+        )
+
+    def check_first_update(self, logps, old_logps, mask, *, step, updates, what: str) -> None:
+        """:func:`dew.objectives.cores.rl.check_first_update` when :attr:`checks_ratio`
+        (``updates``: the family's :class:`~dew.objectives.Updates`)."""
+        if self.checks_ratio:
+            check_first_update(
+                logps,
+                old_logps,
+                mask,
+                step=step.index,
+                updates_per_batch=updates.per_batch,
+                what=what,
+            )

@@ -38,9 +38,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from dew.nn import masks
 from dew.objectives.contract import registry
 from dew.objectives.contract.weighted import Weighted
+from dew.objectives.diffusion.denoisers import BlockDenoiser
 from dew.objectives.diffusion.masked import (
     MaskedDiffusionObjective,
     antithetic_at,
@@ -110,19 +110,16 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         """``clip_search`` as checked float pairs."""
         return tuple(check_clip(c, what=self.what) for c in self.clip_search)
 
-    def _check_length(self, length: int) -> None:
-        if length % self.block_size:
-            raise ValueError(
-                f"{self.what}: rows of {length} ids do not split into blocks of block_size "
-                f"{self.block_size}; use rows of k * {self.block_size} ids (TokenWindows "
-                f"seq_len + 1 a multiple of it) or a block_size dividing {length}"
-            )
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and length > max_len:
-            raise ValueError(
-                f"{self.what}: rows of {length} ids are longer than the model's max_seq_len "
-                f"{max_len}; use shorter rows or a model with a larger max_seq_len"
-            )
+    @functools.cached_property
+    def denoiser(self) -> BlockDenoiser:
+        """The vectorised ``[noisy | clean]`` pass over blocks of ``block_size``
+        (:class:`~dew.objectives.diffusion.denoisers.BlockDenoiser`)."""
+        return BlockDenoiser(
+            model=self.model,
+            attention_mask_key=self.attention_mask_key,
+            what=self.what,
+            block_size=self.block_size,
+        )
 
     # --------------------------------------------------------------- times
     def _time_range(self) -> tuple[float, float]:
@@ -149,32 +146,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
     def token_times(self, times, length):
         """``[rows, length]``: each token takes its block's time (``times`` ``[rows]``
         = one time for every block of a row, as evaluation's grid)."""
-        if times.ndim == 1:
-            return jnp.broadcast_to(times[:, None], (times.shape[0], length))
-        return jnp.repeat(times, self.block_size, axis=1)
-
-    # ------------------------------------------------------------- forward
-    def attention_structure(self, length: int):
-        """The ``[noisy | clean]`` mask as :class:`dew.nn.masks.BlockDiffusionMask`:
-        attention computes its non-empty pieces only (the dense
-        :func:`~dew.nn.masks.block_diffusion_mask` gives the same values)."""
-        return masks.BlockDiffusionMask(length, self.block_size)
-
-    def denoiser_logits(self, params, z, x, valid, t_tokens, times):
-        """The vectorised pass: ``[z | x]`` under the BD3 mask, logits of ``z``'s half."""
-        rows, length = z.shape
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
-        extra = {"time": jnp.concatenate([t_tokens, t_tokens], axis=1)} if self.is_timed else {}
-        if self.attention_mask_key is not None:
-            extra["attention_mask"] = jnp.concatenate([valid, valid], axis=1) > 0
-        return self.model.apply(
-            {"params": params},
-            jnp.concatenate([z, x], axis=1),  # [rows, 2 length]
-            positions=jnp.concatenate([positions, positions], axis=1),
-            query_key_mask=self.attention_structure(length),
-            output_length=length,  # the head reads the noisy half only
-            **extra,
-        )  # [rows, length, vocab]
+        return self.denoiser.token_times(times, length)
 
     def token_terms(self, params, batch, t_tokens, noise, times=None):
         if self.block_size == 1:  # t = 1: every token masked (an AR model)
@@ -200,7 +172,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
             t = beta + (omega - beta) * u_time
             t = jnp.maximum(t, self.time_eps)  # beta = 0: a time 0 would weigh 1 / 0
             weighted, valid, _, _ = self.token_terms(
-                variables["params"]["policy"], batch, self.token_times(t, length), noise
+                variables["params"]["policy"], batch, self.denoiser.token_times(t, length), noise
             )
             per_row = jnp.sum(weighted, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1.0)
             row_weight = (jnp.sum(valid, axis=1) > 0).astype(jnp.float32)

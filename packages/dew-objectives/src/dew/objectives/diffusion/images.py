@@ -15,33 +15,18 @@ loss ``L_simple + L_vlb`` of a learned variance), v-prediction (Salimans & Ho 20
 EDM (Karras et al. 2022, ``training/loss.py::EDMLoss``), rectified flow / flow matching
 (Liu et al. 2022; Lipman et al. 2022; SD3's logit-normal times, Esser et al. 2024).
 
-**Conditioning** ``c``: ``batch['label'] int32 [batch]`` (the model's ``num_classes``;
-``num_classes`` itself is the null class) and/or ``batch['context'] [batch, tokens,
-context_features]`` text embeddings (optional ``batch['context_mask'] [batch,
-tokens]``). With probability ``cond_dropout`` (10%) per example the condition is
-replaced by the null one, so the same network learns the unconditional model that
-classifier-free guidance needs (Ho & Salimans 2022): the label by the null class, the
-context by ``null_context`` (default all zeros, ``[tokens, features]``; pass the
-embedding of the empty prompt to match Stable Diffusion's choice) with its mask all
-ones. Label and context of a row drop together.
+**Conditioning** ``c`` (:mod:`dew.objectives.diffusion.conditions`): ``batch['label']``
+and/or ``batch['context']`` text embeddings, replaced by the null condition with
+probability ``cond_dropout`` (10%) per example, so the same network learns the
+unconditional model that classifier-free guidance needs (Ho & Salimans 2022). The
+**text encoder**, the user's choice (``docs/diffusion.md``), is frozen (contexts come
+precomputed) or trained with the denoiser as a second trained role ``text_encoder``
+(``train_text_encoder=True``: batches carry token ids ``batch['text']``), a component
+of the conditions (:class:`dew.objectives.cores.conditioning.TextConditioning`).
 
-**Text encoder**, the user's choice (``docs/diffusion.md``): a frozen
-:class:`dew.sampling.TextEncoder` (``TextEncoder.load``, any checkpoint Dew's loaders
-read) whose contexts come precomputed in ``batch['context']``; or, with
-``train_text_encoder=True``, a small encoder trained with the denoiser as a second
-trained role ``text_encoder`` (``variables['params'] = {'policy': ..., 'text_encoder':
-...}``): batches carry token ids ``batch['text'] int32 [batch, max_length]`` (optional
-``context_mask``), the loss encodes them, ``c = E_phi(ids)``
-(:func:`dew.sampling.diffusion.text_encoders.encode_tokens`), so the gradient of the diffusion
-loss reaches ``phi``; dropout replaces ``E_phi(ids)`` by ``null_context``. The route
-lives in :mod:`dew.objectives.cores.conditioning`.
-
-**Learned variance** (``model.learn_sigma``, DDPM schedules only): the model outputs
-``2C`` channels, the prediction then iDDPM's ``v`` in ``[-1, 1]``, ``log Sigma = f log
-beta_t + (1 - f) log beta~_t``, ``f = (v + 1) / 2``; the loss adds the variational
-bound term at ``t`` with the mean's gradient stopped (improved-diffusion
-``_vb_terms_bpd``: ``KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t))`` in bits per dimension,
-the discretized Gaussian decoder NLL at ``t = 0``), scaled by ``T / 1000``.
+**Learned variance** (``model.learn_sigma``, DDPM schedules only): the loss adds iDDPM's
+variational bound term at ``t``, scaled by ``T / 1000``
+(:mod:`dew.objectives.diffusion.learned_variance`).
 
 Batches: ``image`` ``[batch, H, W, C]`` (``uint8`` pixels are scaled to ``[-1, 1]``
 inside; floats, e.g. pre-encoded latents, pass as they are) or ``video``
@@ -52,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,13 +45,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from dew.objectives.contract import registry
-from dew.objectives.contract.batch import FLOATS, IDS, PIXELS, BatchField
-from dew.objectives.contract.objective import EMA, Objective, Step, warmup_ema_decay  # noqa: F401 (public here too)
+from dew.objectives.contract.batch import FLOATS, PIXELS, BatchField
+from dew.objectives.contract.objective import EMA, Objective, Role, Step, warmup_ema_decay  # noqa: F401 (public here too)
 from dew.objectives.contract.weighted import Weighted
 from dew.objectives.cores.conditioning import (
     TextConditioning,
     guided_context_mask,
     model_conditions,
+)
+from dew.objectives.diffusion.conditions import ImageConditions, check_guidance
+from dew.objectives.diffusion.learned_variance import (  # noqa: F401 (public here too)
+    discretized_gaussian_log_likelihood,
+    mean_rows,
+    normal_kl,
+    posterior_tables,
+    vb_terms,
 )
 from dew.sampling.diffusion.pipelines import (
     ClassToImage,
@@ -82,7 +74,7 @@ from dew.sampling.diffusion.samplers import (
     sample_diffusion,
 )
 from dew.sampling.diffusion.schedules import DDPMSchedule, Schedule, per_row
-from dew.sampling.diffusion.targets import predictions_of, target_of
+from dew.sampling.diffusion.targets import target_of
 
 DEFAULT_TARGETS = {"ddpm": "eps", "flow": "flow", "edm": "x0"}
 EVAL_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -93,61 +85,117 @@ def default_ema() -> EMA:
     return EMA(decay=0.9999, use_warmup=True)
 
 
-def normal_kl(mean1, logvar1, mean2, logvar2):
-    """``KL(N(mean1, e^logvar1) || N(mean2, e^logvar2))`` elementwise (nats)."""
-    return 0.5 * (
-        -1.0
-        + logvar2
-        - logvar1
-        + jnp.exp(logvar1 - logvar2)
-        + (mean1 - mean2) ** 2 * jnp.exp(-logvar2)
-    )
+def data_key_of(model, input_key: str | None) -> str:
+    """The batch key of the samples: ``input_key``, or ``"video"`` for a video model
+    (one with ``num_frames``) and ``"image"`` otherwise."""
+    if input_key is not None:
+        return input_key
+    return "video" if hasattr(model, "num_frames") else "image"
 
 
-def discretized_gaussian_log_likelihood(x, means, log_scales):
-    """log-likelihood of data ``x`` in ``[-1, 1]`` on 256 bins under ``N(means,
-    e^(2 log_scales))`` (improved-diffusion ``losses.py``, tanh approximation of the
-    normal CDF)."""
-
-    def cdf(v):
-        return 0.5 * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
-
-    centered = x - means
-    inv_std = jnp.exp(-log_scales)
-    cdf_plus = cdf(inv_std * (centered + 1.0 / 255.0))
-    cdf_min = cdf(inv_std * (centered - 1.0 / 255.0))
-    log_cdf_plus = jnp.log(jnp.maximum(cdf_plus, 1e-12))
-    log_one_minus_cdf_min = jnp.log(jnp.maximum(1.0 - cdf_min, 1e-12))
-    log_delta = jnp.log(jnp.maximum(cdf_plus - cdf_min, 1e-12))
-    return jnp.where(
-        x < -0.999, log_cdf_plus, jnp.where(x > 0.999, log_one_minus_cdf_min, log_delta)
-    )
+def example_shape_of(model, sample_shape, *, is_video: bool) -> tuple[int, ...]:
+    """One example's shape: ``sample_shape``, else the model's (``sample_shape``,
+    ``in_channels``, ``num_frames`` for video)."""
+    if sample_shape is not None:
+        return tuple(int(s) for s in sample_shape)
+    if not hasattr(model, "sample_shape") or not hasattr(model, "in_channels"):
+        raise ValueError(
+            f"{type(model).__name__} does not say its input size; pass "
+            f"DiffusionObjective(sample_shape=(H, W, C)) (or (F, H, W, C))"
+        )
+    shape = (*model.sample_shape, model.in_channels)
+    if is_video:
+        shape = (getattr(model, "num_frames", None) or 1, *shape)
+    return tuple(int(s) for s in shape)
 
 
-def posterior_tables(schedule: DDPMSchedule) -> dict[str, np.ndarray]:
-    """Per timestep ``[T]`` float64: ``q(x_{t-1} | x_t, x0) = N(c0 x0 + ct x_t,
-    e^log_var)`` (``log_var`` clipped at ``t = 0`` as improved-diffusion) and ``log
-    beta_t``."""
-    betas = schedule.betas
-    abar = np.cumprod(1.0 - betas)
-    prev = np.concatenate([[1.0], abar[:-1]])
-    var = betas * (1.0 - prev) / (1.0 - abar)
+def clip_value_of(clip_denoised, data_key: str) -> float | None:
+    """``clip_denoised`` with ``"auto"`` resolved: 1.0 for images and video (pixels in
+    [-1, 1]), None for latents."""
+    if clip_denoised == "auto":
+        return 1.0 if data_key in ("image", "video") else None
+    return clip_denoised
+
+
+def learns_sigma(model) -> bool:
+    """The model outputs iDDPM's variance too (``learn_sigma``, ``2C`` channels)."""
+    return bool(getattr(model, "learn_sigma", False))
+
+
+def data_of(batch, key: str) -> jax.Array:
+    """``batch[key]`` float32: ``uint8`` pixels scaled to ``[-1, 1]``, floats as they are."""
+    x = jnp.asarray(batch[key])
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(jnp.float32) / 127.5 - 1.0
+    return x.astype(jnp.float32)
+
+
+def row_weights(batch, rows: int) -> jax.Array:
+    """``[rows]``: ``batch['weight']`` times ``batch['example_mask']`` (ones without them)."""
+    weights = jnp.ones((rows,), jnp.float32)
+    if "weight" in batch:
+        weights = weights * jnp.asarray(batch["weight"], jnp.float32)
+    if "example_mask" in batch:  # padded rows of a last validation batch
+        weights = weights * jnp.asarray(batch["example_mask"], jnp.float32)
+    return weights
+
+
+def loss_bin_names(bins: int) -> tuple[str, ...]:
+    """``loss_t0-0.33``, ... : the names of ``bins`` equal fractions of the time range."""
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    return tuple(f"loss_t{lo:.2g}-{hi:.2g}" for lo, hi in zip(edges[:-1], edges[1:]))
+
+
+def loss_by_time(loss, time, weights, *, schedule: Schedule, bins: int) -> dict[str, Weighted]:
+    """``loss [batch]`` as weighted means over the rows whose ``time [batch]`` falls in
+    each of ``bins`` equal fractions of the time range (edges from
+    ``schedule.time_grid``, increasing in the fraction for every schedule)."""
+    if not bins:
+        return {}
+    inner = np.linspace(0.0, 1.0, bins + 1)[1:-1]
+    which = jnp.searchsorted(schedule.time_grid(inner), time, side="right")  # [batch]
     return {
-        "c0": betas * np.sqrt(prev) / (1.0 - abar),
-        "ct": (1.0 - prev) * np.sqrt(1.0 - betas) / (1.0 - abar),
-        "log_var": np.log(np.concatenate([var[1:2], var[1:]])),
-        "log_beta": np.log(betas),
+        name: Weighted.mean(loss, weights * (which == b))
+        for b, name in enumerate(loss_bin_names(bins))
     }
 
 
-def _mean_rows(x: jax.Array) -> jax.Array:
-    """``[batch, ...] -> [batch]``: the mean over every non-batch axis."""
-    return jnp.mean(x.reshape(x.shape[0], -1), axis=1)
+@functools.lru_cache(maxsize=32)
+def compiled_sampler(objective: DiffusionObjective, sampler, guidance: float, shape):
+    """The jitted ``run(params, key, label, context, context_mask)`` of one sampling
+    configuration of ``objective``: one compiled program each (cached)."""
+    conditions = objective.conditions
+    learn_sigma = learns_sigma(objective.model)
+    clip = clip_value_of(objective.clip_denoised, data_key_of(objective.model, objective.input_key))
+
+    def run(params, key, label, context, context_mask):
+        apply_fn = functools.partial(objective.model.apply, {"params": params})
+        if context_mask is not None:
+            apply_fn = functools.partial(
+                apply_fn, context_mask=guided_context_mask(context_mask, guidance)
+            )
+        denoise = model_denoiser(
+            apply_fn,
+            schedule=objective.schedule,
+            target=objective.output_target,
+            learn_sigma=learn_sigma,
+            label=None if label is None else jnp.asarray(label, jnp.int32),
+            null_label=conditions.num_classes,
+            context=context,
+            null_context=None if context is None else conditions.null_like(jnp.asarray(context)),
+            guidance=guidance,
+            clip_denoised=clip,
+        )
+        return sample_diffusion(
+            denoise, schedule=objective.schedule, sampler=sampler, key=key, shape=shape
+        )
+
+    return jax.jit(run)
 
 
 @registry.register("diffusion")
 @dataclasses.dataclass(frozen=True, eq=False)
-class DiffusionObjective(TextConditioning, Objective):
+class DiffusionObjective(Objective):
     """Diffusion training of a denoiser ``model.apply(vars, x, t, label=, context=)``.
 
     model: the denoiser (:class:`dew.nn.backbones.DiT`, ``VideoDiT``, or any module
@@ -222,7 +270,7 @@ class DiffusionObjective(TextConditioning, Objective):
         check_target_for(self.schedule, self.output_target)
         if not 0.0 <= self.cond_dropout < 1.0:
             raise ValueError(f"cond_dropout must be in [0, 1), got {self.cond_dropout}")
-        if self.learn_sigma and self.schedule.family != "ddpm":
+        if learns_sigma(self.model) and self.schedule.family != "ddpm":
             raise ValueError(
                 f"a learned variance (model.learn_sigma) is iDDPM's and needs a DDPMSchedule; "
                 f"got {type(self.schedule).__name__}: build the model with learn_sigma=False"
@@ -231,10 +279,15 @@ class DiffusionObjective(TextConditioning, Objective):
             raise ValueError(f"eval_times are fractions in [0, 1], got {self.eval_times}")
         if self.loss_bins < 0:
             raise ValueError(f"loss_bins must be >= 0 (0 = none), got {self.loss_bins}")
-        self.check_guidance(self.guidance)
+        num_classes, context_features = model_conditions(self.model)
+        check_guidance(
+            self.guidance,
+            cond_dropout=self.cond_dropout,
+            conditioned=bool(num_classes or context_features),
+        )
         if self.preview_count < 0:
             raise ValueError(f"preview_count must be >= 0 samples, got {self.preview_count}")
-        self.check_text_options()
+        self.conditions  # noqa: B018  (builds the text route, which checks its options)
 
     @functools.cached_property
     def output_target(self) -> str:
@@ -243,53 +296,42 @@ class DiffusionObjective(TextConditioning, Objective):
         return DEFAULT_TARGETS[self.schedule.family] if self.target is None else self.target
 
     @functools.cached_property
-    def data_key(self) -> str:
-        """The batch key of the samples: ``input_key``, or ``"video"`` for a video
-        model and ``"image"`` otherwise."""
-        if self.input_key is not None:
-            return self.input_key
-        return "video" if hasattr(self.model, "num_frames") else "image"
-
-    @functools.cached_property
-    def clip_value(self) -> float | None:
-        """``clip_denoised`` with ``"auto"`` resolved: 1.0 for images and video (pixels
-        in [-1, 1]), None for latents."""
-        if self.clip_denoised == "auto":
-            return 1.0 if self.data_key in ("image", "video") else None
-        return self.clip_denoised
-
-    @functools.cached_property
-    def sample_dims(self) -> tuple[int, ...] | None:
-        """``sample_shape`` as a tuple of ints (None: from the data's spec)."""
-        return None if self.sample_shape is None else tuple(int(s) for s in self.sample_shape)
-
-    @functools.cached_property
-    def prompts(self) -> tuple[str, ...]:
-        """``preview_prompts`` as a tuple."""
-        return tuple(self.preview_prompts)
+    def conditions(self) -> ImageConditions:
+        """The conditions component: called on a batch (and a dropout key, None in
+        evaluation) it gives the model's ``label`` / ``context`` / ``context_mask``; it
+        holds the text-encoder route (``conditions.text``)."""
+        num_classes, context_features = model_conditions(self.model)
+        is_video = data_key_of(self.model, self.input_key) == "video"
+        text = TextConditioning(
+            text_encoder=self.text_encoder,
+            train_text_encoder=self.train_text_encoder,
+            text_key=self.text_key,
+            null_context=self.null_context,
+            context_features=context_features,
+            is_video=is_video,
+        )
+        return ImageConditions(
+            num_classes=num_classes,
+            context_features=context_features,
+            cond_dropout=self.cond_dropout,
+            null_context=self.null_context,
+            text=text,
+        )
 
     @property
     def headline_metrics(self) -> tuple[str, ...]:
         """The training loss by time bin (``loss_bins``), on the printed log line."""
-        edges = np.linspace(0.0, 1.0, self.loss_bins + 1)
-        return tuple(f"loss_t{lo:.2g}-{hi:.2g}" for lo, hi in zip(edges[:-1], edges[1:]))
+        return loss_bin_names(self.loss_bins)
 
-    # ------------------------------------------------------------- model facts
-    @property
-    def num_classes(self) -> int:
-        return model_conditions(self.model)[0]
+    def roles(self) -> tuple[Role, ...]:
+        """``policy`` (the denoiser); with ``train_text_encoder`` also the trained
+        ``text_encoder``."""
+        return self.conditions.text.roles(self.model)
 
-    @property
-    def context_features(self) -> int:
-        return model_conditions(self.model)[1]
-
-    @property
-    def learn_sigma(self) -> bool:
-        return bool(getattr(self.model, "learn_sigma", False))
-
-    @property
-    def is_video(self) -> bool:
-        return self.data_key == "video"
+    def text_encoder_of(self, variables):
+        """The :class:`~dew.sampling.TextEncoder` of these variables: the frozen one, or
+        the trained module with ``variables['params']['text_encoder']``."""
+        return self.conditions.text.text_encoder_of(variables)
 
     def batch_fields(self):
         """The data: rows of ``sample_shape``, else channels last with the model's rank and
@@ -297,185 +339,88 @@ class DiffusionObjective(TextConditioning, Objective):
         states neither); ``label`` (required by a class-conditional model); an optional
         per-example ``weight``; and the text fields (:meth:`text_fields`). ``check_batch``
         checks what a declaration cannot state: label values, the patch grid."""
-        if self.sample_dims is not None:
-            shape, note = self.sample_dims, "sample_shape"
+        key = data_key_of(self.model, self.input_key)
+        if self.sample_shape is not None:
+            shape, note = tuple(int(s) for s in self.sample_shape), "sample_shape"
         elif hasattr(self.model, "in_channels"):
-            dims = ("frames", "height", "width")[0 if self.is_video else 1 :]
+            dims = ("frames", "height", "width")[0 if key == "video" else 1 :]
             shape = (*dims, int(self.model.in_channels))
             note = f"channels last, the model's in_channels={self.model.in_channels}" + (
-                "; images go to DiT, videos to VideoDiT" if self.is_video else ""
+                "; images go to DiT, videos to VideoDiT" if key == "video" else ""
             )
         else:
             shape, note = None, ""
-        label = BatchField(
-            "label",
-            (),
-            IDS,
-            required=bool(self.num_classes),
-            note=f"class-conditional, num_classes={self.num_classes}" if self.num_classes else "",
-        )
+        label, *text = self.conditions.fields()
         return (
-            BatchField(self.data_key, shape, PIXELS, note=note),
+            BatchField(key, shape, PIXELS, note=note),
             label,
             BatchField("weight", (), FLOATS, required=False, note="one weight per example"),
-            *self.text_fields(),
+            *text,
         )
-
-    def example_shape(self) -> tuple[int, ...]:
-        """One example's shape: ``sample_shape``, else the model's."""
-        if self.sample_dims is not None:
-            return self.sample_dims
-        if not hasattr(self.model, "sample_shape") or not hasattr(self.model, "in_channels"):
-            raise ValueError(
-                f"{type(self.model).__name__} does not say its input size; pass "
-                f"DiffusionObjective(sample_shape=(H, W, C)) (or (F, H, W, C))"
-            )
-        shape = (*self.model.sample_shape, self.model.in_channels)
-        if self.is_video:
-            shape = (getattr(self.model, "num_frames", None) or 1, *shape)
-        return tuple(int(s) for s in shape)
-
-    def check_guidance(self, guidance: float) -> None:
-        if guidance != 1.0 and self.cond_dropout == 0.0:
-            raise ValueError(
-                f"guidance {guidance} needs the unconditional model, which is trained only "
-                f"with condition dropout; this objective has cond_dropout=0: train with "
-                f"cond_dropout > 0 (e.g. 0.1) or sample with guidance=1.0"
-            )
-        if guidance != 1.0 and not (self.num_classes or self.context_features):
-            raise ValueError(
-                f"guidance {guidance} needs a conditioned model (num_classes or "
-                f"context_features); this one is unconditional: use guidance=1.0"
-            )
 
     # --------------------------------------------------------------------- init
 
     def init(self, key, spec=None):
-        shape = self.example_shape() if spec is None or self.data_key not in spec else None
+        data_key = data_key_of(self.model, self.input_key)
+        shape = None
+        if spec is None or data_key not in spec:
+            shape = example_shape_of(self.model, self.sample_shape, is_video=data_key == "video")
         if shape is None:
-            shape = tuple(spec[self.data_key].shape)
+            shape = tuple(spec[data_key].shape)
         tokens = 1
         if spec is not None and "context" in spec:
             tokens = int(spec["context"].shape[0])
         x = jnp.zeros((1, *shape), jnp.float32)
+
+        def init_denoiser(k, tokens):
+            t = jnp.zeros((1,), jnp.float32)
+            return self.model.init(k, x, t, **self.conditions.dummy(1, tokens))
+
         if not self.train_text_encoder:
-            init = self.model.init(key, x, jnp.zeros((1,), jnp.float32), **self._dummy(1, tokens))
-            return {"params": {"policy": init["params"]}}
-        return self.init_with_text_encoder(key, x)
-
-    def _dummy(self, rows: int, tokens: int) -> dict[str, jax.Array]:
-        out = {}
-        if self.num_classes:
-            out["label"] = jnp.zeros((rows,), jnp.int32)
-        if self.context_features:
-            out["context"] = jnp.zeros((rows, tokens, self.context_features), jnp.float32)
-        return out
-
-    # --------------------------------------------------------------- conditions
-    def _null_context(self, context: jax.Array) -> jax.Array:
-        if self.null_context is None:
-            return jnp.zeros(context.shape[1:], context.dtype)
-        return jnp.asarray(self.null_context, context.dtype)
-
-    def conditions(self, batch, drop_key: jax.Array | None) -> dict[str, jax.Array]:
-        """The model's ``label`` / ``context`` / ``context_mask`` keywords of a batch,
-        with condition dropout when ``drop_key`` is given."""
-        out = {}
-        rows = batch[self.data_key].shape[0]
-        drop = None
-        if drop_key is not None and self.cond_dropout > 0:
-            if drop_key.shape:  # one key per row: the same draw at any accumulation
-                drop = jax.vmap(lambda k: jax.random.bernoulli(k, self.cond_dropout))(drop_key)
-            else:
-                drop = jax.random.bernoulli(drop_key, self.cond_dropout, (rows,))
-        if self.num_classes:
-            label = jnp.asarray(batch["label"], jnp.int32)
-            out["label"] = label if drop is None else jnp.where(drop, self.num_classes, label)
-        if self.context_features:
-            context = jnp.asarray(batch["context"], jnp.float32)
-            mask = batch.get("context_mask")
-            if drop is not None:
-                null = jnp.broadcast_to(self._null_context(context), context.shape)
-                context = jnp.where(drop[:, None, None], null, context)
-                if mask is not None:
-                    mask = jnp.where(drop[:, None], True, jnp.asarray(mask, bool))
-            out["context"] = context
-            if mask is not None:
-                out["context_mask"] = jnp.asarray(mask, bool)
-        return out
+            return {"params": {"policy": init_denoiser(key, tokens)["params"]}}
+        return self.conditions.text.init_with_text_encoder(key, init_denoiser)
 
     # --------------------------------------------------------------------- loss
-    def _data(self, batch) -> jax.Array:
-        x = jnp.asarray(batch[self.data_key])
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            return x.astype(jnp.float32) / 127.5 - 1.0
-        return x.astype(jnp.float32)
-
-    def _row_weights(self, batch, rows: int) -> jax.Array:
-        weights = jnp.ones((rows,), jnp.float32)
-        if "weight" in batch:
-            weights = weights * jnp.asarray(batch["weight"], jnp.float32)
-        if "example_mask" in batch:  # padded rows of a last validation batch
-            weights = weights * jnp.asarray(batch["example_mask"], jnp.float32)
-        return weights
-
     def per_example_loss(self, params, batch, *, time, noise, drop_key):
         """``(loss [batch], metrics [batch] per name)`` at times ``time [batch]`` and noise
         ``noise`` (shape of the data)."""
-        x0 = self._data(batch)
+        x0 = data_of(batch, data_key_of(self.model, self.input_key))
+        text = self.conditions.text
         if self.train_text_encoder:  # c = E_phi(ids), in the graph
-            batch = self.with_encoded_text(params, batch)
+            batch = text.with_encoded_text(params, batch)
         alpha, sigma = (per_row(c, x0) for c in self.schedule.coefficients(time))
         x_t = alpha * x0 + sigma * noise
         x_in, model_t = self.schedule.model_input(x_t, time)
         raw = self.model.apply(
-            {"params": self.denoiser_params(params)},
+            {"params": text.denoiser_params(params)},
             x_in,
             model_t,
             **self.conditions(batch, drop_key),
         )
         raw = raw.astype(jnp.float32)
         variance = None
-        if self.learn_sigma:
+        if learns_sigma(self.model):
             raw, variance = jnp.split(raw, 2, axis=-1)
         prediction = self.schedule.network_output(raw, x_t, time)
         if self.schedule.family == "edm":
-            mse = _mean_rows((prediction - x0) ** 2)
+            mse = mean_rows((prediction - x0) ** 2)
             loss = self.schedule.loss_weight(time) * mse
         else:
-            mse = _mean_rows(
+            mse = mean_rows(
                 (prediction - target_of(self.output_target, x0, noise, alpha, sigma)) ** 2
             )
             loss = mse
         metrics = {"mse": mse}
         if variance is not None:
-            vb = self._vb_terms(jax.lax.stop_gradient(prediction), variance, x0, x_t, time)
+            frozen = jax.lax.stop_gradient(prediction)
+            vb = vb_terms(self.schedule, self.output_target, frozen, variance, x0, x_t, time)
             vb = vb * (self.schedule.num_timesteps / 1000.0)
             loss = loss + vb
             metrics["vb"] = vb
         return loss, metrics
 
-    def _vb_terms(self, prediction, variance, x0, x_t, time):
-        """iDDPM's ``L_t`` (bits per dimension) with the mean from a frozen prediction."""
-        tables = {
-            k: jnp.asarray(v, jnp.float32)[time] for k, v in posterior_tables(self.schedule).items()
-        }
-        c0, ct, log_var, log_beta = (
-            per_row(tables[k], x0) for k in ("c0", "ct", "log_var", "log_beta")
-        )
-        alpha, sigma = (per_row(c, x0) for c in self.schedule.coefficients(time))
-        x0_hat, _ = predictions_of(self.output_target, prediction, x_t, alpha, sigma)
-        true_mean = c0 * x0 + ct * x_t
-        model_mean = c0 * x0_hat + ct * x_t
-        f = (variance + 1.0) / 2.0
-        model_log_var = f * log_beta + (1.0 - f) * log_var
-        kl = _mean_rows(normal_kl(true_mean, log_var, model_mean, model_log_var)) / math.log(2.0)
-        nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var)
-        nll = _mean_rows(nll) / math.log(2.0)
-        return jnp.where(time == 0, nll, kl)
-
     def loss(self, variables, batch, step: Step):
-        x0 = batch[self.data_key]
+        x0 = batch[data_key_of(self.model, self.input_key)]
         rows = x0.shape[0]
         # per-row draws (Step.row_keys): a row's time, noise and condition dropout are
         # the same whatever the accumulation and the device count
@@ -486,32 +431,19 @@ class DiffusionObjective(TextConditioning, Objective):
         loss, metrics = self.per_example_loss(
             variables["params"], batch, time=time, noise=noise, drop_key=k_drop
         )
-        weights = self._row_weights(batch, rows)
+        weights = row_weights(batch, rows)
         return Weighted.mean(loss, weights), {
             **{k: Weighted.mean(v, weights) for k, v in metrics.items()},
-            **self._loss_by_time(loss, time, weights),
-        }
-
-    def _loss_by_time(self, loss, time, weights) -> dict[str, Weighted]:
-        """``loss [batch]`` as weighted means over the rows whose ``time [batch]`` falls
-        in each of ``loss_bins`` equal fractions of the time range (edges from
-        ``schedule.time_grid``, increasing in the fraction for every schedule)."""
-        if not self.loss_bins:
-            return {}
-        inner = np.linspace(0.0, 1.0, self.loss_bins + 1)[1:-1]
-        which = jnp.searchsorted(self.schedule.time_grid(inner), time, side="right")  # [batch]
-        return {
-            name: Weighted.mean(loss, weights * (which == b))
-            for b, name in enumerate(self.headline_metrics)
+            **loss_by_time(loss, time, weights, schedule=self.schedule, bins=self.loss_bins),
         }
 
     def evaluate(self, variables, batch, step: Step):
         """The loss at each of ``eval_times`` (``loss_t0.1``, ...) and their mean
         (``loss``), conditions never dropped, the noise from ``eval_seed`` only: two runs
         (or two checkpoints) see the same noise on the same batch."""
-        x0 = batch[self.data_key]
+        x0 = batch[data_key_of(self.model, self.input_key)]
         rows = x0.shape[0]
-        weights = self._row_weights(batch, rows)
+        weights = row_weights(batch, rows)
         grid = self.schedule.time_grid(self.eval_times)
         root = jax.random.key(self.eval_seed)
         out, total = {}, None
@@ -554,24 +486,29 @@ class DiffusionObjective(TextConditioning, Objective):
           a config (:class:`~dew.sampling.DDIM`, ...) or None = the schedule's default.
         num_steps: replaces the sampler's steps.
         guidance: classifier-free guidance scale; None = ``self.guidance``.
-        shape: one example's shape; None = :meth:`example_shape`.
+        shape: one example's shape; None = the model's (or ``sample_shape``).
 
         Checked in Python, then one compiled program per configuration (cached).
         """
+        num_classes = self.conditions.num_classes
+        context_features = self.conditions.context_features
         guidance = self.guidance if guidance is None else float(guidance)
-        self.check_guidance(guidance)
+        check_guidance(
+            guidance,
+            cond_dropout=self.cond_dropout,
+            conditioned=bool(num_classes or context_features),
+        )
         sampler = make_sampler(sampler, schedule=self.schedule, num_steps=num_steps)
         if prompts is not None:
-            context = self.prompts_context(variables, prompts, context)
-        if self.num_classes and label is None:
+            context = self.conditions.text.prompts_context(variables, prompts, context)
+        if num_classes and label is None:
             raise ValueError(
-                f"the model is class-conditional (num_classes={self.num_classes}); pass "
-                f"label=int32 [num] (the null class {self.num_classes} samples unconditionally)"
+                f"the model is class-conditional (num_classes={num_classes}); pass "
+                f"label=int32 [num] (the null class {num_classes} samples unconditionally)"
             )
-        if self.context_features and context is None:
+        if context_features and context is None:
             raise ValueError(
-                f"the model reads text embeddings; pass context=[num, tokens, "
-                f"{self.context_features}]"
+                f"the model reads text embeddings; pass context=[num, tokens, {context_features}]"
             )
         rows = [len(a) for a in (label, context) if a is not None]
         num = num if num is not None else (rows[0] if rows else None)
@@ -579,41 +516,17 @@ class DiffusionObjective(TextConditioning, Objective):
             raise ValueError(f"num={num} must be given and match the label / context rows {rows}")
         if label is not None and not isinstance(label, jax.core.Tracer):
             values = np.asarray(label)
-            if values.min(initial=0) < 0 or values.max(initial=0) > self.num_classes:
+            if values.min(initial=0) < 0 or values.max(initial=0) > num_classes:
                 raise ValueError(
-                    f"labels must be in [0, {self.num_classes}] ({self.num_classes} = the null "
+                    f"labels must be in [0, {num_classes}] ({num_classes} = the null "
                     f"class), got min {values.min()} max {values.max()}"
                 )
-        shape = tuple(shape) if shape is not None else self.example_shape()
-        fn = self._sampler_fn(sampler, guidance, (num, *shape))
-        params = self.denoiser_params(variables["params"])
+        if shape is None:
+            video = self.conditions.text.is_video
+            shape = example_shape_of(self.model, self.sample_shape, is_video=video)
+        fn = compiled_sampler(self, sampler, guidance, (num, *tuple(shape)))
+        params = self.conditions.text.denoiser_params(variables["params"])
         return fn(params, key, label, context, context_mask)
-
-    @functools.lru_cache(maxsize=32)  # noqa: B019 - one compiled sampler per configuration
-    def _sampler_fn(self, sampler, guidance, shape):
-        def run(params, key, label, context, context_mask):
-            apply_fn = functools.partial(self.model.apply, {"params": params})
-            if context_mask is not None:
-                apply_fn = functools.partial(
-                    apply_fn, context_mask=guided_context_mask(context_mask, guidance)
-                )
-            denoise = model_denoiser(
-                apply_fn,
-                schedule=self.schedule,
-                target=self.output_target,
-                learn_sigma=self.learn_sigma,
-                label=None if label is None else jnp.asarray(label, jnp.int32),
-                null_label=self.num_classes,
-                context=context,
-                null_context=None if context is None else self._null_context(jnp.asarray(context)),
-                guidance=guidance,
-                clip_denoised=self.clip_value,
-            )
-            return sample_diffusion(
-                denoise, schedule=self.schedule, sampler=sampler, key=key, shape=shape
-            )
-
-        return jax.jit(run)
 
     # ------------------------------------------------------- preview and export
     def preview(self, variables, key: jax.Array):
@@ -623,16 +536,17 @@ class DiffusionObjective(TextConditioning, Objective):
         when there is nothing to show (``preview_count=0``; a text model without
         ``text_encoder`` and ``preview_prompts``; latents, which need a decoder)."""
         count = self.preview_count
-        if not count or self.data_key not in ("image", "video"):
+        if not count or data_key_of(self.model, self.input_key) not in ("image", "video"):
             return None
         conditions = {}
-        if self.num_classes:
-            conditions["label"] = jnp.asarray(np.arange(count) % self.num_classes, jnp.int32)
-        if self.context_features:
-            if self.text_encoder is None or not self.prompts:
+        if self.conditions.num_classes:
+            labels = np.arange(count) % self.conditions.num_classes
+            conditions["label"] = jnp.asarray(labels, jnp.int32)
+        if self.conditions.context_features:
+            prompts = tuple(self.preview_prompts)
+            if self.text_encoder is None or not prompts:
                 return None
-            prompts = [self.prompts[i % len(self.prompts)] for i in range(count)]
-            conditions["prompts"] = prompts
+            conditions["prompts"] = [prompts[i % len(prompts)] for i in range(count)]
         samples = self.sample(
             variables, key, num=count, num_steps=self.preview_steps, **conditions
         )  # [count, *example shape] in [-1, 1]
@@ -644,19 +558,21 @@ class DiffusionObjective(TextConditioning, Objective):
         (labels, or a count for an unconditional model), carrying the schedule, target,
         guidance and whether the null condition was trained (``cond_dropout > 0``).
         ``objective.inference_task(state)`` passes the EMA weights."""
+        text = self.conditions.text
+        data_key = data_key_of(self.model, self.input_key)
         fields = dict(
             model=self.model,
-            params=self.denoiser_params(variables["params"]),
+            params=text.denoiser_params(variables["params"]),
             schedule=self.schedule,
             target=self.output_target,
-            sample_shape=self.example_shape(),
+            sample_shape=example_shape_of(self.model, self.sample_shape, is_video=text.is_video),
             guidance=self.guidance,
             has_null_condition=self.cond_dropout > 0,
-            clip_denoised=self.clip_value,
+            clip_denoised=clip_value_of(self.clip_denoised, data_key),
         )
-        if self.context_features:
-            return self.text_pipeline(variables, fields)
-        return (ClassToVideo if self.is_video else ClassToImage)(**fields)
+        if self.conditions.context_features:
+            return text.text_pipeline(variables, fields)
+        return (ClassToVideo if text.is_video else ClassToImage)(**fields)
 
     # ------------------------------------------------------------------ checks
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
@@ -664,24 +580,16 @@ class DiffusionObjective(TextConditioning, Objective):
         height and width on the model's patch grid, label values and the text batch's
         values."""
         super().check_batch(batch)
-        x = np.asarray(batch[self.data_key])
+        data_key = data_key_of(self.model, self.input_key)
+        x = np.asarray(batch[data_key])
         patch = int(getattr(self.model, "patch_size", 1))
-        if self.sample_dims is None and hasattr(self.model, "in_channels"):
+        if self.sample_shape is None and hasattr(self.model, "in_channels"):
             height, width = x.shape[-3:-1]
             if height % patch or width % patch:
+                shape = example_shape_of(self.model, None, is_video=data_key == "video")
                 raise ValueError(
-                    f"batch[{self.data_key!r}] has shape {x.shape}: the model takes a height "
+                    f"batch[{data_key!r}] has shape {x.shape}: the model takes a height "
                     f"and width that are multiples of patch_size {patch}; crop or resize (the "
-                    f"model is built for {self.example_shape()})"
+                    f"model is built for {shape})"
                 )
-        if self.num_classes:
-            label = np.asarray(batch["label"])
-            if label.size and (label.min() < 0 or label.max() >= self.num_classes):
-                raise ValueError(
-                    f"batch['label'] holds {label.min()}..{label.max()}, the model has "
-                    f"num_classes={self.num_classes} (labels 0..{self.num_classes - 1}; "
-                    f"{self.num_classes} is the null class): remap the labels or build the model "
-                    f"with more classes"
-                )
-        if self.context_features:
-            self.check_text_batch(batch)
+        self.conditions.check_batch(batch)

@@ -50,6 +50,7 @@ from dew.objectives.contract import registry
 from dew.objectives.contract.batch import IDS, MASK, BatchField, check_token_ids, first_row
 from dew.objectives.contract.objective import EMA, Objective, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.diffusion.denoisers import TokenDenoiser
 from dew.objectives.diffusion.images import default_ema
 from dew.sampling.token_diffusion import (
     MaskedSampler,
@@ -149,6 +150,36 @@ def batch_rows(step: Step, rows: int) -> tuple[jax.Array, int]:
     return step.rows, step.batch_rows
 
 
+def tokenizer_of(tokenizer):
+    """``tokenizer``, or a ``ByteTokenizer()`` (mask id 258) for None."""
+    if tokenizer is None:
+        from dew.data import ByteTokenizer
+
+        return ByteTokenizer()
+    return tokenizer
+
+
+def spec_length(spec, text_key: str, *, what: str) -> int:
+    """The ids per row the data declares (``spec[text_key]``), or a ValueError."""
+    if spec is None or text_key not in spec:
+        raise ValueError(
+            f"{what} has no seq_len and the data declares no {text_key!r} "
+            f"field (Dataset.spec); pass seq_len=... or a Dataset with a spec"
+        )
+    return int(tuple(spec[text_key].shape)[0])
+
+
+def valid_tokens(batch, ids, attention_mask_key: str | None) -> jax.Array:
+    """``[rows, length]`` float32: 1 on real tokens, 0 on padding (the attention mask)
+    and on padded rows (``example_mask``)."""
+    valid = jnp.ones(ids.shape, jnp.float32)
+    if attention_mask_key is not None:
+        valid = valid * jnp.asarray(batch[attention_mask_key], jnp.float32)
+    if "example_mask" in batch:  # padded rows of a last validation batch
+        valid = valid * jnp.asarray(batch["example_mask"], jnp.float32)[:, None]
+    return valid
+
+
 def resolve_mask_id(mask_id, tokenizer, model, *, what: str) -> int:
     """The mask id: ``mask_id``, else the tokenizer's; it must lie inside the model's
     vocabulary. Errors name the values and what to do."""
@@ -246,38 +277,22 @@ class MaskedDiffusionObjective(Objective):
                 f"(grid points of the evaluation)"
             )
         if self.seq_len is not None:
-            self._check_length(self.seq_len)
-
-    @functools.cached_property
-    def text_tokenizer(self):
-        """``tokenizer``, or a ``ByteTokenizer()``."""
-        if self.tokenizer is None:
-            from dew.data import ByteTokenizer
-
-            return ByteTokenizer()
-        return self.tokenizer
+            self.denoiser.check_length(self.seq_len)
 
     @functools.cached_property
     def mask_token(self) -> int:
         """The mask id: ``mask_id``, or the tokenizer's (checked against the model)."""
-        return resolve_mask_id(self.mask_id, self.text_tokenizer, self.model, what=self.what)
+        return resolve_mask_id(
+            self.mask_id, tokenizer_of(self.tokenizer), self.model, what=self.what
+        )
 
-    @property
-    def is_timed(self) -> bool:
-        return bool(getattr(self.model, "time_conditioning", False))
-
-    def _check_length(self, length: int) -> None:
-        max_len = getattr(self.model, "max_seq_len", None)
-        if max_len is not None and self.model_positions(length) > max_len:
-            raise ValueError(
-                f"{self.what}: rows of {length} ids need {self.model_positions(length)} "
-                f"positions, more than the model's max_seq_len {max_len}; use shorter rows "
-                f"or a model with a larger max_seq_len"
-            )
-
-    def model_positions(self, length: int) -> int:
-        """Positions the model reads for rows of ``length`` ids."""
-        return length
+    @functools.cached_property
+    def denoiser(self) -> TokenDenoiser:
+        """The forward pass (:mod:`dew.objectives.diffusion.denoisers`): the rows it
+        reads, each token's time, the logits of the noisy rows."""
+        return TokenDenoiser(
+            model=self.model, attention_mask_key=self.attention_mask_key, what=self.what
+        )
 
     # ------------------------------------------------------------------ batch
     def batch_fields(self):
@@ -287,22 +302,10 @@ class MaskedDiffusionObjective(Objective):
             fields.append(BatchField(self.attention_mask_key, (length,), MASK))
         return tuple(fields)
 
-    def length_of(self, spec=None) -> int:
-        if self.seq_len is not None:
-            return self.seq_len
-        if spec is None or self.text_key not in spec:
-            raise ValueError(
-                f"{self.what} has no seq_len and the data declares no {self.text_key!r} "
-                f"field (Dataset.spec); pass seq_len=... or a Dataset with a spec"
-            )
-        length = int(tuple(spec[self.text_key].shape)[0])
-        self._check_length(length)
-        return length
-
     def check_batch(self, batch: Mapping[str, np.ndarray]) -> None:
         super().check_batch(batch)
         ids = np.asarray(batch[self.text_key])
-        self._check_length(ids.shape[1])
+        self.denoiser.check_length(ids.shape[1])
         check_token_ids(ids, getattr(self.model, "vocab_size", None), key=self.text_key,
                         what=f"{self.what}'s model")  # fmt: skip
         found = first_row((ids == self.mask_token).any(axis=1))
@@ -318,9 +321,12 @@ class MaskedDiffusionObjective(Objective):
     # ------------------------------------------------------------------- init
 
     def init(self, key, spec=None):
-        length = self.model_positions(self.length_of(spec))
+        length = self.seq_len
+        if length is None:
+            length = spec_length(spec, self.text_key, what=self.what)
+            self.denoiser.check_length(length)
         inputs = jnp.zeros((1, length), jnp.int32)
-        extra = {"time": jnp.zeros((1,), jnp.float32)} if self.is_timed else {}
+        extra = {"time": jnp.zeros((1,), jnp.float32)} if self.denoiser.is_timed else {}
         variables = self.model.init(key, inputs, **extra)
         if self.init_params is None:
             return {"params": {"policy": variables["params"]}}
@@ -330,18 +336,6 @@ class MaskedDiffusionObjective(Objective):
         return {"params": {"policy": params}}
 
     # ---------------------------------------------------------------- the loss
-    def _valid(self, batch, ids) -> jax.Array:
-        valid = jnp.ones(ids.shape, jnp.float32)
-        if self.attention_mask_key is not None:
-            valid = valid * jnp.asarray(batch[self.attention_mask_key], jnp.float32)
-        if "example_mask" in batch:  # padded rows of a last validation batch
-            valid = valid * jnp.asarray(batch["example_mask"], jnp.float32)[:, None]
-        return valid
-
-    def token_times(self, times: jax.Array, length: int) -> jax.Array:
-        """``[rows, length]``: each token's time, from the drawn ``times`` (one per row)."""
-        return jnp.broadcast_to(times[:, None], (times.shape[0], length))
-
     def draw_times(self, key: jax.Array, rows: int, length: int, index=None, total=None):
         """The times of one training batch, per row ``[rows]`` (antithetic by default):
         rows ``index`` (default ``arange(rows)``) of a whole batch of ``total`` rows."""
@@ -362,12 +356,6 @@ class MaskedDiffusionObjective(Objective):
         noise = jax.vmap(lambda k: jax.random.uniform(k, (length,)))(step.row_keys(rows))
         return times, noise
 
-    def weights_at(self, t: jax.Array) -> jax.Array:
-        """The NELBO weight of a masked token at time ``t`` (continuous, or discrete T)."""
-        if self.num_timesteps:
-            return self.schedule.discrete_weight(t, self.num_timesteps)
-        return self.schedule.weight(t)
-
     def discretised(self, t: jax.Array) -> jax.Array:
         """``t`` itself (continuous time) or ``ceil(t T) / T`` (the discrete bound)."""
         if not self.num_timesteps:
@@ -375,16 +363,9 @@ class MaskedDiffusionObjective(Objective):
         T = self.num_timesteps
         return jnp.clip(jnp.ceil(t * T), 1, T) / T
 
-    def denoiser_logits(self, params, z, x, valid, t_tokens, times) -> jax.Array:
-        """The model's logits ``[rows, length, vocab]`` for the noisy rows ``z``."""
-        extra = {"time": times} if self.is_timed else {}
-        if self.attention_mask_key is not None:
-            extra["attention_mask"] = valid > 0
-        return self.model.apply({"params": params}, z, **extra)
-
     def denoiser_log_probs(self, params, z, x, valid, t_tokens, times) -> jax.Array:
         """``log p(. | z)`` ``[rows, length, vocab]`` of the noisy rows ``z`` (SUBS)."""
-        logits = self.denoiser_logits(params, z, x, valid, t_tokens, times)
+        logits = self.denoiser.logits(params, z, x, valid, t_tokens, times)
         return subs_log_probs(logits, z, self.mask_token)
 
     def token_terms(self, params, batch, t_tokens, noise, times=None):
@@ -392,15 +373,19 @@ class MaskedDiffusionObjective(Objective):
         times ``t_tokens`` and masking uniforms ``noise`` (a token is masked when its
         uniform is below ``1 - alpha_t``): the draws given, for tests and evaluation."""
         x = jnp.asarray(batch[self.text_key], jnp.int32)
-        valid = self._valid(batch, x)
+        valid = valid_tokens(batch, x, self.attention_mask_key)
         t_tokens = self.discretised(t_tokens)
         masked = (noise < self.schedule.mask_chance(t_tokens)) & (valid > 0)
         z = jnp.where(masked, self.mask_token, x)
         if times is None:
             times = t_tokens[:, 0]
-        logits = self.denoiser_logits(params, z, x, valid, t_tokens, times)
+        logits = self.denoiser.logits(params, z, x, valid, t_tokens, times)
         nll = subs_nll(logits, z, x, self.mask_token)  # [rows, length]
-        weighted = self.weights_at(t_tokens) * nll * valid
+        if self.num_timesteps:  # the NELBO weight of a masked token at time t
+            weight = self.schedule.discrete_weight(t_tokens, self.num_timesteps)
+        else:
+            weight = self.schedule.weight(t_tokens)
+        weighted = weight * nll * valid
         return weighted, valid, masked.astype(jnp.float32), nll * valid
 
     def loss(self, variables, batch, step: Step):
@@ -408,7 +393,7 @@ class MaskedDiffusionObjective(Objective):
         rows, length = x.shape
         times, noise = self.draws(step, rows, length)
         weighted, valid, masked, nll = self.token_terms(
-            variables["params"]["policy"], batch, self.token_times(times, length), noise
+            variables["params"]["policy"], batch, self.denoiser.token_times(times, length), noise
         )
         nelbo = Weighted(total=jnp.sum(weighted), weight=jnp.sum(valid))
         return nelbo, {
@@ -435,7 +420,10 @@ class MaskedDiffusionObjective(Objective):
             noise = indexed_uniforms(jax.random.fold_in(root, k + 1), index, (length,))
             times = self.time_eps + (1.0 - self.time_eps) * (k + shifts) / self.eval_times
             weighted, valid, _, _ = self.token_terms(
-                variables["params"]["policy"], batch, self.token_times(times, length), noise
+                variables["params"]["policy"],
+                batch,
+                self.denoiser.token_times(times, length),
+                noise,
             )
             row_total = row_total + jnp.sum(weighted, axis=1)
         row_total = row_total / self.eval_times  # [rows]: each row's NELBO estimate (nats)
@@ -460,7 +448,7 @@ class MaskedDiffusionObjective(Objective):
         return TokenDiffusionGeneration(
             model=self.model,
             params=variables["params"]["policy"],
-            tokenizer=self.text_tokenizer,
+            tokenizer=tokenizer_of(self.tokenizer),
             mask_id=self.mask_token,
             schedule=self.schedule,
             length=length,

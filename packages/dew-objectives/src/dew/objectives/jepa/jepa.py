@@ -279,7 +279,9 @@ class JepaObjective(Objective):
         :meth:`Step.row_keys`)."""
         return self.layout.sample(key, batch)
 
-    def _terms(self, variables, batch, step: Step):
+    def loss(self, variables, batch, step: Step):
+        """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
+        the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""
         from dew.sampling.features import encode, scale_inputs
 
         pixels = scale_inputs(batch[self.data_key])
@@ -315,11 +317,6 @@ class JepaObjective(Objective):
         )
         return loss, metrics
 
-    def loss(self, variables, batch, step: Step):
-        """The loss; ``target_std``, ``prediction_std`` and ``effective_rank`` only on
-        the steps the log reads (:meth:`dew.objectives.Step.diagnostic`)."""
-        return self._terms(variables, batch, step)
-
     def log_notes(self, step: int, metrics: Mapping[str, float]) -> list[str]:
         """A one-line warning after a training log line whose feature statistics
         have collapsed (:attr:`alarm`), against the first logged line this
@@ -341,7 +338,7 @@ class JepaObjective(Objective):
         """The loss and the feature statistics on a validation batch (masks from the
         evaluation key); the trainer evaluates with the averaged weights, so the
         target encoder reads itself."""
-        loss, metrics = self._terms(variables, batch, step)
+        loss, metrics = self.loss(variables, batch, step)
         return {"loss": loss, **metrics}
 
     # ------------------------------------------------------- checks, export

@@ -46,7 +46,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +59,7 @@ from dew.objectives.contract.objective import (
     set_canonical,
     with_initial_values,
 )
-from dew.objectives.contract.weighted import Summed, Weighted
+from dew.objectives.contract.weighted import Weighted
 from dew.objectives.cores.divergences import (
     check_beta,
     check_fraction,
@@ -68,20 +67,37 @@ from dew.objectives.cores.divergences import (
     chunked_sums,
     distillation_losses,
     divergence,
-    output_head,
-    project_logits,
     topk_divergence,
 )
-from dew.objectives.cores.logprobs import rollout_positions
-from dew.objectives.cores.policy import (
-    CausalPolicy,
-    check_same_vocabulary,
-    policy_of,
-    vocab_size_of,
-)
+from dew.objectives.cores.policy import CausalPolicy, policy_of
 from dew.objectives.cores.rollouts import prompt_fields, sample_completions
-from dew.objectives.language.lm import check_packed_positions, packed_inputs, target_weights
+from dew.objectives.language.distillation_loss import (
+    STORED_IDS,
+    STORED_LOGPROBS,
+    STORED_TAIL,
+    scored_inputs,
+    token_metrics,
+    token_sums,
+)
+from dew.objectives.language.lm import check_packed_positions
+from dew.objectives.language.teacher import check_teacher_vocabulary, resolve_teacher
 from dew.sampling import Sampling
+
+
+def init_length(spec, student, *, text_key: str | None, max_new_tokens: int | None) -> int:
+    """The sequence length to initialise at: the data's rows of ids (less the last
+    target), its prompt plus completion width, else the student's ``max_seq_len`` (8)."""
+    if spec is None:
+        return int(getattr(student, "max_seq_len", None) or 8)
+    if text_key is not None and text_key in spec:
+        return int(tuple(spec[text_key].shape)[0]) - 1
+    if "prompt" in spec:
+        new = max_new_tokens
+        if new is None and "completion" in spec:
+            new = int(tuple(spec["completion"].shape)[0])
+        return int(tuple(spec["prompt"].shape)[0]) + (new or 0)
+    return int(getattr(student, "max_seq_len", None) or 8)
+
 
 __all__ = [
     "DistillationObjective",
@@ -90,26 +106,6 @@ __all__ = [
     "divergence",
     "topk_divergence",
 ]
-
-
-# ------------------------------------------------------------------ objective
-STORED_IDS, STORED_LOGPROBS, STORED_TAIL = (
-    "teacher_topk_ids",
-    "teacher_topk_logprobs",
-    "teacher_tail_logprob",
-)  # the batch keys of dew.data.TeacherTopK
-
-
-class _StoredTeacher(nn.Module):
-    """The teacher role of ``stored_teacher=True``: no weights (one empty array) and
-    never run; its vocabulary is the student's, for the checks."""
-
-    vocab_size: int | None = None
-
-    @nn.compact
-    def __call__(self, tokens, **_):
-        self.param("none", nn.initializers.zeros, (0,), jnp.float32)
-        return jnp.zeros((*tokens.shape, self.vocab_size or 1), jnp.float32)
 
 
 @registry.register("distillation")
@@ -224,7 +220,7 @@ class DistillationObjective(Objective):
             raise ValueError(f"max_new_tokens must be >= 1 tokens, got {self.max_new_tokens}")
         if not isinstance(self.sampling, Sampling):
             raise TypeError(f"sampling must be a dew.sampling.Sampling, got {self.sampling!r}")
-        if self.text_key is not None and self.samples:
+        if self.text_key is not None and (self.lmbda > 0 or self.seq_kd):
             raise ValueError(
                 f"{what}(text_key={self.text_key!r}) reads fixed rows of ids, which have no "
                 f"prompts to sample from; lmbda={self.lmbda} and seq_kd={self.seq_kd} need "
@@ -250,32 +246,30 @@ class DistillationObjective(Objective):
                 f"{what} needs the teacher's weights: pass teacher_params= (a trained run's "
                 f"params) or teacher=Pretrained.load(directory)"
             )
-        self._check_vocabularies(what)
+        given = (self.teacher, self.teacher_params, self.teacher_tokenizer)
+        teacher_tokenizer = resolve_teacher(
+            *given, student=self.student, stored=self.stored_teacher
+        )[2]
+        check_teacher_vocabulary(
+            self.student,
+            self.teacher_module,
+            self.teacher_ids,
+            tokenizers=(self.policy.tokenizer, teacher_tokenizer),
+            what=what,
+        )
 
     @functools.cached_property
-    def resolved_teacher(self) -> tuple[Any, Any, Any]:
-        """``(module, weights, tokenizer)`` of the teacher: a ``Pretrained``'s parts, the
-        student's module for a same-architecture teacher, or a stand-in of no weights
-        when the teacher's top-k are stored."""
-        if self.stored_teacher:  # a frozen role of no weights: the stored top-k stand in
-            none = {"none": np.zeros((0,), np.float32)}
-            return _StoredTeacher(vocab_size=vocab_size_of(self.student)), none, None
-        teacher, params, tokenizer = self.teacher, self.teacher_params, self.teacher_tokenizer
-        if hasattr(teacher, "params") and hasattr(teacher, "model"):  # a Pretrained
-            tokenizer = getattr(teacher, "tokenizer", None) if tokenizer is None else tokenizer
-            params = teacher.params if params is None else params
-            teacher = teacher.model
-        return (self.student if teacher is None else teacher), params, tokenizer
-
-    @property
     def teacher_module(self):
-        """The teacher's module (a ``Pretrained``'s, or the student's architecture)."""
-        return self.resolved_teacher[0]
+        """The teacher's module (a ``Pretrained``'s, the student's architecture, or a
+        stand-in of no weights with ``stored_teacher``: :func:`resolve_teacher`)."""
+        given = (self.teacher, self.teacher_params, self.teacher_tokenizer)
+        return resolve_teacher(*given, student=self.student, stored=self.stored_teacher)[0]
 
-    @property
+    @functools.cached_property
     def teacher_weights(self):
         """The teacher's weights (``teacher_params``, or a ``Pretrained``'s)."""
-        return self.resolved_teacher[1]
+        given = (self.teacher, self.teacher_params, self.teacher_tokenizer)
+        return resolve_teacher(*given, student=self.student, stored=self.stored_teacher)[1]
 
     @property
     def model(self):
@@ -283,59 +277,14 @@ class DistillationObjective(Objective):
         return self.student
 
     @functools.cached_property
-    def stop_ids(self) -> tuple[int, ...]:
-        """``end_ids`` as a tuple of ints."""
-        return tuple(int(e) for e in self.end_ids)
-
-    @functools.cached_property
     def policy(self) -> CausalPolicy:
         """The causal-LM core of the student: its tokenizer and initial weights."""
         return policy_of(self)
 
-    @functools.cached_property
-    def teacher_id_map(self) -> np.ndarray | None:
-        """``teacher_ids`` as int32 (None: the teacher's ids are the student's)."""
-        return None if self.teacher_ids is None else np.asarray(self.teacher_ids, np.int32)
-
-    def _check_vocabularies(self, what: str) -> None:
-        student, teacher = vocab_size_of(self.student), vocab_size_of(self.teacher_module)
-        if self.teacher_ids is None:
-            check_same_vocabulary(
-                self.student,
-                self.teacher_module,
-                what=what,
-                names=("student", "teacher"),
-                tokenizers=(self.policy.tokenizer, self.resolved_teacher[2]),
-                fix=(
-                    f"use a teacher with the student's tokenizer, or pass teacher_ids= (int "
-                    f"[{student}]: the teacher id of each student id; np.arange({student}) when "
-                    f"the student's ids are the teacher's first ones, a teacher with extra rows)"
-                ),
-            )
-            return
-        ids = np.asarray(self.teacher_ids)
-        if not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
-            raise TypeError(f"teacher_ids must be a 1-d integer array, got {ids.dtype} {ids.shape}")
-        if student is not None and ids.shape[0] != student:
-            raise ValueError(
-                f"{what}: teacher_ids has {ids.shape[0]} entries, the student's vocabulary "
-                f"{student} ids; give the teacher id of every student id"
-            )
-        if ids.size and (ids.min() < 0 or (teacher is not None and ids.max() >= teacher)):
-            raise ValueError(
-                f"{what}: teacher_ids holds ids in [{ids.min()}, {ids.max()}], outside the "
-                f"teacher's vocabulary of {teacher} ids"
-            )
-
-    @property
-    def samples(self) -> bool:
-        """Whether a prepare phase samples sequences (student or teacher)."""
-        return self.lmbda > 0 or self.seq_kd
-
     @property
     def phases(self) -> tuple[str, ...]:
         """A prepare phase only when it samples (on-policy or sequence-level)."""
-        return ("prepare",) if self.samples else ()
+        return ("prepare",) if self.lmbda > 0 or self.seq_kd else ()
 
     # ----------------------------------------------------------------- roles
     def roles(self):
@@ -366,20 +315,10 @@ class DistillationObjective(Objective):
             BatchField("completion_mask", ("completion_len",), MASK, required=needs_data),
         )
 
-    def _length(self, spec) -> int:
-        if spec is None:
-            return int(getattr(self.student, "max_seq_len", None) or 8)
-        if self.text_key is not None and self.text_key in spec:
-            return int(tuple(spec[self.text_key].shape)[0]) - 1
-        if "prompt" in spec:
-            new = self.max_new_tokens
-            if new is None and "completion" in spec:
-                new = int(tuple(spec["completion"].shape)[0])
-            return int(tuple(spec["prompt"].shape)[0]) + (new or 0)
-        return int(getattr(self.student, "max_seq_len", None) or 8)
-
     def init(self, key, spec=None):
-        length = self._length(spec)
+        length = init_length(
+            spec, self.student, text_key=self.text_key, max_new_tokens=self.max_new_tokens
+        )
         self.policy.check_positions(length, where="the rows", fix="use shorter rows")
         params = self.policy.init_policy(key, length)
         ids = jnp.zeros((1, length), jnp.int32)
@@ -405,7 +344,7 @@ class DistillationObjective(Objective):
                     key=k_sample,
                     max_new_tokens=new,
                     sampling=self.sampling,
-                    end_ids=self.stop_ids,
+                    end_ids=tuple(int(e) for e in self.end_ids),
                     pad_id=self.pad_id,
                 )
                 return r.completion, r.completion_mask
@@ -437,121 +376,46 @@ class DistillationObjective(Objective):
         }
 
     # ------------------------------------------------------------------ loss
-    def _hidden(self, module, params, tokens, extra, scored):
-        """``(states, kernel, dtype)``: the states the output head reads at the scored
-        positions (``scored``: a slice of axis 1) and the head, or the logits there,
-        a placeholder kernel and dtype None for a module without a known head."""
-        head = output_head(module, params)
-        variables = {"params": nn.meta.unbox(params)}
-        if head is None:
-            logits = module.apply(variables, tokens, **extra)[:, scored]
-            return logits, jnp.zeros((), jnp.float32), None
-        _, hidden = module.apply(variables, tokens, return_hidden=True, **extra)
-        return hidden[:, scored], *head
-
-    def token_sums(self, variables, batch):
-        """``(total, sums, tokens)``: the loss's weighted sum over the scored tokens
-        (differentiable), the weighted sums of :func:`distillation_losses`' terms
-        (metrics), and the token count (0 weight on prompt and padding)."""
-        if self.text_key is not None:
-            ids = batch[self.text_key]
-            tokens, targets = ids[:, :-1], ids[:, 1:]
-            extra = packed_inputs(
-                batch, segment_ids_key=self.segment_ids_key, positions_key=self.positions_key
-            )
-            weights = target_weights(
-                {k: v for k, v in batch.items() if k != "example_mask"},
-                ids,
-                loss_mask_key=self.loss_mask_key,
-                segment_ids_key=self.segment_ids_key,
-            )
-            scored = slice(None)
-        else:
-            prompt, completion = batch["prompt"], batch["completion"]
-            prompt_len, new = prompt.shape[1], completion.shape[1]
-            tokens = jnp.concatenate([prompt, completion.astype(prompt.dtype)], axis=1)
-            positions, mask = rollout_positions(batch["prompt_mask"].astype(bool), new)
-            extra = {"positions": positions, "attention_mask": mask}
-            targets = completion
-            weights = batch["completion_mask"].astype(jnp.float32)
-            scored = slice(prompt_len - 1, prompt_len - 1 + new)
-        if "example_mask" in batch:  # padded rows of a last validation batch
-            weights = weights * batch["example_mask"][:, None].astype(jnp.float32)
-        student, kernel, s_dtype = self._hidden(
-            self.student, variables["params"]["policy"], tokens, extra, scored
+    def loss(self, variables, batch, step: Step):
+        """The loss over the scored tokens (:func:`token_sums`) and its terms' per-token
+        means; ``on_policy`` with a prepare phase."""
+        inputs = scored_inputs(
+            batch,
+            text_key=self.text_key,
+            loss_mask_key=self.loss_mask_key,
+            segment_ids_key=self.segment_ids_key,
+            positions_key=self.positions_key,
         )
-        scale, alpha = (1.0 - self.alpha) * self.temperature**2, self.alpha
+        stored, teacher_ids = None, self.teacher_ids
+        if teacher_ids is not None:
+            teacher_ids = np.asarray(teacher_ids, np.int32)
         if self.stored_teacher:
             stored = tuple(batch[key] for key in (STORED_IDS, STORED_LOGPROBS, STORED_TAIL))
-
-            def stored_sums(hs, k, stored, _, y, w):
-                zs = project_logits(hs, k, s_dtype)  # [rows, chunk, vocab] float32
-                ids, logprobs, tail = stored
-                d = topk_divergence(
-                    zs, ids, logprobs, tail, beta=self.beta, temperature=self.temperature
-                )
-                terms = {
-                    "divergence": d,
-                    "agreement": (  # the teacher's top id is a maximum of the student's
-                        jnp.take_along_axis(zs, ids[..., :1].astype(jnp.int32), -1)[..., 0]
-                        == jnp.max(zs, axis=-1)
-                    ).astype(jnp.float32),
-                    "nll": jax.nn.logsumexp(zs, axis=-1)
-                    - jnp.take_along_axis(zs, y[..., None].astype(jnp.int32), -1)[..., 0],
-                }
-                per_token = scale * d + (alpha * terms["nll"] if alpha else 0.0)
-                out = {k: jax.lax.stop_gradient(jnp.sum(v * w)) for k, v in terms.items()}
-                return jnp.sum(per_token * w), out
-
-            total, sums_ = chunked_sums(
-                stored_sums,
-                self.chunk_size,
-                student,
-                kernel,
-                stored,
-                jnp.zeros(()),
-                targets,
-                weights,
-            )
-            return total, sums_, jnp.sum(weights)
-        teacher_params = jax.lax.stop_gradient(variables["teacher"]["params"])
-        teacher, t_kernel, t_dtype = self._hidden(
-            self.teacher_module, teacher_params, tokens, extra, scored
+        total, sums, tokens = token_sums(
+            self.student,
+            variables["params"]["policy"],
+            self.teacher_module,
+            None if self.stored_teacher else variables["teacher"]["params"],
+            inputs,
+            stored=stored,
+            teacher_ids=None
+            if self.teacher_ids is None
+            else np.asarray(self.teacher_ids, np.int32),
+            beta=self.beta,
+            temperature=self.temperature,
+            alpha=self.alpha,
+            chunk_size=self.chunk_size,
         )
-        teacher_ids = self.teacher_id_map
-
-        def sums(hs, k, ht, tk, y, w):
-            zs = project_logits(hs, k, s_dtype)  # [rows, chunk, vocab] float32
-            zt = project_logits(jax.lax.stop_gradient(ht), jax.lax.stop_gradient(tk), t_dtype)
-            if teacher_ids is not None:
-                zt = jnp.take(zt, jnp.asarray(teacher_ids), axis=-1)
-            terms = distillation_losses(zs, zt, y, beta=self.beta, temperature=self.temperature)
-            per_token = scale * terms["divergence"]
-            if alpha:
-                per_token = per_token + alpha * terms["nll"]
-            out = {k: jax.lax.stop_gradient(jnp.sum(v * w)) for k, v in terms.items()}
-            return jnp.sum(per_token * w), out
-
-        total, sums_ = chunked_sums(
-            sums, self.chunk_size, student, kernel, teacher, t_kernel, targets, weights
-        )
-        return total, sums_, jnp.sum(weights)
-
-    def _metrics(self, sums, tokens):
-        out = {k: Weighted(total=v, weight=tokens) for k, v in sums.items()}
-        out["tokens"] = Summed(tokens)
-        return out
-
-    def loss(self, variables, batch, step: Step):
-        total, sums, tokens = self.token_sums(variables, batch)
-        metrics = self._metrics(sums, tokens)
+        metrics = token_metrics(sums, tokens)
         if "on_policy" in batch:
             metrics["on_policy"] = Weighted.mean(batch["on_policy"])
         return Weighted(total=total, weight=tokens), metrics
 
     def evaluate(self, variables, batch, step: Step):
-        _, sums, tokens = self.token_sums(variables, batch)
-        return self._metrics(sums, tokens)
+        """The loss's per-token means on a validation batch."""
+        metrics = self.loss(variables, batch, step)[1]
+        metrics.pop("on_policy", None)
+        return metrics
 
     # ------------------------------------------------------ checks, export
     def check_batch(self, batch):

@@ -84,8 +84,8 @@ class OnlineDPOObjective(Objective):
     model: the policy (:class:`dew.nn.CausalTransformer`, decoding with a KV cache).
     reward_model, reward_model_params: a trained reward model and its parameters (the
       frozen role ``"reward"``); its vocabulary must be the policy's.
-    rewards: GRPO's rewards (:class:`~dew.objectives.rewards.TokenReward`,
-      :class:`~dew.objectives.rewards.TextReward`, plain callables = text rewards).
+    rewards: GRPO's rewards (:class:`~dew.objectives.cores.rewards.Reward` objects,
+      jitted or ``host=True``; plain callables = host rewards of decoded text).
     reward_model_weight: the reward model's weight in the sum.
     max_new_tokens, sampling, end_ids, pad_id: the rollout (as GRPO's; not greedy).
     beta: DPO's inverse temperature (TRL's default 0.1).

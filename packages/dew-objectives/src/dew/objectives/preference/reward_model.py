@@ -283,9 +283,10 @@ def save_hf_reward_model(
 ) -> pathlib.Path:
     """Write a reward model as the Hugging Face ``...ForSequenceClassification``
     (``num_labels=1``) of ``family`` (``"llama"``, ``"qwen2"``, ``"mistral"``,
-    ``"gpt2"``): the causal LM's tensors without ``lm_head``, plus ``score.weight``
-    ``[1, hidden]``; ``config.json`` names the class and ``pad_token_id`` (transformers
-    finds each row's last real token from it). The tokenizer is not written."""
+    ``"gpt2"``, ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``): the causal LM's
+    tensors without ``lm_head``, plus ``score.weight`` ``[1, hidden]``; ``config.json``
+    names the class and ``pad_token_id`` (transformers finds each row's last real token
+    from it). The tokenizer is not written."""
     from dew.nn import hf
     from dew.sampling.checkpoint_io.files import write_tensors
 

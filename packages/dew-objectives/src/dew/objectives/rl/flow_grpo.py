@@ -61,9 +61,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +80,7 @@ from dew.objectives.contract.objective import (
     with_initial_values,
 )
 from dew.objectives.contract.weighted import Summed, Weighted
-from dew.objectives.cores.conditioning import guided_context_mask, model_conditions
+from dew.objectives.cores.conditioning import model_conditions
 from dew.objectives.cores.rewards import READER, HostImageReward, ImageReward, ImageRewards
 from dew.objectives.cores.rl import (
     SCALE_REWARDS,
@@ -98,8 +97,9 @@ from dew.objectives.cores.rollouts import (
     repeat_rows,
     traced_data_parallel,
 )
-from dew.sampling import FlowEuler, FlowSDE, model_denoiser, sample_diffusion, sample_flow_sde
-from dew.sampling.diffusion.flow_sde import transition_log_prob
+from dew.objectives.rl.flow_policy import CONDITION_KEYS, KL_CONVENTIONS, FlowPolicy
+from dew.objectives.rl.flow_sizes import RolloutSizes, rollout_sizes
+from dew.sampling import FlowSDE, sample_flow_sde
 from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
 from dew.sampling.diffusion.samplers import check_target_for
 from dew.sampling.diffusion.schedules import FlowSchedule
@@ -114,9 +114,6 @@ more units in the last place than a token's log-softmax does (1.03e-6 seen on a
 clipping or noise level) is off by a fraction of the log-prob itself."""
 
 __all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward", "RolloutSizes"]
-
-KL_CONVENTIONS = ("reference", "exact")
-CONDITION_KEYS = ("label", "context", "context_mask")
 
 
 # -------------------------------------------------------------------- objective
@@ -221,7 +218,8 @@ class FlowGRPOObjective(Objective):
             )
         if isinstance(self.eval_steps, bool) or self.eval_steps < 1:
             raise ValueError(f"eval_steps must be >= 1, got {self.eval_steps!r}")
-        check_epsilons(self.epsilon, self.epsilon_upper, what=what)
+        upper = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        check_epsilons(self.epsilon, upper, what=what)
         if not self.advantage_clip > 0:
             raise ValueError(f"advantage_clip must be > 0, got {self.advantage_clip}")
         if self.scale_rewards not in SCALE_REWARDS:
@@ -259,7 +257,7 @@ class FlowGRPOObjective(Objective):
             raise TypeError(
                 f"prepared_updates must be dew.objectives.Updates, got {self.prepared_updates!r}"
             )
-        if self.guidance != 1.0 and not (self.num_classes or self.context_features):
+        if self.guidance != 1.0 and not any(model_conditions(self.model)):
             raise ValueError(
                 f"guidance {self.guidance} needs a conditioned model (num_classes or "
                 f"context_features); this one is unconditional: use guidance=1.0"
@@ -269,11 +267,6 @@ class FlowGRPOObjective(Objective):
     @functools.cached_property
     def reward_set(self) -> ImageRewards:
         return ImageRewards.of(self.rewards)
-
-    @functools.cached_property
-    def debug(self) -> bool:
-        """Assert the first update's ratio (``check_first_ratio``, else ``DEW_DEBUG``)."""
-        return debug_enabled(self.check_first_ratio)
 
     @classmethod
     def from_pipeline(cls, pipeline, **options) -> FlowGRPOObjective:
@@ -291,58 +284,39 @@ class FlowGRPOObjective(Objective):
         )
         return cls(**{**fields, **options})
 
+    @functools.cached_property
+    def policy(self) -> FlowPolicy:
+        """The denoiser as a stochastic policy: its one denoiser, the SDE steps'
+        log-probs and KL, the ODE samples (:mod:`dew.objectives.rl.flow_policy`)."""
+        num_classes, context_features = model_conditions(self.model)
+        return FlowPolicy(
+            model=self.model,
+            schedule=self.schedule,
+            target=self.target,
+            sampler=self.sampler,
+            guidance=self.guidance,
+            clip_denoised=self.clip_denoised,
+            sample_shape=self.sample_shape,
+            timestep_fraction=self.timestep_fraction,
+            kl_convention=self.kl_convention,
+            num_classes=num_classes,
+            context_features=context_features,
+        )
+
     # ------------------------------------------------------------------ facts
-    @property
-    def epsilon_upper(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def num_classes(self) -> int:
-        return model_conditions(self.model)[0]
-
-    @property
-    def context_features(self) -> int:
-        return model_conditions(self.model)[1]
-
     def sizes(self, data_parallel: int) -> RolloutSizes:
         """The per-device sizes and the accumulation on ``data_parallel`` devices (the
         mesh's data and fsdp axes), from ``groups``, ``group_size``, the updates'
-        minibatches and ``device_rows``; a ValueError when a split does not divide."""
-        what = type(self).__name__
-        if self.groups is None:
-            raise ValueError(f"{what}.sizes needs groups= (the global group count)")
-        dp, rows = int(data_parallel), self.groups * self.group_size
-        minibatches = self.prepared_updates.minibatches
-        made = f"{self.groups} groups x group_size {self.group_size}"
-        if self.groups % dp:
-            raise ValueError(
-                f"{what}: {made} do not split over {dp} data-parallel devices (conditions per "
-                f"device); use groups that are a multiple of {dp}"
-            )
-        check_rollout_rows(
-            rows, minibatches=minibatches, scoring_rows=None, what=what, made=f" ({made})"
-        )
-        update = rows // minibatches
-        if update % dp:
-            raise ValueError(
-                f"{what}: an update of {update} rows ({rows} rows / {minibatches} minibatches) "
-                f"does not split over {dp} data-parallel devices; use groups x group_size "
-                f"that is a multiple of {minibatches * dp}"
-            )
-        chunk = self.device_rows or update // dp
-        if (update // dp) % chunk:
-            divisors = [d for d in range(1, update // dp + 1) if (update // dp) % d == 0]
-            raise ValueError(
-                f"{what}: device_rows={chunk} does not divide the {update // dp} rows each of "
-                f"{dp} device(s) computes per update ({update} rows); use one of {divisors}"
-            )
-        return RolloutSizes(
-            rows=rows,
-            device_conditions=self.groups // dp,
-            device_rows=rows // dp,
-            rollout_chunk=chunk * dp if self.device_rows else (self.rollout_rows or rows),
-            update_rows=update,
-            accumulate=update // (dp * chunk),
+        minibatches and ``device_rows``; a ValueError when a split does not divide
+        (:func:`dew.objectives.rl.flow_sizes.rollout_sizes`)."""
+        return rollout_sizes(
+            data_parallel,
+            groups=self.groups,
+            group_size=self.group_size,
+            minibatches=self.prepared_updates.minibatches,
+            device_rows=self.device_rows,
+            rollout_rows=self.rollout_rows,
+            what=type(self).__name__,
         )
 
     def accumulate_for(self, data_parallel: int) -> int | None:
@@ -355,17 +329,7 @@ class FlowGRPOObjective(Objective):
     @property
     def train_steps(self) -> int:
         """``K``: stochastic steps trained per row."""
-        return max(1, math.floor(self.sampler.window_steps * self.timestep_fraction + 1e-9))
-
-    def example_shape(self) -> tuple[int, ...]:
-        if self.sample_shape is not None:
-            return tuple(int(s) for s in self.sample_shape)
-        if not hasattr(self.model, "sample_shape") or not hasattr(self.model, "in_channels"):
-            raise ValueError(
-                f"{type(self.model).__name__} does not say its sample size; pass "
-                f"FlowGRPOObjective(sample_shape=(H, W, C))"
-            )
-        return (*self.model.sample_shape, self.model.in_channels)
+        return self.policy.train_steps
 
     def roles(self):
         roles = [Role(name="policy", module=self.model)]
@@ -377,18 +341,18 @@ class FlowGRPOObjective(Objective):
         return tuple(roles)
 
     def batch_fields(self):
-        return (BatchField("label", (), IDS),) if self.num_classes else ()
+        return (BatchField("label", (), IDS),) if self.policy.num_classes else ()
 
     # ------------------------------------------------------------------- init
 
     def init(self, key, spec=None):
-        x = jnp.zeros((1, *self.example_shape()), jnp.float32)
+        x = jnp.zeros((1, *self.policy.example_shape()), jnp.float32)
         dummy = {}
-        if self.num_classes:
+        if self.policy.num_classes:
             dummy["label"] = jnp.zeros((1,), jnp.int32)
-        if self.context_features:
+        if self.policy.context_features:
             tokens = int(spec["context"].shape[0]) if spec and "context" in spec else 1
-            dummy["context"] = jnp.zeros((1, tokens, self.context_features), jnp.float32)
+            dummy["context"] = jnp.zeros((1, tokens, self.policy.context_features), jnp.float32)
         params = self.model.init(key, x, jnp.zeros((1,), jnp.float32), **dummy)["params"]
         if self.init_params is not None:
             params = with_initial_values(
@@ -405,38 +369,6 @@ class FlowGRPOObjective(Objective):
             variables["reference"] = {"params": ref}
         return variables
 
-    # -------------------------------------------------------------- denoising
-    def denoiser(self, params, conditions: Mapping[str, jax.Array]):
-        """The denoiser of rollouts, loss and evaluation: one guidance, one clip."""
-        apply_fn = functools.partial(self.model.apply, {"params": params})
-        context = conditions.get("context")
-        mask = conditions.get("context_mask")
-        if mask is not None:
-            apply_fn = functools.partial(
-                apply_fn, context_mask=guided_context_mask(mask, self.guidance)
-            )
-        return model_denoiser(
-            apply_fn,
-            schedule=self.schedule,
-            target=self.target,
-            label=conditions.get("label"),
-            null_label=self.num_classes,
-            context=context,
-            null_context=None if context is None else jnp.zeros(context.shape[1:], context.dtype),
-            guidance=self.guidance,
-            clip_denoised=self.clip_denoised,
-        )
-
-    def _conditions(self, batch) -> dict[str, jax.Array]:
-        out = {}
-        if self.num_classes:
-            out["label"] = jnp.asarray(batch["label"], jnp.int32)
-        if self.context_features:
-            out["context"] = jnp.asarray(batch["context"], jnp.float32)
-            if "context_mask" in batch:
-                out["context_mask"] = jnp.asarray(batch["context_mask"], bool)
-        return out
-
     # ---------------------------------------------------------------- prepare
     phases = ("prepare", "prepare_host", "prepare_finish")
 
@@ -445,15 +377,15 @@ class FlowGRPOObjective(Objective):
         states and log-probs, the compiled rewards, each row's trained steps."""
         params = variables["params"]["policy"]
         conditions = {
-            k: repeat_rows(v, self.group_size) for k, v in self._conditions(batch).items()
+            k: repeat_rows(v, self.group_size) for k, v in self.policy.conditions(batch).items()
         }
         rows = _rows_of(batch) * self.group_size
-        shape = self.example_shape()
+        shape = self.policy.example_shape()
         k_rollout, k_select = jax.random.split(step.key)
 
         def rollout(part):
             index = part.pop("index")
-            denoise = self.denoiser(params, part)
+            denoise = self.policy.denoiser(params, part)
             out = sample_flow_sde(
                 denoise,
                 sampler=self.sampler,
@@ -505,36 +437,10 @@ class FlowGRPOObjective(Objective):
         return out
 
     # ------------------------------------------------------------------- loss
-    def trained_steps(self, batch) -> jax.Array:
-        """``[rows, K]`` the rows' trained window steps: a constant when every step is
-        trained (prepare's ``arange``), so the loss slices the states, no gathers."""
-        steps = batch["train_steps"]
-        if self.train_steps < self.sampler.window_steps:
-            return steps
-        return jnp.broadcast_to(jnp.arange(self.train_steps, dtype=jnp.int32), steps.shape)
-
     def step_log_probs(self, params, batch):
         """``(log_probs [rows, K], means [rows * K, ...])`` of the stored transitions at
-        the rows' trained steps under ``params`` (the sampler's computation, redone)."""
-        latents = batch["latents"]  # [rows, W + 1, ...]
-        steps = self.trained_steps(batch)  # [rows, K]
-        rows, k = steps.shape
-        example = latents.shape[2:]
-        if k == self.sampler.window_steps:  # every step in order: slices, not gathers
-            x = latents[:, :-1].reshape(rows * k, *example)
-            x_next = latents[:, 1:].reshape(rows * k, *example)
-        else:
-            at = steps.reshape(rows, k, *(1,) * len(example))
-            x = jnp.take_along_axis(latents, at, axis=1).reshape(rows * k, *example)
-            x_next = jnp.take_along_axis(latents, at + 1, axis=1).reshape(x.shape)
-        conditions = {
-            c: jnp.repeat(batch[c], k, axis=0, total_repeat_length=rows * k)
-            for c in CONDITION_KEYS
-            if c in batch
-        }
-        denoise = self.denoiser(params, conditions)
-        logp, mean = transition_log_prob(denoise, self.sampler, x, x_next, steps.reshape(-1))
-        return logp.reshape(rows, k), mean
+        the rows' trained steps under ``params`` (:meth:`FlowPolicy.step_log_probs`)."""
+        return self.policy.step_log_probs(params, batch)
 
     def loss(self, variables, batch, step: Step):
         logps, mean = self.step_log_probs(variables["params"]["policy"], batch)  # [rows, K]
@@ -542,10 +448,11 @@ class FlowGRPOObjective(Objective):
         if self.train_steps < self.sampler.window_steps:
             old = jnp.take_along_axis(old, batch["train_steps"], axis=1)
         advantages = jnp.clip(batch["advantages"], -self.advantage_clip, self.advantage_clip)
+        upper = self.epsilon if self.epsilon_high is None else self.epsilon_high
         per_step, ratio, clipped = clipped_policy_loss(
-            logps, old, advantages, epsilon_low=self.epsilon, epsilon_high=self.epsilon_upper
+            logps, old, advantages, epsilon_low=self.epsilon, epsilon_high=upper
         )
-        if self.debug:
+        if debug_enabled(self.check_first_ratio):  # else DEW_DEBUG=1
             check_first_update(
                 logps,
                 old,
@@ -559,7 +466,9 @@ class FlowGRPOObjective(Objective):
         if self.beta > 0:
             ref = jax.lax.stop_gradient(variables["reference"]["params"])
             _, ref_mean = self.step_log_probs(ref, batch)
-            kl = self.step_kl(mean, jax.lax.stop_gradient(ref_mean), self.trained_steps(batch))
+            kl = self.policy.step_kl(
+                mean, jax.lax.stop_gradient(ref_mean), self.policy.trained_steps(batch)
+            )
             per_step = per_step + self.beta * kl
             metrics["kl"] = Weighted.mean(kl)
         rows = logps.shape[0]
@@ -579,55 +488,32 @@ class FlowGRPOObjective(Objective):
             metrics[f"reward/{name}"] = Weighted.mean(batch["rewards"][:, i])
         return Weighted.mean(per_step), metrics
 
-    def step_kl(self, mean, ref_mean, steps) -> jax.Array:
-        """``[rows, K]``: ``reduce_dims (mean - ref_mean)^2 / (2 v)`` (``kl_convention``)."""
-        rows, k = steps.shape
-        table = self.sampler.window_table()
-        scale = table["sigma"] if self.kl_convention == "reference" else table["std"]
-        var = (scale**2)[steps.reshape(-1)]
-        per = ((mean - ref_mean) ** 2).reshape(rows * k, -1) / (2.0 * var[:, None])
-        reduced = (
-            jnp.mean(per, axis=1) if self.sampler.reduction == "mean" else jnp.sum(per, axis=1)
-        )
-        return reduced.reshape(rows, k)
-
     # ------------------------------------------------------------- evaluation
     def sample(self, variables, key, *, label=None, num=None, num_steps=None, initial=None):
         """ODE samples ``[num, *shape]`` float32 (``FlowEuler``, ``eval_steps``, the same
         guidance); ``label`` ``[num]`` for a class-conditional model."""
         conditions = {} if label is None else {"label": jnp.asarray(label, jnp.int32)}
-        if self.num_classes and label is None:
-            raise ValueError(f"the model is class-conditional ({self.num_classes}); pass label=")
-        num = len(label) if label is not None else num
-        steps = num_steps or self.eval_steps
-        return self._ode(steps, (num, *self.example_shape()))(
-            variables["params"]["policy"], key, conditions
-        )
-
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - one compiled ODE sampler per shape
-    def _ode(self, steps, shape):
-        def run(params, key, conditions):
-            return sample_diffusion(
-                self.denoiser(params, conditions),
-                schedule=self.schedule,
-                sampler=FlowEuler(num_steps=steps),
-                key=key,
-                shape=shape,
+        if self.policy.num_classes and label is None:
+            raise ValueError(
+                f"the model is class-conditional ({self.policy.num_classes}); pass label="
             )
-
-        return jax.jit(run)
+        num = len(label) if label is not None else num
+        run = self.policy.compiled_ode(
+            num_steps or self.eval_steps, (num, *self.policy.example_shape())
+        )
+        return run(variables["params"]["policy"], key, conditions)
 
     def evaluate(self, variables, batch, step: Step):
         """The compiled rewards of one ODE sample per condition (host rewards are not
         evaluated): ``reward`` (their weighted sum) and ``reward/<name>``."""
-        conditions = self._conditions(batch)
+        conditions = self.policy.conditions(batch)
         rows = _rows_of(batch)
-        samples = sample_diffusion(
-            self.denoiser(variables["params"]["policy"], conditions),
-            schedule=self.schedule,
-            sampler=FlowEuler(num_steps=self.eval_steps),
+        samples = self.policy.ode_samples(
+            variables["params"]["policy"],
+            conditions,
             key=step.key,
-            shape=(rows, *self.example_shape()),
+            num_steps=self.eval_steps,
+            shape=(rows, *self.policy.example_shape()),
         )
         values = self.reward_set.compiled_values(samples, dict(batch))
         out = {}
@@ -639,25 +525,25 @@ class FlowGRPOObjective(Objective):
 
     def preview(self, variables, key):
         """A grid of ``preview_count`` ODE samples of an image model (labels cycled)."""
-        shape = self.example_shape()
-        if not self.preview_count or len(shape) != 3 or self.context_features:
+        shape = self.policy.example_shape()
+        if not self.preview_count or len(shape) != 3 or self.policy.context_features:
             return None
         label = None
-        if self.num_classes:
-            label = np.arange(self.preview_count) % self.num_classes
+        if self.policy.num_classes:
+            label = np.arange(self.preview_count) % self.policy.num_classes
         samples = self.sample(variables, key, label=label, num=self.preview_count)
         return sample_grid(to_pixels(samples))
 
     def export(self, variables):
         """A ``ClassToImage`` pipeline of these weights with the ODE sampler."""
-        if self.context_features:
+        if self.policy.context_features:
             raise NotImplementedError("export of a text-conditioned Flow-GRPO model")
         return ClassToImage(
             model=self.model,
             params=variables["params"]["policy"],
             schedule=self.schedule,
             target=self.target,
-            sample_shape=self.example_shape(),
+            sample_shape=self.policy.example_shape(),
             sampler="euler",
             num_steps=self.eval_steps,
             guidance=self.guidance,
@@ -684,27 +570,17 @@ class FlowGRPOObjective(Objective):
             what=what,
             made=f" ({conditions} conditions x group_size {self.group_size})",
         )
-        if self.num_classes:
+        classes = self.policy.num_classes
+        if classes:
             label = np.asarray(batch["label"])
-            if label.size and (label.min() < 0 or label.max() > self.num_classes):
+            if label.size and (label.min() < 0 or label.max() > classes):
                 raise ValueError(
                     f"batch['label'] holds {label.min()}..{label.max()}; the model has "
-                    f"num_classes={self.num_classes} (labels 0..{self.num_classes - 1}, and "
-                    f"{self.num_classes} the null class: unconditional samples)"
+                    f"num_classes={classes} (labels 0..{classes - 1}, and "
+                    f"{classes} the null class: unconditional samples)"
                 )
-        if self.context_features and "context" not in batch:
+        if self.policy.context_features and "context" not in batch:
             raise KeyError(f"{what}: the model reads text contexts; the batch needs 'context'")
-
-
-class RolloutSizes(NamedTuple):
-    """What :meth:`FlowGRPOObjective.sizes` derives (rows are samples)."""
-
-    rows: int  # the rollout batch, all devices: groups x group_size
-    device_conditions: int  # conditions per device
-    device_rows: int  # rollout samples per device
-    rollout_chunk: int  # rows sampled at once, all devices
-    update_rows: int  # rows of one update (rows / minibatches)
-    accumulate: int  # microbatches of an update
 
 
 def _rows_of(batch) -> int:

@@ -31,7 +31,12 @@ against the mean of the other ``G - 1`` rewards) or ``"reinforce"``
 (REINFORCE++, Hu 2025: the batch's mean and std, no group baseline), and
 ``importance_sampling_level="sequence"`` (GSPO, Zheng et al. 2025: one
 length-normalised ratio per completion, clipped per sequence; ``ratio`` and
-``clip_fraction`` are then per completion).
+``clip_fraction`` are then per completion). RLOO's loss as TRL's ``RLOOTrainer``
+(trl 1.16) computes it: ``advantage_estimator="rloo"``,
+``importance_sampling_level="sequence-sum"`` (the completion's probability ratio,
+clipped per sequence, a mean over completions) and ``kl_penalty="reward"`` (beta
+times the rollout's summed k1 taken off each reward before the advantages, where
+``"loss"``, the default, adds ``beta k3`` per token to the loss).
 
 The on-policy contract (``docs/concepts.md``): the rollout runs in the
 trainer's prepare phase, compiled, on the pre-update weights, with
@@ -70,7 +75,7 @@ import numpy as np
 from dew.objectives.contract import registry
 from dew.objectives.contract.objective import Objective, Role, Step, Updates
 from dew.objectives.contract.weighted import Summed, Weighted
-from dew.objectives.cores.logprobs import kl_k3
+from dew.objectives.cores.logprobs import kl_k1, kl_k3
 from dew.objectives.cores.policy import CausalPolicy, check_chunked_model, policy_of
 from dew.objectives.cores.rewards import (
     READER,
@@ -83,28 +88,26 @@ from dew.objectives.cores.rewards import (
 from dew.objectives.cores.rl import (
     ADVANTAGE_ESTIMATORS,
     IMPORTANCE_SAMPLING_LEVELS,
+    KL_PENALTIES,
     SCALE_REWARDS,
+    advantages_by_name,
     check_epsilons,
-    check_first_update,
     check_group_size,
-    clipped_policy_loss,
     group_advantages,
-    reinforce_advantages,
-    rloo_advantages,
-    sequence_clipped_policy_loss,
+    policy_loss,
+    sequence_kl_k1,
 )
 from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
+    CausalRollouts,
     Rollout,
     check_chunked_sampling,
     check_rollout_options,
     check_rollout_rows,
-    debug_enabled,
     in_chunks,
     prompt_fields,
     repeat_rows,
     rollout_logprobs,
-    sample_completions,
 )
 from dew.sampling import Sampling
 
@@ -136,8 +139,9 @@ class GRPOObjective(Objective):
 
     model: the policy, a causal module that decodes with a KV cache
       (:class:`dew.nn.CausalTransformer`).
-    rewards: :class:`~dew.objectives.cores.rewards.TokenReward` /
-      :class:`~dew.objectives.cores.rewards.TextReward` objects (a plain callable is a
+    rewards: :class:`~dew.objectives.cores.rewards.Reward` objects, jitted
+      (:func:`~dew.objectives.cores.rewards.TokenReward`) or on the host
+      (:func:`~dew.objectives.cores.rewards.TextReward`) (a plain callable is a
       text reward of weight 1), weighted and summed.
     group_size: completions per prompt, ``G >= 2``.
     max_new_tokens: completion length, in tokens.
@@ -155,9 +159,15 @@ class GRPOObjective(Objective):
       ``"rloo"`` (RLOO: the mean of the other ``G - 1`` rewards; ``scale_rewards="none"``
       is the paper's) or ``"reinforce"`` (REINFORCE++: the batch's mean and std)
       (:mod:`dew.objectives.cores.rl`).
-    importance_sampling_level: ``"token"`` (GRPO's per-token ratio, the default) or
+    importance_sampling_level: ``"token"`` (GRPO's per-token ratio, the default),
       ``"sequence"`` (GSPO: one length-normalised ratio per completion, clipped per
-      sequence; the paper clips at ``epsilon=3e-4``, ``epsilon_high=4e-4``).
+      sequence; the paper clips at ``epsilon=3e-4``, ``epsilon_high=4e-4``) or
+      ``"sequence-sum"`` (RLOO's, TRL's ``RLOOTrainer``: the completion's probability
+      ratio, its token log-ratios summed, clipped per sequence).
+    kl_penalty: where ``beta`` puts the KL to the reference: ``"loss"`` (``beta k3`` per
+      token added to the loss, GRPO's, the default) or ``"reward"`` (``beta sum_t k1`` of
+      the rollout taken off each reward before the advantages, RLOO's and TRL's
+      ``RLOOTrainer``'s; ``reward`` is logged without it, ``kl`` is then k1 per token).
     advantage_eps: added to the standard deviation (TRL's 1e-4).
     loss_aggregation: ``"sequence-mean"`` | ``"token-mean"`` | ``"dr_grpo"``.
     prepared_updates: updates per rollout batch (:class:`~dew.objectives.Updates`);
@@ -203,6 +213,7 @@ class GRPOObjective(Objective):
     scale_rewards: str = "group"
     advantage_estimator: str = "grpo"
     importance_sampling_level: str = "token"
+    kl_penalty: str = "loss"
     advantage_eps: float = 1e-4
     loss_aggregation: str = "sequence-mean"
     prepared_updates: Updates = dataclasses.field(default_factory=Updates)
@@ -242,6 +253,7 @@ class GRPOObjective(Objective):
                 IMPORTANCE_SAMPLING_LEVELS,
             ),
             ("loss_aggregation", self.loss_aggregation, LOSS_AGGREGATION),
+            ("kl_penalty", self.kl_penalty, KL_PENALTIES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -255,9 +267,18 @@ class GRPOObjective(Objective):
         check_chunked_sampling(self.sampling, self.logits_chunk_size, what=type(self).__name__)
 
     @functools.cached_property
-    def stop_ids(self) -> tuple[int, ...]:
-        """``end_ids`` as a tuple of ints."""
-        return tuple(int(e) for e in self.end_ids)
+    def rollouts(self) -> CausalRollouts:
+        """The sampler settings prepare and the loss share (the first-update check too)."""
+        return CausalRollouts(
+            model=self.model,
+            sampling=self.sampling,
+            max_new_tokens=self.max_new_tokens,
+            group_size=self.group_size,
+            end_ids=self.end_ids,
+            pad_id=self.pad_id,
+            logits_chunk_size=self.logits_chunk_size,
+            check_first_ratio=self.check_first_ratio,
+        )
 
     @functools.cached_property
     def reward_set(self) -> Rewards:
@@ -269,11 +290,6 @@ class GRPOObjective(Objective):
     def policy(self) -> CausalPolicy:
         """The causal-LM core: policy, tokenizer, initial weights and reference."""
         return policy_of(self)
-
-    @functools.cached_property
-    def debug(self) -> bool:
-        """Assert the first update's ratio (``check_first_ratio``, else ``DEW_DEBUG``)."""
-        return debug_enabled(self.check_first_ratio)
 
     @property
     def epsilon_low(self) -> float:
@@ -315,18 +331,7 @@ class GRPOObjective(Objective):
         """Rollouts (compiled): ``G`` completions per prompt, old and reference
         log-probs, token rewards; the reader's other keys repeated per completion."""
         params = variables["params"]["policy"]
-        rollout = sample_completions(
-            self.model,
-            params,
-            batch["prompt"],
-            batch["prompt_mask"],
-            key=step.key,
-            max_new_tokens=self.max_new_tokens,
-            sampling=self.sampling,
-            group_size=self.group_size,
-            end_ids=self.stop_ids,
-            pad_id=self.pad_id,
-        )
+        rollout = self.rollouts.sample(params, batch, step.key)
         out = dict(rollout.as_dict())
         # in chunks of one update's rows: the loss then scores the same shapes. The policy and
         # the reference score each chunk in one loop iteration (half the loop trips of two maps)
@@ -336,16 +341,7 @@ class GRPOObjective(Objective):
             scored["ref_logps"] = variables["reference"]["params"]
 
         def scores(r):
-            return {
-                name: rollout_logprobs(
-                    self.model,
-                    p,
-                    r,
-                    sampling=self.sampling,
-                    logits_chunk_size=self.logits_chunk_size,
-                )
-                for name, p in scored.items()
-            }
+            return {name: self.rollouts.logprobs(p, r) for name, p in scored.items()}
 
         out.update(in_chunks(scores, rollout, chunk))
         data = {
@@ -366,7 +362,10 @@ class GRPOObjective(Objective):
         if not self.reward_set.items:  # the reward model alone
             return no_host_rewards(rollout)
         return self.reward_set.host_stage(
-            rollout, self.policy.tokenizer, end_ids=self.stop_ids, group_size=self.group_size
+            rollout,
+            self.policy.tokenizer,
+            end_ids=self.rollouts.stop_ids,
+            group_size=self.group_size,
         )
 
     def prepare_finish(self, variables, batch, step: Step):
@@ -375,18 +374,17 @@ class GRPOObjective(Objective):
         total = self.reward_set.total(rewards)  # [rows]
         if "model_rewards" in batch:
             total = total + self.reward_model_weight * batch["model_rewards"]
-        estimator = {
-            "grpo": lambda r: group_advantages(
-                r, self.group_size, scale_rewards=self.scale_rewards, eps=self.advantage_eps
-            ),
-            "rloo": lambda r: rloo_advantages(
-                r, self.group_size, scale=self.scale_rewards, eps=self.advantage_eps
-            ),
-            "reinforce": lambda r: reinforce_advantages(
-                r, self.group_size, scale=self.scale_rewards, eps=self.advantage_eps
-            ),
-        }[self.advantage_estimator]
-        advantages, zero = estimator(total)
+        penalised = total
+        if self.beta > 0 and self.kl_penalty == "reward":  # RLOO's: the rollout's summed k1
+            kl = sequence_kl_k1(batch["old_logps"], batch["ref_logps"], batch["completion_mask"])
+            penalised = total - self.beta * kl
+        advantages, zero = advantages_by_name(
+            self.advantage_estimator,
+            penalised,
+            self.group_size,
+            scale=self.scale_rewards,
+            eps=self.advantage_eps,
+        )
         keep = ("prompt", "prompt_mask", "completion", "completion_mask", "old_logps", "ref_logps")
         out = {k: batch[k] for k in keep if k in batch}
         out.update(rewards=rewards, reward=total, advantages=advantages, zero_variance=zero)
@@ -405,32 +403,26 @@ class GRPOObjective(Objective):
             sampling=self.sampling,
             logits_chunk_size=self.logits_chunk_size,
         )  # [rows, new]
-        clip = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_upper)
-        if self.importance_sampling_level == "sequence":  # GSPO: one ratio per completion
-            per_token, ratio, clipped = sequence_clipped_policy_loss(
-                logps, batch["old_logps"], mask, batch["advantages"], **clip
-            )
-            ratio_mean, clip_fraction = Weighted.mean(ratio), Weighted.mean(clipped)
-        else:
-            per_token, ratio, clipped = clipped_policy_loss(
-                logps, batch["old_logps"], batch["advantages"], **clip
-            )
-            ratio_mean, clip_fraction = Weighted.mean(ratio, mask), Weighted.mean(clipped, mask)
+        per_token, ratio_mean, clip_fraction = policy_loss(
+            logps,
+            batch["old_logps"],
+            mask,
+            batch["advantages"],
+            level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_upper,
+        )
         updates = self.prepared_updates
-        if self.debug:
-            check_first_update(
-                logps,
-                batch["old_logps"],
-                mask,
-                step=step.index,
-                updates_per_batch=updates.per_batch,
-                what=type(self).__name__,
-            )
+        self.rollouts.check_first_update(
+            logps, batch["old_logps"], mask, step=step, updates=updates, what=type(self).__name__
+        )
         metrics = {}
-        if self.beta > 0:
+        if self.beta > 0 and self.kl_penalty == "loss":
             kl = kl_k3(logps, batch["ref_logps"], clamp=self.kl_clamp)  # [rows, new] float32
             per_token = per_token + self.beta * kl
             metrics["kl"] = Weighted.mean(kl, mask)
+        elif self.beta > 0:  # in the rewards already: the rollout's k1, logged
+            metrics["kl"] = Weighted.mean(kl_k1(batch["old_logps"], batch["ref_logps"]), mask)
         loss = aggregate(per_token, mask, self.loss_aggregation)
         tokens = jnp.sum(mask, dtype=jnp.float32)
         first_epoch = (step.index % updates.per_batch) < updates.minibatches
@@ -467,5 +459,5 @@ class GRPOObjective(Objective):
         return self.policy.export(
             variables["params"]["policy"],
             max_new_tokens=self.max_new_tokens,
-            end_ids=self.stop_ids or None,
+            end_ids=self.rollouts.stop_ids or None,
         )

@@ -71,30 +71,29 @@ from dew.objectives.cores.rewards import (
 )
 from dew.objectives.cores.rl import (
     check_epsilons,
-    check_first_update,
     clipped_policy_loss,
     gae,
     max_ratio_deviation,
+    upper_clip,
     whiten,
 )
 from dew.objectives.cores.rollouts import (
     PROMPT_KEYS,
+    CausalRollouts,
     Rollout,
     check_chunked_sampling,
     check_rollout_options,
     check_rollout_rows,
     chunked_rollout_logprobs,
-    debug_enabled,
     in_chunks,
     prompt_fields,
-    rollout_logprobs,
-    sample_completions,
     scored_logprobs,
 )
 
 __all__ = [  # gae, whiten and in_chunks are the RL core's and the rollouts', importable here
     "PPOObjective",
     "end_index",
+    "evaluate_rollout",
     "explained_variance",
     "gae",
     "in_chunks",
@@ -147,6 +146,45 @@ def value_loss(
     return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
 
 
+def evaluate_rollout(ppo: PPOObjective, params, rollout: Rollout) -> tuple[jax.Array, jax.Array]:
+    """``(logps, values)`` of ``ppo``'s roles ``params`` (``{"policy", "value"}``), each
+    ``[rows, new]`` float32, 0 after a row's end: the policy's log-probs of the
+    completion tokens (as sampled: temperature, truncation) and the value of the state
+    before each token. One forward pass of the policy when the value head is on its
+    trunk. Prepare and the loss both call this, on the same rows."""
+    prompt_len, new = rollout.prompt.shape[1], rollout.completion.shape[1]
+    tokens = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)  # [rows, length]
+    positions, mask = rollout_positions(rollout.prompt_mask, new)
+    scored = slice(prompt_len - 1, prompt_len - 1 + new)  # the states before o_0 .. o_new-1
+    valid = rollout.completion_mask
+    sampling, chunk = ppo.rollouts.sampling, ppo.logits_chunk_size
+    if ppo.critic is None and chunk is not None:
+        logps, hidden = chunked_rollout_logprobs(
+            ppo.model, params["policy"], rollout, sampling, chunk, return_hidden=True
+        )  # [rows, new], [rows, length, embed]
+        values = ppo.head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
+    elif ppo.critic is None:
+        logits, hidden = ppo.model.apply(
+            {"params": nn_unbox(params["policy"])},
+            tokens,
+            positions=positions,
+            attention_mask=mask,
+            return_hidden=True,
+        )  # [rows, length, vocab], [rows, length, embed]
+        logps = scored_logprobs(logits[:, scored], rollout.completion, sampling)
+        logps = jnp.where(valid, logps, 0.0)
+        values = ppo.head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
+    else:
+        logps = ppo.rollouts.logprobs(params["policy"], rollout)
+        values = ppo.critic.apply(
+            {"params": nn_unbox(params["value"])},
+            tokens,
+            positions=positions,
+            attention_mask=mask,
+        )[:, scored]
+    return logps, jnp.where(valid, values, 0.0)  # [rows, new] each
+
+
 # ----------------------------------------------------------------- objective
 @registry.register("ppo")
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -155,9 +193,9 @@ class PPOObjective(Objective):
 
     model: the policy, a causal module (:class:`dew.nn.CausalTransformer`) that
       decodes with a cache and takes ``return_hidden=True``.
-    reward: the score of a completion: a :class:`~dew.objectives.cores.rewards.TokenReward`
-      (jittable, traced into prepare), a :class:`~dew.objectives.cores.rewards.TextReward`
-      (host Python over decoded text, with the reader's other columns; a plain
+    reward: the score of a completion: a :class:`~dew.objectives.cores.rewards.Reward`,
+      jitted (``TokenReward``, traced into prepare) or on the host (``TextReward``:
+      host Python over decoded text, with the reader's other columns; a plain
       callable is one), or a sequence of them, weighted and summed, each logged as
       ``reward/<name>``. Text rewards run between two compiled parts of prepare.
       None: the reward model alone (``reward_model=``).
@@ -258,7 +296,8 @@ class PPOObjective(Objective):
         for name in ("kl_coef", "clip_range_value", "vf_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"PPOObjective {name} must be >= 0, got {getattr(self, name)}")
-        check_epsilons(self.clip_range, self.clip_range_upper, what=what)
+        high = upper_clip(self.clip_range, self.clip_range_high)
+        check_epsilons(self.clip_range, high, what=what)
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(
@@ -266,7 +305,9 @@ class PPOObjective(Objective):
                 )
         check_rollout_options(self.scoring_rows, self.prepared_updates)
         check_chunked_model(self.model, self.logits_chunk_size, what=type(self).__name__)
-        check_chunked_sampling(self.drawing, self.logits_chunk_size, what=type(self).__name__)
+        check_chunked_sampling(
+            self.rollouts.sampling, self.logits_chunk_size, what=type(self).__name__
+        )
 
     @functools.cached_property
     def policy(self) -> CausalPolicy:
@@ -279,17 +320,21 @@ class PPOObjective(Objective):
             return Rewards(())  # the reward model alone
         return Rewards.of(self.reward)
 
-    @property
-    def metric_rewards(self) -> tuple[str, ...]:
-        """The ``reward/<name>`` columns: each reward's, then the reward model's."""
-        return (*self.rewards.names, *(("reward_model",) if self.reward_model is not None else ()))
-
     @functools.cached_property
-    def drawing(self):
-        """``sampling``, or the default ``Sampling()``."""
+    def rollouts(self) -> CausalRollouts:
+        """The sampler settings prepare and the loss share (``sampling`` None =
+        ``Sampling()``), the first-update check too."""
         from dew.sampling import Sampling
 
-        return Sampling() if self.sampling is None else self.sampling
+        return CausalRollouts(
+            model=self.model,
+            sampling=Sampling() if self.sampling is None else self.sampling,
+            max_new_tokens=self.max_new_tokens,
+            end_ids=self.end_ids,
+            pad_id=self.pad_id,
+            logits_chunk_size=self.logits_chunk_size,
+            check_first_ratio=self.debug,
+        )
 
     @functools.cached_property
     def head(self):
@@ -297,20 +342,6 @@ class PPOObjective(Objective):
         from dew.nn.value import ValueHead
 
         return ValueHead() if self.value_head is None else self.value_head
-
-    @functools.cached_property
-    def stop_ids(self) -> tuple[int, ...]:
-        """``end_ids`` as a tuple of ints."""
-        return tuple(int(e) for e in np.atleast_1d(self.end_ids)) if self.end_ids else ()
-
-    @functools.cached_property
-    def checks_ratio(self) -> bool:
-        """Assert the first update's ratio (``debug``, else ``DEW_DEBUG``)."""
-        return debug_enabled(self.debug)
-
-    @property
-    def clip_range_upper(self) -> float:
-        return self.clip_range if self.clip_range_high is None else self.clip_range_high
 
     # ------------------------------------------------------------- models
     def roles(self) -> tuple[Role, ...]:
@@ -354,89 +385,20 @@ class PPOObjective(Objective):
             variables["reward"] = {"params": self.reward_model_params}
         return variables
 
-    # ------------------------------------------------ log-probs and values
-    def evaluate_rollout(self, params, rollout: Rollout) -> tuple[jax.Array, jax.Array]:
-        """``(logps, values)``, each ``[rows, new]`` float32, 0 after a row's end:
-        the policy's log-probs of the completion tokens (as sampled: temperature,
-        truncation) and the value of the state before each token. One forward pass
-        of the policy when the value head is on its trunk. Prepare and the loss
-        both call this, on the same rows."""
-        prompt_len, new = rollout.prompt.shape[1], rollout.completion.shape[1]
-        tokens = jnp.concatenate([rollout.prompt, rollout.completion], axis=1)  # [rows, length]
-        positions, mask = rollout_positions(rollout.prompt_mask, new)
-        scored = slice(prompt_len - 1, prompt_len - 1 + new)  # the states before o_0 .. o_new-1
-        valid = rollout.completion_mask
-        if self.critic is None and self.logits_chunk_size is not None:
-            logps, hidden = chunked_rollout_logprobs(
-                self.model,
-                params["policy"],
-                rollout,
-                self.drawing,
-                self.logits_chunk_size,
-                return_hidden=True,
-            )  # [rows, new], [rows, length, embed]
-            values = self.head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
-        elif self.critic is None:
-            logits, hidden = self.model.apply(
-                {"params": nn_unbox(params["policy"])},
-                tokens,
-                positions=positions,
-                attention_mask=mask,
-                return_hidden=True,
-            )  # [rows, length, vocab], [rows, length, embed]
-            logps = scored_logprobs(logits[:, scored], rollout.completion, self.drawing)
-            logps = jnp.where(valid, logps, 0.0)
-            values = self.head.apply({"params": nn_unbox(params["value"])}, hidden[:, scored])
-        else:
-            logps = rollout_logprobs(
-                self.model,
-                params["policy"],
-                rollout,
-                sampling=self.drawing,
-                logits_chunk_size=self.logits_chunk_size,
-            )
-            values = self.critic.apply(
-                {"params": nn_unbox(params["value"])},
-                tokens,
-                positions=positions,
-                attention_mask=mask,
-            )[:, scored]
-        return logps, jnp.where(valid, values, 0.0)  # [rows, new] each
-
     # ------------------------------------------------------------- prepare
     def prepare(self, variables, batch, step: Step):
         """The rollout (compiled): completions, old log-probs and values, reference
         log-probs, token rewards; with text rewards the reader's other keys ride
         along to :meth:`prepare_host`, else the advantages follow at once."""
         params = variables["params"]
-        rollout = sample_completions(
-            self.model,
-            nn_unbox(params["policy"]),
-            batch["prompt"],
-            batch["prompt_mask"],
-            key=step.key,
-            max_new_tokens=self.max_new_tokens,
-            sampling=self.drawing,
-            end_ids=self.stop_ids,
-            pad_id=self.pad_id,
-        )
+        rollout = self.rollouts.sample(nn_unbox(params["policy"]), batch, step.key)
         mask = rollout.completion_mask
         chunk = self.scoring_rows or mask.shape[0] // self.prepared_updates.minibatches
         reference = variables["reference"]["params"]
 
         def scores(r):  # the policy and the reference in one loop iteration per chunk
-            logps, values = self.evaluate_rollout(params, r)
-            return (
-                logps,
-                values,
-                rollout_logprobs(
-                    self.model,
-                    reference,
-                    r,
-                    sampling=self.drawing,
-                    logits_chunk_size=self.logits_chunk_size,
-                ),
-            )
+            logps, values = evaluate_rollout(self, params, r)
+            return logps, values, self.rollouts.logprobs(reference, r)
 
         logps, values, ref_logps = in_chunks(scores, rollout, chunk)
         out = dict(rollout.as_dict(), old_logps=logps, old_values=values, ref_logps=ref_logps)
@@ -452,14 +414,16 @@ class PPOObjective(Objective):
     @property
     def phases(self) -> tuple[str, ...]:
         """Only text rewards need the host stage (and the compiled part after it)."""
-        if self.rewards.text:
+        if self.rewards.host:
             return ("prepare", "prepare_host", "prepare_finish")
         return ("prepare",)
 
     def prepare_host(self, rollout):
         """Host stage (:meth:`dew.objectives.cores.rewards.Rewards.host_stage`): every reward,
         ``rewards [rows, rewards]`` in order."""
-        return self.rewards.host_stage(rollout, self.policy.tokenizer, end_ids=self.stop_ids)
+        return self.rewards.host_stage(
+            rollout, self.policy.tokenizer, end_ids=self.rollouts.stop_ids
+        )
 
     def prepare_finish(self, variables, batch, step: Step):
         """Advantages (compiled): KL-penalised token rewards, GAE, whitening; the
@@ -498,26 +462,25 @@ class PPOObjective(Objective):
     def loss(self, variables, batch, step: Step):
         rollout = Rollout.from_batch(batch)
         mask = rollout.completion_mask
-        logps, values = self.evaluate_rollout(variables["params"], rollout)
+        logps, values = evaluate_rollout(self, variables["params"], rollout)
         pg, ratio, pg_clipped = clipped_policy_loss(
             logps,
             batch["old_logps"],
             batch["advantages"],
             epsilon_low=self.clip_range,
-            epsilon_high=self.clip_range_upper,
+            epsilon_high=upper_clip(self.clip_range, self.clip_range_high),
         )
         vf, vf_clipped = value_loss(
             values, batch["old_values"], batch["returns"], clip_range_value=self.clip_range_value
         )
-        if self.checks_ratio:
-            check_first_update(
-                logps,
-                batch["old_logps"],
-                mask,
-                step=step.index,
-                updates_per_batch=self.prepared_updates.per_batch,
-                what=type(self).__name__,
-            )
+        self.rollouts.check_first_update(
+            logps,
+            batch["old_logps"],
+            mask,
+            step=step,
+            updates=self.prepared_updates,
+            what=type(self).__name__,
+        )
         weights = mask.astype(jnp.float32)
         policy = Weighted.mean(pg, weights)
         value = Weighted.mean(vf, weights)
@@ -536,8 +499,9 @@ class PPOObjective(Objective):
             "completion_length": Weighted.mean(rollout.lengths),
             "tokens": Summed(jnp.sum(weights)),
         }
-        for name in self.metric_rewards:
-            metrics[f"reward/{name}"] = Weighted.mean(batch[f"reward/{name}"])
+        for key in batch:  # each reward's column, then the reward model's (prepare_finish)
+            if key.startswith("reward/"):
+                metrics[key] = Weighted.mean(batch[key])
         return (policy, value.scale(self.vf_coef)), metrics
 
     # ------------------------------------------------------- checks, export
@@ -557,7 +521,7 @@ class PPOObjective(Objective):
         """A :class:`dew.sampling.TextGeneration` of the policy."""
         return self.policy.export(
             variables["params"]["policy"],
-            sampling=self.drawing,
+            sampling=self.rollouts.sampling,
             max_new_tokens=self.max_new_tokens,
-            end_ids=self.stop_ids or None,
+            end_ids=self.rollouts.stop_ids or None,
         )

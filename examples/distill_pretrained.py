@@ -113,11 +113,13 @@ def main():
     )
     at = Step(index=np.int32(0), key=jax.random.key(1))
     frozen = {"teacher": {"params": teacher.params}}
-    held_out = jax.jit(seq_kd.prepare)({"params": {}, **frozen}, prompts(tokenizer, 99), at)
+    no_student = {"params": {"policy": {}}, **frozen}  # seq_kd samples the teacher alone
+    held_out = jax.jit(seq_kd.prepare)(no_student, prompts(tokenizer, 99), at)
     evaluate = jax.jit(seq_kd.evaluate)
 
     def divergence(params):
-        return float(evaluate({"params": params, **frozen}, held_out, at)["divergence"].value)
+        variables = {"params": {"policy": params}, **frozen}
+        return float(evaluate(variables, held_out, at)["divergence"].value)
 
     before = divergence(jax.device_get(trainer.init_state().params))
     state = trainer.fit(data, steps=args.steps, log_every=max(1, args.steps // 4))

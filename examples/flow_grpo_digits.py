@@ -115,7 +115,8 @@ data = Dataset(train=lambda p: iter(lambda: {"label": null}, None), val=None, re
 
 
 def evaluate(params, name):
-    samples = objective.sample({"params": params}, jax.random.key(1), label=np.full(40, 10))
+    variables = {"params": {"policy": params}}
+    samples = objective.sample(variables, jax.random.key(1), label=np.full(40, 10))
     pixels = to_pixels(samples)  # [40, 8, 8, 1] uint8
     reward = float(np.mean(digit_probability(jnp.asarray(pixels), None)))
     grid = sample_grid(pixels, columns=10)[..., 0]
@@ -130,5 +131,5 @@ evaluate(pipe.params, "before")
 trainer = Trainer(objective, optax.adam(args.learning_rate), key=jax.random.key(0), mesh=one_device,
                   run_dir=str(out / "grpo"), progress=False)  # fmt: skip
 state = trainer.fit(data, steps=args.iterations, log_every=max(args.iterations // 5, 1))
-evaluate(state.variables(averaged=True)["params"], "after")
+evaluate(state.variables(averaged=True)["params"]["policy"], "after")
 print(f"wrote {out / 'before.png'} and {out / 'after.png'}")

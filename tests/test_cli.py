@@ -738,7 +738,7 @@ def test_family_recipe_trains_through_the_command(name, tiny_llama, tmp_path, ca
         said = json.loads(capsys.readouterr().out.splitlines()[-1])
         _, built, _, _, _ = _trained(str(tmp_path), False)
         _, ema = load_model(os.path.join(tmp_path, "checkpoints"), averaged=True)
-        pipe = built.objective.export({"params": ema}, length=8)
+        pipe = built.objective.export({"params": {"policy": ema}}, length=8)
         want = pipe("Dew", key=jax.random.fold_in(jax.random.key(0), 0))
         assert said == {"samples": [want], "weights": "EMA"}
         assert want.startswith("Dew") and len(want) > 3
@@ -860,7 +860,9 @@ def sampled_images(run_dir: str, capsys) -> None:
     model, ema = load_model(os.path.join(run_dir, "checkpoints"), averaged=True)
     _, built, _, _, _ = _trained(run_dir, False)
     # the objective's own pipeline (its export) of the EMA weights, seed 0
-    want = built.objective.export({"params": ema})(labels, seed=0)[..., 0]  # uint8 [3, 8, 8]
+    want = built.objective.export({"params": {"policy": ema}})(labels, seed=0)[
+        ..., 0
+    ]  # uint8 [3, 8, 8]
     for path, pixels in zip(said["images"], want, strict=True):
         with Image.open(path) as image:
             assert image.format == "PNG" and image.mode == "L" and image.size == (8, 8)

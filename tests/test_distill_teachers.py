@@ -126,7 +126,7 @@ def distil_and_check(run_dir, **teacher):
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == STEPS
     want = numpy_metrics(
-        STUDENT, initial["params"], objective.teacher_module, initial["teacher"]["params"]
+        STUDENT, initial["params"]["policy"], objective.teacher_module, initial["teacher"]["params"]
     )
     for key, value in want.items():
         np.testing.assert_allclose(train[0][key], value, rtol=1e-5, err_msg=key)

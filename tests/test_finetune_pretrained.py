@@ -63,7 +63,9 @@ def test_finetune_starts_from_the_checkpoint_and_saves_back(pretrained, tmp_path
     for got, want in zip(jax.tree.leaves(start.params), jax.tree.leaves(pretrained.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
-    loss_before = float(objective.loss({"params": pretrained.params}, batch, None)[0].value)
+    loss_before = float(
+        objective.loss({"params": {"policy": pretrained.params}}, batch, None)[0].value
+    )
     state = trainer.fit(data, steps=12, log_every=1)
     logged = [
         float(line.split("loss ")[1].split(",")[0])
@@ -71,7 +73,7 @@ def test_finetune_starts_from_the_checkpoint_and_saves_back(pretrained, tmp_path
         if line.startswith("step ") and "loss" in line
     ]
     assert logged[0] == pytest.approx(loss_before, rel=1e-4)  # step 1 scored the checkpoint
-    loss_after = float(objective.loss({"params": state.params}, batch, None)[0])
+    loss_after = float(objective.loss({"params": state.params_by_role}, batch, None)[0])
     assert loss_after < 0.7 * loss_before  # it trained
 
     pipeline = objective.inference_task(state)

@@ -81,7 +81,7 @@ def ring_model():
         clip_denoised=None,
         ema=None,
     )
-    params = nn.unbox(diffusion.init(jax.random.key(0))["params"])
+    params = nn.unbox(diffusion.init(jax.random.key(0))["params"]["policy"])
     rng = np.random.default_rng(0)
     data = CENTRES[rng.integers(0, MODES, (PRETRAIN, 256))]
     data = (data + SIGMA * rng.normal(size=data.shape)).astype(np.float32)
@@ -93,7 +93,9 @@ def ring_model():
             p, s = carry
             x, i = xs
             step = Step(index=i, key=jax.random.fold_in(jax.random.key(1), i))
-            g = jax.grad(lambda p: diffusion.loss({"params": p}, {"x": x}, step)[0].value)(p)
+            g = jax.grad(
+                lambda p: diffusion.loss({"params": {"policy": p}}, {"x": x}, step)[0].value
+            )(p)
             u, s = optimizer.update(g, s, p)
             return (optax.apply_updates(p, u), s), None
 
@@ -136,7 +138,7 @@ def test_ring_mode_reward_rises_threefold_with_the_first_ratio_asserted(ring_mod
     )
 
     def ode_reward(p):
-        x = objective.sample({"params": p}, jax.random.key(5), num=2000, num_steps=20)
+        x = objective.sample({"params": {"policy": p}}, jax.random.key(5), num=2000, num_steps=20)
         return float(np.mean(np.linalg.norm(np.asarray(x) - CENTRES[0], axis=-1) < 0.6))
 
     before = ode_reward(params)
@@ -169,7 +171,7 @@ def test_the_default_average_follows_a_short_run(ring_model):
     assert objective.ema == EMA(decay=0.99, use_warmup=True)
 
     def ode_reward(p):
-        x = objective.sample({"params": p}, jax.random.key(5), num=2000, num_steps=20)
+        x = objective.sample({"params": {"policy": p}}, jax.random.key(5), num=2000, num_steps=20)
         return float(np.mean(np.linalg.norm(np.asarray(x) - CENTRES[0], axis=-1) < 0.6))
 
     before = ode_reward(params)
@@ -179,7 +181,7 @@ def test_the_default_average_follows_a_short_run(ring_model):
         trainer = Trainer(run, optax.adam(1e-3), key=jax.random.key(0), mesh=ONE, progress=False)
         state = trainer.fit(groups(8), steps=30, log_every=0)
         live = ode_reward(state.params) - before
-        gains[name] = (live, ode_reward(state.variables()["params"]) - before)
+        gains[name] = (live, ode_reward(state.variables()["params"]["policy"]) - before)
     print("ODE reward gain (live, averaged) from", before, gains)
     live, averaged = gains["warmup"]
     assert live > 0.1, gains  # the run moved

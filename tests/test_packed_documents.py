@@ -96,7 +96,8 @@ def test_loss_counts_each_documents_own_targets(windows):
     loss, _ = jax.jit(objective.loss)(variables, windows, step)
     found = documents_of(windows)
     rows, lengths = alone([text for *_, text in found])
-    logits = np.asarray(jax.jit(model.apply)(variables, rows), np.float64)
+    policy = {"params": variables["params"]["policy"]}
+    logits = np.asarray(jax.jit(model.apply)(policy, rows), np.float64)
     total, count = 0.0, 0
     for z, ids, length in zip(logits, rows, lengths, strict=True):
         z = z[: length - 1]  # predicts ids[1:length]

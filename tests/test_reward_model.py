@@ -65,10 +65,10 @@ def test_loss_is_bradley_terry():
     objective = RewardModelObjective(model=MODEL, margin=0.3, center_rewards_coefficient=0.01)
     batch = make_batch()
     variables = objective.init(jax.random.key(0), spec={"chosen": jnp.zeros((LENGTH,))})
-    params = nn.unbox(variables["params"])
+    params = nn.unbox(variables["params"]["reward"])
     weights = np.array([1.0, 2.0, 0.0, 0.5], np.float32)
     loss, metrics = jax.jit(objective.loss)(
-        {"params": params}, {**batch, "example_mask": weights}, STEP
+        {"params": {"reward": params}}, {**batch, "example_mask": weights}, STEP
     )
     # numpy: the backbone's final hidden state at each row's last real token, times the head
     kernel = np.asarray(params["score"]["kernel"], np.float64)[:, 0]
@@ -88,7 +88,7 @@ def test_loss_is_bradley_terry():
         metrics["margin"].value, np.sum(gap * weights) / weights.sum(), rtol=1e-4
     )
     assert float(np.abs(gap).min()) > 0  # the head reads different tokens per side
-    scorer = objective.export({"params": params})
+    scorer = objective.export({"params": {"reward": params}})
     assert isinstance(scorer, RewardScorer)
 
 

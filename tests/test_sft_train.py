@@ -51,7 +51,7 @@ def reference(batch):
     model = CausalTransformer(**CONFIG)
     objective = LMObjective(model=model, seq_len=SEQ, **KEYS)
     k_init, _ = jax.random.split(jax.random.key(0))
-    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]
+    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]["policy"]
 
     def loss(p):
         cut = {k: v[:, :-1] for k, v in batch.items()}
@@ -154,7 +154,7 @@ def test_chat_loss_is_the_mean_nll_over_the_assistant_tokens(tmp_path):
         ) == "".join(f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
         row[: len(ids)] = ids
         examples.append((np.asarray(ids), np.asarray(trained)))
-    logits = jax.jit(model.apply)(variables, rows)
+    logits = jax.jit(model.apply)({"params": variables["params"]["policy"]}, rows)
     total, count = 0.0, 0
     for r, (ids, trained) in enumerate(examples):
         z = np.asarray(logits[r, : len(ids) - 1], np.float64)  # predicts ids[1:]

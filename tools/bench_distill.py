@@ -82,7 +82,7 @@ def dew_loss(student, teacher, chunk):
     step = Step(index=jnp.int32(0), key=jax.random.key(0))
 
     def loss_fn(p, t, b):
-        loss, _ = objective.loss({"params": p, "teacher": {"params": t}}, b, step)
+        loss, _ = objective.loss({"params": {"policy": p}, "teacher": {"params": t}}, b, step)
         return loss.total / loss.weight
 
     return loss_fn

@@ -136,7 +136,9 @@ def cost(size: str) -> dict[str, tuple[float, float]]:
     step = Step(index=jnp.int32(0), key=jax.random.key(0))
 
     def dew_loss(p, ref, batch):
-        loss, _ = objective.loss({"params": p, "reference": {"params": ref}}, batch, step)
+        loss, _ = objective.loss(
+            {"params": {"policy": p}, "reference": {"params": ref}}, batch, step
+        )
         return loss.total / loss.weight
 
     out = {}

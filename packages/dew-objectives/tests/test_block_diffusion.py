@@ -107,7 +107,7 @@ def test_block_size_L_is_mdlm_and_block_size_1_is_the_lm_loss(params):
         log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         nll.append(-log_probs[np.arange(3), X[:, pos]])
     np.testing.assert_allclose(np.asarray(terms), np.stack(nll, 1), rtol=1e-5, atol=1e-6)
-    loss, _ = bd3(1).loss({"params": params}, {"text": X}, STEP)
+    loss, _ = bd3(1).loss({"params": {"policy": params}}, {"text": X}, STEP)
     assert float(loss.value) == pytest.approx(np.mean(nll), rel=1e-5)
 
 
@@ -130,7 +130,8 @@ def test_the_last_layer_on_the_noisy_half_gives_the_full_loss_and_gradients(para
     for model in (MODEL, full_model):
         obj = BlockDiffusionObjective(model=model, mask_id=MASK, seq_len=L, block_size=2)
         grad = jax.jit(jax.value_and_grad(
-            lambda p, o=obj: o.loss({"params": p}, {"text": X}, STEP)[0].value))  # fmt: skip
+            lambda p, o=obj: o.loss({"params": {"policy": p}}, {"text": X}, STEP)[0].value
+        ))  # fmt: skip
         grads.append(grad(params))
     (short_loss, short), (full_loss, full) = grads
     assert float(short_loss) == pytest.approx(float(full_loss), rel=1e-6)
@@ -155,7 +156,7 @@ def test_evaluation_reports_the_bound_and_the_least_variance_clip(params):
 
     def evaluate(p, b, first):  # rows[first:]: their indices in the evaluation set
         step = dataclasses.replace(STEP, rows=first + jnp.arange(len(b["text"])))
-        return obj.evaluate({"params": p}, b, step)
+        return obj.evaluate({"params": {"policy": p}}, b, step)
 
     evaluate = jax.jit(evaluate)
     rows = np.concatenate([X, X[::-1]])
@@ -197,7 +198,9 @@ def test_bad_input_is_refused_before_compiling():
         sample_blocks(MODEL, None, np.zeros((1, 9), np.int32), key=jax.random.key(0),
                       mask_id=MASK, block_size=4, length=8, schedule=MaskSchedule(),
                       sampler=MaskedSampler())  # fmt: skip
-    pipe = bd3(4).export({"params": None}, sampler=MaskedSampler(num_steps=2, first_hitting=True))
+    pipe = bd3(4).export(
+        {"params": {"policy": None}}, sampler=MaskedSampler(num_steps=2, first_hitting=True)
+    )
     with pytest.raises(ValueError, match=r"num_steps=2 cannot unmask 4 masked tokens of a block"):
         pipe.sample_ids(np.zeros((1, 0), np.int32), jax.random.key(0))
     with pytest.raises(ValueError, match=r"multiple of block_size: length 8, block_size 3"):

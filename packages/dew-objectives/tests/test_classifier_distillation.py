@@ -64,7 +64,7 @@ def test_loss_and_gradient_match_numpy(beta, temperature, alpha):
         return loss.value, (loss, metrics)
 
     grads, (loss, metrics) = jax.jit(jax.grad(value, has_aux=True))(variables["params"])
-    zs = np.asarray(STUDENT.apply(variables, X), np.float64)
+    zs = np.asarray(STUDENT.apply({"params": variables["params"]["policy"]}, X), np.float64)
     zt = np.asarray(TEACHER.apply({"params": TEACHER_PARAMS}, X), np.float64)
     s, t = log_softmax(zs / temperature), log_softmax(zt / temperature)
     ps, pt = np.exp(s), np.exp(t)
@@ -89,7 +89,7 @@ def test_loss_and_gradient_match_numpy(beta, temperature, alpha):
         onehot = np.eye(CLASSES)[LABELS]
         dz = (1 - alpha) * temperature * (ps - pt) + alpha * (np.exp(log_softmax(zs)) - onehot)
         dz = dz * w[:, None] / w.sum()
-        dense = grads["Dense_0"]
+        dense = grads["policy"]["Dense_0"]
         np.testing.assert_allclose(dense["kernel"], X.T.astype(np.float64) @ dz, atol=1e-6)
         np.testing.assert_allclose(dense["bias"], dz.sum(0), atol=1e-6)
 
@@ -145,7 +145,7 @@ def test_alpha_one_without_a_teacher_is_the_hard_label_cross_entropy():
     variables = objective.init(jax.random.key(4), SPEC)
     assert set(variables) == {"params"}
     loss, metrics = jax.jit(lambda v: objective.loss(v, BATCH, STEP))(variables)
-    zs = np.asarray(STUDENT.apply(variables, X), np.float64)
+    zs = np.asarray(STUDENT.apply({"params": variables["params"]["policy"]}, X), np.float64)
     nll = -np.take_along_axis(log_softmax(zs), LABELS[:, None], -1)[:, 0]
     np.testing.assert_allclose(loss.value, nll[MASK].mean(), rtol=1e-5)
     assert float(metrics["divergence"].value) == 0 and float(metrics["agreement"].value) == 1

@@ -211,3 +211,20 @@ def test_pipeline_is_the_old_name_of_inference_task():
     assert objective.inference_task(State()) == {"averaged": False}  # it keeps no average
     with pytest.warns(DeprecationWarning, match=r"Exports.pipeline\(state\) is now inference_task"):
         assert objective.pipeline(State()) == {"averaged": False}
+
+
+def test_ema_is_frozen_and_validates_only():
+    """``EMA`` keeps its fields as given (a numpy number stays one) and validates them;
+    nothing is written back, and its decay schedule is the same number either way."""
+    import dataclasses
+
+    from dew.objectives import EMA
+
+    ema = EMA(decay=np.float32(0.5), warmup_steps=np.int64(4))
+    assert type(ema.decay) is np.float32 and type(ema.warmup_steps) is np.int64  # as given
+    again = dataclasses.replace(ema)
+    for field in dataclasses.fields(ema):
+        assert getattr(again, field.name) is getattr(ema, field.name), field.name
+    assert float(ema.decay_at(2)) == float(EMA(decay=0.5, warmup_steps=4).decay_at(2)) == 0.25
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ema.decay = 0.9

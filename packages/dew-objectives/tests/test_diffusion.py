@@ -155,10 +155,11 @@ def test_loss_matches_numpy(schedule, target):
     objective = DiffusionObjective(
         model=Affine(), schedule=schedule, target=target, cond_dropout=0.5
     )
-    params = init(objective)["params"]
+    params = init(objective)["params"]["policy"]
     batch = batch_of()
     key = jax.random.key(7)
-    loss, metrics = jax.jit(objective.loss)({"params": params}, batch, Step(index=0, key=key))
+    variables = {"params": {"policy": params}}
+    loss, metrics = jax.jit(objective.loss)(variables, batch, Step(index=0, key=key))
     want = numpy_loss(objective, params, batch, key)
     np.testing.assert_allclose(float(loss.value), want, rtol=1e-5)
     np.testing.assert_allclose(float(loss.weight), batch["weight"].sum(), rtol=1e-6)
@@ -240,7 +241,7 @@ def numpy_vb(x0, x_t, eps_pred, v, t, betas):
 
 def test_learned_variance_hybrid_loss_and_stopped_mean():
     objective = DiffusionObjective(model=Affine(learn_sigma=True), cond_dropout=0.0)
-    params = init(objective, 1)["params"]
+    params = init(objective, 1)["params"]["policy"]
     batch = batch_of(1)
     batch["image"][0] = 0  # a row at exactly -1: the decoder's edge bin
     key = jax.random.key(3)
@@ -250,7 +251,11 @@ def test_learned_variance_hybrid_loss_and_stopped_mean():
     t[0] = 0  # the decoder NLL term
     x0 = batch["image"].astype(np.float64) / 127.5 - 1
     loss, metrics = jax.jit(objective.per_example_loss, static_argnames="drop_key")(
-        params, batch, time=jnp.asarray(t), noise=jnp.asarray(noise, jnp.float32), drop_key=None
+        {"policy": params},
+        batch,
+        time=jnp.asarray(t),
+        noise=jnp.asarray(noise, jnp.float32),
+        drop_key=None,
     )
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     abar = np.cumprod(1 - numpy_betas("linear"))[t]
@@ -264,7 +269,7 @@ def test_learned_variance_hybrid_loss_and_stopped_mean():
     np.testing.assert_allclose(metrics["vb"], want_vb, rtol=2e-4, atol=1e-6)
     np.testing.assert_allclose(loss, want_mse + want_vb, rtol=2e-4, atol=1e-6)
     # the VLB term trains only the variance: no gradient reaches the mean's channels
-    vb_total = lambda q: objective.loss({"params": q}, batch, step)[1]["vb"].total  # noqa: E731
+    vb_total = lambda q: objective.loss({"params": {"policy": q}}, batch, step)[1]["vb"].total  # noqa: E731
     grad = jax.jit(jax.grad(vb_total))(params)
     np.testing.assert_array_equal(np.asarray(grad["w"])[:CHANNELS], 0.0)
     assert np.abs(np.asarray(grad["w"])[CHANNELS:]).max() > 0

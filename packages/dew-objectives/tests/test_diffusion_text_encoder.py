@@ -79,7 +79,9 @@ def computed(setup):
         value, grads = jax.value_and_grad(loss)(params)
         context = encode_tokens(trained.text_encoder.module, params["text_encoder"], batch["text"])
         frozen_batch = {"image": batch["image"], "context": context}
-        frozen_value = frozen.loss({"params": params["policy"]}, frozen_batch, STEP)[0].value
+        frozen_value = frozen.loss({"params": {"policy": params["policy"]}}, frozen_batch, STEP)[
+            0
+        ].value
         per_row, _ = trained.per_example_loss(params, batch, time=TIME, noise=NOISE, drop_key=None)
         return dict(value=value, grads=grads, context=context, frozen=frozen_value, per_row=per_row)
 
@@ -136,7 +138,7 @@ def test_gradients_reach_the_trained_encoder_only_as_a_role(setup, computed):
     assert [(r.name, r.trained) for r in frozen.roles()] == [("policy", True)]
     frozen_params = jax.eval_shape(frozen.init, jax.random.key(0))["params"]
     assert "text_encoder" not in frozen_params  # the frozen encoder is not optimized
-    assert jax.tree.structure(nn.meta.unbox(frozen_params)) == jax.tree.structure(
+    assert jax.tree.structure(nn.meta.unbox(frozen_params["policy"])) == jax.tree.structure(
         variables["params"]["policy"]
     )
 

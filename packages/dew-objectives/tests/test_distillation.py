@@ -144,7 +144,7 @@ def make(weights, **kw):
 
 
 def variables(weights):
-    return {"params": weights[0], "teacher": {"params": weights[1]}}
+    return {"params": {"policy": weights[0]}, "teacher": {"params": weights[1]}}
 
 
 @jax.jit
@@ -224,7 +224,9 @@ def grad_of_total(weights, default):
     objective = default[0]
 
     def fn(params, teacher, batch):
-        loss, _ = objective.loss({"params": params, "teacher": {"params": teacher}}, batch, STEP)
+        loss, _ = objective.loss(
+            {"params": {"policy": params}, "teacher": {"params": teacher}}, batch, STEP
+        )
         return loss.total, (loss.total, loss.weight)
 
     return jax.jit(jax.grad(fn, has_aux=True))
@@ -314,7 +316,11 @@ def test_chunked_step_does_not_hold_full_float32_logits():
         )
 
         def step(p, t, b, objective=objective):
-            fn = lambda q: objective.loss({"params": q, "teacher": {"params": t}}, b, STEP)[0].value  # noqa: E731
+            fn = lambda q: (
+                objective.loss({"params": {"policy": q}, "teacher": {"params": t}}, b, STEP)[
+                    0
+                ].value
+            )  # noqa: E731
             return jax.grad(fn)(p)
 
         compiled = jax.jit(step).lower(ps, pt, batch).compile()
@@ -345,7 +351,7 @@ def test_bfloat16_models_give_a_float32_non_negative_loss(weights):
         temperature=2.0,
         chunk_size=2,
     )
-    both = {"params": weights[0], "teacher": {"params": near}}
+    both = {"params": {"policy": weights[0]}, "teacher": {"params": near}}
     loss, metrics = jax.jit(objective.loss)(both, BATCH, STEP)
     assert loss.value.dtype == metrics["divergence"].value.dtype == jnp.float32
     assert float(loss.value) >= 0 and float(metrics["divergence"].value) >= 0
@@ -413,7 +419,7 @@ def test_on_policy_completions_are_the_students_decode_with_its_current_weights(
     )
     outs = []
     for params in (weights[0], moved):
-        both = {"params": params, "teacher": {"params": weights[1]}}
+        both = {"params": {"policy": params}, "teacher": {"params": weights[1]}}
         out = jax.device_get(prepare(both, BATCH, STEP))
         want = generate(
             STUDENT, params, prompts, N, key, sampling=objective.sampling, end_ids=end_ids

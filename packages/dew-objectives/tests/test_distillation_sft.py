@@ -95,7 +95,7 @@ def test_loss_is_the_completion_token_mean_of_each_example_alone(setup):
     rows = np.full((len(ROWS), SEQ), tokenizer.pad_id, np.int32)
     for row, ids in zip(rows, examples, strict=True):
         row[: min(len(ids), SEQ)] = ids[:SEQ]
-    zs = np.asarray(jax.jit(STUDENT.apply)({"params": variables["params"]}, rows))
+    zs = np.asarray(jax.jit(STUDENT.apply)({"params": variables["params"]["policy"]}, rows))
     zt = np.asarray(jax.jit(TEACHER.apply)(variables["teacher"], rows))
     total, count = 0.0, 0
     for row, (ids, (prompt, _)) in enumerate(zip(examples, ROWS, strict=True)):
@@ -115,7 +115,7 @@ def test_packed_keys_need_rows_of_ids_and_positions_inside_the_model(setup):
     objective, variables, packed, _, _ = setup
     with pytest.raises(ValueError, match="pass text_key= too"):
         DistillationObjective(
-            student=STUDENT, teacher_params=variables["params"], segment_ids_key="s"
+            student=STUDENT, teacher_params=variables["params"]["policy"], segment_ids_key="s"
         )
     with pytest.raises(ValueError, match=r"batch\['positions'\] holds positions from"):
         objective.check_batch({**packed, "positions": packed["positions"] + SEQ})

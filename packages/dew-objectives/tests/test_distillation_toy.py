@@ -121,12 +121,12 @@ def train(width, steps, *, seed=1, **options):
 
     rng = np.random.default_rng(seed)
     data = np.stack([sample_rows(T_TABLE, ROWS, rng) for _ in range(steps)])
-    start = table(student, params)
+    start = table(student, params["policy"])
     # every step in one compiled scan: no per-step dispatch
     (params, _), _ = jax.jit(lambda c, xs: jax.lax.scan(step, c, xs))(
         (params, optimizer.init(params)), (jnp.arange(steps, dtype=jnp.int32), data)
     )
-    return start, table(student, params)
+    return start, table(student, params["policy"])
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_temperature_squared_keeps_gradient_norms_within_2x():
         )
 
         def loss(p, objective=objective):
-            v = {"params": p, "teacher": {"params": TEACHER_PARAMS}}
+            v = {"params": {"policy": p}, "teacher": {"params": TEACHER_PARAMS}}
             return objective.loss(v, text, Step(index=0, key=jax.random.key(0)))[0].value
 
         grad = jax.jit(jax.grad(loss))(params)

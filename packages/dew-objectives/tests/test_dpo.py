@@ -75,7 +75,7 @@ def objective(weights, **kw):
 
 
 def variables_of(weights):
-    return {"params": weights[0], "reference": {"params": weights[1]}}
+    return {"params": {"policy": weights[0]}, "reference": {"params": weights[1]}}
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +157,14 @@ def test_precomputed_reference_logps_and_reference_free(weights, rpo_loss):
     obj.check_batch(given)
     # the reference weights are not read: zeros in their place change nothing
     zeros = {
-        "params": weights[0],
+        "params": {"policy": weights[0]},
         "reference": jax.tree.map(jnp.zeros_like, {"params": weights[1]}),
     }
     precomputed, _ = jax.jit(obj.loss)(zeros, given, STEP)
     assert float(precomputed.value) == pytest.approx(float(computed.value), rel=1e-5)
     free = DPOObjective(model=MODEL, reference_free=True)
     assert [r.name for r in free.roles()] == ["policy"]
-    loss, _ = jax.jit(free.loss)({"params": weights[0]}, batch, STEP)
+    loss, _ = jax.jit(free.loss)({"params": {"policy": weights[0]}}, batch, STEP)
     h = pw - pl
     assert float(loss.value) == pytest.approx(np.mean(np.logaddexp(0.0, -0.1 * h)), rel=1e-5)
 
@@ -172,7 +172,7 @@ def test_precomputed_reference_logps_and_reference_free(weights, rpo_loss):
 def test_init_copies_the_initial_policy_or_takes_given_weights(weights):
     obj = DPOObjective(model=MODEL, init_params=weights[0])
     variables = nn.unbox(jax.jit(obj.init)(jax.random.key(5)))
-    jax.tree.map(np.testing.assert_array_equal, variables["params"], weights[0])
+    jax.tree.map(np.testing.assert_array_equal, variables["params"]["policy"], weights[0])
     jax.tree.map(np.testing.assert_array_equal, variables["reference"]["params"], weights[0])
     roles = obj.roles()
     assert [(r.name, r.trained) for r in roles] == [("policy", True), ("reference", False)]
@@ -277,7 +277,7 @@ def test_logits_in_chunks_give_todays_loss_and_gradient(weights, rpo_loss):
     chunked = objective(weights, rpo_alpha=0.5, logits_chunk_size=3)
 
     def total(loss_fn, params):
-        terms, _ = loss_fn({**variables_of(weights), "params": params}, batch, STEP)
+        terms, _ = loss_fn({**variables_of(weights), "params": {"policy": params}}, batch, STEP)
         return sum(t.value for t in terms)
 
     value, grads = jax.jit(jax.value_and_grad(lambda p: total(rpo_loss, p)))(weights[0])
@@ -304,7 +304,7 @@ def test_reference_free_losses_match_their_papers(weights, loss_type):
     batch = make_batch(2)
     rows = np.array([1.0, 1.0, 0.0, 1.0], np.float32)
     out, metrics = jax.jit(obj.loss)(
-        {"params": policy_params}, {**batch, "example_mask": rows}, STEP
+        {"params": {"policy": policy_params}}, {**batch, "example_mask": rows}, STEP
     )
     pw = numpy_logps(policy_params, batch["chosen"], batch["chosen_mask"])
     pl = numpy_logps(policy_params, batch["rejected"], batch["rejected_mask"])

@@ -93,7 +93,7 @@ def test_recomputed_log_probs_equal_the_samplers_at_rollout_rows_1_and_24(setup)
     np.testing.assert_allclose(single["old_logps"], whole["old_logps"], rtol=0, atol=1e-6)
     assert batch["latents"].shape == (ROWS, 5, 2) and batch["old_logps"].shape == (ROWS, 4)
     for o, b in ((obj, batch), (one, batch_one)):
-        logps, _ = jax.jit(o.step_log_probs)(variables["params"], b)
+        logps, _ = jax.jit(o.step_log_probs)(variables["params"]["policy"], b)
         np.testing.assert_allclose(logps, b["old_logps"], rtol=1e-6, atol=1e-6)
         assert max_ratio_deviation(logps, b["old_logps"]) <= 1e-6  # every row and step
         _, metrics = jax.jit(o.loss)(variables, b, Step(index=jnp.int32(0), key=jax.random.key(1)))
@@ -147,7 +147,7 @@ def test_bfloat16_dit_log_probs_are_float32_and_the_first_ratio_is_1():
         lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape), variables
     )
     rollout, batch = prepared_batch(obj, variables)
-    logps, _ = jax.jit(obj.step_log_probs)(variables["params"], batch)
+    logps, _ = jax.jit(obj.step_log_probs)(variables["params"]["policy"], batch)
     assert rollout["old_logps"].dtype == logps.dtype == jnp.float32
     assert np.all(np.isfinite(logps)) and np.ptp(np.asarray(logps)) > 0
     assert max_ratio_deviation(logps, batch["old_logps"]) <= 1e-6
@@ -195,7 +195,7 @@ def reference_loss(obj, variables, batch, params):
         x, x_next = lat[np.arange(rows), i], lat[np.arange(rows), i + 1]
         t = table["t"][j]
         mean = table["c_x"][j] * x + table["c_v"][j] * velocity(params, x, t)
-        ref = table["c_x"][j] * x + table["c_v"][j] * velocity(variables["params"], x, t)
+        ref = table["c_x"][j] * x + table["c_v"][j] * velocity(variables["params"]["policy"], x, t)
         std = table["std"][j]
         logp = (
             -((x_next - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
@@ -218,7 +218,7 @@ def test_loss_on_moved_weights_matches_numpy(setup, convention):
     loss, metrics = jax.jit(obj.loss)(
         {**variables, "params": moved}, batch, Step(index=jnp.int32(1), key=jax.random.key(1))
     )
-    want, kl = reference_loss(obj, variables, batch, moved)
+    want, kl = reference_loss(obj, variables, batch, moved["policy"])
     np.testing.assert_allclose(float(loss.value), want, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(float(metrics["kl"].value), kl, rtol=2e-5)
     assert float(metrics["kl"].value) > 0 and abs(float(metrics["ratio"].value) - 1) > 1e-4
@@ -239,7 +239,7 @@ def test_evaluation_samples_with_the_ode_at_eval_steps_not_the_rollouts_steps(se
     def velocity(x, t):
         def net(lbl):
             out = obj.model.apply(
-                {"params": variables["params"]},
+                {"params": variables["params"]["policy"]},
                 jnp.asarray(x, jnp.float32),
                 jnp.full((len(x),), 1000.0 * t, jnp.float32),
                 label=jnp.asarray(lbl),

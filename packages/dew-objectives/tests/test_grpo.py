@@ -92,7 +92,7 @@ KEY = jax.random.key(13)  # rows 2 and 6 end early (at id 2), three 7s drawn
 def prepared_rows(params, obj):
     """A prepared batch as prepare -> prepare_host -> prepare_finish make it."""
     ref = jax.tree.map(lambda x: 0.9 * x, params)
-    variables = {"params": params, "reference": {"params": ref}}
+    variables = {"params": {"policy": params}, "reference": {"params": ref}}
     batch = {
         "prompt": jnp.asarray(PROMPT),
         "prompt_mask": jnp.asarray(PROMPT_MASK),
@@ -331,7 +331,7 @@ def test_logits_in_chunks_give_todays_log_probs_and_gradient(prepared):
     chunked = objective(beta=0.05, logits_chunk_size=3)
     rollout = Rollout.from_batch(batch)
     again = rollout_logprobs(
-        MODEL, variables["params"], rollout, sampling=SAMPLING, logits_chunk_size=3
+        MODEL, variables["params"]["policy"], rollout, sampling=SAMPLING, logits_chunk_size=3
     )
     np.testing.assert_allclose(again, batch["old_logps"], atol=1e-5)
     advantages = jnp.asarray(np.linspace(-1.5, 1.5, again.shape[0]), jnp.float32)
@@ -500,7 +500,7 @@ def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
         rewards=(), beta=0.0, reward_model=reward_model, reward_model_params=reward_params
     )
     assert [r.name for r in obj.roles()] == ["policy", "reward"]
-    variables = {"params": params, "reward": {"params": reward_params}}
+    variables = {"params": {"policy": params}, "reward": {"params": reward_params}}
     step = Step(index=jnp.int32(0), key=KEY)
     prompts = {"prompt": jnp.asarray(PROMPT), "prompt_mask": jnp.asarray(PROMPT_MASK)}
     first = jax.device_get(jax.jit(obj.prepare)(variables, prompts, step))

@@ -90,7 +90,7 @@ def test_loss_is_kto_eq_7(weights):
         desirable_weight=lam_d,
         undesirable_weight=lam_u,
     )
-    variables = {"params": weights[0], "reference": {"params": weights[1]}}
+    variables = {"params": {"policy": weights[0]}, "reference": {"params": weights[1]}}
     loss, metrics = jax.jit(objective.loss)(variables, batch, STEP)
 
     policy, reference = weights
@@ -142,7 +142,7 @@ def test_pairs_are_unpaired(weights):
         "rejected_mask": pairs["completion_mask"],
         "prompt_mask": pairs["prompt_mask"],
     }
-    variables = {"params": weights[0], "reference": {"params": weights[1]}}
+    variables = {"params": {"policy": weights[0]}, "reference": {"params": weights[1]}}
     paired = KTOObjective(model=MODEL, reference=weights[1], pairs=True)
     paired.check_batch(batch)
     loss, metrics = jax.jit(paired.loss)(variables, batch, STEP)

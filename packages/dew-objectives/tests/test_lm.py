@@ -25,6 +25,11 @@ def setup():
     return objective, variables, tokens
 
 
+def as_model(variables):
+    """The policy's variables as the model reads them."""
+    return {"params": variables["params"]["policy"]}
+
+
 def numpy_nll(logits, targets):
     logits = np.asarray(logits, np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
@@ -34,7 +39,7 @@ def numpy_nll(logits, targets):
 def test_loss_is_mean_next_token_nll(setup):
     objective, variables, tokens = setup
     loss, metrics = objective.loss(variables, {"text": tokens}, STEP)
-    logits = MODEL.apply(variables, tokens[:, :-1])
+    logits = MODEL.apply(as_model(variables), tokens[:, :-1])
     nll = numpy_nll(logits, tokens[:, 1:])
     assert float(loss.value) == pytest.approx(nll.mean(), rel=1e-5)
     assert float(loss.total) == pytest.approx(nll.sum(), rel=1e-5)
@@ -51,7 +56,7 @@ def test_loss_mask_and_example_mask_weight_the_sums(setup):
     example_mask = np.array([True, True, False, True])
     batch = {"text": tokens, "completion": completion, "example_mask": example_mask}
     loss, metrics = masked.loss(variables, batch, STEP)
-    nll = numpy_nll(MODEL.apply(variables, tokens[:, :-1]), tokens[:, 1:])
+    nll = numpy_nll(MODEL.apply(as_model(variables), tokens[:, :-1]), tokens[:, 1:])
     weights = completion[:, 1:] * example_mask[:, None]
     assert float(loss.value) == pytest.approx((nll * weights).sum() / weights.sum(), rel=1e-5)
     assert float(loss.weight) == weights.sum()
@@ -66,7 +71,7 @@ def test_evaluate_sums_add_up_over_batches(setup):
     for key in whole:
         assert float(totals[key].total) == pytest.approx(float(whole[key].total), rel=1e-5)
     summary = objective.summarize(weighted.to_float(totals))
-    logits = MODEL.apply(variables, tokens[:, :-1])
+    logits = MODEL.apply(as_model(variables), tokens[:, :-1])
     nll = numpy_nll(logits, tokens[:, 1:])
     assert summary["loss"] == pytest.approx(nll.mean(), rel=1e-5)
     assert summary["perplexity"] == pytest.approx(np.exp(nll.mean()), rel=1e-5)
@@ -90,9 +95,9 @@ def test_bad_batches_are_named(setup):
 
 def test_init_params_start_from_given_weights(setup):
     objective, variables, _ = setup
-    shifted = jax.tree.map(lambda x: x + 1.0, variables["params"])
+    shifted = jax.tree.map(lambda x: x + 1.0, variables["params"]["policy"])
     tuned = LMObjective(model=MODEL, seq_len=8, init_params=shifted)
-    got = nn.unbox(tuned.init(jax.random.key(5)))["params"]
+    got = nn.unbox(tuned.init(jax.random.key(5)))["params"]["policy"]
     jax.tree.map(np.testing.assert_array_equal, got, shifted)
 
 

@@ -76,7 +76,9 @@ def test_dropped_fraction_and_z_loss_match_numpy(unrolled):
         _, metrics = objective.loss(variables, {"text": tokens}, STEP)
     assert sorted(inputs) == ["layer_0/mlp", "layer_1/mlp"]
     per_layer = [
-        np_router_metrics(x, variables["params"][path.split("/")[0]]["mlp"]["router"], 2, FACTOR)
+        np_router_metrics(
+            x, variables["params"]["policy"][path.split("/")[0]]["mlp"]["router"], 2, FACTOR
+        )
         for path, x in sorted(inputs.items())
     ]
     dropped = np.mean([d for d, _ in per_layer], axis=0)  # [rows]: the mean over layers
@@ -102,11 +104,11 @@ def test_dropped_fraction_and_z_loss_match_numpy(unrolled):
 def test_scanned_stack_reports_the_same(unrolled):
     objective, variables, tokens = unrolled
     _, want = objective.loss(variables, {"text": tokens}, STEP)
-    params = dict(variables["params"])
+    params = dict(variables["params"]["policy"])
     layers = [params.pop(f"layer_{i}") for i in range(TINY_LM["num_layers"])]
     params["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     scanned = LMObjective(model=CausalTransformer(**CAPACITY), seq_len=SEQ)
-    _, got = jax.jit(scanned.loss)({"params": params}, {"text": tokens}, STEP)
+    _, got = jax.jit(scanned.loss)({"params": {"policy": params}}, {"text": tokens}, STEP)
     for name in ("aux_loss", "moe_z_loss", "moe_dropped_fraction"):
         assert float(got[name].value) == pytest.approx(float(want[name].value), rel=1e-5), name
 
@@ -160,7 +162,9 @@ def test_the_backbones_router_z_loss_weight_enters_the_loss_and_its_gradient(unr
         )
     with nn.intercept_methods(record_moe_inputs(inputs)):  # each layer's router input
         objective.loss(variables, {"text": tokens}, STEP)
-    routers = {p: variables["params"][p.split("/")[0]]["mlp"]["router"] for p in sorted(inputs)}
+    routers = {
+        p: variables["params"]["policy"][p.split("/")[0]]["mlp"]["router"] for p in sorted(inputs)
+    }
     z = np.mean([np_router_metrics(inputs[p], r, 2, 1.0)[1] for p, r in routers.items()], 0)
     balance = np.mean([np_balance_loss(inputs[p], r, 2) for p, r in routers.items()], 0)
     coefficient = objective.aux_loss_weight  # 0.01, the default
@@ -178,7 +182,10 @@ def test_the_backbones_router_z_loss_weight_enters_the_loss_and_its_gradient(unr
     soft /= soft.sum(-1, keepdims=True)
     dz = np.einsum("rt,rte,rtx->ex", 2 * lse, x, soft) / (ROWS * SEQ)  # d mean_rows(z) / dR
     want = coefficient * w * dz / TINY_LM["num_layers"]  # the mean over the 2 MoE layers
-    got = grads[w]["layer_1"]["mlp"]["router"] - grads[0.0]["layer_1"]["mlp"]["router"]
+    got = (
+        grads[w]["policy"]["layer_1"]["mlp"]["router"]
+        - grads[0.0]["policy"]["layer_1"]["mlp"]["router"]
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-3, atol=1e-8)
     assert np.abs(want).max() > 1e-4  # a gradient the tolerance can see
 

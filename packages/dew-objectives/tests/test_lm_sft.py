@@ -65,7 +65,7 @@ def test_loss_is_the_completion_token_mean(setup):
     rows = np.full((len(ROWS), SEQ + 1), tokenizer.pad_id, np.int32)
     for row, ids in zip(rows, examples, strict=True):
         row[: len(ids)] = ids
-    logits = jax.jit(MODEL.apply)(variables, rows[:, :-1])
+    logits = jax.jit(MODEL.apply)({"params": variables["params"]["policy"]}, rows[:, :-1])
     for row, ids, (prompt, _) in zip(range(len(ROWS)), examples, ROWS, strict=True):
         nll = numpy_nll(logits[row, : len(ids) - 1], np.asarray(ids[1:]))
         trained = nll[len(prompt) - 1 :]  # targets: the completion's ids and the end id

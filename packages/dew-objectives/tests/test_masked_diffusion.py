@@ -48,7 +48,7 @@ def objective(**kw):
 
 @pytest.fixture(scope="module")
 def params():
-    return nn.unbox(objective().init(jax.random.key(0)))["params"]
+    return nn.unbox(objective().init(jax.random.key(0)))["params"]["policy"]
 
 
 def numpy_terms(params, x, valid, t, noise, schedule):
@@ -80,7 +80,7 @@ def test_loss_is_the_weighted_nelbo_and_unmasked_positions_give_exactly_zero(par
     assert np.all(np.asarray(terms)[~want_masked] == 0.0)  # SUBS: exactly 0, not small
 
     # loss() is the same sum over the token count, with its own draws from the step key
-    loss, metrics = obj.loss({"params": params}, {"text": x}, STEP)
+    loss, metrics = obj.loss({"params": {"policy": params}}, {"text": x}, STEP)
     t, noise = (np.asarray(a) for a in obj.draws(STEP, 6, L))
     want, want_masked = numpy_terms(params, x, valid, t, noise, obj.schedule)
     assert float(loss.weight) == 6 * L
@@ -136,11 +136,15 @@ def test_evaluation_does_not_depend_on_batch_size_or_device_count(params):
     obj = objective(eval_times=4)
     rows = np.concatenate([PATTERNS, PATTERNS[::-1]])  # 8 rows
     evaluate = jax.jit(
-        lambda p, b, first: obj.evaluate({"params": p}, b, rows_step(first, len(b["text"])))
+        lambda p, b, first: obj.evaluate(
+            {"params": {"policy": p}}, b, rows_step(first, len(b["text"]))
+        )
     )
     whole = evaluate(params, {"text": rows}, 0)
     # outside the trainer (no step.rows) the rows are indexed 0, 1, ...
-    plain = jax.jit(lambda p, b: obj.evaluate({"params": p}, b, STEP))(params, {"text": rows})
+    plain = jax.jit(lambda p, b: obj.evaluate({"params": {"policy": p}}, b, STEP))(
+        params, {"text": rows}
+    )
     assert float(plain["nelbo"].total) == pytest.approx(float(whole["nelbo"].total), rel=1e-6)
     parts = weighted.add(
         evaluate(params, {"text": rows[:3]}, 0), evaluate(params, {"text": rows[3:]}, 3)
@@ -159,7 +163,7 @@ def test_evaluation_does_not_depend_on_batch_size_or_device_count(params):
         2 * float(single["nelbo"].total), rel=1e-4
     )
     other_objective = objective(eval_times=4, eval_seed=1)
-    other = jax.jit(lambda p, b: other_objective.evaluate({"params": p}, b, STEP))(
+    other = jax.jit(lambda p, b: other_objective.evaluate({"params": {"policy": p}}, b, STEP))(
         params, {"text": rows}
     )
     assert float(other["nelbo"].total) != pytest.approx(float(whole["nelbo"].total), rel=1e-4)
@@ -306,7 +310,7 @@ def train(obj, params, steps: int, seed: int = 1):
 
             def value(p):
                 return obj.loss(
-                    {"params": p}, batch, Step(index=i, key=jax.random.fold_in(key, i))
+                    {"params": {"policy": p}}, batch, Step(index=i, key=jax.random.fold_in(key, i))
                 )[0].value
 
             loss, g = jax.value_and_grad(value)(p)
@@ -340,7 +344,9 @@ def test_four_patterns_nelbo_near_optimum_and_samples_exact(trained):
     obj, params, losses = trained
     batch = {"text": np.repeat(PATTERNS, 8, 0)}
     nelbo = float(
-        jax.jit(lambda p: obj.evaluate({"params": p}, batch, STEP))(params)["nelbo"].value
+        jax.jit(lambda p: obj.evaluate({"params": {"policy": p}}, batch, STEP))(params)[
+            "nelbo"
+        ].value
     )
     optimum = np.log(4) / L  # the data's entropy per token
     assert float(losses[:10].mean()) > 1.0
@@ -369,12 +375,14 @@ def test_four_patterns_block_diffusion_nelbo_and_samples_exact(trained_bd3, tmp_
     batch = {"text": np.repeat(PATTERNS, 8, 0)}
     bound = dataclasses.replace(obj, clip_search=())  # the bound alone (16 grid times)
     nelbo = float(
-        jax.jit(lambda p: bound.evaluate({"params": p}, batch, STEP))(params)["nelbo"].value
+        jax.jit(lambda p: bound.evaluate({"params": {"policy": p}}, batch, STEP))(params)[
+            "nelbo"
+        ].value
     )
     assert nelbo <= 1.3 * np.log(4) / L and nelbo < 0.25 * np.log(V), nelbo
     # the exported task: block after block, 8 ancestral steps a block, KV cache of clean
     # blocks; saved, Pretrained.load recognises it and samples the same
-    pipe = obj.export({"params": params}, sampler=MaskedSampler(num_steps=8))
+    pipe = obj.export({"params": {"policy": params}}, sampler=MaskedSampler(num_steps=8))
     assert (pipe.block_size, pipe.use_kv_cache, pipe.length) == (2, True, L)
     key = jax.random.key(2)
     tokens = pipe.sample_ids(np.zeros((128, 0), np.int32), key)
@@ -396,7 +404,7 @@ def test_export_samples_and_round_trips(trained, tmp_path):
         seq_len=L,
         tokenizer=tokenizer,
         sampler=MaskedSampler(num_steps=L),
-    ).export({"params": params})
+    ).export({"params": {"policy": params}})
     assert isinstance(pipe, TokenDiffusionGeneration) and pipe.length == L
     key = jax.random.key(5)
     ids = pipe.sample_ids(PATTERNS[:2, :3], key)
@@ -444,12 +452,12 @@ def test_bad_input_is_refused_before_compiling(params):
     with pytest.raises(ValueError, match=r"num_steps=0 must be a whole number >= 1"):
         MaskedSampler(num_steps=0)
     pipe = objective().export(
-        {"params": params}, sampler=MaskedSampler(num_steps=3, first_hitting=True)
+        {"params": {"policy": params}}, sampler=MaskedSampler(num_steps=3, first_hitting=True)
     )
     with pytest.raises(ValueError, match=r"num_steps=3 cannot unmask 8 masked tokens"):
         pipe.sample_ids(np.zeros((1, 0), np.int32), jax.random.key(0))
     with pytest.raises(ValueError, match=r"the prompt has 9 tokens but the sample is 8"):
-        objective().export({"params": params}).sample_ids(
+        objective().export({"params": {"policy": params}}).sample_ids(
             np.zeros((1, 9), np.int32), jax.random.key(0)
         )
     for bad in (0, -1, 2.0, True):  # evaluation draws: a whole number >= 1

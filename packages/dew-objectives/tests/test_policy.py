@@ -8,7 +8,12 @@ import pytest
 from dew.data import ByteTokenizer
 from dew.nn import CausalTransformer
 from dew.nn.testing import TINY_LM
-from dew.objectives.cores.policy import CausalPolicy, check_same_vocabulary, vocabulary_fingerprint
+from dew.objectives.cores.policy import (
+    CausalPolicy,
+    causal_policy,
+    check_same_vocabulary,
+    vocabulary_fingerprint,
+)
 from dew.objectives.cores.rewards import TokenReward
 from dew.objectives.language.lm import LMObjective
 from dew.objectives.preference.dpo import DPOObjective
@@ -54,7 +59,7 @@ def test_two_models_scored_on_one_vocabulary():
     ):
         check_same_vocabulary(MODEL, other, what="Distill", names=("student", "teacher"))
     with pytest.raises(ValueError, match=r"reference's vocabulary \(64 ids\)"):
-        CausalPolicy(model=MODEL, what="Toy", reference_model=other, reference={})
+        causal_policy(model=MODEL, what="Toy", reference_model=other, reference={})
 
 
 class SwappedBytes(ByteTokenizer):
@@ -89,16 +94,16 @@ def test_one_size_of_vocabulary_with_other_tokens_is_refused_when_tokenizers_are
 
 def test_the_reference_is_the_initial_policy_or_the_given_weights():
     key = jax.random.key(0)
-    policy = CausalPolicy(model=MODEL, what="Toy")
+    policy = causal_policy(model=MODEL, what="Toy")
     params = policy.init_policy(key, 8)
     assert policy.init_reference(key, 8, params) is params  # the same arrays: stored once
     given = jax.tree.map(lambda x: np.asarray(x) + 1.0, jax.device_get(params))
-    ref = CausalPolicy(model=MODEL, what="Toy", reference=given).init_reference(key, 8, params)
+    ref = causal_policy(model=MODEL, what="Toy", reference=given).init_reference(key, 8, params)
     jax.tree.map(np.testing.assert_array_equal, ref, given)
 
 
 def test_one_wording_for_every_length():
-    policy = CausalPolicy(model=MODEL, what="Toy")
+    policy = causal_policy(model=MODEL, what="Toy")
     with pytest.raises(
         ValueError,
         match=r"Toy: prompts of 30 tokens plus max_new_tokens=4 need 34 positions, more than "
@@ -114,3 +119,23 @@ def test_one_wording_for_every_length():
         pairs = {k: np.zeros((2, 40), np.int32) for k in ("chosen", "rejected")}
         masks = {f"{k}_mask": np.zeros((2, 40), bool) for k in ("chosen", "rejected")}
         DPOObjective(model=MODEL).check_batch({**pairs, **masks})
+
+
+def test_causal_policy_is_frozen_and_holds_what_it_was_given():
+    """``causal_policy`` resolves the defaults; the frozen ``CausalPolicy`` only
+    validates: ``dataclasses.replace`` keeps every field as it is, nothing is written
+    back, and an unresolved tokenizer is refused."""
+    import dataclasses
+
+    from dew.data import ByteTokenizer
+
+    policy = causal_policy(model=MODEL, what="Toy")
+    assert isinstance(policy.tokenizer, ByteTokenizer) and policy.reference_model is MODEL
+    again = dataclasses.replace(policy)
+    for field in dataclasses.fields(policy):
+        assert getattr(again, field.name) is getattr(policy, field.name), field.name
+    assert set(vars(policy)) == {f.name for f in dataclasses.fields(policy)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.tokenizer = None
+    with pytest.raises(TypeError, match=r"Toy: CausalPolicy needs tokenizer= .*causal_policy"):
+        CausalPolicy(model=MODEL, what="Toy", tokenizer=None, reference_model=MODEL)

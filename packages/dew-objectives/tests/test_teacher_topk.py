@@ -150,7 +150,7 @@ def test_stored_top_8_loss_matches_numpy_on_the_teachers_logits(cache):
     )
     extra = dict(segment_ids=batch["segment_ids"][:, :-1], positions=batch["positions"][:, :-1])
     ids = batch["text"][:, :-1]
-    zs = np.asarray(jax.jit(STUDENT.apply)({"params": params}, ids, **extra))
+    zs = np.asarray(jax.jit(STUDENT.apply)({"params": params["policy"]}, ids, **extra))
     zt = np.asarray(jax.jit(TEACHER.apply)({"params": teacher}, ids, **extra))
     d = np_topk_divergence(zs, zt, 8, 0.5, 2.0)
     segments = batch["segment_ids"]

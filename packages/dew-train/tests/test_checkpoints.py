@@ -44,7 +44,7 @@ class WithReference(LMObjective):
             lambda x: 2 * x,
             jax.tree.map(
                 lambda b: b.unbox() if hasattr(b, "unbox") else b,
-                variables["params"],
+                variables["params"]["policy"],
                 is_leaf=lambda b: hasattr(b, "unbox"),
             ),
         )
@@ -233,7 +233,7 @@ def test_load_model_rebuilds_model_and_weights(run):
     # the default follows the checkpoint: this run kept an EMA and evaluated with it, so
     # load_model gives the weights its evaluation, previews and export read
     _, default = load_model(run.reference)
-    want = state.variables()["params"]
+    want = state.variables()["params"]["policy"]
     for x, y in zip(jax.tree.leaves(default), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert not np.array_equal(
@@ -253,9 +253,10 @@ def test_checkpoint_of_another_model_names_the_parameters(run, tmp_path):
     before = listing(tmp_path)
     with pytest.raises(
         CheckpointMismatchError,
-        match=r"does not match this run's model .*: 'params/embed/embedding' has shape "
-        r"\(32, 16\) in the checkpoint and \(32, 24\) in this run; 'params/final_norm/scale' "
-        r"has shape \(16,\) in the checkpoint and \(24,\) in this run; .* and \d+ more",
+        match=r"does not match this run's model .*: 'params/policy/embed/embedding' has "
+        r"shape \(32, 16\) in the checkpoint and \(32, 24\) in this run; "
+        r"'params/policy/final_norm/scale' has shape \(16,\) in the checkpoint and \(24,\) in "
+        r"this run; .* and \d+ more",
     ) as error:
         make_trainer(tmp_path, emb=24).fit(grain_data(), steps=STEPS)
     assert not isinstance(error.value, OptimizerMismatchError)
@@ -586,7 +587,7 @@ def big_state(seed: int) -> TrainState:
     outside its checksummed b-tree nodes, as a model's weights are."""
     w = np.random.default_rng(seed).standard_normal(8192).astype(np.float32)
     return TrainState(
-        params={"w": jnp.asarray(w)},
+        params_by_role={"policy": {"w": jnp.asarray(w)}},
         opt_state=(optax.EmptyState(),),
         key=jax.random.key(seed),
         step=jnp.int32(seed),
@@ -614,12 +615,12 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
         session.save(step, state, iter(()), {})
     session.close()
     state_dir = tmp_path / "2" / "state"
-    chunk = stored_chunk(state_dir, b"params.w/0")
+    chunk = stored_chunk(state_dir, b"params.policy.w/0")
     files = [p for p in state_dir.rglob("*") if p.is_file() and chunk in p.read_bytes()]
     assert len(chunk) > 1024 and files, "the chunk is stored outside the b-tree nodes"
     for path in files:  # the database, and the per-process copy it was merged from
         flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
-    read = np.asarray(ocp.StandardCheckpointer().restore(state_dir)["params"]["w"])
+    read = np.asarray(ocp.StandardCheckpointer().restore(state_dir)["params"]["policy"]["w"])
     saved = np.asarray(states[2].params["w"])
     assert (read != saved).sum() == 1  # read back without an error: one number differs
 
@@ -633,8 +634,9 @@ def test_a_flipped_bit_the_storage_layer_misses_is_caught_by_the_checksum(tmp_pa
         .restore(abstract, shardings, root_key=jax.random.key(0))
     )
     assert lines == [
-        f"Skipping checkpoint {tmp_path}/2: it is damaged: array 'params/w' (shard [0:8192]) "
-        f"does not match the checksum saved with it (xxh3-128-v1 {xxh3_of(saved)} saved, "
+        f"Skipping checkpoint {tmp_path}/2: it is damaged: array 'params/policy/w' "
+        f"(shard [0:8192]) does not match the checksum saved with it "
+        f"(xxh3-128-v1 {xxh3_of(saved)} saved, "
         f"{xxh3_of(read)} read back); kept as {tmp_path}/2.unusable, nothing deleted"
     ]
     assert restored.step == 1
@@ -651,7 +653,7 @@ def test_a_checkpoint_that_lost_its_checksums_is_set_aside_like_a_damaged_one(tm
         session.save(step, state, iter(()), {})
     session.close()
     state_dir = tmp_path / "2" / "state"
-    chunk = stored_chunk(state_dir, b"params.w/0")
+    chunk = stored_chunk(state_dir, b"params.policy.w/0")
     for path in [p for p in state_dir.rglob("*") if p.is_file() and chunk in p.read_bytes()]:
         flip_bit(path, path.read_bytes().find(chunk) + len(chunk) // 2)
     shutil.rmtree(tmp_path / "2" / "checksums")
@@ -689,7 +691,7 @@ def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path
     session.close()
     path = tmp_path / "3" / "checksums" / "process_0-of-1.json"
     record = json.loads(path.read_text())
-    assert record["arrays"]["params/w"] == {"[0:8192]": xxh3_of(state.params["w"])}
+    assert record["arrays"]["params/policy/w"] == {"[0:8192]": xxh3_of(state.params["w"])}
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.eval_shape(lambda: state)
     shardings = jax.tree.map(lambda _: device, abstract)
@@ -699,14 +701,14 @@ def test_both_save_modes_record_the_checksums_and_a_restore_checks_them(tmp_path
         .restore(abstract, shardings, root_key=jax.random.key(0))
     )
     assert_same_state(restored.state, state)
-    record["arrays"]["params/w"]["[0:8192]"] = "0" * 32
+    record["arrays"]["params/policy/w"]["[0:8192]"] = "0" * 32
     path.write_text(json.dumps(record))
     lines = []
     with pytest.raises(NoUsableCheckpointError):
         Checkpoints(tmp_path).open(print_fn=lines.append).restore(
             abstract, shardings, root_key=jax.random.key(0)
         )
-    assert "array 'params/w' (shard [0:8192]) does not match" in lines[0]
+    assert "array 'params/policy/w' (shard [0:8192]) does not match" in lines[0]
 
 
 def test_checksums_match_an_independent_reference(run, tmp_path):

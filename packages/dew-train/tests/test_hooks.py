@@ -42,14 +42,14 @@ class Regression(Objective):
         self.ema = ema
 
     def init(self, key, spec=None):
-        return {"params": {"w": jax.random.normal(key, (IN,))}}
+        return {"params": {"policy": {"w": jax.random.normal(key, (IN,))}}}
 
     def loss(self, variables, batch, step):
-        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        err = batch["x"] @ variables["params"]["policy"]["w"] - batch["y"]
         return jnp.mean(err**2), {}
 
     def evaluate(self, variables, batch, step):
-        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        err = batch["x"] @ variables["params"]["policy"]["w"] - batch["y"]
         return {"mse": Weighted.mean(err**2)}
 
 
@@ -259,15 +259,17 @@ def test_evaluation_and_variables_default_to_the_moving_average():
     average = live[0]
     for w in live[1:]:
         average = 0.5 * average + 0.5 * w
-    np.testing.assert_allclose(state.variables()["params"]["w"], average, rtol=1e-6)
-    np.testing.assert_array_equal(state.variables(averaged=False)["params"]["w"], live[-1])
+    np.testing.assert_allclose(state.variables()["params"]["policy"]["w"], average, rtol=1e-6)
+    np.testing.assert_array_equal(
+        state.variables(averaged=False)["params"]["policy"]["w"], live[-1]
+    )
     assert not np.allclose(average, live[-1])
     assert t.evaluate(state, DATA)["mse"] == pytest.approx(numpy_mse(average), rel=1e-5)
     # an objective that evaluates with its live weights keeps them as the default
     objective.evaluate_averaged = False
     other = Trainer(objective, optax.sgd(0.05), key=jax.random.key(0), mesh=ONE)
     state = other.fit(DATA, steps=3, log_every=0)
-    np.testing.assert_array_equal(state.variables()["params"]["w"], state.params["w"])
+    np.testing.assert_array_equal(state.variables()["params"]["policy"]["w"], state.params["w"])
 
 
 # the timing fields of a metrics.jsonl record: the same run gives other values

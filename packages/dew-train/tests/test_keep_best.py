@@ -16,7 +16,7 @@ from dew.train.state import TrainState
 
 def tiny_state(value: float) -> TrainState:
     return TrainState(
-        params={"w": jnp.full((2,), value)},
+        params_by_role={"policy": {"w": jnp.full((2,), value)}},
         opt_state=(optax.EmptyState(), {"mu": jnp.zeros(2)}),
         key=jax.random.key(0),
         step=jnp.int32(0),
@@ -51,7 +51,7 @@ def test_keep_best_keeps_the_best_beside_the_newest(tmp_path, mode):
     session.close()
     assert spec.steps() == ([4, 9, 10] if mode == "min" else [8, 9, 10])
     params = ocp.StandardCheckpointer().restore(tmp_path / "9" / "state")["params"]
-    np.testing.assert_array_equal(params["w"], [9.0, 9.0])
+    np.testing.assert_array_equal(params["policy"]["w"], [9.0, 9.0])
 
 
 def test_best_metric_must_be_one_evaluation_produces(tmp_path):

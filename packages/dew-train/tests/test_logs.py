@@ -28,10 +28,10 @@ class Quadratic(Objective):
     model = None
 
     def init(self, key):
-        return {"params": {"w": jnp.zeros(4)}}
+        return {"params": {"policy": {"w": jnp.zeros(4)}}}
 
     def loss(self, variables, batch, step):
-        err = batch["x"] - variables["params"]["w"]
+        err = batch["x"] - variables["params"]["policy"]["w"]
         return jnp.mean(err**2), {"se_sum": jnp.sum(err**2)}
 
 

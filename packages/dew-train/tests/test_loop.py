@@ -22,10 +22,10 @@ class LeastSquares(Objective):
     model = None
 
     def init(self, key):
-        return {"params": {"w": jax.random.normal(key, (IN,))}}
+        return {"params": {"policy": {"w": jax.random.normal(key, (IN,))}}}
 
     def loss(self, variables, batch, step):
-        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        err = batch["x"] @ variables["params"]["policy"]["w"] - batch["y"]
         return jnp.mean(err**2), {}
 
 

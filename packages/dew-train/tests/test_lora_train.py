@@ -54,11 +54,11 @@ class Tuned(Objective):
         params = self.model.init(key, jnp.zeros((1, SEQ), jnp.int32))["params"]
         if self.init_params is not None:
             params = with_initial_values(params, self.init_params)
-        return {"params": params}  # the trainer makes the reference: the base, once
+        return {"params": {"policy": params}}  # the trainer makes the reference: the base, once
 
     def loss(self, variables, batch, step):
         tokens = batch["text"]
-        logits = self.model.apply({"params": variables["params"]}, tokens[:, :-1])
+        logits = self.model.apply({"params": variables["params"]["policy"]}, tokens[:, :-1])
         ref = self.model.apply({"params": variables["reference"]["params"]}, tokens[:, :-1])
         nll = token_nll(logits, tokens[:, 1:])
         return Weighted.mean(nll), {"ref_nll": Weighted.mean(token_nll(ref, tokens[:, 1:]))}
@@ -108,7 +108,7 @@ def test_only_adapters_are_trained(run, pretrained):
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(final.params)]
     assert paths and all(is_adapter(p) for p in paths)
     abstract = jax.eval_shape(run[0].objective.init, jax.random.key(0))
-    count = len(jax.tree.leaves(split(nn.unbox(abstract["params"]))[1]))
+    count = len(jax.tree.leaves(split(nn.unbox(abstract["params"]["policy"]))[1]))
     assert len(jax.tree.leaves(final.params)) == count == 12  # (4 attention + 2 mlp) x (A, B)
     # adam: two moments per adapter plus a scalar count; nothing the size of the base
     moments = [x for x in jax.tree.leaves(final.opt_state) if np.ndim(x)]
@@ -129,7 +129,7 @@ def test_only_adapters_are_trained(run, pretrained):
         for a, b in zip(jax.tree.leaves(initial.params), jax.tree.leaves(final.params))
     )
     assert set(final.frozen) == {"lora_base"}  # no second copy for the reference
-    jax.tree.map(np.testing.assert_array_equal, final.frozen["lora_base"], pretrained[1])
+    jax.tree.map(np.testing.assert_array_equal, final.frozen["lora_base"]["policy"], pretrained[1])
 
 
 def test_reference_is_the_base(run, pretrained):
@@ -142,7 +142,7 @@ def test_reference_is_the_base(run, pretrained):
     ref = jax.jit(lora_model.apply)(variables["reference"], tokens[:, :-1])
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(plain))
     # the trained policy differs from the base, and the reference metric stayed the base's
-    policy = jax.jit(lora_model.apply)({"params": variables["params"]}, tokens[:, :-1])
+    policy = jax.jit(lora_model.apply)({"params": variables["params"]["policy"]}, tokens[:, :-1])
     assert np.abs(np.asarray(policy) - np.asarray(plain)).max() > 1e-3
     first = float(token_nll(plain, tokens[:, 1:]).mean())
     assert log[0]["ref_nll"] == pytest.approx(first, abs=1e-5)
@@ -154,22 +154,22 @@ def test_load_model_rebuilds_the_lora_policy(run):
     model, params = load_model(str(t.directory), averaged=False)
     assert lora_of(model) == LORA
     tokens = np.asarray(next(batches())["text"])[:, :-1]
-    live = final.variables(averaged=False)["params"]
+    live = final.variables(averaged=False)["params"]["policy"]
     want = jax.jit(t.objective.model.apply)({"params": live}, tokens)
     got = jax.jit(model.apply)({"params": params}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # by default load_model follows the checkpoint: the EMA weights, as state.variables()
     _, default = load_model(str(t.directory))
-    jax.tree.map(np.testing.assert_array_equal, default, final.variables()["params"])
+    jax.tree.map(np.testing.assert_array_equal, default, final.variables()["params"]["policy"])
     # the declared relations come back too: the reference is the base without adapters
     # (stored once), the target the policy's moving average (the EMA of the adapters)
     base_model, base = load_model(str(t.directory), role="reference")
     assert lora_of(base_model) is None and base_model == base_module(t.objective.model)
-    jax.tree.map(np.testing.assert_array_equal, base, final.frozen["lora_base"])
+    jax.tree.map(np.testing.assert_array_equal, base, final.frozen["lora_base"]["policy"])
     target_model, target = load_model(str(t.directory), role="target")
     assert lora_of(target_model) == LORA
     averaged = final.variables(averaged=True)
-    jax.tree.map(np.testing.assert_array_equal, target, averaged["params"])
+    jax.tree.map(np.testing.assert_array_equal, target, averaged["params"]["policy"])
     jax.tree.map(np.testing.assert_array_equal, averaged["target"]["params"], target)
 
 

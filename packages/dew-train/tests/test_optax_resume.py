@@ -50,10 +50,11 @@ class Regression(Objective):
         self.model = MLP()
 
     def init(self, key):
-        return self.model.init(key, jnp.zeros((1, EMB)))
+        return {"params": {"policy": self.model.init(key, jnp.zeros((1, EMB)))["params"]}}
 
     def loss(self, variables, batch, step):
-        error = jnp.sum((self.model.apply(variables, batch["x"]) - batch["y"]) ** 2)
+        params = {"params": variables["params"]["policy"]}
+        error = jnp.sum((self.model.apply(params, batch["x"]) - batch["y"]) ** 2)
         rows = batch["x"].shape[0]
         return error / rows, {"loss": error / rows, "error_sum": error, "rows": rows}
 
@@ -218,19 +219,19 @@ def test_factored_moments_get_specs_that_fit_their_shape():
     moments, specs = abstract.opt_state[0], shardings.opt_state[0]
 
     def spec(tree, *path):
-        for key in path:
+        for key in ("policy", *path):
             tree = tree[key]
         return tuple(tree.spec)
 
     # up/kernel is [embed 16, mlp 8]: v_row drops embed (its largest), v_col drops mlp
-    assert moments.v_row["up"]["kernel"].shape == (HIDDEN,)
-    assert moments.v_col["up"]["kernel"].shape == (EMB,)
+    assert moments.v_row["policy"]["up"]["kernel"].shape == (HIDDEN,)
+    assert moments.v_col["policy"]["up"]["kernel"].shape == (EMB,)
     assert spec(specs.v_row, "up", "kernel") == ("tensor",)  # mlp
     assert spec(specs.v_col, "up", "kernel") == ("fsdp",)  # embed, 16 over 8 devices
     assert spec(specs.v, "up", "kernel") == (None,)  # the [1] placeholder
     assert spec(specs.v, "up", "bias") == ("tensor",)  # not factored: like the bias
     # down/kernel is [mlp 8, embed 16]: v_row drops embed, v_col drops mlp
-    assert moments.v_row["down"]["kernel"].shape == (HIDDEN,)
+    assert moments.v_row["policy"]["down"]["kernel"].shape == (HIDDEN,)
     assert spec(specs.v_row, "down", "kernel") == ("tensor",)
     assert spec(specs.v_col, "down", "kernel") == ("fsdp",)
 

@@ -33,10 +33,10 @@ class Bandit(Objective):
         self.rows_out = rows_out
 
     def init(self, key):
-        return {"params": {"w": 0.1 * jax.random.normal(key, (FEATURES, ACTIONS))}}
+        return {"params": {"policy": {"w": 0.1 * jax.random.normal(key, (FEATURES, ACTIONS))}}}
 
     def prepare(self, variables, batch, step):
-        logits = batch["x"] @ variables["params"]["w"]
+        logits = batch["x"] @ variables["params"]["policy"]["w"]
         actions = jax.random.categorical(step.key, logits)
         logp = jax.nn.log_softmax(logits)[jnp.arange(actions.shape[0]), actions]
         reward = (actions == batch["target"]).astype(jnp.float32)
@@ -46,7 +46,7 @@ class Bandit(Objective):
         return out
 
     def loss(self, variables, batch, step):
-        logits = batch["x"] @ variables["params"]["w"]
+        logits = batch["x"] @ variables["params"]["policy"]["w"]
         logp = jax.nn.log_softmax(logits)[jnp.arange(batch["action"].shape[0]), batch["action"]]
         ratio = jnp.exp(logp - batch["old_logp"])
         return -jnp.mean(ratio * batch["adv"]), {"ratio": Weighted.mean(ratio)}
@@ -73,7 +73,7 @@ def hand_loop(cycles: int):
     the cycle's first step, then two sgd steps on the surrogate loss."""
     objective = Bandit()
     k_init, k_run = jax.random.split(jax.random.key(0))
-    params = objective.init(k_init)["params"]
+    params = objective.init(k_init)["params"]["policy"]
     stream = batches()
     ratios = []
     step = 0

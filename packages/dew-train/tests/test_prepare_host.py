@@ -28,10 +28,10 @@ class Bandit(Objective):
     prepared_updates = Updates(epochs=2, minibatches=1, shuffle=False)
 
     def init(self, key):
-        return {"params": {"w": 0.1 * jax.random.normal(key, (FEATURES, ACTIONS))}}
+        return {"params": {"policy": {"w": 0.1 * jax.random.normal(key, (FEATURES, ACTIONS))}}}
 
     def sample(self, variables, batch, step):
-        logits = batch["x"] @ variables["params"]["w"]
+        logits = batch["x"] @ variables["params"]["policy"]["w"]
         actions = jax.random.categorical(step.key, logits)
         logp = jax.nn.log_softmax(logits)[jnp.arange(actions.shape[0]), actions]
         return {"x": batch["x"], "target": batch["target"], "action": actions, "old_logp": logp}
@@ -41,7 +41,7 @@ class Bandit(Objective):
         return {**keep, "adv": reward - reward.mean()}
 
     def loss(self, variables, batch, step):
-        logits = batch["x"] @ variables["params"]["w"]
+        logits = batch["x"] @ variables["params"]["policy"]["w"]
         logp = jax.nn.log_softmax(logits)[jnp.arange(batch["action"].shape[0]), batch["action"]]
         ratio = jnp.exp(logp - batch["old_logp"])
         return -jnp.mean(ratio * batch["adv"]), {"ratio": Weighted.mean(ratio)}
@@ -137,7 +137,7 @@ class SlowUpdates(Compiled):
 
     def loss(self, variables, batch, step):
         loss, metrics = super().loss(variables, batch, step)
-        w = variables["params"]["w"]
+        w = variables["params"]["policy"]["w"]
         x = jnp.full((SLOW, SLOW), 1e-3) + 0.0 * jnp.sum(w)
         for _ in range(3):
             x = jnp.tanh(x @ x)

@@ -36,10 +36,10 @@ class Pictures(Objective):
         self.picture = picture
 
     def init(self, key):
-        return {"params": {"w": jnp.zeros(2)}}
+        return {"params": {"policy": {"w": jnp.zeros(2)}}}
 
     def loss(self, variables, batch, step):
-        return jnp.mean((batch["x"] - variables["params"]["w"]) ** 2), {}
+        return jnp.mean((batch["x"] - variables["params"]["policy"]["w"]) ** 2), {}
 
     def preview(self, variables, key):
         return self.picture

@@ -34,7 +34,7 @@ class Declared(Objective):
         return (Role(name="policy", module=self.model), *self.extra)
 
     def init(self, key):
-        return {"params": self.model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]}
+        return {"params": {"policy": self.model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]}}
 
     def loss(self, variables, batch, step):
         return jnp.float32(0.0), {}

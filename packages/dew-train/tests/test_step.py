@@ -31,19 +31,19 @@ class Linear(Objective):
         self.previews = []
 
     def init(self, key):
-        return {"params": {"w": jax.random.normal(key, (IN, OUT)), "b": jnp.zeros(OUT)}}
+        return {"params": {"policy": {"w": jax.random.normal(key, (IN, OUT)), "b": jnp.zeros(OUT)}}}
 
     def loss(self, variables, batch, step):
-        p = variables["params"]
+        p = variables["params"]["policy"]
         err = batch["x"] @ p["w"] + p["b"] - batch["y"]
         total = jnp.sum(err**2)
         return total / batch["x"].shape[0], {"se_sum": Summed(total)}
 
     def evaluate(self, variables, batch, step):
-        return {"w_sum": jnp.sum(variables["params"]["w"])}
+        return {"w_sum": jnp.sum(variables["params"]["policy"]["w"])}
 
     def preview(self, variables, key):
-        self.previews.append(np.asarray(variables["params"]["w"]))
+        self.previews.append(np.asarray(variables["params"]["policy"]["w"]))
         return None
 
 
@@ -63,13 +63,13 @@ def batch_at(i: int, poison=False):
 def fresh_state(objective, optimizer) -> TrainState:
     params = objective.init(jax.random.key(0))["params"]
     return TrainState(
-        params=params,
+        params_by_role=params,
         opt_state=optimizer.init(params),
         key=jax.random.key(1),
         step=jnp.int32(0),
         microstep=jnp.int32(0),
         updates=jnp.int32(0),
-        averaged=params if objective.ema is not None else None,
+        averaged_by_role=params if objective.ema is not None else None,
     )
 
 
@@ -243,13 +243,13 @@ def test_pipeline_wraps_averaged_weights():
         max_seq_len=8,
     )
     state = TrainState(
-        params={"live": 1},
+        params_by_role={"policy": {"live": 1}},
         opt_state=None,
         key=None,
         step=0,
         microstep=0,
         updates=0,
-        averaged={"averaged": 1},
+        averaged_by_role={"policy": {"averaged": 1}},
     )
     assert LMObjective(model=model, seq_len=8, ema=EMA()).inference_task(state).params == {
         "averaged": 1

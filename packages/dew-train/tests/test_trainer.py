@@ -31,13 +31,13 @@ def data(rows=ROWS):
 def reference_losses(objective, optimizer, key, steps):
     """A plain single-device jax/optax loop with the same initialisation."""
     k_init, _ = jax.random.split(key)
-    params = nn.unbox(objective.init(k_init))["params"]
+    params = nn.unbox(objective.init(k_init))["params"]["policy"]
     opt_state = optimizer.init(params)
 
     @jax.jit
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(
-            lambda p: objective.loss({"params": p}, batch, None)[0].value
+            lambda p: objective.loss({"params": {"policy": p}}, batch, None)[0].value
         )(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

@@ -28,14 +28,14 @@ class Linear(Objective):
     model = None
 
     def init(self, key):
-        return {"params": {"w": jax.random.normal(key, (IN,))}}
+        return {"params": {"policy": {"w": jax.random.normal(key, (IN,))}}}
 
     def loss(self, variables, batch, step):
-        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        err = batch["x"] @ variables["params"]["policy"]["w"] - batch["y"]
         return jnp.mean(err**2), {"se": Summed(jnp.sum(err**2))}
 
     def evaluate(self, variables, batch, step):
-        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        err = batch["x"] @ variables["params"]["policy"]["w"] - batch["y"]
         return {"mse": Weighted.mean(err**2)}
 
 
@@ -68,7 +68,9 @@ def test_log_record_carries_interval_means_norms_rate_and_throughput(tmp_path):
     assert [r["step"] for r in logged] == [2, 4]
 
     # the same run by hand: sgd with the schedule, per-step losses and gradients
-    w = np.asarray(Linear().init(jax.random.split(jax.random.key(0))[0])["params"]["w"], np.float64)
+    w = np.asarray(
+        Linear().init(jax.random.split(jax.random.key(0))[0])["params"]["policy"]["w"], np.float64
+    )
     losses, norms, rates = [], [], []
     for i in range(4):
         b = batch_at(i)
@@ -160,11 +162,11 @@ class PolicyWithReference(Objective):
     def init(self, key):
         policy = self.model.init(key, jnp.zeros((1, 8), jnp.int32))
         reference = nn.unbox(self.model.init(key, jnp.zeros((1, 8), jnp.int32)))
-        return {"params": policy["params"], "reference": reference}
+        return {"params": {"policy": policy["params"]}, "reference": reference}
 
     def loss(self, variables, batch, step):
         tokens = batch["text"]
-        logits = self.model.apply({"params": variables["params"]}, tokens[:, :-1])
+        logits = self.model.apply({"params": variables["params"]["policy"]}, tokens[:, :-1])
         ref = self.model.apply(variables["reference"], tokens[:, :-1])
         logp = jax.nn.log_softmax(logits)
         nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
@@ -228,7 +230,7 @@ def test_frozen_role_is_kept_out_of_the_optimizer_and_recorded(tmp_path):
 
     a = generate(
         model,
-        lm.export({"params": policy}).params,
+        lm.export({"params": {"policy": policy}}).params,
         prompt,
         4,
         jax.random.key(0),
@@ -452,7 +454,7 @@ class Unweighted(Linear):
     """A masked mean whose mask is empty on every third batch."""
 
     def loss(self, variables, batch, step):
-        err = batch["x"] @ variables["params"]["w"] - batch["y"]
+        err = batch["x"] @ variables["params"]["policy"]["w"] - batch["y"]
         keep = jnp.where(batch["x"][0, 0] > 10, 1.0, 0.0) * jnp.ones_like(err)  # never > 10
         return Weighted.mean(err**2, keep), {}
 

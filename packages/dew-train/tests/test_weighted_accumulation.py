@@ -48,7 +48,7 @@ def reference(config):
     model = CausalTransformer(**config)
     objective = LMObjective(model=model, seq_len=SEQ, loss_mask_key="mask")
     k_init, _ = jax.random.split(jax.random.key(0))
-    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]
+    params = nn.unbox(jax.jit(objective.init)(k_init))["params"]["policy"]
     b = batch()
 
     def parts(p):

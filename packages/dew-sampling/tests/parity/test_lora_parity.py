@@ -93,7 +93,7 @@ def trained(request, source):
     state = trainer.fit(
         Dataset(train=lambda p: pairs(), val=None, records=0, batch=PAIRS), steps=STEPS
     )
-    params = jax.device_get(state.variables()["params"])
+    params = jax.device_get(state.variables()["params"]["policy"])
     ours = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(TOKENS, jnp.int32)))
     before = np.asarray(pre.model.apply({"params": pre.params}, jnp.asarray(TOKENS, jnp.int32)))
     assert np.abs(ours - before).max() > 1e-2  # training moved the policy

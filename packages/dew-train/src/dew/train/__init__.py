@@ -13,6 +13,7 @@ from dew.train._loop import StepRecord, training_steps
 from dew.train._programs import Compiled, Programs
 from dew.train._run import NonFiniteError
 from dew.train.checkpoints import (
+    CheckpointLayoutError,
     CheckpointMismatchError,
     Checkpoints,
     NoUsableCheckpointError,
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compiled",
+    "CheckpointLayoutError",
     "CheckpointMismatchError",
     "DEFAULT_HOOKS",
     "Checkpointing",

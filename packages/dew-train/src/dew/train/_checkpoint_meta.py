@@ -10,7 +10,7 @@ from typing import Any
 
 from dew.nn.lora import base_module, lora_of
 from dew.train._programs import Programs
-from dew.train._roles import keeps_average, relations_record
+from dew.train._roles import evaluates_averaged, keeps_average, relations_record
 
 
 def checkpoint_meta(programs: Programs, batch: int) -> dict:
@@ -23,7 +23,7 @@ def checkpoint_meta(programs: Programs, batch: int) -> dict:
     objective, roles = programs.objective, programs.roles
     meta: dict[str, Any] = {
         "averaged": keeps_average(objective, roles),
-        "evaluate_averaged": programs.evaluates_averaged,
+        "evaluate_averaged": evaluates_averaged(objective, roles),
         "batch": batch,
         "prepared_updates": programs.per_batch,
     }

@@ -12,6 +12,7 @@ import jax
 
 from dew.train._checkpoint_dirs import incomplete_because, read_text, step_dirs
 from dew.train._integrity import read_recorded, verify
+from dew.train._layout import LAYOUT, layout_of
 from dew.train._restore import quiet_orbax
 
 
@@ -40,9 +41,9 @@ def load_model(
       ``"encoder"``), a frozen one (``"reference"``, ``"teacher"``), an averaged
       one (``"target"``: the moving average of the role it averages, whatever
       ``averaged`` says) or a LoRA base view (``Role(initial_from=...)`` a LoRA role:
-      the base model without adapters); None = every trained role's parameters
-      (one role's tree, or a dict by role, as ``TrainState.params`` holds them) with
-      the first trained role's model.
+      the base model without adapters); None = the trained parameters as
+      ``TrainState.params`` shows them (the trained role's tree when the objective
+      trains one, else a dict by role) with the first trained role's model.
     """
     directory = os.path.abspath(os.fspath(directory))
     candidates = [path for s, path in step_dirs(directory) if step is None or s == step]
@@ -97,18 +98,24 @@ def _role_place(path: str, meta: dict, role: str | None, averaged: bool | None):
                 f"['(one unnamed model: pass role=None)']"
             )
         return meta.get("model"), (field,), None
-    if role is None:  # the trained parameters as they are (one role's tree, or by role)
-        return meta.get("model"), (field,), roles[_trained(roles)[0]].get("lora")
+    # in layout 1 (dew.train._layout), one trained role's tree was not keyed
+    keyed = layout_of(path, meta) >= LAYOUT
+    trained = _trained(roles)
+    if role is None:  # the trained parameters: one role's tree, or all of them by role
+        first = roles[trained[0]]
+        if len(trained) == 1 and keyed:
+            return first.get("model"), (field, trained[0]), first.get("lora")
+        return meta.get("model"), (field,), first.get("lora")
     if role not in roles:
         raise KeyError(
             f"checkpoint {path} has no role {role!r}; its roles are {sorted(roles)}: pass "
             f"one of them"
         )
     record = roles[role]
-    single = len(_trained(roles)) == 1
+    unkeyed = len(trained) == 1 and not keyed
 
     def at(field, trained):
-        return (field,) if single else (field, trained)
+        return (field,) if unkeyed else (field, trained)
 
     if record.get("trained", True):
         return record.get("model"), at(field, role), record.get("lora")
@@ -123,7 +130,7 @@ def _role_place(path: str, meta: dict, role: str | None, averaged: bool | None):
     source = _source(roles, role)
     if "initial_from" in record and roles.get(source, {}).get("lora"):
         # a view: the LoRA role's base without adapters, stored once
-        base = ("frozen", "lora_base") if single else ("frozen", "lora_base", source)
+        base = ("frozen", "lora_base") if unkeyed else ("frozen", "lora_base", source)
         return record.get("model"), base, None
     return record.get("model"), ("frozen", role, "params"), None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -29,7 +29,14 @@ from dew.data import Partition
 from dew.objectives import Objective, Role, Step
 from dew.objectives import check_roles as _check_roles
 from dew.objectives.contract import weighted as wt
-from dew.train._roles import averaged_roles, initial_variables, keeps_average
+from dew.train._prepare_phase import prepared
+from dew.train._roles import (
+    averaged_roles,
+    check_params_by_role,
+    evaluates_averaged,
+    initial_variables,
+    keeps_average,
+)
 from dew.train.adapters import split_lora
 from dew.train.goodput import Goodput
 from dew.train.memory import (
@@ -53,21 +60,15 @@ from dew.train.mesh import (
 from dew.train.model_flops import ModelFlops, step_model_flops
 from dew.train.packing import Packing, packed_step
 from dew.train.placement import (
-    abstract_batch,
-    check_batch_rows,
     compile_with_flops,
-    from_host,
     layout,
     replicated,
     to_global,
-    to_host,
 )
 from dew.train.state import TrainState
 from dew.train.step import (
     LOGGED_SPEC,
     Stream,
-    build_prepare,
-    build_prepare_finish,
     build_train_step,
     microbatch_key,
     minibatch_fn,
@@ -201,54 +202,48 @@ class Programs:
                 f"{type(self.objective).__name__}.init returned {sorted(variables)}; it must "
                 f"return a dict with 'params' (the trained weights)"
             )
+        check_params_by_role(self.objective, self.roles, variables["params"])
         # the declared relations: initial_from roles filled, averaged ones left out
         variables = initial_variables(self.objective, self.roles, variables)
         # Under LoRA only the adapters train; the base moves to frozen (dew.train.adapters).
         params, variables, views = split_lora(self.roles, variables.pop("params"), variables)
         return TrainState(
-            params=params,
+            params_by_role=params,
             opt_state=self.optimizer.init(params),
             key=k_run,
             step=jnp.zeros((), jnp.int32),
             microstep=jnp.zeros((), jnp.int32),
             updates=jnp.zeros((), jnp.int32),
-            averaged=params if keeps_average(self.objective, self.roles) else None,
+            averaged_by_role=params if keeps_average(self.objective, self.roles) else None,
             frozen=variables,
             lora_views=views,
             averaged_roles=averaged_roles(self.roles),
-            evaluate_averaged=self.evaluates_averaged,
+            evaluate_averaged=evaluates_averaged(self.objective, self.roles),
         )
-
-    @property
-    def evaluates_averaged(self) -> bool:
-        """Evaluation, previews and exports read the moving average: the objective
-        keeps one and evaluates with it (``Objective.evaluate_averaged``)."""
-        return bool(self.objective.evaluate_averaged and keeps_average(self.objective, self.roles))
 
     def state_shardings(self, spec=None, *, key: jax.Array) -> tuple[TrainState, TrainState]:
         """``(abstract state, NamedSharding tree)`` without allocating anything."""
         token = spec_token(spec)
-        if token not in self.cache.shardings:
-            self.cache.shardings[token] = self._state_shardings(spec, key)
-        return self.cache.shardings[token]
-
-    def _state_shardings(self, spec, key):
+        if token in self.cache.shardings:
+            return self.cache.shardings[token]
         with self.context():
             # one trace of the model's init serves the shapes here and the
             # compiled initialisation (init_state replays this jaxpr)
             closed, boxed = jax.make_jaxpr(lambda k: self.create(k, spec), return_shape=True)(key)
-            self.cache.init_jaxprs[spec_token(spec)] = (closed, jax.tree.structure(boxed))
+            self.cache.init_jaxprs[token] = (closed, jax.tree.structure(boxed))
             specs = nn.get_partition_spec(boxed)
             # Optimizer arrays shaped unlike their parameter (Adafactor's factored
             # moments) get a spec that fits their own shape.
             specs = specs.replace(
                 opt_state=optimizer_specs(
-                    boxed.opt_state, boxed.params, self.device_mesh, self.rules
+                    boxed.opt_state, boxed.params_by_role, self.device_mesh, self.rules
                 )
             )
             abstract = unbox_abstract(boxed)
             check_divisible(abstract, specs, self.device_mesh, self.rules)
-            return abstract, logical_shardings(specs, self.device_mesh, self.rules)
+            shardings = logical_shardings(specs, self.device_mesh, self.rules)
+        self.cache.shardings[token] = (abstract, shardings)
+        return abstract, shardings
 
     def init_state(self, key: jax.Array, spec=None) -> TrainState:
         """The state already sharded (initialisation compiled with output shardings)."""
@@ -275,117 +270,9 @@ class Programs:
 
     # -------------------------------------------------------------- prepare
     def prepare(self, state, batch, shardings, goodput: Goodput):
-        """``batch`` after the objective's prepare phase (``batch`` itself without one)."""
-        objective = self.objective
-        if not objective.has_prepare:
-            return batch
-        has_host = objective.has_prepare_host
-        prepared = self._run_prepare("prepare", state, batch, shardings, goodput, not has_host)
-        if not has_host:
-            return prepared
-        with goodput.measure("prepare"):
-            extra = objective.prepare_host(to_host(prepared))
-            merged = self._merge_host(extra, prepared)
-        return self._run_prepare("finish", state, merged, shardings, goodput, True)
-
-    def _merge_host(self, extra, prepared) -> dict:
-        name = type(self.objective).__name__
-        if not isinstance(extra, Mapping):
-            raise TypeError(
-                f"{name}.prepare_host must return a dict of numpy arrays, got "
-                f"{type(extra).__name__}"
-            )
-        rows = next(iter(prepared.values())).shape[0]
-        for key, value in extra.items():
-            shape = np.shape(value)
-            if not shape or shape[0] != rows:
-                raise ValueError(
-                    f"{name}.prepare_host returned {key!r} of shape {shape}; every array needs "
-                    f"the {rows} rows of the prepared batch as its leading axis"
-                )
-        return {**prepared, **from_host(extra, self.device_mesh, self.rules)}
-
-    def compiled_prepare(self, part: str, state, batch, shardings, *, final: bool) -> Compiled:
-        """The compiled ``part`` (``"prepare"`` or ``"finish"``) of the prepare
-        phase for ``batch``'s layout (arrays or ``ShapeDtypeStruct`` with shardings)."""
-        key = (part, layout(batch))
-        if key not in self.cache.prepare:
-            objective = self.objective
-            fn = build_prepare(objective) if part == "prepare" else build_prepare_finish(objective)
-            out = jax.eval_shape(fn, state, batch)
-            if final:
-                self._check_prepared(out)
-            out_shardings = {
-                k: v.sharding for k, v in abstract_batch(out, self.device_mesh, self.rules).items()
-            }
-            program, flops = compile_with_flops(
-                fn,
-                (state, batch),
-                in_shardings=(shardings, jax.tree.map(lambda x: x.sharding, batch)),
-                out_shardings=out_shardings,
-            )
-            self.cache.prepare[key] = Compiled(program, flops)
-        return self.cache.prepare[key]
-
-    def _run_prepare(self, part, state, batch, shardings, goodput, final):
-        key = (part, layout(batch))
-        if key not in self.cache.prepare:
-            with goodput.measure("compile"):
-                self.compiled_prepare(part, state, batch, shardings, final=final)
-        with goodput.measure("prepare"):
-            prepared = self.cache.prepare[key].program(state, batch)
-            jax.block_until_ready(prepared)
-        return prepared
-
-    def _check_prepared(self, out) -> None:
-        name = type(self.objective).__name__
-        if not isinstance(out, Mapping) or not out:
-            raise TypeError(
-                f"{name}.prepare must return a dict of arrays with a leading rows axis, got "
-                f"{type(out).__name__}"
-            )
-        rows = {k: (v.shape[0] if v.ndim else None) for k, v in out.items()}
-        if len(set(rows.values())) != 1 or None in rows.values():
-            raise ValueError(
-                f"{name}.prepare returned arrays with different leading dimensions {rows}; "
-                f"every array needs the same number of rows"
-            )
-        count = next(iter(rows.values()))
-        updates = self.objective.prepared_updates
-        if count % updates.minibatches:
-            raise ValueError(
-                f"{name}.prepare returned {count} rows, which do not split into the declared "
-                f"{updates.minibatches} minibatches ({updates}); return a multiple of "
-                f"{updates.minibatches} rows"
-            )
-        check_batch_rows(
-            self.device_mesh,
-            self.rules,
-            count // updates.minibatches,
-            self.accumulate,
-            what=f"{name}.prepare minibatch ({count} rows / {updates.minibatches})",
-        )
-
-    def abstract_prepared(self, state, batch, shardings) -> dict:
-        """The prepared batch ``fit`` would hand the update step, as
-        ``ShapeDtypeStruct`` with its shardings, from abstract ``state`` and ``batch``.
-        The host stage (``prepare_host``) runs on a rollout of zeros of the
-        compiled prepare's output shapes: only its output shapes are read."""
-        if not self.objective.has_prepare:
-            return batch
-        has_host = self.objective.has_prepare_host
-        with self.context():
-            self.compiled_prepare("prepare", state, batch, shardings, final=not has_host)
-            out = jax.eval_shape(build_prepare(self.objective), state, batch)
-            out = abstract_batch(out, self.device_mesh, self.rules)
-            if not has_host:
-                return out
-            zeros = {k: np.zeros(v.shape, v.dtype) for k, v in out.items()}
-            extra = abstract_batch(self.objective.prepare_host(zeros), self.device_mesh, self.rules)
-            merged = {**out, **extra}
-            self.compiled_prepare("finish", state, merged, shardings, final=True)
-            finished = jax.eval_shape(build_prepare_finish(self.objective), state, merged)
-            return abstract_batch(finished, self.device_mesh, self.rules)
+        """``batch`` after the objective's prepare phase (``batch`` itself without one):
+        :func:`dew.train._prepare_phase.prepared`."""
+        return prepared(self, state, batch, shardings, goodput)
 
     # --------------------------------------------------------------- update
     def update(self, state, batch, shardings) -> Compiled:

@@ -4,10 +4,11 @@ A trained role whose module came from :meth:`dew.nn.lora.LoRA.apply` initialises
 base weights and adapters together (the objective's ``init``, unchanged). The
 trainer then keeps
 
-    TrainState.params              the adapters (``*_lora_a``, ``*_lora_b``) of LoRA roles,
-                                   the whole tree of other trained roles
-    TrainState.frozen['lora_base'] the LoRA roles' base weights: never in the optimizer
-                                   state, the moving average or the gradient
+    TrainState.params_by_role[role]        the adapters (``*_lora_a``, ``*_lora_b``) of a
+                                           LoRA role, the whole tree of another
+    TrainState.frozen['lora_base'][role]   a LoRA role's base weights: never in the
+                                           optimizer state, the moving average or the
+                                           gradient
 
 and the objective reads ``merge(base, adapters)`` (:meth:`TrainState.variables_with`),
 so its ``loss``, ``prepare``, ``evaluate`` and ``export`` see the full tree and
@@ -45,13 +46,9 @@ def split_lora(roles: tuple[Role, ...], params, frozen: dict):
             f"a frozen role is named {LORA_BASE!r}, the name the trainer keeps LoRA base "
             f"weights under; rename that role"
         )
-    single = len([r for r in roles if r.trained]) == 1
-    if single:
-        base, params = split(params)
-    else:
-        base, params = {}, dict(params)
-        for name in loras:
-            base[name], params[name] = split(params[name])
+    base, params = {}, dict(params)
+    for name in loras:
+        base[name], params[name] = split(params[name])
     frozen = dict(frozen)
     views = []
     for role in roles:
@@ -59,7 +56,7 @@ def split_lora(roles: tuple[Role, ...], params, frozen: dict):
             continue
         source = initial_source(roles, role.name)
         if source.name in loras:
-            views.append((role.name, None if single else source.name))
+            views.append((role.name, source.name))
             frozen.pop(role.name, None)
     frozen[LORA_BASE] = base
     return params, frozen, tuple(views)

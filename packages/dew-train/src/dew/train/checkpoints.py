@@ -73,6 +73,13 @@ from dew.train._checkpoint_dirs import (
 )
 from dew.train._integrity import read_recorded, verify
 from dew.train._integrity import save_args as checksums_save_args
+from dew.train._layout import (
+    LAYOUT,
+    CheckpointLayoutError,
+    disk_layout,
+    layout_of,
+    run_layout,
+)
 from dew.train._load_model import load_model
 from dew.train._position import (
     _Position,
@@ -97,6 +104,7 @@ from dew.train._saved_tree import from_saved, is_typed_key, to_saved
 from dew.train.state import TrainState
 
 __all__ = [
+    "CheckpointLayoutError",
     "CheckpointMismatchError",
     "CheckpointSession",
     "Checkpoints",
@@ -363,7 +371,9 @@ class CheckpointSession:
     ) -> Restored:
         ocp = self._ocp
         meta = json.loads(read_text(os.path.join(path, "meta", "metadata")))
-        saved_abstract = to_saved(abstract, shardings=shardings)
+        # this run's tree, and the same in the checkpoint's layout (an earlier format's)
+        run_abstract = to_saved(abstract, shardings=shardings)
+        saved_abstract = disk_layout(run_abstract, layout_of(path, meta))
         state_dir = os.path.join(path, "state")
         with ocp.StandardCheckpointer() as checkpointer:
             saved = getattr(checkpointer.metadata(state_dir), "item_metadata", None)
@@ -386,6 +396,7 @@ class CheckpointSession:
             if not reset:
                 tree = checkpointer.restore(state_dir, saved_abstract)
                 self._verify(path, tree, meta)
+                tree = run_layout(tree, run_abstract)
         if reset:
             if init_opt_state is None:
                 raise ValueError(
@@ -403,6 +414,7 @@ class CheckpointSession:
             )
             self._verify(path, tree, meta)
             tree = {**target, **tree}
+            tree = run_layout(tree, {k: v for k, v in run_abstract.items() if k != "opt_state"})
             tree["opt_state"] = init_opt_state(tree["params"])
         state = from_saved(tree, key_impl=key_impl, key_sharding=shardings.key)
         state = state.with_structure(abstract)
@@ -487,6 +499,7 @@ class CheckpointSession:
         meta = {
             **meta,
             "format": FORMAT,
+            "layout": LAYOUT,  # dew.train._layout
             "step": step,
             "data": "position" if position is not None else "fast-forward",
         }

@@ -213,11 +213,11 @@ def step_model_flops(objective, state, batch, *, accumulate: int = 1) -> ModelFl
 
     def loss(weights, state, micro):
         params, frozen, averaged = weights
-        state = state.replace(frozen=frozen, averaged=averaged)
+        state = state.replace(frozen=frozen, averaged_by_role=averaged)
         return fn(params, state, micro, 0)
 
     def abstract(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
-    weights = abstract((state.params, state.frozen, state.averaged))
+    weights = abstract((state.params_by_role, state.frozen, state.averaged_by_role))
     return count_model_flops(loss, weights, abstract(state), micro, microbatches=accumulate)

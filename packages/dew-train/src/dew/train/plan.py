@@ -46,6 +46,7 @@ import optax
 from dew.nn.backbones import layer_stack_of
 from dew.nn.pipeline import bubble_fraction
 from dew.objectives import Objective
+from dew.train._prepare_phase import abstract_prepared
 from dew.train._programs import Programs
 from dew.train.memory import peak_bytes  # noqa: F401  (re-exported: dew.train.plan.peak_bytes)
 from dew.train.mesh import DEFAULT_RULES, MeshSpec, Rules, data_parallel_size, mesh_sizes
@@ -240,7 +241,7 @@ def plan(
     start = time.perf_counter()
     with programs.context():
         # the batch the update step reads: fit's prepared batch for GRPO / PPO
-        prepared = programs.abstract_prepared(state, batch, shardings)
+        prepared = abstract_prepared(programs, state, batch, shardings)
         compiled = programs.update(state, prepared, shardings)
     seconds = time.perf_counter() - start
     memory = compiled.program.memory_analysis()  # peak_bytes: read at compile

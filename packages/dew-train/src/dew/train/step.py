@@ -69,7 +69,7 @@ def rows_of(batch) -> int:
 
 def objective_variables(objective: Objective, state: TrainState, params) -> dict:
     """What the objective reads: ``params`` as the trained parameters, the frozen
-    roles, and each averaged role (``Role(averages=...)``) from ``state.averaged``
+    roles, and each averaged role (``Role(averages=...)``) from ``state.averaged_by_role``
     without gradient (:meth:`TrainState.variables_with`)."""
     return state.variables_with(params)
 
@@ -105,7 +105,7 @@ def _grads(fn, state, batch, microbatch, weights, is_logged):
         value = sum(t.total / w for t, w in zip(terms, weights))
         return value, (terms, metrics)
 
-    (_, aux), grads = jax.value_and_grad(objective_of, has_aux=True)(state.params)
+    (_, aux), grads = jax.value_and_grad(objective_of, has_aux=True)(state.params_by_role)
     return aux, grads
 
 
@@ -133,16 +133,16 @@ def accumulate(fn: Callable, k: int) -> Callable:
         def weights_of(carry, xs):
             j, mb = xs
             # the weights only: no diagnostics
-            terms, _ = fn(jax.lax.stop_gradient(state.params), state, mb, j, False)
+            terms, _ = fn(jax.lax.stop_gradient(state.params_by_role), state, mb, j, False)
             return [c + t.weight for c, t in zip(carry, terms)], None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        terms0, metrics0 = jax.eval_shape(lambda: fn(state.params, state, first, 0))
+        terms0, metrics0 = jax.eval_shape(lambda: fn(state.params_by_role, state, first, 0))
         zero_weights = [jnp.zeros((), jnp.float32) for _ in terms0]
         weights, _ = jax.lax.scan(weights_of, zero_weights, (index, micro))
 
         zeros = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, jnp.float32), (terms0, metrics0, state.params)
+            lambda s: jnp.zeros(s.shape, jnp.float32), (terms0, metrics0, state.params_by_role)
         )
 
         def body(carry, xs):
@@ -152,7 +152,7 @@ def accumulate(fn: Callable, k: int) -> Callable:
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, out), None
 
         (terms, metrics, grads), _ = jax.lax.scan(body, zeros, (index, micro))
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params_by_role)
         return terms, metrics, grads
 
     return accumulated
@@ -167,23 +167,21 @@ def _grads_with_own_weights(fn, state, batch, is_logged):
         value = sum(t.total / jax.lax.stop_gradient(t.weight) for t in terms)
         return value, (terms, metrics)
 
-    (_, aux), grads = jax.value_and_grad(objective_of, has_aux=True)(state.params)
+    (_, aux), grads = jax.value_and_grad(objective_of, has_aux=True)(state.params_by_role)
     return aux, grads
 
 
-def ema_update_fn(ema: EMA | None, by_role: dict[str | None, EMA] | None = None) -> Callable:
-    """``(averaged, params, updates) -> averaged``; identity when there is no EMA.
+def ema_update_fn(ema: EMA | None, by_role: dict[str, EMA] | None = None) -> Callable:
+    """``(averaged, params, updates) -> averaged`` over ``{trained role: tree}``;
+    identity when there is no EMA.
 
-    ema: the objective's, over the whole tree (``include`` sees full paths).
-    by_role: the averaged roles' own EMAs by their trained role's key in the tree
-      (``{'encoder': EMA(...)}``; ``include`` sees paths inside the role), or
-      ``{None: EMA(...)}`` for the whole tree of a one-role objective; they take
-      precedence over ``ema`` where they apply. Leaves no EMA covers hold the live
-      values.
+    ema: the objective's, over every trained role.
+    by_role: the averaged roles' own EMAs by their trained role
+      (``{'encoder': EMA(...)}``); they take precedence over ``ema`` where they apply.
+      Either EMA's ``include`` sees the paths inside the role
+      (``"layers/mlp/up/kernel"``). Leaves no EMA covers hold the live values.
     """
     by_role = dict(by_role or {})
-    if None in by_role:  # the only trained role: its EMA is the whole tree's
-        ema, by_role = by_role.pop(None), {}
     if ema is None and not by_role:
         return lambda averaged, params, updates: averaged
 
@@ -192,10 +190,9 @@ def ema_update_fn(ema: EMA | None, by_role: dict[str | None, EMA] | None = None)
         default = ema.decay_at(updates) if ema is not None else None
 
         def leaf(path, avg, new):
-            name = path_string(path)
-            head, _, rest = name.partition("/")
-            if head in by_role:
-                this, decay, name = by_role[head], decays[head], rest
+            role, _, name = path_string(path).partition("/")
+            if role in by_role:
+                this, decay = by_role[role], decays[role]
             elif ema is not None:
                 this, decay = ema, default
             else:
@@ -338,12 +335,12 @@ def build_train_step(
         # a branch, not a select per leaf: an accepted update writes the donated
         # buffers in place, with no copy of the old state kept for a rejection
         (params, opt_state, averaged), update_norm = jax.lax.cond(
-            finite, apply, reject, (state.params, state.opt_state, state.averaged)
+            finite, apply, reject, (state.params_by_role, state.opt_state, state.averaged_by_role)
         )
         new_state = state.replace(
-            params=params,
+            params_by_role=params,
             opt_state=opt_state,
-            averaged=averaged,
+            averaged_by_role=averaged,
             step=state.step + 1,
             microstep=state.microstep + finite.astype(jnp.int32) * accumulate_steps,
             updates=state.updates + finite.astype(jnp.int32),
@@ -370,7 +367,7 @@ def build_prepare(objective: Objective) -> Callable:
     pre-update weights, without gradients, drawing from the PREPARE stream."""
 
     def prepare(state: TrainState, batch):
-        variables = jax.lax.stop_gradient(objective_variables(objective, state, state.params))
+        variables = jax.lax.stop_gradient(state.variables_with(state.params_by_role))
         step = Step(index=state.step, key=microbatch_key(state.key, state.step, Stream.PREPARE))
         return objective.prepare(variables, batch, step)
 
@@ -383,7 +380,7 @@ def build_prepare_finish(objective: Objective) -> Callable:
     is ``fold_in(prepare key, 1)``."""
 
     def finish(state: TrainState, batch):
-        variables = jax.lax.stop_gradient(objective_variables(objective, state, state.params))
+        variables = jax.lax.stop_gradient(state.variables_with(state.params_by_role))
         key = jax.random.fold_in(microbatch_key(state.key, state.step, Stream.PREPARE), 1)
         return objective.prepare_finish(variables, batch, Step(index=state.step, key=key))
 

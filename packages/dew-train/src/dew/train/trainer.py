@@ -31,12 +31,9 @@ from dew.train._checkpoint_meta import checkpoint_meta, first_trained_record
 from dew.train._checkpointing import Checkpointing
 from dew.train._default_hooks import (
     DefaultHook,
-    EarlyStop,
-    Evaluation,
     LogMetrics,
-    Rejections,
-    StopSignalsHook,
 )
+from dew.train._fit_hooks import checkpoint_hook, fit_hooks, start_hooks
 from dew.train._fit_input import check_fit_arguments, check_resume, check_spec
 from dew.train._loop import training_steps
 from dew.train._programs import INIT_CPU_OPTIONS, Programs, check_roles
@@ -48,8 +45,6 @@ from dew.train.hooks import (
     EarlyStopping,
     FitResult,
     Hook,
-    Installed,
-    Resume,
     RunStart,
     StepInfo,
 )
@@ -359,7 +354,7 @@ class Trainer:
         goodput = Goodput()
         partition = Partition(jax.process_index(), jax.process_count())
         # built first: the checkpoint hook checks its directory can be written
-        checkpointing = self._checkpoint_hook(checkpoint_every)
+        checkpointing = checkpoint_hook(self._replaced, self.checkpoints, checkpoint_every)
         log = MetricsLog(
             run_dir,
             is_main=jax.process_index() == 0,
@@ -370,8 +365,14 @@ class Trainer:
         )
         self.result = None
         signals = StopSignals()
-        hooks = self._hooks(
-            checkpointing, log_every=log_every, eval_every=eval_every, eval_batches=eval_batches
+        hooks = fit_hooks(
+            self._replaced,
+            checkpointing,
+            self.hooks,
+            self.early_stopping,
+            log_every=log_every,
+            eval_every=eval_every,
+            eval_batches=eval_batches,
         )
         try:
             return self._fit(
@@ -422,7 +423,7 @@ class Trainer:
             max_rejected=self.max_rejected,
             signals=signals,
         )
-        resume = _start(hooks, run)
+        resume = start_hooks(hooks, run)
         # the metrics leave the devices (and the step computes its diagnostics) on the
         # log hook's steps
         log_every = next((h.every or 0 for h in hooks if isinstance(h, LogMetrics)), 0)
@@ -511,45 +512,6 @@ class Trainer:
         log.log(step, report, kind="goodput")
         return state
 
-    def _checkpoint_hook(self, checkpoint_every: int) -> Installed | None:
-        """The hook in the ``checkpoints`` place: a replacement, or the default
-        :class:`Checkpointing` of ``Trainer(checkpoints=)`` (None without it)."""
-        if "checkpoints" in self._replaced:
-            if self.checkpoints is not None:
-                raise ValueError(
-                    f"Trainer(checkpoints=Checkpoints({self.checkpoints.directory!r})) "
-                    f"configures the default 'checkpoints' hook, which replace_hook replaced "
-                    f"(with {self._replaced['checkpoints']!r:.80}); the replacement owns all of "
-                    f"checkpointing: give it the Checkpoints (e.g. Checkpointing(Checkpoints("
-                    f"dir), policy=fn)) and drop Trainer(checkpoints=)"
-                )
-            return self._replaced["checkpoints"]
-        if self.checkpoints is None:
-            return None
-        return Checkpointing(self.checkpoints, every=checkpoint_every or None)
-
-    def _hooks(self, checkpointing, *, log_every, eval_every, eval_batches) -> list[Installed]:
-        """The hooks of one ``fit``, in order: the defaults (as replaced; ``fit``'s
-        cadences are shorthands that build them), then the user's."""
-        hooks = []
-        for name in DEFAULT_HOOKS:
-            if name == "checkpoints":
-                hook = checkpointing
-            elif name in self._replaced:
-                hook = self._replaced[name]
-            elif name == "log":
-                hook = LogMetrics(every=log_every or None)
-            elif name == "evaluation":
-                batches = eval_batches or None
-                hook = Evaluation(every=eval_every, batches=batches) if eval_every else None
-            elif name == "early_stopping":
-                hook = EarlyStop(self.early_stopping) if self.early_stopping is not None else None
-            else:
-                hook = {"rejections": Rejections, "stop_signals": StopSignalsHook}[name]()
-            if hook is not None:
-                hooks.append(hook)
-        return hooks + list(self.hooks)
-
     def throughput(self, batch) -> Throughput:
         """The compiled step's FLOPs for ``batch``'s layout and the mesh's peak
         (:mod:`dew.train.throughput`): what the log's MFU divides."""
@@ -601,22 +563,6 @@ def _model_line(abstract, shardings) -> str:
         f"Model: {count:,} parameters; per device {_mib(per_device)} of parameters, "
         f"{_mib(optimizer)} of optimizer state"
     )
-
-
-def _start(hooks: list[Installed], run: RunStart) -> Resume | None:
-    """Start every hook; the one :class:`Resume` (the checkpoint hook's), if any."""
-    resume, by = None, None
-    for hook in hooks:
-        got = hook.start(run)
-        if got is None:
-            continue
-        if resume is not None:
-            raise ValueError(
-                f"hooks {by!r} and {hook.name!r} both restore the run's state; install one "
-                f"checkpoint hook (trainer.hook_names() lists them)"
-            )
-        resume, by = got, hook.name
-    return resume
 
 
 def _is_typed_key(key) -> bool:

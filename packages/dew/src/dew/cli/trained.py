@@ -46,7 +46,10 @@ def exported(run_dir: str, live: bool, *, allow_code: bool = False):
 
     recipe, built, model, params, averaged = trained(run_dir, live, allow_code=allow_code)
     try:
-        pipeline = built.objective.export({"params": params})
+        # load_model gives one trained role's tree as it is (TrainState.params' face)
+        roles = [role.name for role in built.objective.roles() if role.trained]
+        by_role = {roles[0]: params} if len(roles) == 1 else params
+        pipeline = built.objective.export({"params": by_role})
     except NotImplementedError as error:
         raise RecipeError(f"{run_dir}: {error}") from None
     if recipe.model.lora:

@@ -86,10 +86,10 @@ class Objective(Phases):
         relations (``initial_from``, ``averages``). Default: one trained role,
         ``policy``.
 
-        With one trained role, ``variables['params']`` is its parameter tree;
-        with several, ``variables['params'][role]``. A frozen or averaged role's
-        variables are ``variables[role]`` (``variables['reference']['params']``,
-        ``variables['target']['params']``).
+        The trained parameters are keyed by role, whatever their number:
+        ``variables['params'][role]`` (``variables['params']['policy']``), as ``init``
+        returns them. A frozen or averaged role's variables are ``variables[role]``
+        (``variables['reference']['params']``, ``variables['target']['params']``).
         """
         return (Role(name="policy", module=self.model),)
 
@@ -100,7 +100,8 @@ class Objective(Phases):
         return self.ema is not None or any(r.averages is not None for r in self.roles())
 
     def init(self, key: jax.Array, spec: Mapping[str, Any] | None = None) -> Variables:
-        """``{'params': ..., frozen role name: its variables, ...}``; parameters may be
+        """``{'params': {trained role: its tree}, frozen role name: its variables, ...}``
+        (``{'params': {'policy': model.init(...)['params']}}``); parameters may be
         ``nn.LogicallyPartitioned`` boxes (the trainer shards and unboxes them).
 
         spec: the data's batch spec, ``{key: Field(shape per row, dtype)}``

@@ -43,7 +43,7 @@ class Role:
       ``"reference"``, ``"encoder"``, ``"predictor"``, ``"target"``, ``"teacher"``,
       ``"text_encoder"``) for Dew's families; unique within an objective.
     module: the ``flax.linen.Module``.
-    trained: True = its parameters are optimized (in ``TrainState.params``);
+    trained: True = its parameters are optimized (``TrainState.params_by_role[name]``);
       False = frozen: kept in ``TrainState.frozen[name]``, checkpointed, never in
       the optimizer state. A frozen role's variables come from the objective's
       ``init`` (given weights through the objective's own argument, e.g.
@@ -57,7 +57,7 @@ class Role:
     averages: a declared relation: this role is the exponential moving average of
       the named trained role (JEPA's ``target`` of ``encoder``), with ``ema`` as its
       decay schedule (None: the objective's ``ema``). It is never optimized: the
-      trainer keeps it in ``TrainState.averaged`` (at the trained role's place) and
+      trainer keeps it in ``TrainState.averaged_by_role`` (at the trained role) and
       passes it to the loss as ``variables[name]['params']``, without gradient.
     ema: an averaged role's :class:`EMA` (decay, warm-up, ``include`` over the
       trained role's own parameter paths).

@@ -130,9 +130,10 @@ class EMA:
       Flow-GRPO) use it; a JEPA target's momentum does not.
     warmup_steps: ramp the decay linearly from 0 to ``decay`` over this many
       updates so early averages follow the weights; 0 = no ramp.
-    include: ``include(path) -> bool`` over '/'-joined parameter paths
-      (``"layers/mlp/up/kernel"``); None averages every parameter. Leaves
-      not included hold the live values in ``TrainState.averaged``.
+    include: ``include(path) -> bool`` over '/'-joined parameter paths inside each
+      trained role (``"layers/mlp/up/kernel"``, without the role's key); None
+      averages every parameter. Leaves not included hold the live values in
+      ``TrainState.averaged``.
     """
 
     decay: float | Callable[[jax.Array], jax.Array] = 0.999
@@ -140,31 +141,26 @@ class EMA:
     warmup_steps: int = 0
     include: Callable[[str], bool] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self):  # validation only: the fields stay as given
         if not callable(self.decay):
-            object.__setattr__(
-                self,
+            real_number(
+                self.decay,
                 "decay",
-                real_number(
-                    self.decay,
-                    "decay",
-                    low=0.0,
-                    high=1.0,
-                    high_open=True,
-                    what="EMA",
-                    meaning="the average's factor per update",
-                ),
+                low=0.0,
+                high=1.0,
+                high_open=True,
+                what="EMA",
+                meaning="the average's factor per update",
             )
         if not isinstance(self.use_warmup, bool):
             raise TypeError(f"EMA use_warmup must be True or False, got {self.use_warmup!r}")
-        warmup = whole_number(
+        whole_number(
             self.warmup_steps,
             "warmup_steps",
             low=0,
             what="EMA",
             meaning="updates of the linear ramp; 0 = none",
         )
-        object.__setattr__(self, "warmup_steps", warmup)
 
     def decay_at(self, updates: jax.Array) -> jax.Array:
         """The decay applied at optimizer update number ``updates`` (0-based)."""

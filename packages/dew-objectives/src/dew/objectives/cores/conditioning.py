@@ -119,7 +119,7 @@ class TextConditioning:
 
     def denoiser_params(self, params):
         """The denoiser's tree of ``variables['params']``."""
-        return params["policy"] if self.train_text_encoder else params
+        return params["policy"]
 
     def text_encoder_of(self, variables):
         """The :class:`~dew.sampling.TextEncoder` of these variables: the frozen one, or

@@ -155,29 +155,35 @@ def check_chunked_model(model, chunk_size, *, what: str) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CausalPolicy:
-    """A causal LM being trained, with its tokenizer and starting weights.
+    """A causal LM being trained, with its tokenizer and starting weights. Build it with
+    :func:`causal_policy` (or :func:`policy_of` an objective), which resolves the
+    defaults; the instance holds what it was given and only validates it.
 
     model: a causal module, ``model.apply(variables, ids) -> [batch, length, vocab]``.
-    tokenizer: the tokenizer; None = ``ByteTokenizer()`` (:func:`resolve_tokenizer`).
     what: the objective's name, in errors (``"GRPOObjective"``).
+    tokenizer: the tokenizer (:func:`resolve_tokenizer` gives ``ByteTokenizer()`` for
+      None).
+    reference_model: the reference's module (``model`` itself for a reference that is
+      a copy of the policy); same vocabulary required (:func:`check_same_vocabulary`).
     init_params: starting weights; None = a fresh initialisation.
     reference: the reference's weights; None = the initial policy.
-    reference_model: the reference's module; None = ``model`` (same vocabulary
-      required, :func:`check_same_vocabulary`).
     """
 
     model: Any
     what: str
-    tokenizer: Any = None
+    tokenizer: Any
+    reference_model: Any
     init_params: Any = None
     reference: Any = None
-    reference_model: Any = None
 
     def __post_init__(self):
-        tokenizer = resolve_tokenizer(self.tokenizer, self.model, what=self.what)
-        object.__setattr__(self, "tokenizer", tokenizer)
-        if self.reference_model is None:
-            object.__setattr__(self, "reference_model", self.model)
+        for name in ("tokenizer", "reference_model"):
+            if getattr(self, name) is None:
+                raise TypeError(
+                    f"{self.what}: CausalPolicy needs {name}= (None is not resolved here); "
+                    f"build it with dew.objectives.cores.policy.causal_policy(...), which "
+                    f"gives the defaults"
+                )
         check_same_vocabulary(self.model, self.reference_model, what=self.what)
 
     @property
@@ -266,6 +272,28 @@ class CausalPolicy:
         return TextGeneration(self.model, params, tokenizer or self.tokenizer, **options)
 
 
+def causal_policy(
+    *,
+    model,
+    what: str,
+    tokenizer=None,
+    init_params=None,
+    reference=None,
+    reference_model=None,
+) -> CausalPolicy:
+    """A :class:`CausalPolicy` with the defaults resolved: ``tokenizer`` None =
+    ``ByteTokenizer()`` (a given one must fit the model's vocabulary,
+    :func:`resolve_tokenizer`), ``reference_model`` None = ``model``."""
+    return CausalPolicy(
+        model=model,
+        what=what,
+        tokenizer=resolve_tokenizer(tokenizer, model, what=what),
+        reference_model=model if reference_model is None else reference_model,
+        init_params=init_params,
+        reference=reference,
+    )
+
+
 def policy_of(objective) -> CausalPolicy:
     """The :class:`CausalPolicy` of an objective's own fields: its ``model``, ``tokenizer``
     and, where it has them, ``init_params``, ``reference`` and ``reference_model``
@@ -275,7 +303,7 @@ def policy_of(objective) -> CausalPolicy:
         for name in ("init_params", "reference", "reference_model")
         if hasattr(objective, name)
     }
-    return CausalPolicy(
+    return causal_policy(
         model=objective.model,
         what=type(objective).__name__,
         tokenizer=objective.tokenizer,

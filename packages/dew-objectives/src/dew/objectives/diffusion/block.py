@@ -172,7 +172,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
             t = beta + (omega - beta) * u_time
             t = jnp.maximum(t, self.time_eps)  # beta = 0: a time 0 would weigh 1 / 0
             weighted, valid, _, _ = self.token_terms(
-                variables["params"], batch, self.denoiser.token_times(t, length), noise
+                variables["params"]["policy"], batch, self.denoiser.token_times(t, length), noise
             )
             per_row = jnp.sum(weighted, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1.0)
             row_weight = (jnp.sum(valid, axis=1) > 0).astype(jnp.float32)

@@ -377,7 +377,7 @@ class DiffusionObjective(Objective):
             return self.model.init(k, x, t, **self.conditions.dummy(1, tokens))
 
         if not self.train_text_encoder:
-            return init_denoiser(key, tokens)
+            return {"params": {"policy": init_denoiser(key, tokens)["params"]}}
         return self.conditions.text.init_with_text_encoder(key, init_denoiser)
 
     # --------------------------------------------------------------------- loss

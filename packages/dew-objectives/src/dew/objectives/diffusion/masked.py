@@ -329,11 +329,11 @@ class MaskedDiffusionObjective(Objective):
         extra = {"time": jnp.zeros((1,), jnp.float32)} if self.denoiser.is_timed else {}
         variables = self.model.init(key, inputs, **extra)
         if self.init_params is None:
-            return variables
+            return {"params": {"policy": variables["params"]}}
         params = with_initial_values(
             variables["params"], self.init_params, what=f"{self.what} init_params"
         )
-        return {"params": params}
+        return {"params": {"policy": params}}
 
     # ---------------------------------------------------------------- the loss
     def draw_times(self, key: jax.Array, rows: int, length: int, index=None, total=None):
@@ -393,7 +393,7 @@ class MaskedDiffusionObjective(Objective):
         rows, length = x.shape
         times, noise = self.draws(step, rows, length)
         weighted, valid, masked, nll = self.token_terms(
-            variables["params"], batch, self.denoiser.token_times(times, length), noise
+            variables["params"]["policy"], batch, self.denoiser.token_times(times, length), noise
         )
         nelbo = Weighted(total=jnp.sum(weighted), weight=jnp.sum(valid))
         return nelbo, {
@@ -420,7 +420,10 @@ class MaskedDiffusionObjective(Objective):
             noise = indexed_uniforms(jax.random.fold_in(root, k + 1), index, (length,))
             times = self.time_eps + (1.0 - self.time_eps) * (k + shifts) / self.eval_times
             weighted, valid, _, _ = self.token_terms(
-                variables["params"], batch, self.denoiser.token_times(times, length), noise
+                variables["params"]["policy"],
+                batch,
+                self.denoiser.token_times(times, length),
+                noise,
             )
             row_total = row_total + jnp.sum(weighted, axis=1)
         row_total = row_total / self.eval_times  # [rows]: each row's NELBO estimate (nats)
@@ -444,7 +447,7 @@ class MaskedDiffusionObjective(Objective):
         length = length or self.seq_len or getattr(self.model, "max_seq_len", None)
         return TokenDiffusionGeneration(
             model=self.model,
-            params=variables["params"],
+            params=variables["params"]["policy"],
             tokenizer=tokenizer_of(self.tokenizer),
             mask_id=self.mask_token,
             schedule=self.schedule,

@@ -141,14 +141,14 @@ class ClassifierDistillationObjective(Objective):
         if self.init_params is not None:
             params = with_initial_values(params, self.init_params, what="init_params")
         if not self.has_teacher:
-            return {"params": params}
+            return {"params": {"policy": params}}
         fresh = jax.eval_shape(lambda: self.teacher_module.init(key, x))["params"]
         teacher = with_initial_values(fresh, self.teacher_params, what="the teacher's weights")
-        return {"params": params, "teacher": {"params": teacher}}
+        return {"params": {"policy": params}, "teacher": {"params": teacher}}
 
     def _terms(self, variables, batch):
         x = batch[self.input_key]
-        zs = self.student.apply({"params": variables["params"]}, x)
+        zs = self.student.apply({"params": variables["params"]["policy"]}, x)
         if self.has_teacher:
             teacher = jax.lax.stop_gradient(variables["teacher"]["params"])
             zt = self.teacher_module.apply({"params": teacher}, x)
@@ -182,4 +182,4 @@ class ClassifierDistillationObjective(Objective):
         """The student as a :class:`dew.sampling.Pretrained` (``save`` writes it)."""
         from dew.sampling import Pretrained
 
-        return Pretrained(model=self.student, params=variables["params"])
+        return Pretrained(model=self.student, params=variables["params"]["policy"])

@@ -324,7 +324,7 @@ class DistillationObjective(Objective):
         ids = jnp.zeros((1, length), jnp.int32)
         fresh = jax.eval_shape(lambda: self.teacher_module.init(key, ids))["params"]
         teacher = with_initial_values(fresh, self.teacher_weights, what="the teacher's weights")
-        return {"params": params, "teacher": {"params": teacher}}
+        return {"params": {"policy": params}, "teacher": {"params": teacher}}
 
     # --------------------------------------------------------------- prepare
     def prepare(self, variables, batch, step: Step):
@@ -354,7 +354,7 @@ class DistillationObjective(Objective):
         def data(_):
             return batch["completion"].astype(jnp.int32), batch["completion_mask"].astype(bool)
 
-        student = sampled(self.student, variables["params"])
+        student = sampled(self.student, variables["params"]["policy"])
         other = (
             sampled(self.teacher_module, variables["teacher"]["params"]) if self.seq_kd else data
         )
@@ -393,7 +393,7 @@ class DistillationObjective(Objective):
             stored = tuple(batch[key] for key in (STORED_IDS, STORED_LOGPROBS, STORED_TAIL))
         total, sums, tokens = token_sums(
             self.student,
-            variables["params"],
+            variables["params"]["policy"],
             self.teacher_module,
             None if self.stored_teacher else variables["teacher"]["params"],
             inputs,
@@ -444,7 +444,7 @@ class DistillationObjective(Objective):
                     )
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key)
+        return self.policy.preview(variables["params"]["policy"], key)
 
     def export(self, variables):
-        return self.policy.export(variables["params"])
+        return self.policy.export(variables["params"]["policy"])

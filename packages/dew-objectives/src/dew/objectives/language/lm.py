@@ -203,13 +203,13 @@ class LMObjective(Objective):
         seq_len = self.positions(spec)
         variables = self.model.init(key, jnp.zeros((1, seq_len), jnp.int32))
         if self.init_params is None:
-            return variables
+            return {"params": {"policy": variables["params"]}}
         # Keep the logical-axis boxes of a fresh init around the given values (and,
         # under LoRA, the fresh adapters the base weights lack).
         params = with_initial_values(
             variables["params"], self.init_params, what="LMObjective init_params"
         )
-        return {"params": params}
+        return {"params": {"policy": params}}
 
     def _weights(self, batch, tokens):
         return target_weights(
@@ -225,7 +225,7 @@ class LMObjective(Objective):
         weights = self._weights(batch, tokens)
         if self.logits_chunk_size is not None:  # the model scores the targets, in chunks
             scores, sown = self.model.apply(
-                {"params": variables["params"]},
+                {"params": variables["params"]["policy"]},
                 tokens[:, :-1],
                 targets=targets,
                 logits_chunk_size=self.logits_chunk_size,
@@ -234,7 +234,10 @@ class LMObjective(Objective):
             )
             return scores.is_argmax, sown, weights, -scores.log_probs
         logits, sown = self.model.apply(
-            {"params": variables["params"]}, tokens[:, :-1], mutable=["intermediates"], **packed
+            {"params": variables["params"]["policy"]},
+            tokens[:, :-1],
+            mutable=["intermediates"],
+            **packed,
         )
         nll = token_nll(logits, targets)  # [batch, seq_len]
         return jnp.argmax(logits, axis=-1) == targets, sown, weights, nll
@@ -278,14 +281,14 @@ class LMObjective(Objective):
 
     def preview(self, variables, key):
         return self.policy.preview(
-            variables["params"],
+            variables["params"]["policy"],
             key,
             prompt=self.preview_prompt,
             new_tokens=self.preview_tokens,
         )
 
     def export(self, variables):
-        return self.policy.export(variables["params"])
+        return self.policy.export(variables["params"]["policy"])
 
     def check_batch(self, batch):
         super().check_batch(batch)  # the declared fields: the key, [rows, seq_len + 1], dtypes

@@ -230,7 +230,7 @@ class DPOObjective(Objective):
         else:
             length = int(getattr(self.model, "max_seq_len", 8))
         params = self.policy.init_policy(key, length)
-        variables = {"params": params}
+        variables = {"params": {"policy": params}}
         if self.uses_reference:  # the initial policy, or the given reference
             variables["reference"] = {"params": self.policy.init_reference(key, length, params)}
         return variables
@@ -247,7 +247,7 @@ class DPOObjective(Objective):
         mask = jnp.stack([chosen_mask, rejected_mask], axis=1).reshape(2 * pairs, length)
         chunk = self.logits_chunk_size
         tokens = sequence_logprobs(
-            self.model, variables["params"], ids, logits_chunk_size=chunk
+            self.model, variables["params"]["policy"], ids, logits_chunk_size=chunk
         )  # [2 pairs, length]
         policy = masked_sum(tokens, mask).reshape(pairs, 2)
         chosen_tokens = tokens.reshape(pairs, 2, length)[:, 0]
@@ -336,10 +336,10 @@ class DPOObjective(Objective):
         return {"loss": loss, **{k: v for k, v in metrics.items() if k != "dpo_loss"}}
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key)
+        return self.policy.preview(variables["params"]["policy"], key)
 
     def export(self, variables):
-        return self.policy.export(variables["params"])
+        return self.policy.export(variables["params"]["policy"])
 
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):

@@ -174,7 +174,7 @@ class KTOObjective(Objective):
             length = int(getattr(self.model, "max_seq_len", 8))
         params = self.policy.init_policy(key, length)
         return {
-            "params": params,
+            "params": {"policy": params},
             "reference": {"params": self.policy.init_reference(key, length, params)},
         }
 
@@ -200,7 +200,7 @@ class KTOObjective(Objective):
         # one forward pass per model scores the rows and the mismatched pairs
         both = jnp.concatenate([ids, other_ids])
         both_mask = jnp.concatenate([mask, other_mask])
-        policy = self._scores(variables["params"], both, both_mask)
+        policy = self._scores(variables["params"]["policy"], both, both_mask)
         reference = jax.lax.stop_gradient(
             self._scores(variables["reference"]["params"], both, both_mask)
         )
@@ -240,10 +240,12 @@ class KTOObjective(Objective):
         return {"loss": loss, **{k: v for k, v in metrics.items() if k != "kto_loss"}}
 
     def preview(self, variables, key):
-        return self.policy.preview(variables["params"], key, tokenizer=self.policy.tokenizer)
+        return self.policy.preview(
+            variables["params"]["policy"], key, tokenizer=self.policy.tokenizer
+        )
 
     def export(self, variables):
-        return self.policy.export(variables["params"], tokenizer=self.policy.tokenizer)
+        return self.policy.export(variables["params"]["policy"], tokenizer=self.policy.tokenizer)
 
     # ------------------------------------------------------------ bad input
     def check_batch(self, batch):

@@ -171,7 +171,7 @@ class OnlineDPOObjective(Objective):
         length = self.policy.rollout_length(spec, self.max_new_tokens)
         params = self.policy.init_policy(key, length)
         variables = {
-            "params": params,
+            "params": {"policy": params},
             "reference": {"params": self.policy.init_reference(key, length, params)},
         }
         if self.reward_model is not None:
@@ -189,7 +189,7 @@ class OnlineDPOObjective(Objective):
         rewards and the reward model's scores (compiled)."""
         rollout = sample_completions(
             self.model,
-            variables["params"],
+            variables["params"]["policy"],
             batch["prompt"],
             batch["prompt_mask"],
             key=step.key,
@@ -200,7 +200,7 @@ class OnlineDPOObjective(Objective):
             pad_id=self.pad_id,
         )
         out = dict(rollout.as_dict())
-        out["old_logps"] = self._logps(variables["params"], rollout)
+        out["old_logps"] = self._logps(variables["params"]["policy"], rollout)
         out["ref_logps"] = self._logps(variables["reference"]["params"], rollout)
         # the reader's other keys (answers) repeated per completion, for the rewards
         data = {k: repeat_rows(v, 2) for k, v in batch.items() if k not in PROMPT_KEYS}
@@ -249,7 +249,7 @@ class OnlineDPOObjective(Objective):
             completion_mask=rows(batch["completion_mask"]),
         )
         mask = rollout.completion_mask
-        logps = self._logps(variables["params"], rollout)  # [rows, new]
+        logps = self._logps(variables["params"]["policy"], rollout)  # [rows, new]
         old_logps, ref_logps = rows(batch["old_logps"]), rows(batch["ref_logps"])
         if self.debug:
             check_first_update(
@@ -290,7 +290,7 @@ class OnlineDPOObjective(Objective):
 
     def export(self, variables):
         return self.policy.export(
-            variables["params"],
+            variables["params"]["policy"],
             tokenizer=self.policy.tokenizer,
             max_new_tokens=self.max_new_tokens,
             end_ids=self.stop_ids or None,

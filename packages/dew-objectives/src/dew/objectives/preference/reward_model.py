@@ -42,7 +42,7 @@ from dew.objectives.contract import registry
 from dew.objectives.contract.batch import FLOATS, IDS, MASK, BatchField, first_row
 from dew.objectives.contract.objective import Objective, Role, Step, with_initial_values
 from dew.objectives.contract.weighted import Summed, Weighted
-from dew.objectives.cores.policy import CausalPolicy
+from dew.objectives.cores.policy import CausalPolicy, causal_policy
 from dew.objectives.preference.losses import bradley_terry_losses
 
 KEYS = ("chosen", "chosen_mask", "rejected", "rejected_mask", "prompt_mask")
@@ -157,7 +157,9 @@ class RewardModelObjective(Objective):
     @functools.cached_property
     def backbone(self) -> CausalPolicy:
         """The backbone's token checks and tokenizer."""
-        return CausalPolicy(model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer)
+        return causal_policy(
+            model=self.model, what="RewardModelObjective", tokenizer=self.tokenizer
+        )
 
     @functools.cached_property
     def reward_model(self) -> CausalRewardModel:
@@ -180,7 +182,7 @@ class RewardModelObjective(Objective):
             given = nn.unbox(self.init_params.get("params", self.init_params))
             given = {**given, "score": given.get("score", nn.unbox(params["score"]))}
             params = with_initial_values(params, given, what="RewardModelObjective init_params")
-        return {"params": params}
+        return {"params": {"reward": params}}
 
     def rewards(self, params, batch) -> jax.Array:
         """``[pairs, 2]`` rewards of the chosen (column 0) and rejected sequences."""
@@ -193,7 +195,7 @@ class RewardModelObjective(Objective):
         ).reshape(pairs, 2)
 
     def _terms(self, variables, batch):
-        rewards = self.rewards(variables["params"], batch)
+        rewards = self.rewards(variables["params"]["reward"], batch)
         rows = (
             batch["example_mask"].astype(jnp.float32)
             if "example_mask" in batch
@@ -229,7 +231,7 @@ class RewardModelObjective(Objective):
     def export(self, variables):
         return RewardScorer(
             module=self.reward_model,
-            params=variables["params"],
+            params=variables["params"]["reward"],
             tokenizer=self.backbone.tokenizer,
             max_len=int(getattr(self.model, "max_seq_len", None) or 512),
         )

@@ -358,7 +358,7 @@ class FlowGRPOObjective(Objective):
             params = with_initial_values(
                 params, self.init_params, what=f"{type(self).__name__} init_params"
             )
-        variables = {"params": params}
+        variables = {"params": {"policy": params}}
         if self.beta > 0:
             # the initial model: the same arrays (a view of the base under LoRA), or given weights
             ref = params
@@ -375,7 +375,7 @@ class FlowGRPOObjective(Objective):
     def prepare(self, variables, batch, step: Step):
         """The rollout (compiled): ``G`` SDE samples per condition with their window
         states and log-probs, the compiled rewards, each row's trained steps."""
-        params = variables["params"]
+        params = variables["params"]["policy"]
         conditions = {
             k: repeat_rows(v, self.group_size) for k, v in self.policy.conditions(batch).items()
         }
@@ -443,7 +443,7 @@ class FlowGRPOObjective(Objective):
         return self.policy.step_log_probs(params, batch)
 
     def loss(self, variables, batch, step: Step):
-        logps, mean = self.step_log_probs(variables["params"], batch)  # [rows, K]
+        logps, mean = self.step_log_probs(variables["params"]["policy"], batch)  # [rows, K]
         old = batch["old_logps"]  # [rows, W]
         if self.train_steps < self.sampler.window_steps:
             old = jnp.take_along_axis(old, batch["train_steps"], axis=1)
@@ -501,7 +501,7 @@ class FlowGRPOObjective(Objective):
         run = self.policy.compiled_ode(
             num_steps or self.eval_steps, (num, *self.policy.example_shape())
         )
-        return run(variables["params"], key, conditions)
+        return run(variables["params"]["policy"], key, conditions)
 
     def evaluate(self, variables, batch, step: Step):
         """The compiled rewards of one ODE sample per condition (host rewards are not
@@ -509,7 +509,7 @@ class FlowGRPOObjective(Objective):
         conditions = self.policy.conditions(batch)
         rows = _rows_of(batch)
         samples = self.policy.ode_samples(
-            variables["params"],
+            variables["params"]["policy"],
             conditions,
             key=step.key,
             num_steps=self.eval_steps,
@@ -540,7 +540,7 @@ class FlowGRPOObjective(Objective):
             raise NotImplementedError("export of a text-conditioned Flow-GRPO model")
         return ClassToImage(
             model=self.model,
-            params=variables["params"],
+            params=variables["params"]["policy"],
             schedule=self.schedule,
             target=self.target,
             sample_shape=self.policy.example_shape(),

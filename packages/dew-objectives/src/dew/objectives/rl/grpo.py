@@ -315,7 +315,7 @@ class GRPOObjective(Objective):
     def init(self, key, spec=None):
         length = self.policy.rollout_length(spec, self.max_new_tokens)
         params = self.policy.init_policy(key, length)
-        variables = {"params": params}
+        variables = {"params": {"policy": params}}
         if self.beta > 0:
             # the initial policy: the same arrays (under LoRA the trainer makes it a view of
             # the base, stored nowhere), or the given reference weights
@@ -330,7 +330,7 @@ class GRPOObjective(Objective):
     def prepare(self, variables, batch, step: Step):
         """Rollouts (compiled): ``G`` completions per prompt, old and reference
         log-probs, token rewards; the reader's other keys repeated per completion."""
-        params = variables["params"]
+        params = variables["params"]["policy"]
         rollout = self.rollouts.sample(params, batch, step.key)
         out = dict(rollout.as_dict())
         # in chunks of one update's rows: the loss then scores the same shapes. The policy and
@@ -398,7 +398,7 @@ class GRPOObjective(Objective):
         mask = rollout.completion_mask
         logps = rollout_logprobs(
             self.model,
-            variables["params"],
+            variables["params"]["policy"],
             rollout,
             sampling=self.sampling,
             logits_chunk_size=self.logits_chunk_size,
@@ -457,7 +457,7 @@ class GRPOObjective(Objective):
 
     def export(self, variables):
         return self.policy.export(
-            variables["params"],
+            variables["params"]["policy"],
             max_new_tokens=self.max_new_tokens,
             end_ids=self.rollouts.stop_ids or None,
         )

@@ -57,7 +57,7 @@ class Pretrained:
     pipeline_parts: pipeline fields read beside a diffusion model (a text-conditioned
       one's ``text_encoder`` and ``null_context``); None = none.
     lora: a :class:`dew.nn.lora.LoRA` when ``params`` also hold its adapters (a LoRA run's
-      ``state.variables()['params']``; a LoRA module given as ``model`` sets it):
+      ``state.params``; a LoRA module given as ``model`` sets it):
       :meth:`save` folds them into the kernels (``W + alpha/rank * A B``, the
       source's own format), :meth:`save_adapter` writes them as a PEFT directory.
       ``dataclasses.replace(pretrained, params=..., lora=lora)`` makes one from a load.
@@ -205,8 +205,8 @@ class Pretrained:
         if self.lora is None:
             raise ValueError(
                 "this Pretrained has no LoRA adapters (lora=None); pass lora= with params "
-                "that hold them, e.g. dataclasses.replace(pretrained, params=state.variables()"
-                "['params'], lora=lora)"
+                "that hold them, e.g. dataclasses.replace(pretrained, params=state.params, "
+                "lora=lora)"
             )
         if self.format == "dew":
             raise ValueError(

@@ -39,7 +39,7 @@ from sklearn.linear_model import LogisticRegression
 from dew.data import Dataset
 from dew.nn.backbones import DiT
 from dew.objectives.diffusion.images import DiffusionObjective
-from dew.objectives.rl.flow_grpo import FlowGRPOObjective, ImageReward
+from dew.objectives.rl.flow_grpo import ImageReward, from_pipeline
 from dew.sampling import FlowSchedule, FlowSDE, Pretrained, sample_grid
 from dew.sampling.diffusion_pipelines import to_pixels
 from dew.train import MeshSpec, Trainer
@@ -99,7 +99,7 @@ def digit_probability(pixels, batch):
 
 
 # 3. Flow-GRPO from the pipeline, on the null label (unconditional samples)
-objective = FlowGRPOObjective.from_pipeline(
+objective = from_pipeline(
     pipe,
     rewards=[ImageReward(fn=digit_probability, name="digit")],
     group_size=8,
@@ -115,8 +115,9 @@ data = Dataset(train=lambda p: iter(lambda: {"label": null}, None), val=None, re
 
 
 def evaluate(params, name):
-    variables = {"params": {"policy": params}}
-    samples = objective.sample(variables, jax.random.key(1), label=np.full(40, 10))
+    samples = objective.policy.sample(
+        params, jax.random.key(1), num_steps=objective.eval_steps, label=np.full(40, 10)
+    )
     pixels = to_pixels(samples)  # [40, 8, 8, 1] uint8
     reward = float(np.mean(digit_probability(jnp.asarray(pixels), None)))
     grid = sample_grid(pixels, columns=10)[..., 0]

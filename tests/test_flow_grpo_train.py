@@ -138,7 +138,7 @@ def test_ring_mode_reward_rises_threefold_with_the_first_ratio_asserted(ring_mod
     )
 
     def ode_reward(p):
-        x = objective.sample({"params": {"policy": p}}, jax.random.key(5), num=2000, num_steps=20)
+        x = objective.policy.sample(p, jax.random.key(5), num=2000, num_steps=20)
         return float(np.mean(np.linalg.norm(np.asarray(x) - CENTRES[0], axis=-1) < 0.6))
 
     before = ode_reward(params)
@@ -171,7 +171,7 @@ def test_the_default_average_follows_a_short_run(ring_model):
     assert objective.ema == EMA(decay=0.99, use_warmup=True)
 
     def ode_reward(p):
-        x = objective.sample({"params": {"policy": p}}, jax.random.key(5), num=2000, num_steps=20)
+        x = objective.policy.sample(p, jax.random.key(5), num=2000, num_steps=20)
         return float(np.mean(np.linalg.norm(np.asarray(x) - CENTRES[0], axis=-1) < 0.6))
 
     before = ode_reward(params)
@@ -275,17 +275,20 @@ def close(a, b, tol):
 def test_sizes_derive_the_per_device_rows_and_the_accumulation():
     """8 groups x 4 samples, one minibatch: ``device_rows`` per device at once."""
     objective = conditional(Brightness(), groups=CONDITIONS, device_rows=2)
-    assert objective.sizes(8) == RolloutSizes(
+    assert RolloutSizes.of(objective, 8) == RolloutSizes(
         rows=32, device_conditions=1, device_rows=4, rollout_chunk=16, update_rows=32, accumulate=2
     )
-    assert objective.sizes(1).accumulate == 16 and objective.sizes(1).rollout_chunk == 2
+    assert (
+        RolloutSizes.of(objective, 1).accumulate == 16
+        and RolloutSizes.of(objective, 1).rollout_chunk == 2
+    )
     assert Trainer(objective, optax.sgd(0.1), key=jax.random.key(0), mesh=ONE).accumulate == 16
     with pytest.raises(ValueError, match="derives accumulate=2 on this mesh"):
         Trainer(objective, optax.sgd(0.1), key=jax.random.key(0), accumulate=4)
     with pytest.raises(ValueError, match=r"device_rows=3 does not divide the 4 rows each of 8"):
-        conditional(Brightness(), groups=CONDITIONS, device_rows=3).sizes(8)
+        RolloutSizes.of(conditional(Brightness(), groups=CONDITIONS, device_rows=3), 8)
     with pytest.raises(ValueError, match="8 groups x group_size 4 do not split over 16"):
-        objective.sizes(16)
+        RolloutSizes.of(objective, 16)
     with pytest.raises(ValueError, match="needs the global group count"):
         conditional(Brightness(), device_rows=2)
     with pytest.raises(ValueError, match=r"groups=8\) got a data batch of 4 conditions"):
@@ -398,7 +401,7 @@ def test_lora_trains_only_adapters_against_the_base_with_their_ema(capsys):
     of the adapters after each update, and the run equals one device's (1e-5)."""
     base, initial, log, seen, state = lora_fit(MeshSpec(data=2, fsdp=2, tensor=2))
     assert set(state.frozen) == {"lora_base"}  # the reference is the base view
-    jax.tree.map(np.testing.assert_array_equal, state.frozen["lora_base"], base)
+    jax.tree.map(np.testing.assert_array_equal, state.frozen["lora_base"]["policy"], base)
     # the log: images per second of the prepare phase (16 images before step 1)
     assert log[0]["rollout_samples_per_second"] == pytest.approx(16 / log[0]["prepare_seconds"])
     assert re.search(r"step 1: .*, rollout [\d,.]+ samples/s", capsys.readouterr().out)

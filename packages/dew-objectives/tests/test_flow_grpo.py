@@ -93,7 +93,7 @@ def test_recomputed_log_probs_equal_the_samplers_at_rollout_rows_1_and_24(setup)
     np.testing.assert_allclose(single["old_logps"], whole["old_logps"], rtol=0, atol=1e-6)
     assert batch["latents"].shape == (ROWS, 5, 2) and batch["old_logps"].shape == (ROWS, 4)
     for o, b in ((obj, batch), (one, batch_one)):
-        logps, _ = jax.jit(o.step_log_probs)(variables["params"]["policy"], b)
+        logps, _ = jax.jit(o.policy.step_log_probs)(variables["params"]["policy"], b)
         np.testing.assert_allclose(logps, b["old_logps"], rtol=1e-6, atol=1e-6)
         assert max_ratio_deviation(logps, b["old_logps"]) <= 1e-6  # every row and step
         _, metrics = jax.jit(o.loss)(variables, b, Step(index=jnp.int32(0), key=jax.random.key(1)))
@@ -147,7 +147,7 @@ def test_bfloat16_dit_log_probs_are_float32_and_the_first_ratio_is_1():
         lambda p: p + 0.2 * jax.random.normal(jax.random.key(4), p.shape), variables
     )
     rollout, batch = prepared_batch(obj, variables)
-    logps, _ = jax.jit(obj.step_log_probs)(variables["params"]["policy"], batch)
+    logps, _ = jax.jit(obj.policy.step_log_probs)(variables["params"]["policy"], batch)
     assert rollout["old_logps"].dtype == logps.dtype == jnp.float32
     assert np.all(np.isfinite(logps)) and np.ptp(np.asarray(logps)) > 0
     assert max_ratio_deviation(logps, batch["old_logps"]) <= 1e-6
@@ -225,16 +225,18 @@ def test_loss_on_moved_weights_matches_numpy(setup, convention):
 
 
 def test_evaluation_samples_with_the_ode_at_eval_steps_not_the_rollouts_steps(setup):
-    """Rollouts take the sampler's 4 SDE steps; ``sample`` (evaluation, previews) runs
-    the ODE with ``eval_steps`` = 7 Euler steps and the same guidance: a float64 numpy
-    Euler loop over ``t = 1 .. 0`` on the network's guided velocity, from the key's
-    noise; the rollouts' 4 steps give other samples."""
+    """Rollouts take the sampler's 4 SDE steps; ``policy.sample`` (evaluation and
+    previews, with ``eval_steps`` = 7) runs the ODE in 7 Euler steps and the same
+    guidance: a float64 numpy Euler loop over ``t = 1 .. 0`` on the network's guided
+    velocity, from the key's noise; the rollouts' 4 steps give other samples."""
     _, variables = setup
     obj = objective(eval_steps=7)
     assert obj.sampler.num_steps == 4
     labels = np.asarray([0, 1, 2, 1], np.int32)
     key = jax.random.key(11)
-    got = np.asarray(obj.sample(variables, key, label=labels), np.float64)
+    params = variables["params"]["policy"]
+    got = obj.policy.sample(params, key, label=labels, num_steps=obj.eval_steps)
+    got = np.asarray(got, np.float64)
 
     def velocity(x, t):
         def net(lbl):
@@ -254,7 +256,7 @@ def test_evaluation_samples_with_the_ode_at_eval_steps_not_the_rollouts_steps(se
     for t, t_next in zip(times[:-1], times[1:], strict=True):
         x = x + (t_next - t) * velocity(x, t)
     np.testing.assert_allclose(got, x, rtol=1e-4, atol=1e-5)
-    fewer = np.asarray(obj.sample(variables, key, label=labels, num_steps=4))
+    fewer = np.asarray(obj.policy.sample(params, key, label=labels, num_steps=4))
     assert np.abs(fewer - got).max() > 1e-3
     with pytest.raises(ValueError, match="eval_steps must be >= 1, got 0"):
         objective(eval_steps=0)
@@ -265,7 +267,7 @@ def test_timestep_fraction_draws_a_subset_per_row(setup):
     obj = objective(timestep_fraction=0.5)
     _, batch = prepared_batch(obj, variables)
     steps = np.asarray(batch["train_steps"])
-    assert obj.train_steps == 2 and steps.shape == (ROWS, 2)
+    assert obj.policy.train_steps == 2 and steps.shape == (ROWS, 2)
     assert all(len(set(r)) == 2 and set(r) <= {0, 1, 2, 3} for r in steps.tolist())
     assert len({tuple(r) for r in steps.tolist()}) > 1  # rows draw their own subsets
 

@@ -41,7 +41,7 @@ same guidance, clipping and float32 step math), so the first update's ratio is 1
 
 **Sizes.** The recipe states the global group count (``groups``, the data batch ``B``)
 and ``group_size``, and, for memory, ``device_rows``: the samples one device computes
-at once. Dew derives the rest from the mesh (:meth:`FlowGRPOObjective.sizes`): the
+at once. Dew derives the rest from the mesh (``RolloutSizes.of(objective, D)``): the
 rollout is ``B * G`` rows, ``B / D`` conditions and ``B G / D`` samples per device on
 ``D`` data-parallel devices, sampled in chunks of ``device_rows`` per device;
 ``prepared_updates.minibatches`` updates split it, and each update of ``U`` rows is
@@ -98,7 +98,7 @@ from dew.objectives.cores.rollouts import (
     traced_data_parallel,
 )
 from dew.objectives.rl.flow_policy import CONDITION_KEYS, KL_CONVENTIONS, FlowPolicy
-from dew.objectives.rl.flow_sizes import RolloutSizes, rollout_sizes
+from dew.objectives.rl.flow_sizes import RolloutSizes
 from dew.sampling import FlowSDE, sample_flow_sde
 from dew.sampling.diffusion.pipelines import ClassToImage, sample_grid, to_pixels
 from dew.sampling.diffusion.samplers import check_target_for
@@ -113,7 +113,7 @@ more units in the last place than a token's log-softmax does (1.03e-6 seen on a
 2 x 2 x 2 mesh under LoRA); a reconstruction bug (another guidance scale, time step,
 clipping or noise level) is off by a fraction of the log-prob itself."""
 
-__all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward", "RolloutSizes"]
+__all__ = ["FlowGRPOObjective", "HostImageReward", "ImageReward", "RolloutSizes", "from_pipeline"]
 
 
 # -------------------------------------------------------------------- objective
@@ -268,22 +268,6 @@ class FlowGRPOObjective(Objective):
     def reward_set(self) -> ImageRewards:
         return ImageRewards.of(self.rewards)
 
-    @classmethod
-    def from_pipeline(cls, pipeline, **options) -> FlowGRPOObjective:
-        """Start from a trained flow pipeline (``ClassToImage``: a diffusion run's
-        ``objective.inference_task(state)`` or a ``Pretrained`` load): its model, weights,
-        schedule, target, guidance, clipping and sample shape; ``options`` the rest."""
-        fields = dict(
-            model=pipeline.model,
-            init_params=pipeline.params,
-            schedule=pipeline.schedule,
-            target=pipeline.target,
-            guidance=pipeline.guidance,
-            clip_denoised=pipeline.clip_denoised,
-            sample_shape=tuple(pipeline.sample_shape),
-        )
-        return cls(**{**fields, **options})
-
     @functools.cached_property
     def policy(self) -> FlowPolicy:
         """The denoiser as a stochastic policy: its one denoiser, the SDE steps'
@@ -303,33 +287,12 @@ class FlowGRPOObjective(Objective):
             context_features=context_features,
         )
 
-    # ------------------------------------------------------------------ facts
-    def sizes(self, data_parallel: int) -> RolloutSizes:
-        """The per-device sizes and the accumulation on ``data_parallel`` devices (the
-        mesh's data and fsdp axes), from ``groups``, ``group_size``, the updates'
-        minibatches and ``device_rows``; a ValueError when a split does not divide
-        (:func:`dew.objectives.rl.flow_sizes.rollout_sizes`)."""
-        return rollout_sizes(
-            data_parallel,
-            groups=self.groups,
-            group_size=self.group_size,
-            minibatches=self.prepared_updates.minibatches,
-            device_rows=self.device_rows,
-            rollout_rows=self.rollout_rows,
-            what=type(self).__name__,
-        )
-
     def accumulate_for(self, data_parallel: int) -> int | None:
-        """The trainer's accumulation on ``data_parallel`` devices (:meth:`sizes`), or
+        """The trainer's accumulation on ``data_parallel`` devices (``RolloutSizes.of``), or
         None without ``device_rows`` (the trainer's own ``accumulate`` applies)."""
         if self.device_rows is None:
             return None
-        return self.sizes(data_parallel).accumulate
-
-    @property
-    def train_steps(self) -> int:
-        """``K``: stochastic steps trained per row."""
-        return self.policy.train_steps
+        return RolloutSizes.of(self, data_parallel).accumulate
 
     def roles(self):
         roles = [Role(name="policy", module=self.model)]
@@ -401,7 +364,7 @@ class FlowGRPOObjective(Objective):
             chunk = self.device_rows * traced_data_parallel()
         out = in_chunks(rollout, {"index": index, **conditions}, chunk)
         out = jax.lax.stop_gradient(out)
-        window, k = self.sampler.window_steps, self.train_steps
+        window, k = self.sampler.window_steps, self.policy.train_steps
         if k == window:
             chosen = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (rows, k))
         else:  # a subset of steps per row, drawn from the row's own key
@@ -437,15 +400,10 @@ class FlowGRPOObjective(Objective):
         return out
 
     # ------------------------------------------------------------------- loss
-    def step_log_probs(self, params, batch):
-        """``(log_probs [rows, K], means [rows * K, ...])`` of the stored transitions at
-        the rows' trained steps under ``params`` (:meth:`FlowPolicy.step_log_probs`)."""
-        return self.policy.step_log_probs(params, batch)
-
     def loss(self, variables, batch, step: Step):
-        logps, mean = self.step_log_probs(variables["params"]["policy"], batch)  # [rows, K]
+        logps, mean = self.policy.step_log_probs(variables["params"]["policy"], batch)  # [rows, K]
         old = batch["old_logps"]  # [rows, W]
-        if self.train_steps < self.sampler.window_steps:
+        if self.policy.train_steps < self.sampler.window_steps:
             old = jnp.take_along_axis(old, batch["train_steps"], axis=1)
         advantages = jnp.clip(batch["advantages"], -self.advantage_clip, self.advantage_clip)
         upper = self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -465,7 +423,7 @@ class FlowGRPOObjective(Objective):
         metrics = {}
         if self.beta > 0:
             ref = jax.lax.stop_gradient(variables["reference"]["params"])
-            _, ref_mean = self.step_log_probs(ref, batch)
+            _, ref_mean = self.policy.step_log_probs(ref, batch)
             kl = self.policy.step_kl(
                 mean, jax.lax.stop_gradient(ref_mean), self.policy.trained_steps(batch)
             )
@@ -489,20 +447,6 @@ class FlowGRPOObjective(Objective):
         return Weighted.mean(per_step), metrics
 
     # ------------------------------------------------------------- evaluation
-    def sample(self, variables, key, *, label=None, num=None, num_steps=None, initial=None):
-        """ODE samples ``[num, *shape]`` float32 (``FlowEuler``, ``eval_steps``, the same
-        guidance); ``label`` ``[num]`` for a class-conditional model."""
-        conditions = {} if label is None else {"label": jnp.asarray(label, jnp.int32)}
-        if self.policy.num_classes and label is None:
-            raise ValueError(
-                f"the model is class-conditional ({self.policy.num_classes}); pass label="
-            )
-        num = len(label) if label is not None else num
-        run = self.policy.compiled_ode(
-            num_steps or self.eval_steps, (num, *self.policy.example_shape())
-        )
-        return run(variables["params"]["policy"], key, conditions)
-
     def evaluate(self, variables, batch, step: Step):
         """The compiled rewards of one ODE sample per condition (host rewards are not
         evaluated): ``reward`` (their weighted sum) and ``reward/<name>``."""
@@ -531,7 +475,13 @@ class FlowGRPOObjective(Objective):
         label = None
         if self.policy.num_classes:
             label = np.arange(self.preview_count) % self.policy.num_classes
-        samples = self.sample(variables, key, label=label, num=self.preview_count)
+        samples = self.policy.sample(
+            variables["params"]["policy"],
+            key,
+            num_steps=self.eval_steps,
+            label=label,
+            num=self.preview_count,
+        )
         return sample_grid(to_pixels(samples))
 
     def export(self, variables):
@@ -581,6 +531,23 @@ class FlowGRPOObjective(Objective):
                 )
         if self.policy.context_features and "context" not in batch:
             raise KeyError(f"{what}: the model reads text contexts; the batch needs 'context'")
+
+
+def from_pipeline(pipeline, **options) -> FlowGRPOObjective:
+    """A :class:`FlowGRPOObjective` that starts from a trained flow pipeline
+    (``ClassToImage``: a diffusion run's ``objective.inference_task(state)`` or a
+    ``Pretrained`` load): its model, weights, schedule, target, guidance, clipping and
+    sample shape; ``options`` the rest (``rewards=`` at least)."""
+    fields = dict(
+        model=pipeline.model,
+        init_params=pipeline.params,
+        schedule=pipeline.schedule,
+        target=pipeline.target,
+        guidance=pipeline.guidance,
+        clip_denoised=pipeline.clip_denoised,
+        sample_shape=tuple(pipeline.sample_shape),
+    )
+    return FlowGRPOObjective(**{**fields, **options})
 
 
 def _rows_of(batch) -> int:

@@ -160,6 +160,17 @@ class FlowPolicy:
             shape=shape,
         )
 
+    def sample(self, params, key, *, num_steps: int, label=None, num=None):
+        """ODE samples ``[num, *shape]`` float32 (``FlowEuler`` in ``num_steps``, the
+        same guidance; the objective's ``eval_steps`` in its evaluation and previews);
+        ``label`` ``[num]`` for a class-conditional model."""
+        conditions = {} if label is None else {"label": jnp.asarray(label, jnp.int32)}
+        if self.num_classes and label is None:
+            raise ValueError(f"the model is class-conditional ({self.num_classes}); pass label=")
+        num = len(label) if label is not None else num
+        run = self.compiled_ode(num_steps, (num, *self.example_shape()))
+        return run(params, key, conditions)
+
     @functools.lru_cache(maxsize=16)  # noqa: B019 - one compiled ODE sampler per shape
     def compiled_ode(self, steps: int, shape):
         """The jitted ``run(params, key, conditions)`` of :meth:`ode_samples`."""

@@ -20,6 +20,22 @@ class RolloutSizes(NamedTuple):
     update_rows: int  # rows of one update (rows / minibatches)
     accumulate: int  # microbatches of an update
 
+    @classmethod
+    def of(cls, objective, data_parallel: int) -> RolloutSizes:
+        """A Flow-GRPO objective's sizes on ``data_parallel`` devices (the mesh's data
+        and fsdp axes), from its ``groups``, ``group_size``, updates' minibatches,
+        ``device_rows`` and ``rollout_rows``; a ValueError when a split does not divide
+        (:func:`rollout_sizes`)."""
+        return rollout_sizes(
+            data_parallel,
+            groups=objective.groups,
+            group_size=objective.group_size,
+            minibatches=objective.prepared_updates.minibatches,
+            device_rows=objective.device_rows,
+            rollout_rows=objective.rollout_rows,
+            what=type(objective).__name__,
+        )
+
 
 def rollout_sizes(
     data_parallel: int,
@@ -36,7 +52,7 @@ def rollout_sizes(
     ``minibatches``, ``device_rows`` a device at once (None = all its rows of an
     update); a ValueError naming ``what`` when a split does not divide."""
     if groups is None:
-        raise ValueError(f"{what}.sizes needs groups= (the global group count)")
+        raise ValueError(f"{what}'s rollout sizes need groups= (the global group count)")
     dp, rows = int(data_parallel), groups * group_size
     made = f"{groups} groups x group_size {group_size}"
     if groups % dp:

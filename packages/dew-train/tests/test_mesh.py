@@ -184,8 +184,8 @@ def test_state_is_created_sharded_by_a_jit_with_out_shardings(monkeypatch):
     expected = {p: NamedSharding(device_mesh, json_to_spec(s)) for p, s in golden.items()}
     trees = {
         "params": state.params,
-        "mu": state.opt_state[0].mu,
-        "nu": state.opt_state[0].nu,
+        "mu": state.opt_state[0].mu["policy"],  # the optimizer state is keyed by role
+        "nu": state.opt_state[0].nu["policy"],
         "averaged": state.averaged,
     }
     for tree_name, tree in trees.items():

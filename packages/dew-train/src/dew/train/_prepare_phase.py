@@ -10,11 +10,12 @@ the prepared minibatch ``fit`` runs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
 
+from dew.train._compiled import Compiled
 from dew.train.goodput import Goodput
 from dew.train.placement import (
     abstract_batch,
@@ -26,8 +27,8 @@ from dew.train.placement import (
 )
 from dew.train.step import build_prepare, build_prepare_finish
 
-if TYPE_CHECKING:
-    from dew.train._programs import Compiled, Programs
+# a dew.train._programs.Programs: not imported, that module imports this one
+Programs = Any
 
 
 def prepared(programs: Programs, state, batch, shardings, goodput: Goodput):
@@ -67,8 +68,6 @@ def compiled_prepare(
 ) -> Compiled:
     """The compiled ``part`` (``"prepare"`` or ``"finish"``) of the prepare
     phase for ``batch``'s layout (arrays or ``ShapeDtypeStruct`` with shardings)."""
-    from dew.train._programs import Compiled
-
     key = (part, layout(batch))
     cache = programs.cache.prepare
     if key not in cache:

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -29,6 +29,7 @@ from dew.data import Partition
 from dew.objectives import Objective, Role, Step
 from dew.objectives import check_roles as _check_roles
 from dew.objectives.contract import weighted as wt
+from dew.train._compiled import Compiled
 from dew.train._prepare_phase import prepared
 from dew.train._roles import (
     averaged_roles,
@@ -57,8 +58,8 @@ from dew.train.mesh import (
     optimizer_specs,
     unbox_abstract,
 )
-from dew.train.model_flops import ModelFlops, step_model_flops
-from dew.train.packing import Packing, packed_step
+from dew.train.model_flops import step_model_flops
+from dew.train.packing import packed_step
 from dew.train.placement import (
     compile_with_flops,
     layout,
@@ -81,33 +82,6 @@ the random initialisers' kernels 1.3-2.8 s faster at the seed and medium LM size
 0.10.2 and 0.12.0.1; docs/performance.md), with the same values bit for bit
 (dew-train's tests/test_startup.py); the program runs once, so its own speed does not
 matter. O0 compiles faster still but changes the values' last bits."""
-
-
-class Compiled(NamedTuple):
-    """One compiled program and what was read off it when it was compiled.
-
-    program: the ``jax.stages.Compiled``.
-    flops: matrix-product FLOPs of one call (:func:`dew.train.throughput.program_flops`),
-      recomputation included.
-    packing: how the update step packs its metrics (:mod:`dew.train.packing`);
-      None for the other programs.
-    peak_bytes: what one device holds at the program's peak
-      (:func:`dew.train.memory.peak_bytes`); the update step only, 0 for the others.
-    model_flops: the update step's model FLOPs as MaxText counts them
-      (:mod:`dew.train.model_flops`); None for the other programs, or when they
-      could not be counted (the MFU then divides ``flops``).
-    """
-
-    program: Any
-    flops: float
-    packing: Packing | None = None
-    peak_bytes: int = 0
-    model_flops: ModelFlops | None = None
-
-    @property
-    def mfu_flops(self) -> float:
-        """The FLOPs the MFU divides: the model FLOPs when counted, else ``flops``."""
-        return self.model_flops.flops if self.model_flops is not None else self.flops
 
 
 @dataclasses.dataclass

@@ -106,6 +106,9 @@ def test_each_process_reads_only_its_row_groups(repository, monkeypatch):
         dataset.train(Partition(1, 2)).set_state(state)
 
 
+PROXY_POOLS = []
+
+
 def test_only_the_current_row_group_is_held(tmp_path):
     """pyarrow's peak allocation while streaming two epochs (a proxy of its memory pool,
     transient buffers included) stays at a few row groups of the text column, a small
@@ -118,11 +121,15 @@ def test_only_the_current_row_group_is_held(tmp_path):
     group = 8 * len(text)  # one row group of the text column
     default = pa.default_memory_pool()
     proxy = pa.proxy_memory_pool(default)
+    # kept for the process: buffers allocated through it may be freed after the test
+    # (a freed pool there crashes the next allocation's free)
+    PROXY_POOLS.append(proxy)
     pa.set_memory_pool(proxy)
     try:
         iterator = ParquetStream(tmp_path, seq_len=1000).load(batch=1).train(Partition())
         for _ in range(2 * corpus // 1000):  # two epochs
             next(iterator)
+        del iterator
     finally:
         pa.set_memory_pool(default)
     # a group is read through the pool (the measure sees it); a row group of the other

@@ -111,6 +111,7 @@ def test_non_finite_step_changes_nothing_but_the_step_counter():
     state, _ = step(fresh_state(objective, optimizer), batch_at(0))
     after, metrics = step(state, batch_at(1, poison=True))
     assert float(metrics["accepted"]) == 0.0
+    assert float(metrics["update_norm"].total) == 0.0  # the rejected update's norm is NaN
     for field in ("params", "opt_state", "averaged"):
         for a, b in zip(
             jax.tree.leaves(getattr(after, field)), jax.tree.leaves(getattr(state, field))
@@ -120,6 +121,25 @@ def test_non_finite_step_changes_nothing_but_the_step_counter():
     again, metrics = step(after, batch_at(2))
     assert float(metrics["accepted"]) == 1.0
     assert (int(again.step), int(again.microstep), int(again.updates)) == (3, 4, 2)
+
+
+def test_a_rejected_step_keeps_typed_keys_in_the_optimizer_state():
+    def init(params):
+        return {"key": jax.random.key(3), "count": jnp.int32(0)}
+
+    def update(updates, state, params=None):
+        return updates, {"key": jax.random.split(state["key"])[0], "count": state["count"] + 1}
+
+    optimizer = optax.chain(optax.GradientTransformation(init, update), optax.sgd(0.1))
+    objective = Linear()
+    step = jax.jit(build_train_step(objective, optimizer))
+    state = fresh_state(objective, optimizer)
+    rejected, _ = step(state, batch_at(1, poison=True))
+    accepted, _ = step(state, batch_at(1))
+    data = [jax.random.key_data(s.opt_state[0]["key"]) for s in (state, rejected, accepted)]
+    np.testing.assert_array_equal(data[1], data[0])
+    assert not np.array_equal(data[2], data[0])
+    assert int(rejected.opt_state[0]["count"]) == 0 and int(accepted.opt_state[0]["count"]) == 1
 
 
 @pytest.mark.parametrize(

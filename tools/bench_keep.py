@@ -50,7 +50,8 @@ BENCHES = {
     "diffusion": ["bench_diffusion.py", "--parts", "train", "loop", "--repeats", "3"],
     "jepa": ["bench_jepa.py", "--parts", "train", "--repeats", "3"],
 }
-NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?%?")
+# a number, thousands grouped with commas or not ("52,565.5" is one number)
+NUMBER = re.compile(r"(?<![\w.,])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+)?%?")
 
 
 def tree_env(tree: pathlib.Path) -> dict[str, str]:
@@ -91,7 +92,7 @@ def shape(line: str) -> str:
 
 
 def numbers(line: str) -> list[float]:
-    return [float(m.rstrip("%")) for m in NUMBER.findall(line)]
+    return [float(m.rstrip("%").replace(",", "")) for m in NUMBER.findall(line)]
 
 
 def merge(before: list[str], after: list[str]) -> list[str]:

@@ -20,6 +20,7 @@ import gzip
 import itertools
 import json
 import os
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -66,12 +67,16 @@ def summarize(trace_dir: str, name: str, steps: int) -> None:
     threads = defaultdict(float)
     ops = defaultdict(lambda: [0.0, 0])
     span = [float("inf"), 0.0]
+    cats, longs = defaultdict(float), {}
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in dev:
             continue
         tn = tnames.get((e["pid"], e.get("tid")), str(e.get("tid")))
         threads[tn] += e.get("dur", 0)
         if "Ops" in tn:
+            args = e.get("args") or {}
+            cats[str(args.get("hlo_category", args.get("category", "?")))] += e.get("dur", 0)
+            longs.setdefault(e["name"], str(args.get("long_name", "")))
             o = ops[e["name"]]
             o[0] += e.get("dur", 0)
             o[1] += 1
@@ -95,8 +100,11 @@ def summarize(trace_dir: str, name: str, steps: int) -> None:
         print(f"   module {mods[-1][2][:60]} {mods[-1][1] / 1e3:.2f} ms", flush=True)
     total = sum(v[0] for v in ops.values())
     print(f"   ops total {total / 1e3 / steps:.2f} ms/step", flush=True)
+    for c, d in sorted(cats.items(), key=lambda x: -x[1]):
+        print(f"   category {c}: {d / 1e3 / steps:.2f} ms/step", flush=True)
     for k, (d, n) in sorted(ops.items(), key=lambda x: -x[1][0])[:45]:
-        print(f"   {d / 1e3 / steps:8.3f} ms  x{n // steps:<4d} {k[:110]}", flush=True)
+        print(f"   {d / 1e3 / steps:8.3f} ms  x{n // steps:<4d} {k[:60]}  {longs.get(k, '')[:150]}",
+              flush=True)  # fmt: skip
 
 
 def params_of(model):
@@ -157,6 +165,7 @@ def hand(name, guard="none", **kw):
     print(json.dumps(dict(name=name, step_ms=dt * 1e3, temp_gib=m.temp_size_in_bytes / 2**30,
                           compile_s=ct)), flush=True)  # fmt: skip
     d = f"{OUT}/trace_{name}"
+    shutil.rmtree(d, ignore_errors=True)  # a trace of an earlier run would be read
     jax.profiler.start_trace(d, create_perfetto_trace=True)
     for i in range(5):
         p, o, loss = c(p, o, batches[i % 4])
@@ -173,6 +182,7 @@ def fit(name, **kw):
                    records=4 * B, batch=B)  # fmt: skip
     trainer = Trainer(objective, optax.adamw(3e-4), key=jax.random.key(0), progress=False)
     d = f"{OUT}/trace_{name}"
+    shutil.rmtree(d, ignore_errors=True)
     marks = {}
 
     def hook(info):

@@ -8,7 +8,9 @@ Sides (``--side``):
           can do with a fused attention);
   dew     the same network as ``models.build("causal_transformer", ...)`` through
           ``Trainer.fit`` with its defaults (``attention_kernel='auto'``: splash on a
-          TPU), ``--remat`` naming a remat policy on every side that has one.
+          TPU), ``--remat`` naming a remat policy on every side that has one (with
+          ``none``, Dew's default: ``"minimal"`` for the scanned stack on a TPU);
+  dew_loop (suites only) the same with ``--stack loop`` (``use_scan=False``).
 
 bf16 compute, float32 master weights and AdamW state (``--param-dtype bfloat16`` for
 bf16 weights and state); tokens/s over steps 2..N; MFU as MaxText counts it (the
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -110,7 +113,8 @@ def run_dew(
         "causal_transformer", vocab_size=s["vocab"], emb_features=s["emb"],
         num_layers=s["layers"], num_heads=s["heads"], mlp_features=s["mlp"],
         max_seq_len=s["seq"], dtype=jnp.bfloat16, param_dtype=jnp.dtype(param_dtype),
-        attention_kernel=kernel, remat_policy=remat, use_scan=stack != "loop",
+        attention_kernel=kernel, remat_policy={"none": None, "off": "none"}.get(remat, remat),
+        use_scan=stack != "loop",
         unroll_layers={"scan": False, "straight": True}.get(stack), **style,
     )  # fmt: skip
     objective = LMObjective(model=model, seq_len=s["seq"])
@@ -282,15 +286,15 @@ def one(a) -> dict:
 
 # (label, seq, batch, remat, sides): the table and seq 4096
 TABLE = [
-    ("seq 1024, batch 4", 1024, 4, "none", ("hand", "splash", "dew")),
-    ("seq 1024, batch 8", 1024, 8, "none", ("hand", "splash", "dew")),
-    ("seq 1024, batch 16", 1024, 16, "none", ("hand", "splash", "dew")),
-    ("seq 1024, batch 8, remat full", 1024, 8, "full", ("splash", "dew")),
-    ("seq 1024, batch 16, remat full", 1024, 16, "full", ("hand", "splash", "dew")),
-    ("seq 2048, batch 4, remat full", 2048, 4, "full", ("splash", "dew")),
-    ("seq 2048, batch 4", 2048, 4, "none", ("hand", "splash", "dew")),
-    ("seq 4096, batch 2", 4096, 2, "none", ("hand", "splash", "dew")),
-    ("seq 4096, batch 4, remat full", 4096, 4, "full", ("splash", "dew")),
+    ("seq 1024, batch 4", 1024, 4, "none", ("hand", "splash", "dew", "dew_loop")),
+    ("seq 1024, batch 8", 1024, 8, "none", ("hand", "splash", "dew", "dew_loop")),
+    ("seq 1024, batch 16", 1024, 16, "none", ("hand", "splash", "dew", "dew_loop")),
+    ("seq 1024, batch 8, remat full", 1024, 8, "full", ("splash", "dew", "dew_loop")),
+    ("seq 1024, batch 16, remat full", 1024, 16, "full", ("hand", "splash", "dew", "dew_loop")),
+    ("seq 2048, batch 4, remat full", 2048, 4, "full", ("splash", "dew", "dew_loop")),
+    ("seq 2048, batch 4", 2048, 4, "none", ("hand", "splash", "dew", "dew_loop")),
+    ("seq 4096, batch 2", 4096, 2, "none", ("hand", "splash", "dew", "dew_loop")),
+    ("seq 4096, batch 4, remat full", 4096, 4, "full", ("splash", "dew", "dew_loop")),
 ]
 SUITES = {
     "table": [("gpt2", *row) for row in TABLE],
@@ -309,12 +313,18 @@ def suite(name: str, steps: int, out: str | None, only: set[str] | None) -> None
         for side in sides:
             if only and side not in only:
                 continue
-            cmd = [sys.executable, __file__, "--side", side, "--model", model, "--seq", str(seq),
-                   "--batch", str(batch), "--remat", remat, "--steps", str(steps)]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            res = json.loads(line[-1][7:]) if line else dict(side=side, error=proc.stderr[-800:])
-            res["label"] = label
+            cmd = [sys.executable, __file__, "--side", side.split("_")[0], "--model", model,
+                   "--seq", str(seq), "--batch", str(batch), "--remat", remat, "--steps",
+                   str(steps)]  # fmt: skip
+            if side == "dew_loop":  # Dew's model as a loop of blocks (use_scan=False)
+                cmd += ["--stack", "loop", "--no-plan"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # killed at a time limit: end the running side too, so the chip is free
+            signal.signal(signal.SIGTERM, lambda *_, proc=proc: (proc.kill(), sys.exit(143)))
+            stdout, stderr = proc.communicate()
+            line = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+            res = json.loads(line[-1][7:]) if line else dict(side=side, error=stderr[-800:])
+            res["label"], res["side"] = label, side
             results.append(res)
             print("RESULT " + json.dumps(res), flush=True)
             if out:
@@ -332,8 +342,9 @@ def print_table(results: list[dict]) -> None:
         return (f"{r['tokens_per_s'] / 1e3:.1f}k ({100 * r['mfu']:.1f}%), temp "
                 f"{r['temp_gib']:.2f} GiB")  # fmt: skip
 
-    print("\n| setting | hand (XLA attention) | splash | Dew fit | Dew / splash | Dew / hand |")
-    print("|---|---|---|---|---|---|")
+    print("\n| setting | hand (XLA attention) | splash | Dew fit | Dew / splash | Dew / hand | "
+          "Dew fit, use_scan=False | its / splash |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     labels = list(dict.fromkeys(r["label"] for r in results))
     for label in labels:
         by = {r["side"]: r for r in results if r["label"] == label}
@@ -344,7 +355,8 @@ def print_table(results: list[dict]) -> None:
         )
         print(
             f"| {label} | {cell(by.get('hand'))} | {cell(by.get('splash'))} | "
-            f"{cell(by.get('dew'))} | {ratio('dew', 'splash')} | {ratio('dew', 'hand')} |"
+            f"{cell(by.get('dew'))} | {ratio('dew', 'splash')} | {ratio('dew', 'hand')} | "
+            f"{cell(by.get('dew_loop'))} | {ratio('dew_loop', 'splash')} |"
         )
 
 
@@ -360,7 +372,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--remat", default="none", help="none, full or minimal (Dew: any name)")
+    p.add_argument("--remat", default="none", help="none, full or minimal (Dew: any name; "
+                   "none = Dew's default, off = remat_policy='none')")  # fmt: skip
     p.add_argument("--kernel", default="auto", help="Dew's attention_kernel")
     p.add_argument("--param-dtype", default="float32")
     p.add_argument(

@@ -9,6 +9,7 @@ same model through ``Trainer.fit``; the stack ``loop`` (``use_scan=False``), ``s
 (``unroll_layers=False``: one compiled loop, the default), ``straight`` (the scanned
 parameters run layer after layer), ``unrolled`` (``nn.scan`` unrolled ``num_layers``
 times); a ``hand_*`` run takes a guard suffix (``hand_loop_cond``, see :func:`hand`);
+a run may name a remat policy after ``@`` (``hand_scan@minimal_with_context``);
 ``norms`` times ways of taking the global norm of the parameter tree. Prints, per
 run, the step time, the device's idle time between steps and the operations that
 take the most time per step; traces and the hand step's compiled HLO go to ``$OUT``
@@ -235,8 +236,12 @@ for w in which:
     if w == "norms":
         norms()
         continue
+    w, _, policy = w.partition("@")
     kind, stack, *guard = w.split("_", 2)
     kw = dict(use_scan=stack != "loop")
+    if policy:
+        kw["remat_policy"] = policy
+        w = f"{w}-{policy}"
     if guard:
         kw["guard"] = guard[0]
     if stack in ("scan", "straight"):

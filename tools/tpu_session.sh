@@ -23,6 +23,7 @@ run() {  # run NAME MAX_SECONDS COMMAND...
   if [ "$left" -lt 30 ]; then echo "skip $name (budget)" >> "$OUT/summary.txt"; return; fi
   [ "$max" -gt "$left" ] && max=$left
   t=$(date +%s)
+  rm -f /tmp/libtpu_lockfile  # a run killed at its timeout leaves the chip locked
   OUT=/tmp/p timeout "$max" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t ))s" >> "$OUT/summary.txt"
 }
@@ -30,7 +31,8 @@ B="python -u tools/bench_tpu.py --steps 20"
 case $PART in
   table-hand | table-splash | table-dew)
     side=${PART#table-}
-    run "$side" 600 $B --suite table --only "$side" --out "$OUT/$side.jsonl" ;;
+    [ "$side" = dew ] && side=dew,dew_loop
+    run "${side%%,*}" 600 $B --suite table --only "$side" --out "$OUT/${side%%,*}.jsonl" ;;
   families)
     run dpo 150 python -u tools/bench_dpo.py --size small --steps 30 --repeats 2
     run grpo 150 python -u tools/bench_grpo.py --size small --iterations 6 --repeats 2

@@ -203,3 +203,44 @@ def test_bad_stacks_are_refused():
         LayerStack(num_layers=3, num_stages=2)
     with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
         LayerStack(num_layers=0)
+
+
+def test_a_scanned_stack_on_a_tpu_keeps_the_projections_by_default(monkeypatch):
+    """The policy a stack that names none runs: ``'none'`` on this backend; on a
+    TPU (the backend's name patched) ``'minimal'`` for the compiled loop alone, the
+    named policies and ``use_remat`` unchanged. The causal transformer's defaults
+    then trace a remat whose gradients equal no remat's, and cached decoding (the
+    cache threaded through the rematted scan) gives the logits of the plain stack."""
+    from dew.nn import models
+    from dew.nn import stack as stack_module
+
+    assert LayerStack(num_layers=2).remat_name == "none"
+    monkeypatch.setattr(stack_module, "_backend", lambda: "tpu")
+    assert LayerStack(num_layers=2).remat_name == "minimal"
+    assert LayerStack(num_layers=2).is_remat
+    for kw, name in [(dict(use_scan=False), "none"), (dict(remat_policy="none"), "none"),
+                     (dict(use_remat=True), "full"), (dict(straight=True), "none"),
+                     (dict(num_stages=2), "none"), (dict(remat_policy="save_qkv_proj"),
+                                                    "save_qkv_proj")]:  # fmt: skip
+        assert LayerStack(num_layers=2, **kw).remat_name == name, kw
+
+    kw = dict(vocab_size=32, emb_features=16, num_layers=2, num_heads=4, mlp_features=32,
+              max_seq_len=12, unroll_layers=False)  # fmt: skip
+    default = models.build("causal_transformer", **kw)
+    plain = models.build("causal_transformer", **kw, remat_policy="none")
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, 32)
+    params = nn.unbox(plain.init(jax.random.key(4), tokens))
+
+    def loss(p, model):
+        return jnp.mean(model.apply(p, tokens).astype(jnp.float32) ** 2)
+
+    assert "remat" in str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, default))
+    assert "remat" not in str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, plain))
+    ga, gb = (jax.grad(loss)(params, m) for m in (plain, default))
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-7), ga, gb)
+    empty = jnp.zeros((2, 12), jnp.int32)
+    decoded = []
+    for m in (plain, default):
+        _, cache = m.apply(params, empty, decode=True, mutable=["cache"])
+        decoded.append(m.apply({**params, **cache}, tokens, decode=True, mutable=["cache"])[0])
+    np.testing.assert_allclose(decoded[1], decoded[0], rtol=1e-6, atol=1e-6)

@@ -118,7 +118,11 @@ def hand(name, guard="none", **kw):
     loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
     under ``lax.cond``), ``select`` (the same predicate, a select per leaf), ``loss``
     (the loss's finiteness alone, a select per leaf fused into the update; the
-    gradient norm still computed), ``loss_nonorm`` (the same without the norm)."""
+    gradient norm still computed), ``loss_nonorm`` (the same without the norm);
+    ``select_unorm`` (``select`` and the updates' norm, as ``fit`` logs it: under
+    ``lax.cond`` on a traced flag, so the updates are a buffer of their own) and
+    ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
+    update)."""
     from dew.train.step import tree_norm
 
     model = models.build("causal_transformer", **S, **kw)
@@ -130,16 +134,23 @@ def hand(name, guard="none", **kw):
         logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
 
-    def step(p, o, t):
+    from dew.train.step import update_norm_if
+
+    def step(p, o, t, logged):
         loss, g = jax.value_and_grad(loss_fn)(p, t)
         if guard == "none":
             u, o = opt.update(g, o, p)
             return optax.apply_updates(p, u), o, loss
         norm = tree_norm(g, fused=True) if guard != "loss_nonorm" else jnp.zeros(())
-        ok = jnp.isfinite(loss) & (jnp.isfinite(norm) if guard in ("cond", "select") else True)
+        ok = jnp.isfinite(loss) & (jnp.isfinite(norm) if guard.startswith(("cond", "select"))
+                                   else True)  # fmt: skip
 
         def apply(po):
             u, o2 = opt.update(g, po[1], po[0])
+            if guard.startswith("select_unorm"):
+                fused = guard.endswith("fused")
+                unorm = tree_norm(u) * logged if fused else update_norm_if(logged, u)
+                apply.unorm = jnp.where(ok, unorm, 0.0)
             return optax.apply_updates(po[0], u), o2
 
         if guard == "cond":
@@ -147,20 +158,21 @@ def hand(name, guard="none", **kw):
         else:
             new = apply((p, o))
             p, o = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (p, o))
-        return p, o, loss + 0 * norm
+        return p, o, loss + 0 * norm + 0 * getattr(apply, "unorm", 0.0)
 
     t0 = time.time()
-    c = jax.jit(step, donate_argnums=(0, 1)).lower(params, ost, toks[0]).compile()
+    flag = jnp.asarray(False)  # fit's is_logged: traced, False on the steps timed here
+    c = jax.jit(step, donate_argnums=(0, 1)).lower(params, ost, toks[0], flag).compile()
     ct = time.time() - t0
     with open(f"{OUT}/{name}.hlo.txt", "w") as f:
         f.write(c.as_text())
     m = c.memory_analysis()
     batches = [jnp.asarray(x) for x in toks]
-    p, o, loss = c(params, ost, batches[0])
+    p, o, loss = c(params, ost, batches[0], flag)
     jax.block_until_ready(loss)
     t0 = time.perf_counter()
     for i in range(10):
-        p, o, loss = c(p, o, batches[i % 4])
+        p, o, loss = c(p, o, batches[i % 4], flag)
     jax.block_until_ready(loss)
     dt = (time.perf_counter() - t0) / 10
     print(json.dumps(dict(name=name, step_ms=dt * 1e3, temp_gib=m.temp_size_in_bytes / 2**30,
@@ -169,7 +181,7 @@ def hand(name, guard="none", **kw):
     shutil.rmtree(d, ignore_errors=True)  # a trace of an earlier run would be read
     jax.profiler.start_trace(d, create_perfetto_trace=True)
     for i in range(5):
-        p, o, loss = c(p, o, batches[i % 4])
+        p, o, loss = c(p, o, batches[i % 4], flag)
     jax.block_until_ready((p, loss))
     jax.profiler.stop_trace()
     summarize(d, name, 5)

@@ -44,7 +44,8 @@ case $PART in
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 ;;
   profile)
-    run prof 540 python -u tools/profile_tpu_step.py hand_scan fit_scan hand_loop fit_loop ;;
+    run prof 540 python -u tools/profile_tpu_step.py hand_loop hand_loop_select_unorm \
+      hand_loop_select_unorm_fused fit_loop hand_scan fit_scan ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

@@ -230,24 +230,32 @@ def test_unlogged_step_skips_diagnostics_and_changes_nothing_else(logged_run):
     assert float(metrics["effective_rank"]) == pytest.approx(logged.total / logged.weight, rel=1e-6)
 
 
+def losses_and_state(mesh_spec, run_dir):
+    """4 steps, each logged: ``(losses, host state)``."""
+    # sgd, not adam: adam scales the float noise of gradients that are 0 in exact
+    # arithmetic (the key bias: softmax ignores it) up to the learning rate
+    trainer = Trainer(
+        tiny_objective(),
+        optax.sgd(0.5),
+        key=jax.random.key(0),
+        mesh=mesh_spec,
+        run_dir=str(run_dir),
+    )
+    state = trainer.fit(tiny_data(), steps=4, log_every=1)
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r["loss"] for r in records if r["kind"] == "train"], jax.device_get(state)
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    """The one-device run both meshes of test_eight_devices_equal_one are compared with."""
+    return losses_and_state(ONE["mesh"], tmp_path_factory.mktemp("one"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [MeshSpec(data=8), MeshSpec(fsdp=8)], ids=["data", "fsdp"])
-def test_eight_devices_equal_one(mesh, tmp_path):
-    def losses_and_state(mesh_spec, run_dir):
-        # sgd, not adam: adam scales the float noise of gradients that are 0 in exact
-        # arithmetic (the key bias: softmax ignores it) up to the learning rate
-        trainer = Trainer(
-            tiny_objective(),
-            optax.sgd(0.5),
-            key=jax.random.key(0),
-            mesh=mesh_spec,
-            run_dir=str(run_dir),
-        )
-        state = trainer.fit(tiny_data(), steps=4, log_every=1)
-        records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        return [r["loss"] for r in records if r["kind"] == "train"], jax.device_get(state)
-
-    want_losses, want = losses_and_state(ONE["mesh"], tmp_path / "one")
+def test_eight_devices_equal_one(mesh, one_device_run, tmp_path):
+    want_losses, want = one_device_run
     got_losses, got = losses_and_state(mesh, tmp_path / "eight")
     # float32 sums in another order across devices: rtol 1e-5
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)

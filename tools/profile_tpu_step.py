@@ -120,10 +120,11 @@ def hand(name, guard="none", **kw):
     (the loss's finiteness alone, a select per leaf fused into the update; the
     gradient norm still computed), ``loss_nonorm`` (the same without the norm);
     ``select_unorm`` (``select`` and the updates' norm, as ``fit`` logs it: under
-    ``lax.cond`` on a traced flag, so the updates are a buffer of their own) and
+    ``lax.cond`` on a traced flag, whose operand may make the updates a buffer of
+    their own) and
     ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
     update)."""
-    from dew.train.step import tree_norm
+    from dew.train.step import tree_norm, update_norm_if
 
     model = models.build("causal_transformer", **S, **kw)
     params = params_of(model)
@@ -134,8 +135,6 @@ def hand(name, guard="none", **kw):
         logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
 
-    from dew.train.step import update_norm_if
-
     def step(p, o, t, logged):
         loss, g = jax.value_and_grad(loss_fn)(p, t)
         if guard == "none":
@@ -145,20 +144,21 @@ def hand(name, guard="none", **kw):
         ok = jnp.isfinite(loss) & (jnp.isfinite(norm) if guard.startswith(("cond", "select"))
                                    else True)  # fmt: skip
 
-        def apply(po):
+        def apply(po):  # -> (params, opt state), the updates' norm
             u, o2 = opt.update(g, po[1], po[0])
+            unorm = jnp.zeros(())
             if guard.startswith("select_unorm"):
                 fused = guard.endswith("fused")
                 unorm = tree_norm(u) * logged if fused else update_norm_if(logged, u)
-                apply.unorm = jnp.where(ok, unorm, 0.0)
-            return optax.apply_updates(po[0], u), o2
+            return (optax.apply_updates(po[0], u), o2), unorm
 
         if guard == "cond":
-            p, o = jax.lax.cond(ok, apply, lambda po: po, (p, o))
+            p, o = jax.lax.cond(ok, lambda po: apply(po)[0], lambda po: po, (p, o))
+            unorm = jnp.zeros(())
         else:
-            new = apply((p, o))
+            new, unorm = apply((p, o))
             p, o = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (p, o))
-        return p, o, loss + 0 * norm + 0 * getattr(apply, "unorm", 0.0)
+        return p, o, loss + 0 * norm + 0 * jnp.where(ok, unorm, 0.0)
 
     t0 = time.time()
     flag = jnp.asarray(False)  # fit's is_logged: traced, False on the steps timed here

@@ -150,8 +150,8 @@ def _grads_and_kept(policy):
 def test_named_remat_policies_give_the_same_gradients_and_keep_what_they_name():
     """Every on-device policy gives the gradients of no remat; the bytes kept for the
     backward pass order as what each keeps: full < save_qkv_proj < save_dot_except_mlp
-    < minimal < minimal_with_context < none (3 layers, 8 x 64 tokens, width 64, MLP
-    256)."""
+    < minimal < minimal_with_context < save_matmul_inputs < none (3 layers, 8 x 64
+    tokens, width 64, MLP 256)."""
     reference, none_bytes = _grads_and_kept("none")
     kept = {"none": none_bytes}
     for name in REMAT_POLICIES:
@@ -161,13 +161,17 @@ def test_named_remat_policies_give_the_same_gradients_and_keep_what_they_name():
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7, err_msg=name)
     order = ["full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "minimal_with_context",
-             "none"]  # fmt: skip
+             "save_matmul_inputs", "none"]  # fmt: skip
     assert [kept[n] for n in order] == sorted(kept[n] for n in order), kept
     assert len({kept[n] for n in order}) == len(order), kept
     # q, k, v of 3 layers in float32 over what full keeps
     assert kept["save_qkv_proj"] - kept["full"] == 3 * 3 * 8 * 64 * 64 * 4, kept
     # and the attention's output of 3 layers over what minimal keeps
     assert kept["minimal_with_context"] - kept["minimal"] == 3 * 8 * 64 * 64 * 4, kept
+    # and what every product reads, per layer: the two norms' outputs, q, k, v, the
+    # attention's output and the residual after it (7 x [8, 64, 64]), the MLP's up and
+    # gate projections and its activation (3 x [8, 64, 256]), nothing else
+    assert kept["save_matmul_inputs"] - kept["full"] == 3 * (7 * 64 + 3 * 256) * 8 * 64 * 4, kept
 
 
 def test_remat_policy_names_are_checked():

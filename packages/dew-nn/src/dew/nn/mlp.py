@@ -87,7 +87,7 @@ class MLP(nn.Module):
         if is_gated(self.activation):
             gate = self._dense("gate", self.features, axes.EMBED, axes.MLP, rows)  # [tokens, mlp]
             gate = checkpoint_name(gate, "mlpwi")
-        hidden = activate(self.activation, up, gate)
+        hidden = checkpoint_name(activate(self.activation, up, gate), "mlp_activation")
         hidden = hidden.reshape(*x.shape[:-1], self.features)
         hidden = nn.with_logical_constraint(hidden, (axes.BATCH, axes.LENGTH, axes.MLP))
         out = self._dense("down", x.shape[-1], axes.MLP, axes.EMBED, token_rows(hidden))

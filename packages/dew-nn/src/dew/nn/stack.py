@@ -42,7 +42,9 @@ from dew.nn.pipeline import check_pipeline, pipeline
 # backward pass; the rest it recomputes. The names kept are those Dew's blocks give their
 # activations with jax.ad_checkpoint.checkpoint_name: query_proj, key_proj, value_proj
 # (the projections, before RoPE), context (the attention's output), out_proj, mlpwi (the
-# MLP's up and gate projections) and mlpwo (its down projection).
+# MLP's up and gate projections) and mlpwo (its down projection); a decoder block's
+# also attention_norm and mlp_norm (the norms' outputs), attention_residual (the residual
+# stream between the attention and the MLP) and mlp_activation (the MLP's activation).
 _PROJECTIONS = ("query_proj", "key_proj", "value_proj")
 REMAT_POLICIES = {
     "none": "no recomputation: the backward pass reads every activation kept from the "
@@ -54,6 +56,12 @@ REMAT_POLICIES = {
     "minimal_with_context": "as 'minimal', and the attention's output (context; with the "
     "splash kernel also its log-sum-exp), so the backward pass does not run the "
     "attention's forward again; norms and activations are recomputed",
+    "save_matmul_inputs": "what every matrix product and the attention read: the norms' "
+    "outputs, the q/k/v projections, the attention's output (with the splash kernel "
+    "its log-sum-exp), the MLP's up/gate projections and its activation, and the "
+    "residual between attention and MLP; the backward pass recomputes only norm "
+    "statistics and elementwise steps outside the products (what XLA keeps for a loop "
+    "of blocks without remat)",
     "save_dot_with_context_except_mlp": "q/k/v projections, the attention output "
     "(context) and its output projection; the MLP is recomputed",
     "save_dot_except_mlpwi": "q/k/v and output projections and the MLP's down projection; "
@@ -68,6 +76,10 @@ REMAT_POLICIES = {
 (:class:`LayerStack`'s ``remat_policy``; docs/performance.md, "Memory")."""
 
 _SAVED_NAMES = {
+    "save_matmul_inputs": (
+        *("attention_norm", *_PROJECTIONS, "context", "attention_residual"),
+        *("mlp_norm", "mlpwi", "mlp_activation"),
+    ),
     "save_dot_with_context_except_mlp": (*_PROJECTIONS, "context", "out_proj"),
     "save_dot_except_mlpwi": (*_PROJECTIONS, "out_proj", "mlpwo"),
     "save_dot_except_mlp": (*_PROJECTIONS, "out_proj"),

@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from dew.nn import axes
 from dew.nn.attention import Attention
@@ -129,7 +130,10 @@ class DecoderBlock(nn.Module):
           diffusion's ``[noisy | clean]`` pass). None = every slot.
         """
         c = self.config
+        # the names a remat policy keeps or drops (dew.nn.stack.REMAT_POLICIES): the
+        # norms' outputs, and the residual between the attention and the MLP
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "attention_norm")(x)
+        h = checkpoint_name(h, "attention_norm")
         h = self_attention(c)(
             h,
             positions,
@@ -140,8 +144,9 @@ class DecoderBlock(nn.Module):
             visible=visible,
             query_length=output_length,
         )
-        x = x[:, : h.shape[1]] + h
+        x = checkpoint_name(x[:, : h.shape[1]] + h, "attention_residual")
         h = make_norm(c.norm, c.norm_eps, c.dtype, c.param_dtype, "mlp_norm")(x)
+        h = checkpoint_name(h, "mlp_norm")
         h = feed_forward(c)(h)
         return nn.with_logical_constraint(x + h, ACTIVATION_AXES)
 

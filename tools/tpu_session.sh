@@ -4,7 +4,7 @@
 #
 #   bash tools/tpu_session.sh PART [BUDGET_SECONDS]
 #
-# PART: table-hand | table-splash | table-dew | families | decode | profile.
+# PART: table-hand | table-splash | table-dew | families | decode | profile | policy.
 # Run from the project root of the device's copy, after
 # `source .tpu/host_env.sh` (docs/performance.md, "On a TPU v5e chip"), with
 # JAX_COMPILATION_CACHE_DIR set; a machine's start costs minutes of the session's
@@ -34,15 +34,20 @@ case $PART in
     [ "$side" = dew ] && side=dew,dew_loop
     run "${side%%,*}" 600 $B --suite table --only "$side" --out "$OUT/${side%%,*}.jsonl" ;;
   families)
-    run dpo 150 python -u tools/bench_dpo.py --size small --steps 30 --repeats 2
-    run grpo 150 python -u tools/bench_grpo.py --size small --iterations 6 --repeats 2
-    run diffusion 150 python -u tools/bench_diffusion.py --parts train --repeats 2
-    run jepa 150 python -u tools/bench_jepa.py --parts train --repeats 2
-    run token 150 python -u tools/bench_token_diffusion.py --parts train --repeats 2
-    run flow 150 python -u tools/bench_flow_grpo.py --repeats 3
-    run distill 150 python -u tools/bench_distill.py ;;
+    run dpo 90 python -u tools/bench_dpo.py --size small --steps 30 --repeats 2
+    run grpo 90 python -u tools/bench_grpo.py --size small --iterations 6 --repeats 2
+    run diffusion 90 python -u tools/bench_diffusion.py --parts train --repeats 2
+    run jepa 90 python -u tools/bench_jepa.py --parts train --repeats 2
+    run token 90 python -u tools/bench_token_diffusion.py --parts train --repeats 2
+    run flow 90 python -u tools/bench_flow_grpo.py --repeats 3
+    run distill 90 python -u tools/bench_distill.py ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 ;;
+  policy)  # the scanned stack keeping what a loop of blocks keeps, against the loop
+    run prof 330 python -u tools/profile_tpu_step.py hand_loop hand_scan@save_matmul_inputs \
+      fit_scan@save_matmul_inputs hand_loop_select_unorm hand_loop_select_unorm_fused
+    run dew16 130 $B --side dew --batch 16 --remat save_matmul_inputs
+    run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
   profile)
     run prof 540 python -u tools/profile_tpu_step.py hand_loop hand_loop_select_unorm \
       hand_loop_select_unorm_fused fit_loop hand_scan fit_scan ;;

@@ -17,6 +17,12 @@ number is the median of ``--repeats`` runs; the same allocator setting for all):
 
     /tmp/torchenv/bin/python tools/bench_diffusion.py            # all three
     python tools/bench_diffusion.py --parts train loop --repeats 3
+    python tools/bench_diffusion.py --size tpu --parts train --repeats 1 --steps 10  # a chip
+
+``--size`` sets the training and loop parts' DiT: ``small`` (the default, below) or
+``tpu``, a chip-sized one (32x32x4 latents in 2x2 patches, 256 tokens, width 768, 8
+blocks, bfloat16 compute, batch 32: about 2.9 TFLOP a training step). The sample part
+always runs its own small diffusers DiT.
 """
 
 from __future__ import annotations
@@ -64,6 +70,23 @@ TRAIN = dict(
     num_classes=10,
 )
 TRAIN_BATCH = 16
+SIZES = {
+    "small": dict(model=TRAIN, batch=TRAIN_BATCH),
+    "tpu": dict(
+        model=dict(
+            sample_size=32,
+            patch_size=2,
+            in_channels=4,
+            emb_features=768,
+            num_layers=8,
+            num_heads=12,
+            mlp_features=3072,
+            num_classes=10,
+            dtype=jnp.bfloat16,
+        ),
+        batch=32,
+    ),
+}
 # sampling: the same size with learned sigma, laid out as diffusers' DiT (4x MLP)
 SAMPLE = dict(
     num_attention_heads=4,
@@ -82,12 +105,19 @@ LABELS = list(range(SAMPLE_BATCH))
 # ------------------------------------------------------------------ 1. training
 
 
-def train_rows():
+def latent_shape(size):
+    """``(height, width, channels)`` of one training latent of ``SIZES[size]``."""
+    cfg = SIZES[size]["model"]
+    return (cfg["sample_size"], cfg["sample_size"], cfg["in_channels"])
+
+
+def train_rows(size):
     rng = np.random.default_rng(0)
+    batch = SIZES[size]["batch"]
     return [
         {
-            "latent": rng.normal(size=(TRAIN_BATCH, 16, 16, 4)).astype(np.float32),
-            "label": rng.integers(0, 10, TRAIN_BATCH).astype(np.int32),
+            "latent": rng.normal(size=(batch, *latent_shape(size))).astype(np.float32),
+            "label": rng.integers(0, 10, batch).astype(np.int32),
         }
         for _ in range(4)
     ]
@@ -99,23 +129,21 @@ def ema():
     return EMA(decay=functools.partial(warmup_ema_decay, max_decay=0.9999))
 
 
-def run_dew_train(steps):
-    rows = train_rows()
-    data = Dataset(
-        train=lambda p: itertools.cycle(rows), val=None, records=4 * TRAIN_BATCH, batch=TRAIN_BATCH
-    )
+def run_dew_train(steps, size):
+    rows, batch = train_rows(size), SIZES[size]["batch"]
+    data = Dataset(train=lambda p: itertools.cycle(rows), val=None, records=4 * batch, batch=batch)
     objective = DiffusionObjective(
-        model=DiT(**TRAIN), schedule=DDPMSchedule(), input_key="latent", ema=ema()
+        model=DiT(**SIZES[size]["model"]), schedule=DDPMSchedule(), input_key="latent", ema=ema()
     )
     trainer = Trainer(objective, optax.adamw(1e-4), key=jax.random.key(0), progress=False)
     return fit_seconds(trainer, data, steps)
 
 
-def run_hand_train(steps):
+def run_hand_train(steps, size):
     """The same step by hand: t ~ U{0..999}, x_t = sqrt(abar) x0 + sqrt(1 - abar) eps,
     10% of labels replaced by the null class, MSE on eps, AdamW, EMA with warm-up."""
-    rows = train_rows()
-    model = DiT(**TRAIN)
+    rows = train_rows(size)
+    model = DiT(**SIZES[size]["model"])
     optimizer = optax.adamw(1e-4)
     abar = jnp.asarray(DDPMSchedule().alphas_cumprod, jnp.float32)
     root = jax.random.key(0)
@@ -123,7 +151,7 @@ def run_hand_train(steps):
 
     @jax.jit
     def init(key):
-        x, t = jnp.zeros((1, 16, 16, 4)), jnp.zeros((1,))
+        x, t = jnp.zeros((1, *latent_shape(size))), jnp.zeros((1,))
         params = model.init(key, x, t, label=jnp.zeros((1,), jnp.int32))["params"]
         params = jax.tree.map(
             lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value")
@@ -216,7 +244,7 @@ def hand_sampler(model):
     now = jnp.asarray(abar[ts], jnp.float32)
     prev = jnp.asarray(np.concatenate([abar[ts][1:], [1.0]]), jnp.float32)
     ts = jnp.asarray(ts)
-    channels = SAMPLE["in_channels"]
+    channels = model.in_channels
 
     @jax.jit
     def run(params, label, key):
@@ -231,7 +259,7 @@ def hand_sampler(model):
             eps = (x - jnp.sqrt(now[i]) * x0) / jnp.sqrt(1 - now[i])
             return jnp.sqrt(prev[i]) * x0 + jnp.sqrt(1 - prev[i]) * eps
 
-        x = jax.random.normal(key, (label.shape[0], 16, 16, channels), jnp.float32)
+        x = jax.random.normal(key, (label.shape[0], *model.sample_shape, channels), jnp.float32)
         return jax.lax.fori_loop(0, STEPS, step, x)
 
     return run
@@ -258,7 +286,7 @@ def dew_sampler(model):
             schedule=schedule,
             sampler=DDIM(num_steps=STEPS),
             key=key,
-            shape=(label.shape[0], 16, 16, SAMPLE["in_channels"]),
+            shape=(label.shape[0], *model.sample_shape, model.in_channels),
         )
 
     return run
@@ -280,7 +308,7 @@ def alternate(sides, repeats):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_sampling(parts, repeats):
+def bench_sampling(parts, repeats, size):
     with tempfile.TemporaryDirectory() as directory:
         torch_model = None
         if "sample" in parts:
@@ -295,9 +323,10 @@ def bench_sampling(parts, repeats):
             torch_model = diffusers_checkpoint(directory)
             pretrained = Pretrained.load(directory)  # the same weights, in Dew's DiT
             model, params = pretrained.model, pretrained.params
-        else:  # the same architecture, Dew's own random weights
-            model = DiT(**TRAIN, learn_sigma=True, mlp_norm_eps=1e-5)
-            x, t, y = jnp.zeros((1, 16, 16, 4)), jnp.zeros((1,)), jnp.zeros((1,), jnp.int32)
+        else:  # the training part's architecture, Dew's own random weights
+            model = DiT(**SIZES[size]["model"], learn_sigma=True, mlp_norm_eps=1e-5)
+            x = jnp.zeros((1, *latent_shape(size)))
+            t, y = jnp.zeros((1,)), jnp.zeros((1,), jnp.int32)
             params = jax.jit(lambda k: model.init(k, x, t, label=y)["params"])(jax.random.key(0))
             params = jax.tree.map(
                 lambda p: getattr(p, "value", p), params, is_leaf=lambda p: hasattr(p, "value")
@@ -340,6 +369,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parts = ("train", "sample", "loop")
     parser.add_argument("--parts", nargs="+", default=list(parts), choices=parts)
+    parser.add_argument("--size", default="small", choices=list(SIZES), help="the DiT trained")
     parser.add_argument("--steps", type=int, default=30, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -353,17 +383,19 @@ def main() -> None:
         for r in range(args.repeats):
             order = [(run_dew_train, dew), (run_hand_train, hand)]
             for fn, out in order if r % 2 == 0 else order[::-1]:
-                out.append(fn(args.steps))
+                out.append(fn(args.steps, args.size))
         d_step = statistics.median(x[1] for x in dew)
         h_step = statistics.median(x[1] for x in hand)
         d_first = statistics.median(x[0] for x in dew)
         h_first = statistics.median(x[0] for x in hand)
+        side, _, channels = latent_shape(args.size)
         print(
-            f"train: DiT step ({TRAIN_BATCH} x 16x16x4 latents, {args.steps} steps) dew "
+            f"train: DiT step ({SIZES[args.size]['batch']} x {side}x{side}x{channels} latents, "
+            f"{args.steps} steps) dew "
             f"{1000 * d_step:.1f} ms, hand {1000 * h_step:.1f} ms; ratio {h_step / d_step:.3f}; "
             f"first step dew {d_first:.2f} s, hand {h_first:.2f} s"
         )
-    bench_sampling([p for p in args.parts if p != "train"], args.repeats)
+    bench_sampling([p for p in args.parts if p != "train"], args.repeats, args.size)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ Dew unchunked, and the hand-written step, with the size of one
 
     python tools/bench_distill.py
     python tools/bench_distill.py --steps 40 --vocab 32768
+    python tools/bench_distill.py --size tpu --skip-memory --steps 10   # on a TPU chip
+
+``--size`` sets the two models and the default ``--rows`` and ``--length``: ``small``
+(the default: student width 64, teacher 128, 2 layers each, 8 rows x 256 tokens) or
+``tpu``, a chip's size (student width 512, teacher 1024, 6 layers each, bfloat16
+compute, 16 rows x 512 tokens: about 3.3 TFLOP a step at vocabulary 4096).
 """
 
 from __future__ import annotations
@@ -45,12 +51,28 @@ from dew.objectives import Step  # noqa: E402
 from dew.objectives.language.distillation import DistillationObjective  # noqa: E402
 
 BETA, TEMPERATURE, LR = 0.5, 2.0, 1e-4
+SIZES = {
+    "small": dict(
+        student=dict(emb_features=64, num_layers=2, mlp_features=256, num_heads=4, num_kv_heads=2),
+        teacher=dict(emb_features=128, num_layers=2, mlp_features=512, num_heads=4, num_kv_heads=2),
+        rows=8,
+        length=256,
+    ),
+    "tpu": dict(
+        student=dict(emb_features=512, num_layers=6, mlp_features=2048, num_heads=8,
+                     num_kv_heads=4, dtype=jnp.bfloat16),
+        teacher=dict(emb_features=1024, num_layers=6, mlp_features=4096, num_heads=16,
+                     num_kv_heads=8, dtype=jnp.bfloat16),
+        rows=16,
+        length=512,
+    ),
+}  # fmt: skip
 
 
-def models(vocab: int, length: int):
-    base = dict(vocab_size=vocab, num_heads=4, num_kv_heads=2, max_seq_len=length)
-    student = CausalTransformer(emb_features=64, num_layers=2, mlp_features=256, **base)
-    teacher = CausalTransformer(emb_features=128, num_layers=2, mlp_features=512, **base)
+def models(size: str, vocab: int, length: int):
+    base = dict(vocab_size=vocab, max_seq_len=length)
+    student = CausalTransformer(**SIZES[size]["student"], **base)
+    teacher = CausalTransformer(**SIZES[size]["teacher"], **base)
     return student, teacher
 
 
@@ -116,7 +138,7 @@ def train_step(loss_fn, optimizer):
 
 
 def speed(args):
-    student, teacher = models(args.speed_vocab, args.length)
+    student, teacher = models(args.size, args.speed_vocab, args.length)
     data = batch(args.speed_vocab, args.rows, args.length)
     optimizer = optax.adam(LR)
     teacher_params = params_of(teacher, args.length)
@@ -151,7 +173,7 @@ def speed(args):
 
 
 def memory(args):
-    student, teacher = models(args.vocab, args.length)
+    student, teacher = models(args.size, args.vocab, args.length)
     ps = jax.eval_shape(lambda: params_of(student, args.length))
     pt = jax.eval_shape(lambda: params_of(teacher, args.length))
     data = jax.tree.map(
@@ -172,19 +194,24 @@ def memory(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--rows", type=int, help="rows a step; default: the size's")
+    parser.add_argument("--length", type=int, help="tokens a row; default: the size's")
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--speed-vocab", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
+    args.rows = args.rows or SIZES[args.size]["rows"]
+    args.length = args.length or SIZES[args.size]["length"]
     print(
         f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s), jax {jax.__version__}"
     )
-    memory(args)
+    if not args.skip_memory:
+        memory(args)
     if not args.skip_speed:
         speed(args)
 

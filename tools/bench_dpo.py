@@ -14,9 +14,12 @@ not depend on the load.
 
     python tools/bench_dpo.py
     python tools/bench_dpo.py --size small --steps 20 --repeats 3
+    python tools/bench_dpo.py --size tpu --steps 5 --repeats 1 --parts fit interleaved  # a chip
 
 A third measurement calls the two compiled steps in turn, one step each
 (``interleaved``), which cancels most of a shared machine's drifting load.
+``--parts`` picks among ``fit`` (the first line), ``interleaved``, ``overhead`` (fit's
+host overhead) and ``cost`` (XLA's cost analysis); all four by default.
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ SIZES = {
     "small": dict(emb_features=64, num_layers=2, num_heads=4, mlp_features=256, prompt=32, pairs=8),
     "medium": dict(
         emb_features=256, num_layers=4, num_heads=8, mlp_features=1024, prompt=64, pairs=8
+    ),
+    # a TPU chip's size: 8 pairs x 512 tokens, bfloat16 compute; about 4.0 TFLOP a step
+    # (policy forward and backward, reference forward), 20-60 ms on a v5e
+    "tpu": dict(
+        emb_features=768,
+        num_layers=6,
+        num_heads=12,
+        mlp_features=3072,
+        dtype=jnp.bfloat16,
+        prompt=256,
+        pairs=8,
     ),
 }
 VOCAB, BETA, LR = 264, 0.1, 1e-4
@@ -299,17 +313,33 @@ def host_overhead(size: str, steps: int, repeats: int) -> dict[str, tuple[float,
     return {k: tuple(float(x) for x in np.median(v, axis=0)) for k, v in out.items()}
 
 
+PARTS = ("fit", "interleaved", "overhead", "cost")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="medium", choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     args = parser.parse_args()
     print(
         f"machine: {platform.processor() or platform.machine()}, {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s), jax {jax.__version__}; size {args.size}, "
         f"steps {args.steps}, median of {args.repeats}"
     )
+    if "fit" in args.parts:
+        fit_part(args)
+    if "interleaved" in args.parts:
+        interleaved_part(args)
+    if "overhead" in args.parts:
+        overhead_part(args)
+    print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
+    if "cost" in args.parts:
+        cost_part(args)
+
+
+def fit_part(args) -> None:
     _, length, pairs, _ = make(args.size)
     dew, hand = [], []
     for r in range(args.repeats):
@@ -327,6 +357,9 @@ def main() -> None:
         f"pairs/s dew {pairs / d_step:,.1f} hand {pairs / h_step:,.1f}; first step dew "
         f"{d_first:.2f} s hand {h_first:.2f} s"
     )
+
+
+def interleaved_part(args) -> None:
     med = interleaved(args.size, 4 * args.steps)
     (d_wall, d_cpu), (h_wall, h_cpu), (l_wall, l_cpu) = (
         med[k] for k in ("dew", "hand", "dew_logged")
@@ -337,6 +370,9 @@ def main() -> None:
         f"dew {d_cpu * 1e3:.1f} ms hand {h_cpu * 1e3:.1f} ms ratio {_ratio(h_cpu, d_cpu)}; a "
         f"logged dew step {l_wall * 1e3:.1f} ms (CPU {l_cpu * 1e3:.1f} ms)"
     )
+
+
+def overhead_part(args) -> None:
     over = host_overhead(args.size, 10 * args.steps, args.repeats)
     (f_wall, f_thread, f_cpu), (l_wall, l_thread, l_cpu) = over["fit"], over["loop"]
     print(
@@ -346,7 +382,9 @@ def main() -> None:
         f"{l_thread * 1e3:.3f} ms (+{(f_thread - l_thread) * 1e3:.3f}); process CPU fit "
         f"{f_cpu * 1e3:.3f} ms loop {l_cpu * 1e3:.3f} ms (+{(f_cpu - l_cpu) * 1e3:.3f})"
     )
-    print(f"load average: {open('/proc/loadavg').read().split()[:3]}")
+
+
+def cost_part(args) -> None:
     costs = cost(args.size)
     (d_flops, d_bytes), (h_flops, h_bytes) = costs["dew"], costs["hand"]
     print(

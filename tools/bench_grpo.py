@@ -21,6 +21,7 @@ number is the median over ``--repeats`` runs.
     python tools/bench_grpo.py
     python tools/bench_grpo.py --iterations 6 --repeats 3 --size medium
     python tools/bench_grpo.py --inline-rewards   # what GRPO's host stage costs
+    python tools/bench_grpo.py --size tpu --repeats 0 --calls 6   # on a TPU chip
 
 A last measurement (``interleaved``) calls the four programs in turn, one call
 each (Dew's prepare phase as ``fit`` runs it, the hand rollout, Dew's compiled
@@ -74,6 +75,17 @@ SIZES = {
         group=8,
         prompt_len=32,
         new=64,
+    ),
+    # a TPU chip's size, bfloat16 compute: an update (16 rows x 256 tokens) about 1.5
+    # TFLOP; a rollout 128 cached decode steps of 64 rows and two 64 x 256 scoring passes
+    "tpu": dict(
+        model=dict(
+            emb_features=768, num_layers=6, num_heads=12, mlp_features=3072, dtype=jnp.bfloat16
+        ),
+        prompts=8,
+        group=8,
+        prompt_len=128,
+        new=128,
     ),
 }
 MINIBATCHES, BETA, EPS, TEMPERATURE, LR = 4, 0.04, 0.2, 1.0, 1e-4
@@ -318,7 +330,6 @@ def interleaved(size, calls, inline=False):
     _, shardings = trainer.state_shardings(None)
     gp = Goodput()
     init, rollout, hand_step = hand_programs(size)
-    params, reference, opt_state = init(jax.random.key(0))
     hand_batches = [(jnp.asarray(prompts[i]), jnp.asarray(masks[i])) for i in range(4)]
     times = {k: [] for k in ("dew_roll", "hand_roll", "dew_upd", "hand_upd")}
 
@@ -329,6 +340,9 @@ def interleaved(size, calls, inline=False):
         return out
 
     with trainer.programs.context():
+        # initialised under the trainer's mesh, as the hand steps' outputs are placed: the
+        # hand programs compile once (params from outside it would compile them twice)
+        params, reference, opt_state = init(jax.random.key(0))
         placed = [
             to_global(
                 {"prompt": prompts[i], "prompt_mask": masks[i]},

@@ -28,6 +28,7 @@ to back, so a change in the shared machine's load hits both).
     /tmp/parity/bin/python tools/bench_jepa.py                  # both parts
     /tmp/parity/bin/python tools/bench_jepa.py --train-sizes tiny --feature-sizes tiny \\
         --batches 8 64 --steps 30 --repeats 3
+    python tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 --repeats 1  # a chip
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ TRAIN_SIZES = {
         predictor_layers=2,
         batch=16,
     ),  # fmt: skip
+    # a TPU chip's size: 256 patches of a 128x128 image, bfloat16 compute; about 1.9
+    # TFLOP a step (the target encoder's forward, the context encoder's and the
+    # predictor's forward and backward)
+    "tpu": dict(
+        image_size=128,
+        patch_size=8,
+        emb_features=768,
+        num_layers=6,
+        num_heads=12,
+        mlp_features=3072,
+        predictor_features=384,
+        predictor_layers=3,
+        predictor_heads=6,
+        batch=32,
+        dtype=jnp.bfloat16,
+    ),  # fmt: skip
 }
 # (b) transformers IJepaConfig fields
 FEATURE_SIZES = {
@@ -108,19 +125,22 @@ LEARNING_RATE, WEIGHT_DECAY, MOMENTUM = 1e-3, 0.04, (0.996, 1.0)
 def make_training(size: str, steps: int):
     cfg = TRAIN_SIZES[size]
     grid = dict(image_size=cfg["image_size"], patch_size=cfg["patch_size"], num_channels=3)
+    dtype = cfg.get("dtype", jnp.float32)
     encoder = ViT(
         emb_features=cfg["emb_features"],
         num_layers=cfg["num_layers"],
         num_heads=cfg["num_heads"],
         mlp_features=cfg["mlp_features"],
+        dtype=dtype,
         **grid,
     )
     predictor = ViTPredictor(
         encoder_features=cfg["emb_features"],
         emb_features=cfg["predictor_features"],
         num_layers=cfg["predictor_layers"],
-        num_heads=2,
+        num_heads=cfg.get("predictor_heads", 2),
         mlp_features=4 * cfg["predictor_features"],
+        dtype=dtype,
         **grid,
     )
     side = cfg["image_size"]

@@ -41,6 +41,12 @@ alternating, the same allocator setting for all):
     python tools/bench_token_diffusion.py --parts program train --repeats 5 --steps 20 --flops
     python tools/bench_token_diffusion.py --parts cache --sample-length 256
     python tools/bench_token_diffusion.py --parts paired --repeats 40 --steps 20
+    python tools/bench_token_diffusion.py --size tpu --parts train --repeats 1 --steps 8
+
+``--size`` sets the network and the default ``--length`` and ``--batch``: ``small`` (the
+default: width 128, 2 layers, 64 tokens x 16 rows) or ``tpu``, a chip's size (width
+768, 6 layers, bfloat16 compute, 512 tokens x 8 rows: about 1.5 TFLOP an MDLM step
+and 2.8 a BD3-LM one).
 """
 
 from __future__ import annotations
@@ -80,17 +86,27 @@ from dew.train import MeshSpec, plan  # noqa: E402
 
 VOCAB, MASK = 264, 258
 ONE = MeshSpec(data=1, devices=jax.devices()[:1])
+SIZES = {
+    "small": dict(
+        model=dict(emb_features=128, num_heads=4, mlp_features=512), layers=2, length=64, batch=16
+    ),
+    "tpu": dict(
+        model=dict(emb_features=768, num_heads=12, mlp_features=3072, dtype=jnp.bfloat16),
+        layers=6,
+        length=512,
+        batch=8,
+    ),
+}
+NET = dict(SIZES["small"])  # the size this run builds (main sets it from --size)
 
 
-def model(length: int, layers: int = 2, cls=Transformer) -> Transformer:
+def model(length: int, layers: int | None = None, cls=Transformer) -> Transformer:
     return cls(
         vocab_size=VOCAB,
-        emb_features=128,
-        num_layers=layers,
-        num_heads=4,
-        mlp_features=512,
+        num_layers=layers or NET["layers"],
         max_seq_len=length,
         position_embedding="learned",
+        **NET["model"],
     )
 
 
@@ -164,7 +180,7 @@ def hand_program(length, batch, block_size=None, ema=True):
     warm-up), or BD3-LM's (t per (row, block), antithetic over all of them, the
     ``[z | x]`` pass under the block-diffusion mask, the noisy half's logits)."""
     net = model(length)
-    params = net.init(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
+    params = jax.jit(net.init)(jax.random.key(0), jnp.zeros((1, length), jnp.int32))["params"]
     params = jax.tree.map(lambda x: x.unbox() if hasattr(x, "unbox") else x, params,
                           is_leaf=lambda x: hasattr(x, "unbox"))  # fmt: skip
     opt = optax.adamw(1e-3)
@@ -386,20 +402,22 @@ def cache_part(length: int, sample_length: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["train", "program", "bd3", "grad", "cache"])
-    parser.add_argument("--length", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--size", default="small", choices=list(SIZES))
+    parser.add_argument("--length", type=int, help="tokens a row; default: the size's")
+    parser.add_argument("--batch", type=int, help="rows a step; default: the size's")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sample-length", type=int, default=256)
     parser.add_argument("--flops", action="store_true", help="print the steps' FLOPs")
     parser.add_argument("--flops-layers", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    L, B, S = args.length, args.batch, args.steps
+    NET.update(SIZES[args.size])
+    L, B, S = args.length or NET["length"], args.batch or NET["batch"], args.steps
 
-    def mdlm(layers=2):
+    def mdlm(layers=None):
         return MaskedDiffusionObjective(model=model(L, layers), mask_id=MASK, seq_len=L)
 
-    def bd3(cls=BlockDiffusionObjective, layers=2, net=Transformer):
+    def bd3(cls=BlockDiffusionObjective, layers=None, net=Transformer):
         return cls(model(L, layers, net), mask_id=MASK, seq_len=L, block_size=4)
 
     sides = {"pieces": bd3, "dense": lambda: bd3(DenseBD3), "mdlm": mdlm}

@@ -4,7 +4,7 @@
 #
 #   bash tools/tpu_session.sh PART [BUDGET_SECONDS]
 #
-# PART: table-hand | table-splash | table-dew | families | decode | profile | policy.
+# PART: table-hand | table-splash | table-dew | families | decode | profile | policy | big.
 # Run from the project root of the device's copy, after
 # `source .tpu/host_env.sh` (docs/performance.md, "On a TPU v5e chip"), with
 # JAX_COMPILATION_CACHE_DIR set; a machine's start costs minutes of the session's
@@ -33,14 +33,18 @@ case $PART in
     side=${PART#table-}
     [ "$side" = dew ] && side=dew,dew_loop
     run "${side%%,*}" 600 $B --suite table --only "$side" --out "$OUT/${side%%,*}.jsonl" ;;
-  families)
-    run dpo 90 python -u tools/bench_dpo.py --size small --steps 30 --repeats 2
-    run grpo 90 python -u tools/bench_grpo.py --size small --iterations 6 --repeats 2
-    run diffusion 90 python -u tools/bench_diffusion.py --parts train --repeats 2
-    run jepa 90 python -u tools/bench_jepa.py --parts train --repeats 2
-    run token 90 python -u tools/bench_token_diffusion.py --parts train --repeats 2
-    run flow 90 python -u tools/bench_flow_grpo.py --repeats 3
-    run distill 90 python -u tools/bench_distill.py ;;
+  families)  # each tool's chip-sized step ("tpu"), one process each: its compiles dominate
+    run dpo 80 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
+      --parts fit interleaved
+    run grpo 90 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6
+    run diffusion 70 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
+      --repeats 1
+    run jepa 80 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
+      --repeats 1
+    run token 100 python -u tools/bench_token_diffusion.py --size tpu --parts train --steps 8 \
+      --repeats 1
+    run flow 70 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
+    run distill 70 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 ;;
   policy)  # the scanned stack keeping what a loop of blocks keeps, against the loop
@@ -48,9 +52,15 @@ case $PART in
       fit_scan@save_matmul_inputs hand_loop_select_unorm hand_loop_select_unorm_fused
     run dew16 130 $B --side dew --batch 16 --remat save_matmul_inputs
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
-  profile)
-    run prof 540 python -u tools/profile_tpu_step.py hand_loop hand_loop_select_unorm \
-      hand_loop_select_unorm_fused fit_loop hand_scan fit_scan ;;
+  profile)  # fit's update norm against the plain step; the scanned step's HLO comes back
+    run prof 480 python -u tools/profile_tpu_step.py hand_loop hand_loop_select_unorm \
+      hand_loop_select_unorm_fused hand_scan@minimal
+    for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
+  big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state
+    L="--model llama --emb 2048 --layers 22 --heads 32 --kv-heads 4 --mlp 5632"
+    run llama1b 250 $B --side dew $L --param-dtype bfloat16 --seq 2048 --batch 4
+    run llama1b_full 250 $B --side dew $L --param-dtype bfloat16 --seq 2048 --batch 4 \
+      --remat full ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

@@ -40,17 +40,13 @@ def policy_order(objective: Objective) -> tuple[str, ...]:
     everything, 120.0 with ``'save_dot_except_mlp'`` and 122.3 with
     ``'save_qkv_proj'``."""
     first = []
-    for field in dataclasses.fields(objective):
-        module = getattr(objective, field.name, None)
-        if not field.init or not isinstance(module, nn.Module):
+    for module in _models(objective).values():
+        stack = layer_stack_of(module)
+        if stack is None:
             continue
-        settings = {"remat_policy": None} | (
-            {"use_remat": False} if "use_remat" in _fields(module) else {}
-        )
-        named = "remat_policy" in _fields(module)
-        stack = layer_stack_of(module.clone(**settings)) if named else None
-        if stack is not None and stack.remat_name != "none" and stack.remat_name not in first:
-            first.append(stack.remat_name)
+        default = dataclasses.replace(stack, remat_policy=None, use_remat=False).remat_name
+        if default != "none" and default not in first:
+            first.append(default)
     return (*first, *(p for p in REMAT_POLICIES if p not in first))
 
 
@@ -129,20 +125,23 @@ def _named(module: nn.Module, policy: str) -> nn.Module:
     return module.clone(remat_policy=policy)
 
 
-def _replace_models(objective: Objective, clone) -> Objective:
-    changes = {}
+def _models(objective: Objective) -> dict[str, nn.Module]:
+    """The objective's models by field: linen modules with a ``remat_policy`` or
+    ``use_remat`` field."""
+    models = {}
     for field in dataclasses.fields(objective):
         value = getattr(objective, field.name, None)
         if (
             field.init
             and isinstance(value, nn.Module)
-            and _fields(value)
-            & {
-                "remat_policy",
-                "use_remat",
-            }
+            and _fields(value) & {"remat_policy", "use_remat"}
         ):
-            changes[field.name] = clone(value)
+            models[field.name] = value
+    return models
+
+
+def _replace_models(objective: Objective, clone) -> Objective:
+    changes = {name: clone(module) for name, module in _models(objective).items()}
     if not changes:
         raise ValueError(
             f"{type(objective).__name__} holds no model with a remat_policy or use_remat "

@@ -19,12 +19,13 @@ END=$(( $(date +%s) + ${2:-540} ))
 run() {  # run NAME MAX_SECONDS COMMAND...
   local name=$1 max=$2 left t
   shift 2
+  case " ${SKIP:-} " in *" $name "*) return ;; esac  # SKIP="dpo grpo": runs done already
   left=$(( END - $(date +%s) ))
   if [ "$left" -lt 30 ]; then echo "skip $name (budget)" >> "$OUT/summary.txt"; return; fi
   [ "$max" -gt "$left" ] && max=$left
   t=$(date +%s)
   rm -f /tmp/libtpu_lockfile  # a run killed at its timeout leaves the chip locked
-  OUT=/tmp/p timeout "$max" "$@" > "$OUT/$name.txt" 2>&1
+  OUT=/tmp/p timeout -k 5 "$max" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t ))s" >> "$OUT/summary.txt"
 }
 B="python -u tools/bench_tpu.py --steps 20"
@@ -37,14 +38,14 @@ case $PART in
     run dpo 80 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
       --parts fit interleaved
     run grpo 90 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6
-    run diffusion 70 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
+    run diffusion 110 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
       --repeats 1
-    run jepa 80 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
+    run jepa 110 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
       --repeats 1
-    run token 100 python -u tools/bench_token_diffusion.py --size tpu --parts train --steps 8 \
+    run token 120 python -u tools/bench_token_diffusion.py --size tpu --parts train --steps 8 \
       --repeats 1
-    run flow 70 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
-    run distill 70 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
+    run flow 100 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
+    run distill 100 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 ;;
   policy)  # the scanned stack keeping what a loop of blocks keeps, against the loop

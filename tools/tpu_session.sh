@@ -4,7 +4,8 @@
 #
 #   bash tools/tpu_session.sh PART [BUDGET_SECONDS]
 #
-# PART: table-hand | table-splash | table-dew | families | decode | profile | policy | big.
+# PART: table-hand | table-splash | table-dew | families | families-a | families-b |
+#   families-c | decode | profile | policy | big.
 # Run from the project root of the device's copy, after
 # `source .tpu/host_env.sh` (docs/performance.md, "On a TPU v5e chip"), with
 # JAX_COMPILATION_CACHE_DIR set; a machine's start costs minutes of the session's
@@ -34,18 +35,29 @@ case $PART in
     side=${PART#table-}
     [ "$side" = dew ] && side=dew,dew_loop
     run "${side%%,*}" 600 $B --suite table --only "$side" --out "$OUT/${side%%,*}.jsonl" ;;
-  families)  # each tool's chip-sized step ("tpu"), one process each: its compiles dominate
-    run dpo 80 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
-      --parts fit interleaved
-    run grpo 90 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6
-    run diffusion 110 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
-      --repeats 1
-    run jepa 110 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
-      --repeats 1
-    run token 120 python -u tools/bench_token_diffusion.py --size tpu --parts train --steps 8 \
-      --repeats 1
-    run flow 100 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
-    run distill 100 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
+  families | families-a | families-b | families-c)
+    # each tool's chip-sized step ("tpu"), one process each. Their compiles dominate: on
+    # the chip (2026-12-07) DPO's run took 196 s, GRPO's 318 s, and diffusion, JEPA, token
+    # diffusion, Flow-GRPO and distillation had not printed a result after 100-120 s each,
+    # so a call of 600 s holds three of them: families-a, -b, -c (families: all, in order)
+    case $PART in families | families-a)
+      run diffusion 190 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
+        --repeats 1
+      run jepa 190 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
+        --repeats 1
+      run token 200 python -u tools/bench_token_diffusion.py --size tpu --parts train \
+        --steps 8 --repeats 1 ;;
+    esac
+    case $PART in families | families-b)
+      run flow 190 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
+      run distill 190 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10
+      run ppo 200 python -u tools/bench_ppo.py --size tpu --repeats 0 --calls 6 ;;
+    esac
+    case $PART in families | families-c)
+      run dpo 220 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
+        --parts interleaved
+      run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 ;;
+    esac ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 ;;
   policy)  # the scanned stack keeping what a loop of blocks keeps, against the loop
@@ -53,15 +65,18 @@ case $PART in
       fit_scan@save_matmul_inputs hand_loop_select_unorm hand_loop_select_unorm_fused
     run dew16 130 $B --side dew --batch 16 --remat save_matmul_inputs
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
-  profile)  # fit's update norm against the plain step; the scanned step's HLO comes back
-    run prof 480 python -u tools/profile_tpu_step.py hand_loop hand_loop_select_unorm \
-      hand_loop_select_unorm_fused hand_scan@minimal
+  profile)  # fit's guard and norms against the plain step; the scanned step's HLO comes back
+    run prof 570 python -u tools/profile_tpu_step.py hand_loop hand_loop_select \
+      hand_loop_loss_nonorm hand_loop_select_unorm hand_loop_select_unorm_fused hand_scan@minimal
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
-  big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state
+  big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
+    # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB
+    # needed, 2026-12-07) and "full" trains (41.0% MFU); what lies between
     L="--model llama --emb 2048 --layers 22 --heads 32 --kv-heads 4 --mlp 5632"
-    run llama1b 250 $B --side dew $L --param-dtype bfloat16 --seq 2048 --batch 4
-    run llama1b_full 250 $B --side dew $L --param-dtype bfloat16 --seq 2048 --batch 4 \
-      --remat full ;;
+    L="$L --param-dtype bfloat16 --seq 2048"
+    run llama1b_qkv 200 $B --side dew $L --batch 4 --remat save_qkv_proj
+    run llama1b_dot 200 $B --side dew $L --batch 4 --remat save_dot_except_mlp
+    run llama1b_b2 180 $B --side dew $L --batch 2 ;;
   *) echo "unknown part $PART" >&2; exit 2 ;;
 esac
 cat "$OUT/summary.txt"

@@ -8,12 +8,14 @@ Each argument is a run: ``hand_*`` the model in the plain loop's step, ``fit_*``
 same model through ``Trainer.fit``; the stack ``loop`` (``use_scan=False``), ``scan``
 (``unroll_layers=False``: one compiled loop, the default), ``straight`` (the scanned
 parameters run layer after layer), ``unrolled`` (``nn.scan`` unrolled ``num_layers``
-times); a ``hand_*`` run takes a guard suffix (``hand_loop_cond``, see :func:`hand`);
-a run may name a remat policy after ``@`` (``hand_scan@minimal_with_context``);
-``norms`` times ways of taking the global norm of the parameter tree. Prints, per
-run, the step time, the device's idle time between steps and the operations that
-take the most time per step; traces and the hand step's compiled HLO go to ``$OUT``
-(default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check of the script).
+times), ``split`` (``hand_split``: the loop of blocks on stacked parameters, sliced
+outside the gradient, see :func:`hand`); a ``hand_*`` run takes a guard suffix
+(``hand_loop_cond``, see :func:`hand`); a run may name a remat policy after ``@``
+(``hand_scan@minimal_with_context``); ``norms`` times ways of taking the global norm of
+the parameter tree. Prints, per run, the step time, the device's idle time between steps
+and the operations that take the most time per step; traces and the hand step's compiled
+HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check of the
+script).
 docs/performance.md, "On a TPU v5e chip"."""
 
 import glob
@@ -113,7 +115,24 @@ def params_of(model):
     return jax.tree.map(lambda a: getattr(a, "value", a), p, is_leaf=lambda a: hasattr(a, "value"))
 
 
-def hand(name, guard="none", **kw):
+def stacked(params):
+    """A loop of blocks' ``layer_{i}`` parameters as a scanned stack stores them:
+    ``layers`` with a leading ``[num_layers]`` axis."""
+    names = sorted((k for k in params if k.startswith("layer_")), key=lambda k: int(k[6:]))
+    rest = {k: v for k, v in params.items() if k not in names}
+    return {**rest, "layers": jax.tree.map(lambda *a: jnp.stack(a), *[params[k] for k in names])}
+
+
+def unstacked(params):
+    """:func:`stacked`'s inverse: ``layers[i]`` as ``layer_{i}``."""
+    layers = params["layers"]
+    count = jax.tree.leaves(layers)[0].shape[0]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    split = {f"layer_{i}": jax.tree.map(lambda a, i=i: a[i], layers) for i in range(count)}
+    return {**rest, **split}
+
+
+def hand(name, guard="none", split=False, **kw):
     """guard: how the update is kept from non-finite values: ``none`` (the plain
     loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
     under ``lax.cond``), ``select`` (the same predicate, a select per leaf), ``loss``
@@ -123,11 +142,18 @@ def hand(name, guard="none", **kw):
     ``lax.cond`` on a traced flag, whose operand may make the updates a buffer of
     their own) and
     ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
-    update)."""
+    update).
+
+    split: the loop of blocks' model on parameters stored stacked, as a scanned
+    stack's checkpoint holds them: the step slices ``layers[i]`` outside the
+    gradient, differentiates the ``layer_{i}`` tree and stacks the gradients for
+    the update (a straight program whose gradient has no slices to transpose)."""
     from dew.train.step import tree_norm, update_norm_if
 
     model = models.build("causal_transformer", **S, **kw)
     params = params_of(model)
+    if split:
+        params = stacked(params)
     opt = optax.adamw(3e-4)
     ost = opt.init(params)
 
@@ -136,7 +162,11 @@ def hand(name, guard="none", **kw):
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
 
     def step(p, o, t, logged):
-        loss, g = jax.value_and_grad(loss_fn)(p, t)
+        if split:
+            loss, g = jax.value_and_grad(loss_fn)(unstacked(p), t)
+            g = stacked(g)
+        else:
+            loss, g = jax.value_and_grad(loss_fn)(p, t)
         if guard == "none":
             u, o = opt.update(g, o, p)
             return optax.apply_updates(p, u), o, loss
@@ -250,7 +280,9 @@ for w in which:
         continue
     w, _, policy = w.partition("@")
     kind, stack, *guard = w.split("_", 2)
-    kw = dict(use_scan=stack != "loop")
+    kw = dict(use_scan=stack not in ("loop", "split"))
+    if stack == "split":
+        kw["split"] = True
     if policy:
         kw["remat_policy"] = policy
         w = f"{w}-{policy}"

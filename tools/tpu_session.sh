@@ -66,8 +66,9 @@ case $PART in
     run dew16 130 $B --side dew --batch 16 --remat save_matmul_inputs
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
   profile)  # fit's guard and norms against the plain step; the scanned step's HLO comes back
-    run prof 570 python -u tools/profile_tpu_step.py hand_loop hand_loop_select \
-      hand_loop_loss_nonorm hand_loop_select_unorm hand_loop_select_unorm_fused hand_scan@minimal
+    # hand_split: the loop's speed and compile with the scanned stack's stored parameters?
+    run prof 570 python -u tools/profile_tpu_step.py hand_loop hand_split hand_scan@minimal \
+      hand_loop_select hand_loop_loss_nonorm hand_loop_select_unorm hand_loop_select_unorm_fused
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
   big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
     # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB

@@ -134,6 +134,39 @@ def test_filling_rows_are_empty_and_change_no_other_row(llama):
     assert (filled_new[3] == 0).all() and (filled_logprobs[3] == 0).all()
 
 
+def test_lengths_with_a_filling_row_and_the_pad_id_an_end_id(llama, uncached):
+    # Lengths are read off the tokens after the loop: a row that ended counts
+    # up to its first end id, even when the padding after it (pad_id) is an end
+    # id too; a row that ran out counts every step; a filling row counts 0.
+    model, params = llama
+    full = generate(model, params, PROMPTS, NEW, jax.random.key(0), sampling=GREEDY)
+    end = full.tokens[0][len(PROMPTS[0]) + 2]  # row 0's 3rd new token
+    pad_id = 0
+    filled, filled_mask = pad_prompts(PROMPTS, pad_id=pad_id, multiple=8, rows=4)
+    new, logprobs, lengths = jax.device_get(
+        jax.jit(
+            lambda t, m: decode(
+                model,
+                params,
+                t,
+                m,
+                max_new_tokens=NEW,
+                key=jax.random.key(0),
+                sampling=GREEDY,
+                end_ids=(pad_id, end),
+                pad_id=pad_id,
+            )
+        )(filled, filled_mask)
+    )
+    ref, _ = uncached(model, params).greedy(PROMPTS, NEW, end_ids=(pad_id, end))
+    assert lengths.tolist() == [len(r) - len(p) for r, p in zip(ref, PROMPTS)] + [0]
+    assert lengths[0] <= 3
+    for row, (r, p) in enumerate(zip(ref, PROMPTS)):
+        assert new[row, : lengths[row]].tolist() == r[len(p) :]
+        assert (new[row, lengths[row] :] == pad_id).all()
+        assert (logprobs[row, lengths[row] :] == 0).all()
+
+
 @pytest.mark.parametrize(
     "prompt, new, message",
     [

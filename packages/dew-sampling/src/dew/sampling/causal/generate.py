@@ -42,21 +42,21 @@ class DecodeState:
     step: ``[]`` new tokens chosen so far; the next one goes to ``tokens[:, step]``.
     cache: the model's ``cache`` collection, holding every token fed so far.
     token: ``[batch]`` the last chosen token, fed at the next step.
-    position: ``[batch]`` its position.
     done: ``[batch]`` the row has ended (an end id, or an empty padding row).
     tokens: ``[batch, max_new_tokens]`` new tokens; ``pad_id`` after a row ends.
     logprobs: ``[batch, max_new_tokens]`` their log-probabilities; 0 after a row ends.
-    lengths: ``[batch]`` new tokens per row, its end id included.
+
+    Not carried, since they follow from the rest: the position each step feeds
+    (``position - 1 + step``, from the prefill's ``position``) and each row's
+    length (read off ``tokens`` once the loop has ended, :func:`_lengths`).
     """
 
     step: jax.Array
     cache: Any
     token: jax.Array
-    position: jax.Array
     done: jax.Array
     tokens: jax.Array
     logprobs: jax.Array
-    lengths: jax.Array
 
 
 def decode(
@@ -83,46 +83,68 @@ def decode(
     batch, prompt_len = tokens.shape
     model, params = unrolled(model, nn.meta.unbox(params))
     logits, cache, position = prefill(model, params, tokens, mask, prompt_len + max_new_tokens)
-    end = jnp.asarray(end_ids if end_ids else (-1,), jnp.int32)
+    end = jnp.asarray(end_ids, jnp.int32) if end_ids else None
 
+    # A step does only what the returned values need, beyond the model call;
+    # the rest is decided here, while tracing. Without end ids no row can end,
+    # so the loop neither looks for them nor asks whether every row has ended,
+    # and runs a fixed number of steps; greedy splits no keys.
     def choose(logits_last, i, done):
-        token, logprob = sample_logits(logits_last, jax.random.fold_in(key, i), sampling)
+        step_key = None if sampling.is_greedy else jax.random.fold_in(key, i)
+        token, logprob = sample_logits(logits_last, step_key, sampling)
         token = jnp.where(done, pad_id, token)
         logprob = jnp.where(done, 0.0, logprob)
-        return token, logprob, done | jnp.isin(token, end)
+        if end is not None:
+            done = done | jnp.isin(token, end)
+        return token, logprob, done
 
     empty = ~jnp.any(mask, axis=-1)  # padding rows that fill the batch up
+    before_first = position - 1  # step s feeds the token at position before_first + s
     token, logprob, done = choose(logits, 0, empty)
     state = DecodeState(
         step=jnp.int32(1),
         cache=cache,
         token=token,
-        position=position,
         done=done,
         tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token),
         logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(logprob),
-        lengths=(~empty).astype(jnp.int32),
     )
 
     def cond(s: DecodeState):
+        if end is None:  # the rows that are done (empty ones) stay done and emit padding
+            return s.step < max_new_tokens
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
     def body(s: DecodeState) -> DecodeState:
-        logits, cache = decode_step(model, params, s.cache, s.token, s.position)
+        logits, cache = decode_step(model, params, s.cache, s.token, before_first + s.step)
         token, logprob, done = choose(logits, s.step, s.done)
         return DecodeState(
             step=s.step + 1,
             cache=cache,
             token=token,
-            position=s.position + 1,
             done=done,
             tokens=jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step)),
             logprobs=jax.lax.dynamic_update_slice(s.logprobs, logprob[:, None], (0, s.step)),
-            lengths=s.lengths + (~s.done).astype(jnp.int32),
         )
 
     state = jax.lax.while_loop(cond, body, state)
-    return state.tokens, state.logprobs, state.lengths
+    return state.tokens, state.logprobs, _lengths(state, empty, end)
+
+
+def _lengths(state: DecodeState, empty: jax.Array, end: jax.Array | None) -> jax.Array:
+    """New tokens per row ``[batch]``, its end id included, from the loop's final state.
+
+    A row that ended at step ``j`` holds its first end id at ``tokens[:, j]``
+    (no earlier token was one, else it would have ended there): length ``j + 1``.
+    A row still running when the loop stopped has a token at every step before
+    ``state.step``; an empty row has none.
+    """
+    if end is None:
+        running = state.step
+    else:
+        first_end = jnp.argmax(jnp.isin(state.tokens, end), axis=-1).astype(jnp.int32)
+        running = jnp.where(state.done, first_end + 1, state.step)
+    return jnp.where(empty, 0, running).astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=64)

@@ -76,8 +76,10 @@ def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     return scaled
 
 
-def sample_logits(logits: jax.Array, key: jax.Array, sampling: Sampling):
+def sample_logits(logits: jax.Array, key: jax.Array | None, sampling: Sampling):
     """Draw one token per row of ``logits [batch, vocab]``.
+
+    key: the draw's PRNG key; unused, and may be None, when ``sampling`` is greedy.
 
     Returns ``(tokens [batch] int32, logprobs [batch])``; the log-probability is
     the model's own (``log_softmax`` of the raw logits), which is what policy

@@ -19,6 +19,7 @@ which is what Dew's ``generate`` decodes with.
     python tools/bench_generate.py                       # Dew, hand-written, uncached
     /tmp/parity/bin/python tools/bench_generate.py       # + transformers, where installed
     python tools/bench_generate.py --new-tokens 128 --batch 8 --repeats 3
+    python tools/bench_generate.py --hlo     # + each loop body's HLO instruction count
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import re
 import statistics
 import tempfile
 import time
@@ -41,7 +43,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dew.nn import CausalTransformer  # noqa: E402
-from dew.sampling import Pretrained, Sampling, generate  # noqa: E402
+from dew.sampling import Pretrained, Sampling, decode, generate, pad_prompts  # noqa: E402
+from dew.sampling.causal.prompts import PROMPT_BUCKET  # noqa: E402
 from dew.sampling.generate import unrolled  # noqa: E402
 
 SIZES = {
@@ -99,6 +102,12 @@ def llama_weights(directory: str, size: str) -> tuple[Pretrained, object | None]
 
 def hand_written(model, params, tokens, new_tokens):
     """A plain cached greedy decode: prefill, then one fori_loop; equal-length prompts."""
+    run = hand_written_program(model, new_tokens)
+    return lambda: np.asarray(run(params, tokens))
+
+
+def hand_written_program(model, new_tokens):
+    """The jitted ``run(params, tokens)`` of :func:`hand_written`."""
 
     @jax.jit
     def run(params, tokens):
@@ -133,7 +142,41 @@ def hand_written(model, params, tokens, new_tokens):
 
         return jax.lax.fori_loop(1, new_tokens, body, (v["cache"], token, out))[2]
 
-    return lambda: np.asarray(run(params, tokens))
+    return run
+
+
+def loop_body_size(hlo: str) -> tuple[int, int]:
+    """``(instructions, fusions)`` of the largest while-loop body in compiled HLO
+    text: the per-token decode step (the layers unrolled, so no loop nests in it)."""
+    bodies, name, count, fusions = {}, None, 0, 0
+    for line in hlo.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            name, count, fusions = line.split()[0].lstrip("%"), 0, 0
+        elif line.startswith("}") and name:
+            bodies[name], name = (count, fusions), None
+        elif name and line.strip():
+            count += 1
+            fusions += " fusion(" in line
+    called = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    return max((bodies[b] for b in called if b in bodies), default=(0, 0))
+
+
+def print_loop_bodies(model, params, tokens, new_tokens, greedy) -> None:
+    """Each side's per-token loop body, as compiled for this backend."""
+    prompt_tokens, mask = pad_prompts(tokens.tolist(), 0, multiple=PROMPT_BUCKET)
+    dew = jax.jit(
+        functools.partial(decode, model, max_new_tokens=new_tokens, sampling=greedy)
+    ).lower(params, prompt_tokens, mask, key=jax.random.key(0))
+    flat_model, flat_params = unrolled(model, params)
+    sides = {
+        "dew generate": dew,
+        "hand-written, layers unrolled": hand_written_program(flat_model, new_tokens).lower(
+            flat_params, tokens
+        ),
+    }
+    for name, lowered in sides.items():
+        instructions, fusions = loop_body_size(lowered.compile().as_text())
+        print(f"  {name:30s} loop body: {instructions} HLO instructions, {fusions} fusions")
 
 
 def uncached(model, params, tokens, new_tokens):
@@ -230,6 +273,8 @@ def bench(size: str, args) -> None:
         f"{model.vocab_size}; batch {args.batch}, prompt {args.prompt_tokens}, "
         f"{args.new_tokens} new tokens, greedy; best (median) of {args.repeats}"
     )
+    if args.hlo:
+        print_loop_bodies(model, params, jnp.asarray(tokens), args.new_tokens, greedy)
     rates = {}
     for name, (seconds, median, output) in timed(sides, args.repeats).items():
         rates[name] = args.batch * args.new_tokens / seconds
@@ -261,6 +306,11 @@ def main():
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--hlo",
+        action="store_true",
+        help="also count the HLO instructions of Dew's and the hand-written loop's per-token body",
+    )
     args = parser.parse_args()
     line = f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}"
     if importlib.util.find_spec("transformers") is not None:

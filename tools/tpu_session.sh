@@ -59,7 +59,7 @@ case $PART in
       run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 ;;
     esac ;;
   decode)
-    run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 ;;
+    run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 --hlo ;;
   policy)  # the scanned stack keeping what a loop of blocks keeps, against the loop
     run prof 330 python -u tools/profile_tpu_step.py hand_loop hand_scan@save_matmul_inputs \
       fit_scan@save_matmul_inputs hand_loop_select_unorm hand_loop_select_unorm_fused

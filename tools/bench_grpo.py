@@ -47,6 +47,7 @@ from dew.nn.allocator import configure_allocator  # noqa: E402
 
 configure_allocator()
 
+import _hlo  # noqa: E402 (tools/, this script's directory)
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -304,7 +305,7 @@ def run_hand(size, iterations):
     return statistics.median(rollouts[1:]), statistics.median(updates[1:])
 
 
-def interleaved(size, calls, inline=False):
+def interleaved(size, calls, inline=False, hlo=False):
     """Median seconds ``(dew rollout, hand rollout, dew update, hand update)`` and the
     median paired ratios, with one call of each side in turn (rollout Dew, rollout
     hand, update Dew, update hand, ...), so a shared machine's drifting load falls
@@ -355,6 +356,10 @@ def interleaved(size, calls, inline=False):
         ]
         (dew_step,) = [c.program for c in trainer.programs.cache.update.values()]
         not_logged = logged_flag(trainer.device_mesh, False)  # as fit's steps between log lines
+        if hlo:
+            batch = rollout(params, reference, *hand_batches[0], jax.random.key(0))
+            hand = hand_step.lower(params, opt_state, batch, 0).compile()
+            print(_hlo.compare("update", dew_step, hand), flush=True)
         for i in range(calls + 1):
             prepared = timed(
                 "dew_roll", trainer.programs.prepare, state, placed[i % 4], shardings, gp
@@ -381,6 +386,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--calls", type=int, default=12, help="calls of each side in the interleaved measurement"
+    )
+    parser.add_argument(
+        "--hlo",
+        action="store_true",
+        help="print the two updates' traffic: bytes accessed, entry copies, temporaries",
     )
     parser.add_argument(
         "--inline-rewards",
@@ -416,7 +426,7 @@ def main() -> None:
             f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}"
         )
     calls = args.calls
-    med, (p_roll, p_upd) = interleaved(args.size, calls, inline=args.inline_rewards)
+    med, (p_roll, p_upd) = interleaved(args.size, calls, inline=args.inline_rewards, hlo=args.hlo)
     print(
         f"interleaved ({calls} calls of each, in turn; medians): rollout dew "
         f"{med['dew_roll'] * 1e3:.1f} ms hand {med['hand_roll'] * 1e3:.1f} ms ratio "

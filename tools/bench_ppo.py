@@ -57,6 +57,7 @@ from dew.nn.allocator import configure_allocator  # noqa: E402
 
 configure_allocator()
 
+import _hlo  # noqa: E402 (tools/, this script's directory)
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -371,7 +372,7 @@ def hand_batch(prepared, new):
     )
 
 
-def interleaved(size, calls):
+def interleaved(size, calls, hlo=False):
     """Median seconds ``(dew rollout, hand rollout, dew update, hand update)``, the
     median paired ratios, and ``[((dew loss, value loss), (hand loss, value loss))]``
     of the first two updates of one prepared batch, with one call of each side in
@@ -440,6 +441,13 @@ def interleaved(size, calls):
             losses.append(((float(metrics["loss"]), float(value.total / value.weight)), hand))
         for _ in range(2, MINIBATCHES):  # the rest of that batch's updates
             state, _ = dew_step(state, prepared, not_logged)
+        if hlo:
+            print(
+                _hlo.compare(
+                    "update", dew_step, hand_step.lower(params, opt_state, same, 0).compile()
+                ),
+                flush=True,
+            )
 
         for i in range(calls + 1):
             prepared = timed(
@@ -467,6 +475,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--calls", type=int, default=12, help="calls of each side in the interleaved measurement"
+    )
+    parser.add_argument(
+        "--hlo",
+        action="store_true",
+        help="print the two updates' traffic: bytes accessed, entry copies, temporaries",
     )
     args = parser.parse_args()
     cfg = SIZES[args.size]
@@ -496,7 +509,7 @@ def main() -> None:
             f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}"
         )
     calls = args.calls
-    med, (p_roll, p_upd), losses = interleaved(args.size, calls)
+    med, (p_roll, p_upd), losses = interleaved(args.size, calls, hlo=args.hlo)
     for which, ((dew, dew_value), (hand, hand_value)) in zip(("first", "second"), losses):
         print(
             f"loss of the {which} update on the same prepared minibatch: dew {dew:.9g} hand "

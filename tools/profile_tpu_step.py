@@ -18,6 +18,7 @@ HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check
 script).
 docs/performance.md, "On a TPU v5e chip"."""
 
+import functools
 import glob
 import gzip
 import itertools
@@ -132,6 +133,19 @@ def unstacked(params):
     return {**rest, **split}
 
 
+def after(flag, tree):
+    """``flag``, computed after every leaf of ``tree`` (it reads one element of each,
+    through a test XLA does not fold): a select that reads it is ordered after the
+    fusions that produce ``tree``, so XLA can write a donated buffer in place that
+    those fusions read instead of copying it first."""
+    parts = [
+        jax.lax.bitcast_convert_type(x[(0,) * x.ndim].astype(jnp.float32), jnp.uint32)
+        for x in jax.tree.leaves(tree)
+    ]
+    token = functools.reduce(jnp.bitwise_or, parts)
+    return flag & ((token | 1) != 0)
+
+
 def hand(name, guard="none", split=False, **kw):
     """guard: how the update is kept from non-finite values: ``none`` (the plain
     loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
@@ -142,7 +156,10 @@ def hand(name, guard="none", split=False, **kw):
     ``lax.cond`` on a traced flag, whose operand may make the updates a buffer of
     their own) and
     ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
-    update).
+    update); ``select_ordered`` (``select`` with the optimizer state's selects
+    ordered after the weights' (:func:`after`): without the order XLA copies every
+    state leaf the weights' fusions read, on the CPU as in ``tools/bench_ppo.py
+    --hlo``; with it the copies go, and the chip says what that is worth).
 
     split: the loop of blocks' model on parameters stored stacked, as a scanned
     stack's checkpoint holds them: the step slices ``layers[i]`` outside the
@@ -185,6 +202,10 @@ def hand(name, guard="none", split=False, **kw):
         if guard == "cond":
             p, o = jax.lax.cond(ok, lambda po: apply(po)[0], lambda po: po, (p, o))
             unorm = jnp.zeros(())
+        elif guard == "select_ordered":
+            (new_p, new_o), unorm = apply((p, o))
+            p = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_p, p)
+            o = jax.tree.map(lambda a, b: jnp.where(after(ok, p), a, b), new_o, o)
         else:
             new, unorm = apply((p, o))
             p, o = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (p, o))

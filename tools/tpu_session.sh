@@ -5,7 +5,7 @@
 #   bash tools/tpu_session.sh PART [BUDGET_SECONDS]
 #
 # PART: table-hand | table-splash | table-dew | families | families-a | families-b |
-#   families-c | decode | profile | policy | big.
+#   families-c | families-d | decode | profile | policy | big.
 # Run from the project root of the device's copy, after
 # `source .tpu/host_env.sh` (docs/performance.md, "On a TPU v5e chip"), with
 # JAX_COMPILATION_CACHE_DIR set; a machine's start costs minutes of the session's
@@ -35,28 +35,32 @@ case $PART in
     side=${PART#table-}
     [ "$side" = dew ] && side=dew,dew_loop
     run "${side%%,*}" 600 $B --suite table --only "$side" --out "$OUT/${side%%,*}.jsonl" ;;
-  families | families-a | families-b | families-c)
+  families | families-a | families-b | families-c | families-d)
     # each tool's chip-sized step ("tpu"), one process each. Their compiles dominate: on
-    # the chip (2026-12-07) DPO's run took 196 s, GRPO's 318 s, and diffusion, JEPA, token
-    # diffusion, Flow-GRPO and distillation had not printed a result after 100-120 s each,
-    # so a call of 600 s holds three of them: families-a, -b, -c (families: all, in order)
+    # the chip (2026-12-07) DiT's run took 143 s, JEPA's 194-330 s, DPO's 196 s, GRPO's
+    # 318 s, PPO's about 330 s, and token diffusion, Flow-GRPO and distillation had not
+    # printed a result after 190-200 s each (their compile caches then warm); a call of
+    # 600 s holds: families-a (token diffusion), -b (Flow-GRPO, distillation), -c (DPO,
+    # GRPO), -d (DiT, JEPA, PPO: measured); families: all, in order
     case $PART in families | families-a)
-      run diffusion 190 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
-        --repeats 1
-      run jepa 190 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
-        --repeats 1
-      run token 200 python -u tools/bench_token_diffusion.py --size tpu --parts train \
+      run token 570 python -u tools/bench_token_diffusion.py --size tpu --parts train \
         --steps 8 --repeats 1 ;;
     esac
     case $PART in families | families-b)
-      run flow 190 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
-      run distill 190 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10
-      run ppo 200 python -u tools/bench_ppo.py --size tpu --repeats 0 --calls 6 ;;
+      run flow 280 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
+      run distill 280 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
     esac
     case $PART in families | families-c)
       run dpo 220 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
         --parts interleaved
-      run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 ;;
+      run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 --hlo ;;
+    esac
+    case $PART in families | families-d)
+      run diffusion 190 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
+        --repeats 1
+      run jepa 330 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
+        --repeats 1
+      run ppo 340 python -u tools/bench_ppo.py --size tpu --repeats 0 --calls 6 --hlo ;;
     esac ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 --hlo ;;
@@ -65,10 +69,10 @@ case $PART in
       fit_scan@save_matmul_inputs hand_loop_select_unorm hand_loop_select_unorm_fused
     run dew16 130 $B --side dew --batch 16 --remat save_matmul_inputs
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
-  profile)  # fit's guard and norms against the plain step; the scanned step's HLO comes back
-    # hand_split: the loop's speed and compile with the scanned stack's stored parameters?
-    run prof 570 python -u tools/profile_tpu_step.py hand_loop hand_split hand_scan@minimal \
-      hand_loop_select hand_loop_loss_nonorm hand_loop_select_unorm hand_loop_select_unorm_fused
+  profile)  # fit's guard against the plain step: a select per leaf copies the optimizer
+    # state (tools/bench_ppo.py --hlo); ordered, it does not. Then the scanned step's HLO
+    run prof 570 python -u tools/profile_tpu_step.py hand_loop hand_loop_select \
+      hand_loop_select_ordered hand_loop_loss_nonorm hand_scan@minimal hand_split
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
   big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
     # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB

@@ -5,6 +5,7 @@ them (log lines, NonFiniteError, averaged weights in evaluation/preview)."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -316,3 +317,59 @@ def test_fused_tree_norm_is_one_reduction_and_equals_numpy():
     big = {"w": jax.ShapeDtypeStruct((FUSED_NORM_ELEMENTS + 1,), jnp.float32)}
     jaxpr = jax.make_jaxpr(lambda t: tree_norm(t, fused=True))(big)
     assert not any(e.primitive.name == "concatenate" for e in jaxpr.jaxpr.eqns)  # no copy
+
+
+def test_after_keeps_the_flag_whatever_the_leaves_hold():
+    from dew.train.step import after
+
+    odd = {
+        "zero": jnp.zeros((2, 3)),
+        "negative_zero": jnp.full((2,), -0.0),
+        "nan": jnp.full((3,), jnp.nan),
+        "inf": jnp.asarray(-jnp.inf),
+        "bf16": jnp.ones((2, 2), jnp.bfloat16),
+        "int": jnp.arange(4, dtype=jnp.int32),
+        "empty": jnp.zeros((0, 3)),
+    }
+    for leaves in (odd, {}, {"empty": jnp.zeros((0,))}):
+        for flag in (True, False):
+            got = jax.jit(after)(jnp.asarray(flag), leaves)
+            assert got.dtype == jnp.bool_ and bool(got) is flag
+
+
+def copied_arguments(compiled) -> list[str]:
+    """The arguments the compiled program copies before it runs (its entry
+    computation's copies of a parameter)."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    arguments = set(re.findall(r"%([\w.\-]+) = \S+ parameter\(", entry))
+    return [name for name in re.findall(r" copy\(%([\w.\-]+)\)", entry) if name in arguments]
+
+
+@pytest.mark.parametrize("rejected", [False, True])
+def test_one_device_step_writes_the_optimizer_state_in_place(rejected):
+    # an AdamW state (moments read by the weights' fusions, the weights by the decay)
+    # and an EMA: unordered, the donated step copies every moment, weight and the count
+    # first (7 here); ordered, none. The values are those of the unordered selects.
+    objective = Linear(ema=EMA(decay=0.5))
+    optimizer = optax.adamw(0.1, weight_decay=0.1)
+    built = {
+        one: jax.jit(build_train_step(objective, optimizer, one_device=one), donate_argnums=0)
+        for one in (True, False)
+    }
+    state = fresh_state(objective, optimizer)
+    state, _ = jax.jit(build_train_step(objective, optimizer))(state, batch_at(0))
+    batch = batch_at(1, poison=rejected)
+    compiled = built[True].lower(state, batch).compile()
+    assert copied_arguments(compiled) == []
+    assert len(copied_arguments(built[False].lower(state, batch).compile())) == 7
+    copy = jax.tree.map(jnp.copy, state)
+    got, metrics = compiled(jax.tree.map(jnp.copy, state), batch)
+    want, _ = built[False](copy, batch)
+    assert float(metrics["accepted"]) == float(not rejected)
+    for field in ("params", "opt_state", "averaged"):
+        for a, b in zip(
+            jax.tree.leaves(getattr(got, field)), jax.tree.leaves(getattr(want, field))
+        ):
+            np.testing.assert_array_equal(a, b)

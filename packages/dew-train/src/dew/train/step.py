@@ -281,6 +281,26 @@ def update_norm_if(is_logged, updates, *, fused: bool = False) -> jax.Array:
     return jax.lax.cond(is_logged, norm, lambda u: jnp.zeros((), jnp.float32), updates)
 
 
+def after(flag: jax.Array, tree) -> jax.Array:
+    """``flag``, computed after every leaf of ``tree``: it reads one element of each,
+    through a test XLA does not fold (every 32-bit pattern with its low bit set is
+    nonzero), so the value is ``flag``'s. An update that reads it is ordered after
+    ``tree``'s producers, which lets XLA write a donated buffer in place that those
+    producers read (without the order it copies the buffer first). One device: an
+    element of a sharded leaf would be gathered."""
+    parts = [
+        jax.lax.bitcast_convert_type(
+            jnp.asarray(x)[(0,) * jnp.ndim(x)].astype(jnp.float32), jnp.uint32
+        )
+        for x in jax.tree.leaves(tree)
+        if jnp.size(x)
+    ]
+    if not parts:
+        return flag
+    token = functools.reduce(jnp.bitwise_or, parts)
+    return flag & ((token | 1) != 0)
+
+
 def kept_if(ok: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     """``new`` where ``ok``, else ``old``: an elementwise select (typed PRNG keys, as an
     optimizer state may hold, through their data)."""
@@ -343,9 +363,19 @@ def build_train_step(
         # temporaries), where lax.cond's operands cost copies (TPU v5e: 7.5 ms of a
         # 123 ms step; docs/performance.md)
         old = (state.params_by_role, state.opt_state, state.averaged_by_role)
-        new, update_norm = apply(old)
-        params, opt_state, averaged = jax.tree.map(lambda a, b: kept_if(finite, a, b), new, old)
+        (new_params, new_opt_state, new_averaged), update_norm = apply(old)
+        # XLA recomputes the updates inside each fusion that needs them (the weights',
+        # their average's, the updates' norm's), so these read the old weights and
+        # optimizer state; an in-place select of a donated buffer that another fusion
+        # still reads costs a copy of it first (PPO's update at the TPU size: 435 MiB of
+        # copies; docs/performance.md). On one device the selects are ordered instead:
+        # the average and the norm, then the weights, then the optimizer state.
         update_norm = jnp.where(finite, update_norm, 0.0)
+        averaged = jax.tree.map(lambda a, b: kept_if(finite, a, b), new_averaged, old[2])
+        params_ok = after(finite, (averaged, update_norm)) if one_device else finite
+        params = jax.tree.map(lambda a, b: kept_if(params_ok, a, b), new_params, old[0])
+        state_ok = after(finite, params) if one_device else finite
+        opt_state = jax.tree.map(lambda a, b: kept_if(state_ok, a, b), new_opt_state, old[1])
         new_state = state.replace(
             params_by_role=params,
             opt_state=opt_state,

@@ -4,22 +4,14 @@ compile, well under a second)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-BENCH = pathlib.Path(__file__).parents[1] / "tools" / "bench_generate.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_generate", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_tool):
+    return load_tool("bench_generate.py")
 
 
 def body_size(bench, step_fn):

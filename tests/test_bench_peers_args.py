@@ -5,20 +5,12 @@ trained here, well under a second)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
-
-RUN = pathlib.Path(__file__).parents[1] / "tools" / "bench_peers" / "run.py"
 
 
 @pytest.fixture(scope="module")
-def run():
-    spec = importlib.util.spec_from_file_location("bench_peers_run", RUN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run(load_tool):
+    return load_tool("bench_peers/run.py")
 
 
 def error(run, argv, capsys) -> str:
@@ -62,17 +54,10 @@ def test_missing_interpreter_is_reported_not_dropped(run, tmp_path):
     assert any("| levanter | not installed" in row for row in rows)
 
 
-def load_tool(name: str):
-    """The module of ``tools/<name>.py``."""
-    path = pathlib.Path(__file__).parents[1] / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_matmul_refuses_a_size_below_one_and_reports_a_missing_torch(tmp_path, capsys):
-    module = load_tool("bench_matmul")
+def test_bench_matmul_refuses_a_size_below_one_and_reports_a_missing_torch(
+    tmp_path, capsys, load_tool
+):
+    module = load_tool("bench_matmul.py")
     with pytest.raises(SystemExit) as exit_:
         module.main(["--size", "0"])
     assert exit_.value.code == 2
@@ -81,8 +66,10 @@ def test_bench_matmul_refuses_a_size_below_one_and_reports_a_missing_torch(tmp_p
     assert module.run(missing, "torch", 8, 1) == f"not installed (no {missing})"
 
 
-def test_bench_attention_refuses_a_length_that_does_not_divide_the_tokens(tmp_path, capsys):
-    module = load_tool("bench_attention")
+def test_bench_attention_refuses_a_length_that_does_not_divide_the_tokens(
+    tmp_path, capsys, load_tool
+):
+    module = load_tool("bench_attention.py")
     with pytest.raises(SystemExit) as exit_:
         module.main(["--lengths", "256", "300"])
     assert exit_.value.code == 2

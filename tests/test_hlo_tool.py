@@ -3,22 +3,14 @@ donated buffer that is still read after an in-place write (one tiny compile each
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import pytest
 
-TOOL = pathlib.Path(__file__).parents[1] / "tools" / "_hlo.py"
-
 
 @pytest.fixture(scope="module")
-def hlo():
-    spec = importlib.util.spec_from_file_location("_hlo", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def hlo(load_tool):
+    return load_tool("_hlo.py")
 
 
 def test_shape_bytes(hlo):

@@ -373,3 +373,26 @@ def test_one_device_step_writes_the_optimizer_state_in_place(rejected):
             jax.tree.leaves(getattr(got, field)), jax.tree.leaves(getattr(want, field))
         ):
             np.testing.assert_array_equal(a, b)
+
+
+def test_the_logged_update_norm_is_optax_s_and_an_unlogged_step_the_same_state():
+    # the norm is computed again inside the logged steps' branch (the step's own updates
+    # are never written out): it must be the norm of the updates optax applies
+    objective = Linear(ema=EMA(decay=0.5))
+    optimizer = optax.adamw(0.1, weight_decay=0.1)
+    step = jax.jit(build_train_step(objective, optimizer, one_device=True))
+    state, _ = step(fresh_state(objective, optimizer), batch_at(0), jnp.asarray(False))
+    batch = batch_at(1)
+    params = state.params_by_role
+    grads = jax.grad(lambda p: objective.loss({"params": p}, batch, None)[0])(params)
+    updates, _ = optimizer.update(grads, state.opt_state, params)
+    want = np.sqrt(sum(np.sum(np.asarray(u, np.float64) ** 2) for u in jax.tree.leaves(updates)))
+    logged, metrics = step(state, batch, jnp.asarray(True))
+    assert float(metrics["update_norm"].weight) == 1.0
+    np.testing.assert_allclose(float(metrics["update_norm"].total), want, rtol=1e-5)
+    unlogged, metrics = step(state, batch, jnp.asarray(False))
+    assert float(metrics["update_norm"].weight) == 0.0
+    for a, b in zip(
+        jax.tree.leaves(logged.params_by_role), jax.tree.leaves(unlogged.params_by_role)
+    ):
+        np.testing.assert_array_equal(a, b)

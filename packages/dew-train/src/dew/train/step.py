@@ -271,14 +271,20 @@ def tree_norm(tree, *, fused: bool = False) -> jax.Array:
 def update_norm_if(is_logged, updates, *, fused: bool = False) -> jax.Array:
     """:func:`tree_norm` of ``updates`` when ``is_logged`` (a traced bool: under
     ``lax.cond``, so a step the log does not read skips the pass over every
-    parameter), else 0."""
+    parameter), else 0.
 
-    def norm(u):
-        return tree_norm(u, fused=fused)
+    updates: the updates tree, or a function of no arguments that computes it, which
+    then runs inside the branch only: the step's own updates are fused into each
+    weight's update and never written out, where a tree given to the branch is one
+    buffer a leaf, written on every step."""
+    compute = updates if callable(updates) else (lambda: updates)
+
+    def norm(_):
+        return tree_norm(compute(), fused=fused)
 
     if isinstance(is_logged, bool):
-        return norm(updates) if is_logged else jnp.zeros((), jnp.float32)
-    return jax.lax.cond(is_logged, norm, lambda u: jnp.zeros((), jnp.float32), updates)
+        return norm(None) if is_logged else jnp.zeros((), jnp.float32)
+    return jax.lax.cond(is_logged, norm, lambda _: jnp.zeros((), jnp.float32), None)
 
 
 def after(flag: jax.Array, tree) -> jax.Array:
@@ -350,11 +356,13 @@ def build_train_step(
 
         def apply(operands):
             params, opt_state, averaged = operands
-            updates, opt_state = optimizer.update(grads, opt_state, params)
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             averaged = ema_fn(averaged, new_params, state.updates)
-            norm = update_norm_if(is_logged, updates, fused=one_device)
-            return (new_params, opt_state, averaged), norm
+            # the same updates again, computed in the logged steps' branch only
+            again = lambda: optimizer.update(grads, opt_state, params)[0]  # noqa: E731
+            norm = update_norm_if(is_logged, again, fused=one_device)
+            return (new_params, new_opt_state, averaged), norm
 
         logged = jnp.asarray(is_logged, jnp.float32)
 

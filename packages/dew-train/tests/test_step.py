@@ -396,3 +396,20 @@ def test_the_logged_update_norm_is_optax_s_and_an_unlogged_step_the_same_state()
         jax.tree.leaves(logged.params_by_role), jax.tree.leaves(unlogged.params_by_role)
     ):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fit_orders_the_selects_where_the_state_is_whole_on_every_device():
+    # 8 devices of data parallelism hold every weight and moment whole: the guard's
+    # selects are ordered there too, so the compiled update copies no argument
+    data = Dataset(
+        train=lambda partition: (batch_at(i) for i in itertools.count()),
+        val=None,
+        records=0,
+        batch=ROWS,
+    )
+    trainer = Trainer(Linear(ema=EMA(decay=0.9)), optax.adamw(0.05), key=jax.random.key(0),
+                      progress=False)  # fmt: skip
+    assert trainer.device_mesh.size == jax.device_count() == 8
+    trainer.fit(data, steps=1, log_every=0)
+    (compiled,) = trainer.programs.cache.update.values()
+    assert copied_arguments(compiled.program) == []

@@ -264,7 +264,7 @@ class Programs:
         key = layout(batch)
         compiled = self.cache.update.get(key)
         if compiled is None:
-            step_fn, packing = packed_step(self.step_fn())
+            step_fn, packing = packed_step(self.step_fn(shardings))
             try:
                 program, flops = compile_with_flops(
                     step_fn,
@@ -296,15 +296,27 @@ class Programs:
             compiled = self.cache.update[key] = Compiled(program, flops, packing, peak, model)
         return compiled
 
-    def step_fn(self) -> Callable:
+    def step_fn(self, shardings: TrainState | None = None) -> Callable:
         """``(state, batch, is_logged) -> (state, metrics)``: the update step
-        before its metrics are packed (a prepared batch's minibatch selected first)."""
+        before its metrics are packed (a prepared batch's minibatch selected first).
+
+        shardings: the state's; when every trained leaf is whole on each device (one
+        device, or data parallelism alone) the non-finite guard's selects are ordered
+        (:func:`dew.train.step.after`)."""
+        one_device = self.device_mesh.size == 1
+        whole = shardings is not None and all(
+            s.is_fully_replicated
+            for s in jax.tree.leaves(
+                (shardings.params_by_role, shardings.opt_state, shardings.averaged_by_role)
+            )
+        )
         step_fn = build_train_step(
             self.objective,
             self.optimizer,
             accumulate_steps=self.accumulate,
             learning_rate=self.learning_rate,
-            one_device=self.device_mesh.size == 1,
+            one_device=one_device,
+            ordered_selects=one_device or whole,
         )
         if self.objective.has_prepare:
             step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)

@@ -292,8 +292,8 @@ def after(flag: jax.Array, tree) -> jax.Array:
     through a test XLA does not fold (every 32-bit pattern with its low bit set is
     nonzero), so the value is ``flag``'s. An update that reads it is ordered after
     ``tree``'s producers, which lets XLA write a donated buffer in place that those
-    producers read (without the order it copies the buffer first). One device: an
-    element of a sharded leaf would be gathered."""
+    producers read (without the order it copies the buffer first). For leaves whole
+    on each device: an element of a split leaf would be gathered."""
     parts = [
         jax.lax.bitcast_convert_type(
             jnp.asarray(x)[(0,) * jnp.ndim(x)].astype(jnp.float32), jnp.uint32
@@ -323,6 +323,7 @@ def build_train_step(
     accumulate_steps: int = 1,
     learning_rate: Callable | float | None = None,
     one_device: bool = False,
+    ordered_selects: bool | None = None,
 ) -> Callable:
     """``(state, batch, is_logged=True) -> (state, metrics)``: one attempt of the
     training step.
@@ -342,8 +343,14 @@ def build_train_step(
 
     one_device: the step runs on one device: small trees' norms are one fused
     reduction (:func:`tree_norm`).
+    ordered_selects: the non-finite guard's selects are ordered (:func:`after`: the
+    average's and the updates' norm's, then the weights', then the optimizer
+    state's), so XLA writes the donated state in place instead of copying it first;
+    only where every weight and state leaf is whole on each device (an element of a
+    split leaf would be gathered). None: ``one_device``.
     """
     grads_fn = accumulate(weighted_loss_fn(objective, accumulate_steps), accumulate_steps)
+    ordered = one_device if ordered_selects is None else ordered_selects
     ema_fn = ema_update_fn(objective.ema, role_emas(objective, check_roles(objective)))
 
     def train_step(state: TrainState, batch, is_logged=True):
@@ -376,13 +383,14 @@ def build_train_step(
         # their average's, the updates' norm's), so these read the old weights and
         # optimizer state; an in-place select of a donated buffer that another fusion
         # still reads costs a copy of it first (PPO's update at the TPU size: 435 MiB of
-        # copies; docs/performance.md). On one device the selects are ordered instead:
-        # the average and the norm, then the weights, then the optimizer state.
+        # copies; docs/performance.md). Where the state is whole on each device the
+        # selects are ordered instead: the average and the norm, then the weights, then
+        # the optimizer state.
         update_norm = jnp.where(finite, update_norm, 0.0)
         averaged = jax.tree.map(lambda a, b: kept_if(finite, a, b), new_averaged, old[2])
-        params_ok = after(finite, (averaged, update_norm)) if one_device else finite
+        params_ok = after(finite, (averaged, update_norm)) if ordered else finite
         params = jax.tree.map(lambda a, b: kept_if(params_ok, a, b), new_params, old[0])
-        state_ok = after(finite, params) if one_device else finite
+        state_ok = after(finite, params) if ordered else finite
         opt_state = jax.tree.map(lambda a, b: kept_if(state_ok, a, b), new_opt_state, old[1])
         new_state = state.replace(
             params_by_role=params,

@@ -18,7 +18,6 @@ HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check
 script).
 docs/performance.md, "On a TPU v5e chip"."""
 
-import functools
 import glob
 import gzip
 import itertools
@@ -133,19 +132,6 @@ def unstacked(params):
     return {**rest, **split}
 
 
-def after(flag, tree):
-    """``flag``, computed after every leaf of ``tree`` (it reads one element of each,
-    through a test XLA does not fold): a select that reads it is ordered after the
-    fusions that produce ``tree``, so XLA can write a donated buffer in place that
-    those fusions read instead of copying it first."""
-    parts = [
-        jax.lax.bitcast_convert_type(x[(0,) * x.ndim].astype(jnp.float32), jnp.uint32)
-        for x in jax.tree.leaves(tree)
-    ]
-    token = functools.reduce(jnp.bitwise_or, parts)
-    return flag & ((token | 1) != 0)
-
-
 def hand(name, guard="none", split=False, **kw):
     """guard: how the update is kept from non-finite values: ``none`` (the plain
     loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
@@ -157,7 +143,7 @@ def hand(name, guard="none", split=False, **kw):
     their own) and
     ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
     update); ``select_ordered`` (``select`` with the optimizer state's selects
-    ordered after the weights' (:func:`after`): without the order XLA copies every
+    ordered after the weights' (``dew.train.step.after``): without the order XLA copies every
     state leaf the weights' fusions read, on the CPU as in ``tools/bench_ppo.py
     --hlo``; with it the copies go, and the chip says what that is worth).
 
@@ -165,7 +151,7 @@ def hand(name, guard="none", split=False, **kw):
     stack's checkpoint holds them: the step slices ``layers[i]`` outside the
     gradient, differentiates the ``layer_{i}`` tree and stacks the gradients for
     the update (a straight program whose gradient has no slices to transpose)."""
-    from dew.train.step import tree_norm, update_norm_if
+    from dew.train.step import after, tree_norm, update_norm_if
 
     model = models.build("causal_transformer", **S, **kw)
     params = params_of(model)

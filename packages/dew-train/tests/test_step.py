@@ -348,12 +348,15 @@ def copied_arguments(compiled) -> list[str]:
 
 
 @pytest.mark.parametrize("rejected", [False, True])
-def test_one_device_step_writes_the_optimizer_state_in_place(rejected):
+@pytest.mark.parametrize("clip_first", [False, True])
+def test_one_device_step_writes_the_optimizer_state_in_place(rejected, clip_first):
     # an AdamW state (moments read by the weights' fusions, the weights by the decay)
     # and an EMA: unordered, the donated step copies every moment, weight and the count
     # first (7 here); ordered, none. The values are those of the unordered selects.
     objective = Linear(ema=EMA(decay=0.5))
     optimizer = optax.adamw(0.1, weight_decay=0.1)
+    if clip_first:  # a clip ahead of AdamW: its global norm reads every gradient first
+        optimizer = optax.chain(optax.clip_by_global_norm(0.5), optimizer)
     built = {
         one: jax.jit(build_train_step(objective, optimizer, one_device=one), donate_argnums=0)
         for one in (True, False)

@@ -38,17 +38,17 @@ case $PART in
   families | families-a | families-b | families-c | families-d)
     # each tool's chip-sized step ("tpu"), one process each. Their compiles dominate: on
     # the chip (2026-12-07) DiT's run took 143 s, JEPA's 194-330 s, DPO's 196 s, GRPO's
-    # 318 s, PPO's about 330 s, and token diffusion, Flow-GRPO and distillation had not
-    # printed a result after 190-200 s each (their compile caches then warm); a call of
-    # 600 s holds: families-a (token diffusion), -b (Flow-GRPO, distillation), -c (DPO,
-    # GRPO), -d (DiT, JEPA, PPO: measured); families: all, in order
+    # 318 s, PPO's about 330 s, distillation's 293 s, and token diffusion and Flow-GRPO
+    # had not printed a result after 190-200 s each (their compile caches then warm); a
+    # call of 600 s holds: families-a (token diffusion), -b (Flow-GRPO; distillation:
+    # measured), -c (DPO, GRPO), -d (DiT, JEPA, PPO: measured); families: all, in order
     case $PART in families | families-a)
       run token 570 python -u tools/bench_token_diffusion.py --size tpu --parts train \
         --steps 8 --repeats 1 ;;
     esac
     case $PART in families | families-b)
       run flow 280 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
-      run distill 280 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
+      run distill 320 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
     esac
     case $PART in families | families-c)
       run dpo 220 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
@@ -69,12 +69,11 @@ case $PART in
       fit_scan@save_matmul_inputs hand_loop_select_unorm hand_loop_select_unorm_fused
     run dew16 130 $B --side dew --batch 16 --remat save_matmul_inputs
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
-  profile)  # fit's guard against the plain step: a select per leaf copies the optimizer
-    # state (tools/bench_ppo.py --hlo); ordered, it does not. Then the scanned step's HLO
-    # (hand_split is not run: on the CPU its step compiles to the straight stack's HLO,
-    # 29,620 lines against 29,614, and the straight stack compiled 263 s on the chip)
-    run prof 570 python -u tools/profile_tpu_step.py hand_loop hand_loop_select \
-      hand_loop_select_ordered hand_loop_loss_nonorm hand_scan@minimal
+  profile)  # where fit's step loses to the plain one: the plain step with fit's guard
+    # (unordered, as on a TPU: ordered it was slower there, tenth session of
+    # docs/performance.md), then fit's own step, both the loop of blocks; each compiles
+    # in about 75 s on the chip
+    run prof 570 python -u tools/profile_tpu_step.py hand_loop_select fit_loop
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
   big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
     # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB

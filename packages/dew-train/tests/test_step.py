@@ -401,6 +401,17 @@ def test_the_logged_update_norm_is_optax_s_and_an_unlogged_step_the_same_state()
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_selects_are_ordered_on_the_cpu_alone():
+    from dew.train.step import orders_selects
+
+    # on a TPU v5e the order made the step slower (docs/performance.md, tenth chip
+    # session); a split leaf would be gathered for the element the order reads
+    assert orders_selects("cpu", whole=True)
+    assert not orders_selects("cpu", whole=False)
+    for platform in ("tpu", "gpu", "cuda", "rocm"):
+        assert not orders_selects(platform, whole=True)
+
+
 def test_fit_orders_the_selects_where_the_state_is_whole_on_every_device():
     # 8 devices of data parallelism hold every weight and moment whole: the guard's
     # selects are ordered there too, so the compiled update copies no argument

@@ -73,6 +73,7 @@ from dew.train.step import (
     build_train_step,
     microbatch_key,
     minibatch_fn,
+    orders_selects,
     with_minibatch,
 )
 
@@ -302,8 +303,9 @@ class Programs:
 
         shardings: the state's; when every trained leaf is whole on each device (one
         device, or data parallelism alone) the non-finite guard's selects are ordered
-        (:func:`dew.train.step.after`)."""
+        on the CPU (:func:`dew.train.step.orders_selects`)."""
         one_device = self.device_mesh.size == 1
+        platform = self.device_mesh.devices.flat[0].platform
         whole = shardings is not None and all(
             s.is_fully_replicated
             for s in jax.tree.leaves(
@@ -316,7 +318,7 @@ class Programs:
             accumulate_steps=self.accumulate,
             learning_rate=self.learning_rate,
             one_device=one_device,
-            ordered_selects=one_device or whole,
+            ordered_selects=orders_selects(platform, whole=one_device or whole),
         )
         if self.objective.has_prepare:
             step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)

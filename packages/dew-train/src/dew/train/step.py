@@ -307,6 +307,19 @@ def after(flag: jax.Array, tree) -> jax.Array:
     return flag & ((token | 1) != 0)
 
 
+def orders_selects(platform: str, *, whole: bool) -> bool:
+    """Whether the non-finite guard's selects are ordered (:func:`after`) on
+    ``platform`` (a device's ``platform``: ``"cpu"``, ``"tpu"``, ``"gpu"``) when every
+    trained leaf is ``whole`` on each device. On the CPU, where ordering removes
+    XLA's copies of the donated optimizer state (PPO's update at the TPU size: 116
+    copies, 435 MiB, none ordered). Not on a TPU: on a v5e chip the order made the
+    plain GPT-2 step slower (seq 1024 batch 8: 97.1 ms unordered, 100.2 ms ordered,
+    against 95.7 ms with no guard; compile 74 s against 138 s), and GRPO's update
+    0.936x its hand-written step, against 0.950x unordered (docs/performance.md, tenth
+    chip session). GPUs keep XLA's own order (not measured)."""
+    return whole and platform == "cpu"
+
+
 def kept_if(ok: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
     """``new`` where ``ok``, else ``old``: an elementwise select (typed PRNG keys, as an
     optimizer state may hold, through their data)."""
@@ -347,10 +360,12 @@ def build_train_step(
     average's and the updates' norm's, then the weights', then the optimizer
     state's), so XLA writes the donated state in place instead of copying it first;
     only where every weight and state leaf is whole on each device (an element of a
-    split leaf would be gathered). None: ``one_device``.
+    split leaf would be gathered). None: :func:`orders_selects` of the default
+    backend and ``one_device``.
     """
     grads_fn = accumulate(weighted_loss_fn(objective, accumulate_steps), accumulate_steps)
-    ordered = one_device if ordered_selects is None else ordered_selects
+    if ordered_selects is None:
+        ordered_selects = orders_selects(jax.default_backend(), whole=one_device)
     ema_fn = ema_update_fn(objective.ema, role_emas(objective, check_roles(objective)))
 
     def train_step(state: TrainState, batch, is_logged=True):
@@ -360,38 +375,35 @@ def build_train_step(
         # one reduction serves the log and the check: the global norm is finite iff
         # every gradient is (and its square sum does not overflow float32)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-        def apply(operands):
-            params, opt_state, averaged = operands
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            averaged = ema_fn(averaged, new_params, state.updates)
-            # the same updates again, computed in the logged steps' branch only
-            again = lambda: optimizer.update(grads, opt_state, params)[0]  # noqa: E731
-            norm = update_norm_if(is_logged, again, fused=one_device)
-            return (new_params, new_opt_state, averaged), norm
-
         logged = jnp.asarray(is_logged, jnp.float32)
 
+        old_params, old_opt_state, old_averaged = (
+            state.params_by_role,
+            state.opt_state,
+            state.averaged_by_role,
+        )
+        updates, new_opt_state = optimizer.update(grads, old_opt_state, old_params)
+        new_params = optax.apply_updates(old_params, updates)
+        new_averaged = ema_fn(old_averaged, new_params, state.updates)
+        # the same updates again, computed in the logged steps' branch only
+        again = lambda: optimizer.update(grads, old_opt_state, old_params)[0]  # noqa: E731
+        update_norm = update_norm_if(is_logged, again, fused=one_device)
+
         # a select per leaf, not a branch: fused into each weight's update, it writes
-        # the donated buffers in place with no copy of the old state (the same
-        # temporaries), where lax.cond's operands cost copies (TPU v5e: 7.5 ms of a
-        # 123 ms step; docs/performance.md)
-        old = (state.params_by_role, state.opt_state, state.averaged_by_role)
-        (new_params, new_opt_state, new_averaged), update_norm = apply(old)
-        # XLA recomputes the updates inside each fusion that needs them (the weights',
-        # their average's, the updates' norm's), so these read the old weights and
-        # optimizer state; an in-place select of a donated buffer that another fusion
-        # still reads costs a copy of it first (PPO's update at the TPU size: 435 MiB of
-        # copies; docs/performance.md). Where the state is whole on each device the
-        # selects are ordered instead: the average and the norm, then the weights, then
-        # the optimizer state.
+        # the donated buffers in place, where lax.cond's operands cost copies (TPU v5e:
+        # 7.5 ms of a 123 ms step; docs/performance.md). XLA recomputes the updates
+        # inside each fusion that needs them (the weights', their average's, the
+        # updates' norm's), so these read the old weights and optimizer state; a select
+        # writing a donated buffer in place that another fusion still reads makes XLA
+        # copy it first (PPO's update at the TPU size: 435 MiB of copies on the CPU).
+        # Where ordered (orders_selects) they run in turn: the average and the norm,
+        # then the weights, then the optimizer state.
         update_norm = jnp.where(finite, update_norm, 0.0)
-        averaged = jax.tree.map(lambda a, b: kept_if(finite, a, b), new_averaged, old[2])
-        params_ok = after(finite, (averaged, update_norm)) if ordered else finite
-        params = jax.tree.map(lambda a, b: kept_if(params_ok, a, b), new_params, old[0])
-        state_ok = after(finite, params) if ordered else finite
-        opt_state = jax.tree.map(lambda a, b: kept_if(state_ok, a, b), new_opt_state, old[1])
+        averaged = jax.tree.map(lambda a, b: kept_if(finite, a, b), new_averaged, old_averaged)
+        params_ok = after(finite, (averaged, update_norm)) if ordered_selects else finite
+        params = jax.tree.map(lambda a, b: kept_if(params_ok, a, b), new_params, old_params)
+        state_ok = after(finite, params) if ordered_selects else finite
+        opt_state = jax.tree.map(lambda a, b: kept_if(state_ok, a, b), new_opt_state, old_opt_state)
         new_state = state.replace(
             params_by_role=params,
             opt_state=opt_state,

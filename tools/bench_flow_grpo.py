@@ -11,7 +11,9 @@ Two speed ratios, hand-written time / Dew time (1.0 = as fast, above 1 = Dew fas
   ``FlowGRPOObjective.loss`` + optax) against a hand-written loss (the step's mean, the
   Gaussian log-prob, the clipped ratio, the KL to the reference) + optax.
 
-The two sides alternate (``--repeats`` rounds, median of each). A last line runs
+The two sides alternate (``--repeats`` rounds, median of each); ``--parts`` measures
+the rollout or the update alone (the update still runs Dew's rollout once for its
+batch), each part's line printed as soon as it is measured. A last line runs
 ``Trainer.fit`` for ``--fit-steps`` iterations (0: not run) and prints its rollout
 images per second (rollout samples / prepare seconds, from the log).
 
@@ -22,6 +24,7 @@ rows, 4 SDE steps: about 1.4 TFLOP a rollout and 5.6 an update).
 
     python tools/bench_flow_grpo.py [--repeats 7] [--groups 8] [--group-size 8]
     python tools/bench_flow_grpo.py --size tpu --repeats 2 --fit-steps 0
+    python tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0 --parts update
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ parser.add_argument("--groups", type=int, help="prompts (labels) a rollout; defa
 parser.add_argument("--group-size", type=int, help="samples a label; default: the size's")
 parser.add_argument("--steps", type=int, help="SDE steps of a rollout; default: the size's")
 parser.add_argument("--fit-steps", type=int, default=6, help="Trainer.fit iterations; 0 = none")
+parser.add_argument("--parts", nargs="+", choices=["rollout", "update"],
+                    default=["rollout", "update"], help="the ratios to measure")  # fmt: skip
 args = parser.parse_args()
 size = SIZES[args.size]
 for name in ("groups", "group_size", "steps"):
@@ -206,21 +211,22 @@ programs = {
     "dew update": lambda: dew_update(params, opt_state, train_batch),
     "hand update": lambda: hand_update(params, opt_state, *hand_args),
 }
-for fn in programs.values():  # compile
-    jax.block_until_ready(fn())
-times = {name: [] for name in programs}
-for _ in range(args.repeats):
-    for name, fn in programs.items():
-        times[name].append(timed(fn))
-median = {name: statistics.median(t) for name, t in times.items()}
-result = {
-    "rows": rows,
-    "steps": args.steps,
-    **{f"{k} ms": round(1e3 * v, 2) for k, v in median.items()},
-    "rollout ratio (hand / dew)": round(median["hand rollout"] / median["dew rollout"], 3),
-    "update ratio (hand / dew)": round(median["hand update"] / median["dew update"], 3),
-    "dew rollout images/s": round(rows / median["dew rollout"], 1),
-}
+programs = {name: fn for name, fn in programs.items() if name.split()[1] in args.parts}
+result = {"rows": rows, "steps": args.steps}
+for part in args.parts:  # each part printed when measured (a chip's call may end first)
+    pair = {name: fn for name, fn in programs.items() if name.endswith(part)}
+    for fn in pair.values():  # compile
+        jax.block_until_ready(fn())
+    times = {name: [] for name in pair}
+    for _ in range(args.repeats):
+        for name, fn in pair.items():
+            times[name].append(timed(fn))
+    median = {name: statistics.median(t) for name, t in times.items()}
+    result.update({f"{k} ms": round(1e3 * v, 2) for k, v in median.items()})
+    result[f"{part} ratio (hand / dew)"] = round(median[f"hand {part}"] / median[f"dew {part}"], 3)
+    if part == "rollout":
+        result["dew rollout images/s"] = round(rows / median["dew rollout"], 1)
+    print(json.dumps({k: v for k, v in result.items() if part in k}), flush=True)
 
 # ---------------------------------------------------- through Trainer.fit
 if args.fit_steps:

@@ -6,9 +6,10 @@ alternating, the same allocator setting for all):
    same model (MDLM: antithetic t per row, masking, SUBS, 1/t-weighted NLL; BD3-LM:
    antithetic t per (row, block), the ``[z | x]`` pass under
    ``masks.BlockDiffusionMask`` with ``output_length=L``, SUBS, 1/t NLL). The four
-   sides alternate within each repeat. Ratios = hand / Dew (goal >= 0.97), for ``fit``'s
-   own figure (the wall after its first step over the steps after it, which holds
-   whatever a fit costs once after its first step) and for one more step through
+   sides alternate within each repeat (``--objectives``: MDLM or BD3-LM alone). Ratios
+   = hand / Dew (goal >= 0.97), for ``fit``'s own figure (the wall after its first
+   step over the steps after it, which holds whatever a fit costs once after its
+   first step) and for one more step through
    ``fit`` (from a second fit of a quarter the steps: :func:`dew_steps`); the same run
    gives BD3 / MDLM for Dew's steps (goal <= 1.7, the reference pays 1.70-1.85x,
    bd3lms #5). With ``--flops`` the compiled steps' FLOPs (``dew.train.plan``) at
@@ -42,6 +43,7 @@ alternating, the same allocator setting for all):
     python tools/bench_token_diffusion.py --parts cache --sample-length 256
     python tools/bench_token_diffusion.py --parts paired --repeats 40 --steps 20
     python tools/bench_token_diffusion.py --size tpu --parts train --repeats 1 --steps 8
+    python tools/bench_token_diffusion.py --size tpu --parts train --objectives mdlm --repeats 1
 
 ``--size`` sets the network and the default ``--length`` and ``--batch``: ``small`` (the
 default: width 128, 2 layers, 64 tokens x 16 rows) or ``tpu``, a chip's size (width
@@ -409,6 +411,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sample-length", type=int, default=256)
     parser.add_argument("--flops", action="store_true", help="print the steps' FLOPs")
+    parser.add_argument("--objectives", nargs="+", choices=["mdlm", "bd3"],
+                        default=["mdlm", "bd3"], help="the train part's objectives")  # fmt: skip
     parser.add_argument("--flops-layers", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     NET.update(SIZES[args.size])
@@ -429,9 +433,10 @@ def main():
             "bd3": lambda: dew_steps(bd3, L, B, S),
             "bd3 hand": lambda: hand_step(L, B, S, block_size=4),
         }
-        times = {name: [] for name in [*runs, "mdlm +1", "bd3 +1"]}
-        for r in range(args.repeats):  # the four sides alternate, the first in turn
-            for name in list(runs)[r % 4 :] + list(runs)[: r % 4]:
+        runs = {name: run for name, run in runs.items() if name.split()[0] in args.objectives}
+        times = {name: [] for name in [*runs, *(f"{o} +1" for o in args.objectives)]}
+        for r in range(args.repeats):  # the sides alternate, the first in turn
+            for name in list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]:
                 got = runs[name]()
                 if isinstance(got, tuple):  # Dew: fit's figure and one more step
                     got, times[f"{name} +1"] = got[0], [*times[f"{name} +1"], got[1]]
@@ -441,13 +446,16 @@ def main():
             print(f"  {name:9s} median {statistics.median(values) * 1e3:7.1f}  "
                   + " ".join(f"{v * 1e3:.1f}" for v in values))  # fmt: skip
         med = {name: statistics.median(v) for name, v in times.items()}
-        print(f"  hand / Dew: MDLM {med['mdlm hand'] / med['mdlm']:.3f}, BD3-LM "
-              f"{med['bd3 hand'] / med['bd3']:.3f} (goal >= 0.97); BD3 / MDLM: Dew "
-              f"{med['bd3'] / med['mdlm']:.2f}x, hand {med['bd3 hand'] / med['mdlm hand']:.2f}x "
-              f"(goal <= 1.7)")  # fmt: skip
-        print(f"  hand / one more step through fit: MDLM "
-              f"{med['mdlm hand'] / med['mdlm +1']:.3f}, BD3-LM "
-              f"{med['bd3 hand'] / med['bd3 +1']:.3f} (goal >= 0.97)")  # fmt: skip
+        title = {"mdlm": "MDLM", "bd3": "BD3-LM"}
+        print("  hand / Dew: " + ", ".join(
+            f"{title[o]} {med[f'{o} hand'] / med[o]:.3f}" for o in args.objectives
+        ) + " (goal >= 0.97)")  # fmt: skip
+        if len(args.objectives) == 2:
+            print(f"  BD3 / MDLM: Dew {med['bd3'] / med['mdlm']:.2f}x, hand "
+                  f"{med['bd3 hand'] / med['mdlm hand']:.2f}x (goal <= 1.7)")  # fmt: skip
+        print("  hand / one more step through fit: " + ", ".join(
+            f"{title[o]} {med[f'{o} hand'] / med[f'{o} +1']:.3f}" for o in args.objectives
+        ) + " (goal >= 0.97)")  # fmt: skip
         if args.flops:
             for layers in args.flops_layers:
                 flops = {

@@ -40,15 +40,22 @@ case $PART in
     # the chip (2026-12-07) DiT's run took 143 s, JEPA's 194-330 s, DPO's 196 s, GRPO's
     # 318 s, PPO's about 330 s, distillation's 293 s, and token diffusion and Flow-GRPO
     # had not printed a result after 190-200 s each (their compile caches then warm); a
-    # call of 600 s holds: families-a (token diffusion), -b (Flow-GRPO; distillation:
+    # call of 600 s holds: families-a (MDLM, BD3-LM), -b (Flow-GRPO; distillation:
     # measured), -c (DPO, GRPO), -d (DiT, JEPA, PPO: measured); families: all, in order
     case $PART in families | families-a)
-      run token 570 python -u tools/bench_token_diffusion.py --size tpu --parts train \
-        --steps 8 --repeats 1 ;;
+      for o in mdlm bd3; do  # each objective its own process and timeout
+        run "token_$o" 285 python -u tools/bench_token_diffusion.py --size tpu --parts train \
+          --objectives "$o" --steps 8 --repeats 1
+      done ;;
     esac
     case $PART in families | families-b)
-      run flow 280 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 --fit-steps 0
-      run distill 320 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10 ;;
+      for part in rollout update; do  # the update's run reads Dew's rollout from the cache
+        run "flow_$part" 280 python -u tools/bench_flow_grpo.py --size tpu --repeats 5 \
+          --fit-steps 0 --parts "$part"
+      done
+      if [ "$PART" = families ]; then
+        run distill 320 python -u tools/bench_distill.py --size tpu --skip-memory --steps 10
+      fi ;;
     esac
     case $PART in families | families-c)
       run dpo 220 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \

@@ -18,16 +18,14 @@ HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check
 script).
 docs/performance.md, "On a TPU v5e chip"."""
 
-import glob
-import gzip
 import itertools
 import json
 import os
 import shutil
 import sys
 import time
-from collections import defaultdict
 
+import _trace  # tools/, this script's directory
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,65 +47,6 @@ if TINY:
     B, T = 2, 64
 rng = np.random.default_rng(0)
 toks = [rng.integers(0, S["vocab_size"], (B, T + 1)).astype(np.int32) for _ in range(4)]
-
-
-def summarize(trace_dir: str, name: str, steps: int) -> None:
-    files = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-    if not files:
-        print(name, "no trace file", flush=True)
-        return
-    data = json.load(gzip.open(files[0]))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    pnames, tnames = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pnames[e["pid"]] = e["args"]["name"]
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            tnames[(e["pid"], e["tid"])] = e["args"]["name"]
-    dev = [p for p, n in pnames.items() if "TPU:0" in n or "/device:" in n and "CPU" not in n]
-    if not dev:
-        dev = [p for p, n in pnames.items() if "host" not in n.lower()][:1]
-    threads = defaultdict(float)
-    ops = defaultdict(lambda: [0.0, 0])
-    span = [float("inf"), 0.0]
-    cats, longs = defaultdict(float), {}
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in dev:
-            continue
-        tn = tnames.get((e["pid"], e.get("tid")), str(e.get("tid")))
-        threads[tn] += e.get("dur", 0)
-        if "Ops" in tn:
-            args = e.get("args") or {}
-            cats[str(args.get("hlo_category", args.get("category", "?")))] += e.get("dur", 0)
-            longs.setdefault(e["name"], str(args.get("long_name", "")))
-            o = ops[e["name"]]
-            o[0] += e.get("dur", 0)
-            o[1] += 1
-            span[0] = min(span[0], e["ts"])
-            span[1] = max(span[1], e["ts"] + e.get("dur", 0))
-    print(f"== {name}: device pids {[pnames[p] for p in dev]}", flush=True)
-    print(f"   span of ops {(span[1] - span[0]) / 1e3 / steps:.2f} ms/step", flush=True)
-    for tn, d in sorted(threads.items(), key=lambda x: -x[1]):
-        print(f"   thread {tn}: {d / 1e3 / steps:.2f} ms/step", flush=True)
-    mods = sorted(
-        (e["ts"], e.get("dur", 0), e["name"])
-        for e in events
-        if e.get("ph") == "X"
-        and e.get("pid") in dev
-        and "Module" in tnames.get((e["pid"], e.get("tid")), "")
-    )
-    for (t0, d0, n0), (t1, _, _) in zip(mods, mods[1:]):
-        idle = (t1 - t0 - d0) / 1e3
-        print(f"   module {n0[:60]} {d0 / 1e3:.2f} ms, then idle {idle:.2f} ms", flush=True)
-    if mods:
-        print(f"   module {mods[-1][2][:60]} {mods[-1][1] / 1e3:.2f} ms", flush=True)
-    total = sum(v[0] for v in ops.values())
-    print(f"   ops total {total / 1e3 / steps:.2f} ms/step", flush=True)
-    for c, d in sorted(cats.items(), key=lambda x: -x[1]):
-        print(f"   category {c}: {d / 1e3 / steps:.2f} ms/step", flush=True)
-    for k, (d, n) in sorted(ops.items(), key=lambda x: -x[1][0])[:45]:
-        print(f"   {d / 1e3 / steps:8.3f} ms  x{n // steps:<4d} {k[:60]}  {longs.get(k, '')[:150]}",
-              flush=True)  # fmt: skip
 
 
 def params_of(model):
@@ -221,7 +160,7 @@ def hand(name, guard="none", split=False, **kw):
         p, o, loss = c(p, o, batches[i % 4], flag)
     jax.block_until_ready((p, loss))
     jax.profiler.stop_trace()
-    summarize(d, name, 5)
+    _trace.summarize(d, name, 5)
     del p, o
 
 
@@ -253,7 +192,7 @@ def fit(name, **kw):
     trainer.fit(data, steps=18, log_every=0)
     print(json.dumps(dict(name=name, step_ms=marks["dt"] * 1e3, first_step_s=marks["first"])),
           flush=True)  # fmt: skip
-    summarize(d, name, 5)
+    _trace.summarize(d, name, 5)
 
 
 def norms():

@@ -2,7 +2,7 @@
 trace: the device's time per operation, per HLO category and per module (with the
 idle time between modules), per step. tools/profile_tpu_step.py prints it for the
 GPT-2 step; the RL benchmarks' ``--trace`` for their update programs, side by side
-(:func:`traced`, :func:`compare`).
+(:func:`trace_pair`).
 """
 
 from __future__ import annotations
@@ -110,3 +110,18 @@ def compare(a: tuple[str, dict], b: tuple[str, dict]) -> str:
     x, y = sum(cats_a.values()), sum(cats_b.values())
     lines.append(f"  total: {x:.3f} | {y:.3f} | {x - y:+.3f}")
     return "\n".join(lines)
+
+
+def trace_pair(directory: str, a: tuple, b: tuple, calls: int = 4, top: int = 25) -> str:
+    """Traces ``calls`` calls of each of two programs in turn and returns their
+    :func:`compare`. ``a``, ``b``: ``(name, program, carry, args)``: each call is
+    ``program(*carry, *args)``, whose first ``len(carry)`` outputs are the next
+    call's carry (a donated state threads through)."""
+    found = []
+    for name, program, carry, args in (a, b):
+        with traced(f"{directory}/{name.replace(' ', '_')}", name, calls, top) as cats:
+            for _ in range(calls):
+                carry = tuple(program(*carry, *args)[: len(carry)])
+            jax.block_until_ready(carry)
+        found.append((name, cats[0]))
+    return compare(*found)

@@ -48,6 +48,7 @@ from dew.nn.allocator import configure_allocator  # noqa: E402
 configure_allocator()
 
 import _hlo  # noqa: E402 (tools/, this script's directory)
+import _trace  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -305,7 +306,7 @@ def run_hand(size, iterations):
     return statistics.median(rollouts[1:]), statistics.median(updates[1:])
 
 
-def interleaved(size, calls, inline=False, hlo=False):
+def interleaved(size, calls, inline=False, hlo=False, trace=None):
     """Median seconds ``(dew rollout, hand rollout, dew update, hand update)`` and the
     median paired ratios, with one call of each side in turn (rollout Dew, rollout
     hand, update Dew, update hand, ...), so a shared machine's drifting load falls
@@ -370,6 +371,10 @@ def interleaved(size, calls, inline=False, hlo=False):
             params, opt_state, _ = timed(
                 "hand_upd", hand_step, params, opt_state, batch, i % MINIBATCHES
             )
+        if trace:  # the two updates traced, 4 calls each: ms a step per HLO category
+            dew = ("dew update", dew_step, (state,), (prepared, not_logged))
+            hand = ("hand update", hand_step, (params, opt_state), (batch, 0))
+            print(_trace.trace_pair(trace, dew, hand), flush=True)
     times = {k: v[1:] for k, v in times.items()}  # the first call of each: warm-up
     med = {k: statistics.median(v) for k, v in times.items()}
     paired = [
@@ -391,6 +396,12 @@ def main() -> None:
         "--hlo",
         action="store_true",
         help="print the two updates' traffic: bytes accessed, entry copies, temporaries",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace 4 calls of each update into DIR and print ms a step per HLO category "
+        "(an accelerator's trace; tools/_trace.py)",
     )
     parser.add_argument(
         "--inline-rewards",
@@ -426,7 +437,9 @@ def main() -> None:
             f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}"
         )
     calls = args.calls
-    med, (p_roll, p_upd) = interleaved(args.size, calls, inline=args.inline_rewards, hlo=args.hlo)
+    med, (p_roll, p_upd) = interleaved(
+        args.size, calls, inline=args.inline_rewards, hlo=args.hlo, trace=args.trace
+    )
     print(
         f"interleaved ({calls} calls of each, in turn; medians): rollout dew "
         f"{med['dew_roll'] * 1e3:.1f} ms hand {med['hand_roll'] * 1e3:.1f} ms ratio "

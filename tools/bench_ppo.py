@@ -58,6 +58,7 @@ from dew.nn.allocator import configure_allocator  # noqa: E402
 configure_allocator()
 
 import _hlo  # noqa: E402 (tools/, this script's directory)
+import _trace  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -372,7 +373,7 @@ def hand_batch(prepared, new):
     )
 
 
-def interleaved(size, calls, hlo=False):
+def interleaved(size, calls, hlo=False, trace=None):
     """Median seconds ``(dew rollout, hand rollout, dew update, hand update)``, the
     median paired ratios, and ``[((dew loss, value loss), (hand loss, value loss))]``
     of the first two updates of one prepared batch, with one call of each side in
@@ -459,6 +460,10 @@ def interleaved(size, calls, hlo=False):
             params, opt_state, _ = timed(
                 "hand_upd", hand_step, params, opt_state, batch, i % MINIBATCHES
             )
+        if trace:  # the two updates traced, 4 calls each: ms a step per HLO category
+            dew = ("dew update", dew_step, (state,), (prepared, not_logged))
+            hand = ("hand update", hand_step, (params, opt_state), (batch, 0))
+            print(_trace.trace_pair(trace, dew, hand), flush=True)
     times = {k: v[1:] for k, v in times.items()}  # the first call of each: warm-up
     med = {k: statistics.median(v) for k, v in times.items()}
     paired = [
@@ -480,6 +485,12 @@ def main() -> None:
         "--hlo",
         action="store_true",
         help="print the two updates' traffic: bytes accessed, entry copies, temporaries",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace 4 calls of each update into DIR and print ms a step per HLO category "
+        "(an accelerator's trace; tools/_trace.py)",
     )
     args = parser.parse_args()
     cfg = SIZES[args.size]
@@ -509,7 +520,7 @@ def main() -> None:
             f"update: dew {d_upd * 1e3:.2f} ms hand {h_upd * 1e3:.2f} ms ratio {h_upd / d_upd:.3f}"
         )
     calls = args.calls
-    med, (p_roll, p_upd), losses = interleaved(args.size, calls, hlo=args.hlo)
+    med, (p_roll, p_upd), losses = interleaved(args.size, calls, hlo=args.hlo, trace=args.trace)
     for which, ((dew, dew_value), (hand, hand_value)) in zip(("first", "second"), losses):
         print(
             f"loss of the {which} update on the same prepared minibatch: dew {dew:.9g} hand "

@@ -60,14 +60,16 @@ case $PART in
     case $PART in families | families-c)
       run dpo 220 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
         --parts interleaved
-      run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 --hlo ;;
+      run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 --hlo \
+        --trace /tmp/p/trace_grpo ;;
     esac
     case $PART in families | families-d)
       run diffusion 190 python -u tools/bench_diffusion.py --size tpu --parts train --steps 10 \
         --repeats 1
       run jepa 330 python -u tools/bench_jepa.py --parts train --train-sizes tpu --steps 10 \
         --repeats 1
-      run ppo 340 python -u tools/bench_ppo.py --size tpu --repeats 0 --calls 6 --hlo ;;
+      run ppo 340 python -u tools/bench_ppo.py --size tpu --repeats 0 --calls 6 --hlo \
+        --trace /tmp/p/trace_ppo ;;
     esac ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 --hlo ;;

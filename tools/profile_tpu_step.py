@@ -13,7 +13,7 @@ outside the gradient, see :func:`hand`); a ``hand_*`` run takes a guard suffix
 (``hand_loop_cond``, see :func:`hand`); a run may name a remat policy after ``@``
 (``hand_scan@minimal_with_context``); ``norms`` times ways of taking the global norm of
 the parameter tree. Prints, per run, the step time, the device's idle time between steps
-and the operations that take the most time per step; traces and the hand step's compiled
+and the operations that take the most time per step; traces and each step's compiled
 HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check of the
 script).
 docs/performance.md, "On a TPU v5e chip"."""
@@ -190,8 +190,12 @@ def fit(name, **kw):
     trainer.add_hook(hook, name="diag")
     marks["start"] = time.perf_counter()
     trainer.fit(data, steps=18, log_every=0)
-    print(json.dumps(dict(name=name, step_ms=marks["dt"] * 1e3, first_step_s=marks["first"])),
-          flush=True)  # fmt: skip
+    (compiled,) = trainer.programs.cache.update.values()
+    with open(f"{OUT}/{name}.hlo.txt", "w") as f:  # beside the hand steps' programs
+        f.write(compiled.program.as_text())
+    temp = compiled.program.memory_analysis().temp_size_in_bytes / 2**30
+    print(json.dumps(dict(name=name, step_ms=marks["dt"] * 1e3, first_step_s=marks["first"],
+                          temp_gib=temp)), flush=True)  # fmt: skip
     _trace.summarize(d, name, 5)
 
 

@@ -78,8 +78,8 @@ def hand(name, guard="none", split=False, **kw):
     (the loss's finiteness alone, a select per leaf fused into the update; the
     gradient norm still computed), ``loss_nonorm`` (the same without the norm);
     ``select_unorm`` (``select`` and the updates' norm, as ``fit`` logs it: under
-    ``lax.cond`` on a traced flag, whose operand may make the updates a buffer of
-    their own) and
+    ``lax.cond`` on a traced flag, the updates computed again inside the branch from
+    the gradients, the old optimizer state and the old weights) and
     ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
     update); ``select_ordered`` (``select`` with the optimizer state's selects
     ordered after the weights' (``dew.train.step.after``): without the order XLA copies every
@@ -121,7 +121,8 @@ def hand(name, guard="none", split=False, **kw):
             unorm = jnp.zeros(())
             if guard.startswith("select_unorm"):
                 fused = guard.endswith("fused")
-                unorm = tree_norm(u) * logged if fused else update_norm_if(logged, u)
+                again = lambda: opt.update(g, po[1], po[0])[0]  # noqa: E731 (as fit's)
+                unorm = tree_norm(u) * logged if fused else update_norm_if(logged, again)
             return (optax.apply_updates(po[0], u), o2), unorm
 
         if guard == "cond":

@@ -80,11 +80,11 @@ case $PART in
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
   profile)  # where fit's step loses to the plain one: the plain step with fit's guard
     # (unordered, as on a TPU: ordered it was slower there, tenth session of
-    # docs/performance.md), the same with fit's logged update norm (lax.cond), then
-    # fit's own step, all the loop of blocks; each compiles in about 75 s on the chip,
-    # and each writes its compiled HLO
+    # docs/performance.md), the same with fit's logged update norm (lax.cond) and with
+    # the norm taken every step (fused into the update), then fit's own step, all the
+    # loop of blocks; each run about 120 s on the chip, each writes its compiled HLO
     run prof 570 python -u tools/profile_tpu_step.py hand_loop_select hand_loop_select_unorm \
-      fit_loop
+      hand_loop_select_unorm_fused fit_loop
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
   big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
     # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB

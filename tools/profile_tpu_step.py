@@ -6,7 +6,8 @@ jitted step and through `Trainer.fit`, summed per operation from the trace.
 
 Each argument is a run: ``hand_*`` the model in the plain loop's step, ``fit_*`` the
 same model through ``Trainer.fit``; the stack ``loop`` (``use_scan=False``), ``scan``
-(``unroll_layers=False``: one compiled loop, the default), ``straight`` (the scanned
+(``unroll_layers=False``: one compiled loop, the default; ``scanauto``: the same with
+the weights and optimizer state in the layouts XLA picks), ``straight`` (the scanned
 parameters run layer after layer), ``unrolled`` (``nn.scan`` unrolled ``num_layers``
 times), ``split`` (``hand_split``: the loop of blocks on stacked parameters, sliced
 outside the gradient, see :func:`hand`); a ``hand_*`` run takes a guard suffix
@@ -24,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 
 import _trace  # tools/, this script's directory
 import jax
@@ -71,7 +73,7 @@ def unstacked(params):
     return {**rest, **split}
 
 
-def hand(name, guard="none", split=False, **kw):
+def hand(name, guard="none", split=False, auto_layout=False, **kw):
     """guard: how the update is kept from non-finite values: ``none`` (the plain
     loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
     under ``lax.cond``), ``select`` (the same predicate, a select per leaf), ``loss``
@@ -89,7 +91,12 @@ def hand(name, guard="none", split=False, **kw):
     split: the loop of blocks' model on parameters stored stacked, as a scanned
     stack's checkpoint holds them: the step slices ``layers[i]`` outside the
     gradient, differentiates the ``layer_{i}`` tree and stacks the gradients for
-    the update (a straight program whose gradient has no slices to transpose)."""
+    the update (a straight program whose gradient has no slices to transpose).
+
+    auto_layout: the weights and the optimizer state in the layouts XLA picks for
+    the step (``jax.experimental.layout.Layout.AUTO``, kept from step to step), not
+    the default row-major ones: whether a scanned stack's time in layout copies is
+    the stacked parameters' layout."""
     from dew.train.step import after, tree_norm, update_norm_if
 
     model = models.build("causal_transformer", **S, **kw)
@@ -139,8 +146,21 @@ def hand(name, guard="none", split=False, **kw):
 
     t0 = time.time()
     flag = jnp.asarray(False)  # fit's is_logged: traced, False on the steps timed here
-    c = jax.jit(step, donate_argnums=(0, 1)).lower(params, ost, toks[0], flag).compile()
+    shardings = {}
+    if auto_layout:
+        from jax.experimental.layout import Format, Layout
+
+        auto = Format(Layout.AUTO)
+        shardings = dict(in_shardings=(auto, auto, None, None), out_shardings=(auto, auto, None))
+    jitted = jax.jit(step, donate_argnums=(0, 1), **shardings)
+    c = jitted.lower(params, ost, toks[0], flag).compile()
     ct = time.time() - t0
+    if auto_layout:  # the state moved into the step's layouts once, as a trainer would
+        (p_formats, o_formats, *_), _ = c.input_formats
+        params, ost = jax.device_put(params, p_formats), jax.device_put(ost, o_formats)
+        leaves = jax.tree.leaves(p_formats)
+        kinds = Counter(str(f.layout) for f in leaves if len(f.layout.major_to_minor) > 2)
+        print(f"{name}: the stacked weights' layouts: {kinds.most_common(6)}", flush=True)
     with open(f"{OUT}/{name}.hlo.txt", "w") as f:
         f.write(c.as_text())
     m = c.memory_analysis()
@@ -234,6 +254,8 @@ for w in which:
     kw = dict(use_scan=stack not in ("loop", "split"))
     if stack == "split":
         kw["split"] = True
+    if stack == "scanauto":  # the scanned stack, its state in the layouts XLA picks
+        kw["auto_layout"], stack = True, "scan"
     if policy:
         kw["remat_policy"] = policy
         w = f"{w}-{policy}"

@@ -5,7 +5,7 @@
 #   bash tools/tpu_session.sh PART [BUDGET_SECONDS]
 #
 # PART: table-hand | table-splash | table-dew | families | families-a | families-b |
-#   families-c | families-d | decode | profile | policy | big.
+#   families-c | families-d | decode | profile | layout | policy | big.
 # Run from the project root of the device's copy, after
 # `source .tpu/host_env.sh` (docs/performance.md, "On a TPU v5e chip"), with
 # JAX_COMPILATION_CACHE_DIR set; a machine's start costs minutes of the session's
@@ -85,6 +85,10 @@ case $PART in
     # loop of blocks; each run about 120 s on the chip, each writes its compiled HLO
     run prof 570 python -u tools/profile_tpu_step.py hand_loop_select hand_loop_select_unorm \
       hand_loop_select_unorm_fused fit_loop
+    for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
+  layout)  # the scanned default's gap to the loop of blocks (0.83x the splash loop): its
+    # layout copies, with the weights and optimizer state in the layouts XLA picks
+    run prof 420 python -u tools/profile_tpu_step.py hand_scan@minimal hand_scanauto@minimal
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
   big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
     # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB

@@ -310,9 +310,9 @@ def after(flag: jax.Array, tree) -> jax.Array:
 def orders_selects(platform: str, *, whole: bool) -> bool:
     """Whether the non-finite guard's selects are ordered (:func:`after`) on
     ``platform`` (a device's ``platform``: ``"cpu"``, ``"tpu"``, ``"gpu"``) when every
-    trained leaf is ``whole`` on each device. On the CPU, where ordering removes
+    trained leaf is ``whole`` on each device. Yes on the CPU, where the order removes
     XLA's copies of the donated optimizer state (PPO's update at the TPU size: 116
-    copies, 435 MiB, none ordered). Not on a TPU: on a v5e chip the order made the
+    copies, 435 MiB, unordered; none ordered). Not on a TPU: on a v5e chip the order made the
     plain GPT-2 step slower (seq 1024 batch 8: 97.1 ms unordered, 100.2 ms ordered,
     against 95.7 ms with no guard; compile 74 s against 138 s), and GRPO's update
     0.936x its hand-written step, against 0.950x unordered (docs/performance.md, tenth

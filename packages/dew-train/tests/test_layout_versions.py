@@ -55,12 +55,15 @@ def test_a_checkpoint_of_the_layout_before_roles_resumes_bit_for_bit(name, tmp_p
             # The two steps after the restore are compiled by today's code, whose
             # programs may round a last bit differently from the writer's (a change of
             # fusion: the non-finite guard as a select per leaf, then its selects
-            # ordered so that XLA writes the optimizer state in place): within 4 ulp of
-            # the leaf's largest value (a moment near 0 has tiny ulps of its own). The
-            # restore itself is exact (the next test), and so is a resume of today's
-            # layout (test_checkpoints, test_optax_resume).
+            # ordered so that XLA writes the optimizer state in place), and by XLA:CPU
+            # for the machine it runs on (its vector width decides how sums round: 4.5
+            # ulp seen on a moment on an AMD EPYC without AVX-512): within 32 ulp of the
+            # leaf's largest value (a moment near 0 has tiny ulps of its own), about 4e-6
+            # of it, where one step more or less moves a moment by about a tenth of it
+            # (b1 = 0.9). The restore itself is exact (the next test), and so is a
+            # resume of today's layout (test_checkpoints, test_optax_resume).
             ulp = np.spacing(np.max(np.abs(value)).astype(value.dtype))
-            np.testing.assert_allclose(got[key], value, rtol=0, atol=4 * ulp, err_msg=key)
+            np.testing.assert_allclose(got[key], value, rtol=0, atol=32 * ulp, err_msg=key)
         else:
             np.testing.assert_array_equal(got[key], value, err_msg=key, strict=True)
     assert int(final.step) == writer.STEPS and int(final.updates) == writer.STEPS

@@ -81,8 +81,11 @@ def hand(name, guard="none", split=False, auto_layout=False, **kw):
     gradient norm still computed), ``loss_nonorm`` (the same without the norm);
     ``select_unorm`` (``select`` and the updates' norm, as ``fit`` logs it: under
     ``lax.cond`` on a traced flag, the updates computed again inside the branch from
-    the gradients, the old optimizer state and the old weights) and
-    ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
+    the gradients, the old optimizer state and the old weights: unless the selects
+    are ordered after it, a select that writes a weight in place waits for the
+    branch or copies the weight), ``select_unorm_updates`` (the branch's operand the
+    updates tree, as ``fit`` had it until 2026-12-07: a buffer written every step)
+    and ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
     update); ``select_ordered`` (``select`` with the optimizer state's selects
     ordered after the weights' (``dew.train.step.after``): without the order XLA copies every
     state leaf the weights' fusions read, on the CPU as in ``tools/bench_ppo.py
@@ -127,9 +130,11 @@ def hand(name, guard="none", split=False, auto_layout=False, **kw):
             u, o2 = opt.update(g, po[1], po[0])
             unorm = jnp.zeros(())
             if guard.startswith("select_unorm"):
-                fused = guard.endswith("fused")
                 again = lambda: opt.update(g, po[1], po[0])[0]  # noqa: E731 (as fit's)
-                unorm = tree_norm(u) * logged if fused else update_norm_if(logged, again)
+                if guard.endswith("fused"):
+                    unorm = tree_norm(u) * logged
+                else:  # the branch's operand: the updates again, or the updates tree
+                    unorm = update_norm_if(logged, u if guard.endswith("updates") else again)
             return (optax.apply_updates(po[0], u), o2), unorm
 
         if guard == "cond":

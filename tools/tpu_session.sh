@@ -80,11 +80,13 @@ case $PART in
     run dew4 110 $B --side dew --batch 4 --remat save_matmul_inputs ;;
   profile)  # where fit's step loses to the plain one: the plain step with fit's guard
     # (unordered, as on a TPU: ordered it was slower there, tenth session of
-    # docs/performance.md), the same with fit's logged update norm (lax.cond) and with
-    # the norm taken every step (fused into the update), then fit's own step, all the
-    # loop of blocks; each run about 120 s on the chip, each writes its compiled HLO
-    run prof 570 python -u tools/profile_tpu_step.py hand_loop_select hand_loop_select_unorm \
-      hand_loop_select_unorm_fused fit_loop
+    # docs/performance.md), the same with fit's logged update norm (lax.cond: the
+    # updates again in the branch, as fit now; the updates tree as its operand, as fit
+    # until 2026-12-07) and with the norm taken every step (fused into the update), then
+    # fit's own step, all the loop of blocks; each run about 120 s on the chip, each
+    # writes its compiled HLO (SKIP=prof and the names by hand, to split it in two)
+    run prof 590 python -u tools/profile_tpu_step.py hand_loop_select hand_loop_select_unorm \
+      hand_loop_select_unorm_updates fit_loop hand_loop_select_unorm_fused
     for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
   layout)  # the scanned default's gap to the loop of blocks (0.83x the splash loop): its
     # layout copies, with the weights and optimizer state in the layouts XLA picks

@@ -7,7 +7,6 @@ GPT-2 step; the RL benchmarks' ``--trace`` for their update programs, side by si
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import gzip
 import json
@@ -80,20 +79,17 @@ def summarize(trace_dir: str, name: str, steps: int, top: int = 45) -> dict[str,
     return {c: d / 1e3 / steps for c, d in cats.items()}
 
 
-@contextlib.contextmanager
-def traced(directory: str, name: str, steps: int, top: int = 45):
-    """Traces the ``with`` block (``steps`` calls of a program, waited for inside it)
-    into ``directory`` (emptied first: an earlier run's trace would be read) and
-    prints its :func:`summarize`; the per-category dict is appended to the yielded
-    list."""
+def traced(directory: str, name: str, steps: int, run, top: int = 45) -> dict[str, float]:
+    """Traces ``run()`` (``steps`` calls of a program, waited for inside it) into
+    ``directory`` (emptied first: an earlier run's trace would be read) and returns
+    its :func:`summarize`, which it prints."""
     shutil.rmtree(directory, ignore_errors=True)
-    found: list[dict[str, float]] = []
     jax.profiler.start_trace(directory, create_perfetto_trace=True)
     try:
-        yield found
+        run()
     finally:
         jax.profiler.stop_trace()
-    found.append(summarize(directory, name, steps, top))
+    return summarize(directory, name, steps, top)
 
 
 def compare(a: tuple[str, dict], b: tuple[str, dict]) -> str:
@@ -119,9 +115,12 @@ def trace_pair(directory: str, a: tuple, b: tuple, calls: int = 4, top: int = 25
     call's carry (a donated state threads through)."""
     found = []
     for name, program, carry, args in (a, b):
-        with traced(f"{directory}/{name.replace(' ', '_')}", name, calls, top) as cats:
+
+        def run(carry=carry, program=program, args=args):
             for _ in range(calls):
                 carry = tuple(program(*carry, *args)[: len(carry)])
             jax.block_until_ready(carry)
-        found.append((name, cats[0]))
+
+        directory_of = f"{directory}/{name.replace(' ', '_')}"
+        found.append((name, traced(directory_of, name, calls, run, top)))
     return compare(*found)

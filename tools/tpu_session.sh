@@ -29,6 +29,9 @@ run() {  # run NAME MAX_SECONDS COMMAND...
   OUT=/tmp/p timeout -k 5 "$max" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t ))s" >> "$OUT/summary.txt"
 }
+keep_hlo() {  # the compiled programs profile_tpu_step wrote, gzipped into $OUT
+  for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
+}
 B="python -u tools/bench_tpu.py --steps 20"
 case $PART in
   table-hand | table-splash | table-dew)
@@ -87,11 +90,11 @@ case $PART in
     # writes its compiled HLO (SKIP=prof and the names by hand, to split it in two)
     run prof 590 python -u tools/profile_tpu_step.py hand_loop_select hand_loop_select_unorm \
       hand_loop_select_unorm_updates fit_loop hand_loop_select_unorm_fused
-    for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
+    keep_hlo ;;
   layout)  # the scanned default's gap to the loop of blocks (0.83x the splash loop): its
     # layout copies, with the weights and optimizer state in the layouts XLA picks
     run prof 420 python -u tools/profile_tpu_step.py hand_scan@minimal hand_scanauto@minimal
-    for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done ;;
+    keep_hlo ;;
   big)  # a 1.1B Llama-style decoder (TinyLlama's shape) with bfloat16 weights and AdamW state:
     # at seq 2048 batch 4 the default ("minimal") is refused before it runs (17.14 GiB
     # needed, 2026-12-07) and "full" trains (41.0% MFU); what lies between

@@ -98,19 +98,19 @@ PACKAGES = {
 PACKAGE_DIRS = {"dew-jax": "dew"}
 
 # XLA:CPU settings that compile the tests' programs faster (most of CI's time is XLA:CPU
-# compiling tiny programs): LLVM at O1 (XLA's default is O3), the loop emitters for
-# fusions instead of the MLIR fusion emitters, one codegen split (default 32). Measured
-# from an empty compilation cache on 2 cores (2026-12-07): dew-objectives' test_ppo.py
-# 111 -> 54 s, test_jepa.py + dew-nn's test_fused_attention.py 272 -> 181 s. The values
-# can move in their last bits against XLA's defaults (each test's tolerance holds; the
-# bit-for-bit tests compare two programs compiled alike, and test_startup.py pins XLA's
-# defaults explicitly). `nox -s bench` runs without them.
-CI_XLA_FLAGS = (
-    "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false "
-    "--xla_cpu_parallel_codegen_split_count=1"
-)
+# compiling tiny programs): LLVM at O1 (XLA's default is O3) and one codegen split
+# (default 32); on jax 0.10 (Python 3.11) also the loop emitters for fusions instead of
+# the MLIR fusion emitters (XLA in jax 0.12 has only the latter, and refuses the flag).
+# Measured from an empty compilation cache on 2 cores (2026-12-07, jax 0.10.2):
+# dew-objectives' test_ppo.py 111 -> 54 s, test_jepa.py + dew-nn's test_fused_attention.py
+# 272 -> 181 s; the dew-nn session 12-16 -> 8 min. The values can move in their last bits
+# against XLA's defaults (each test's tolerance holds; the bit-for-bit tests compare two
+# programs compiled alike, and test_startup.py restores XLA's defaults for its own check).
+# `nox -s bench` runs without them.
+CI_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_parallel_codegen_split_count=1"
+LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"  # jax 0.10's XLA only
 ENV = {
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CI_XLA_FLAGS}",
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CI_XLA_FLAGS} {LOOP_EMITTERS}",
     "JAX_PLATFORMS": "cpu",
     # One persistent compilation cache for every session and run on this machine.
     "JAX_COMPILATION_CACHE_DIR": os.environ.get(
@@ -120,6 +120,15 @@ ENV = {
     "UV_COMPILE_BYTECODE": "1",
     "PYTHONDONTWRITEBYTECODE": "",
 }
+
+
+def env(session: nox.Session) -> dict[str, str]:
+    """ENV for this session's Python: the loop emitters' flag on PYTHON (jax 0.10) alone."""
+    if session.python == PYTHON:
+        return ENV
+    return ENV | {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CI_XLA_FLAGS}"}
+
+
 # --durations: each session's 15 slowest tests in the CI log (the CI-time budget)
 PYTEST = ["pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
           "--durations=15"]  # fmt: skip
@@ -155,7 +164,7 @@ def tests(session: nox.Session, package: str) -> None:
             "sys.exit('jax is installed in the dew-data session' if u.find_spec('jax') "
             "else 0)",
         )
-    session.run(*PYTEST, f"packages/{folder}/tests", *session.posargs, env=ENV)
+    session.run(*PYTEST, f"packages/{folder}/tests", *session.posargs, env=env(session))
 
 
 # The newest Python's share of a bare `nox` (CI: <= 3 min on 2 cores): one venv, the tests not
@@ -181,7 +190,7 @@ def newest(session: nox.Session) -> None:
     `nox -s tests -p 3.13` runs each package alone, in full, on the newest Python.
     """
     sync(session, "--all-packages", "--all-extras")
-    session.run(*PYTEST, "-m", "not slow", *NEWEST_TESTS, *session.posargs, env=ENV)
+    session.run(*PYTEST, "-m", "not slow", *NEWEST_TESTS, *session.posargs, env=env(session))
 
 
 @nox.session(python=PYTHON)

@@ -72,7 +72,10 @@ def losses_of(run_dir: pathlib.Path) -> list[float]:
 
 
 def child(port: int, process_id: int, out: pathlib.Path) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # the parent's other XLA flags (CI compiles faster), 4 devices of this process's own
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    )
     import jax
     from jax.experimental import multihost_utils
 
@@ -106,7 +109,11 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
     import jax
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = os.environ | {
+        "XLA_FLAGS": " ".join(
+            f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f
+        )
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(port), str(i), str(tmp_path / f"p{i}")],

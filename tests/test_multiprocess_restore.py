@@ -38,7 +38,10 @@ MESH = dict(fsdp=8)  # every array split over both processes' devices
 
 
 def child(port: int, process_id: int, directory: pathlib.Path, out: pathlib.Path) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    # the parent's other XLA flags (CI compiles faster), 4 devices of this process's own
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    )
     import jax
     import optax
     from jax.experimental import multihost_utils
@@ -112,7 +115,11 @@ GLOO_PIECES = (
 def run_two(directory: pathlib.Path, out: pathlib.Path) -> str:
     """Both processes on ``directory``; process 0's output (the other prints nothing)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = os.environ | {
+        "XLA_FLAGS": " ".join(
+            f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f
+        )
+    }
     args = [str(port), "", str(directory), str(out)]
     procs = []
     for i in range(2):

@@ -126,7 +126,7 @@ def env(session: nox.Session) -> dict[str, str]:
     """ENV for this session's Python: the loop emitters' flag on PYTHON (jax 0.10) alone."""
     if session.python == PYTHON:
         return ENV
-    return ENV | {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CI_XLA_FLAGS}"}
+    return ENV | {"XLA_FLAGS": ENV["XLA_FLAGS"].replace(f" {LOOP_EMITTERS}", "")}
 
 
 # --durations: each session's 15 slowest tests in the CI log (the CI-time budget)

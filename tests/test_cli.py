@@ -1003,7 +1003,7 @@ def test_launch_two_processes_equals_one(lm_runs):
     )
 
 
-def test_two_slurm_tasks_equal_one_process(lm_runs, tmp_path):
+def test_two_slurm_tasks_equal_one_process(lm_runs, tmp_path, xla_flags):
     """`dew train` run as 2 SLURM tasks (the variables `srun` sets; JAX's cluster
     detection finds the coordinator, the process count and id) trains the same steps
     as the 1-process, 8-device run b (docs/clusters.md's batch script, without SLURM)."""
@@ -1025,10 +1025,7 @@ def test_two_slurm_tasks_equal_one_process(lm_runs, tmp_path):
     for task in range(2):
         env = {
             **os.environ,
-            "XLA_FLAGS": " ".join(
-                [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f]
-                + ["--xla_force_host_platform_device_count=4"]  # the others: CI's faster compiles
-            ),
+            "XLA_FLAGS": xla_flags(4),
             "SLURM_JOB_ID": str(100_000 * 4096 + port - ephemeral),
             "SLURM_STEP_NODELIST": "localhost",
             "SLURM_STEP_NUM_NODES": "1",

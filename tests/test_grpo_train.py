@@ -237,14 +237,9 @@ def test_mesh_equals_one_device_rollouts_included(one_device, tmp_path, mesh):
 
 
 @pytest.mark.slow
-def test_arithmetic_example_runs_and_reports_accuracy():
+def test_arithmetic_example_runs_and_reports_accuracy(xla_flags):
     root = pathlib.Path(__file__).resolve().parents[1]
-    # one CPU device (the other XLA flags kept: CI compiles faster)
-    env = os.environ | {
-        "XLA_FLAGS": " ".join(
-            f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f
-        )
-    }
+    env = os.environ | {"XLA_FLAGS": xla_flags(None)}  # one CPU device
     run = subprocess.run(
         [sys.executable, str(root / "examples/grpo_arithmetic.py"), "--iterations", "4"],
         capture_output=True,

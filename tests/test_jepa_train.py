@@ -381,14 +381,9 @@ def test_toy_probe_beats_random_init_and_features_do_not_collapse(toy, tmp_path)
 
 
 @pytest.mark.slow
-def test_example_runs_and_prints_the_probe_lines():
+def test_example_runs_and_prints_the_probe_lines(xla_flags):
     root = pathlib.Path(__file__).resolve().parents[1]
-    # one CPU device (the other XLA flags kept: CI compiles faster)
-    env = os.environ | {
-        "XLA_FLAGS": " ".join(
-            f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f
-        )
-    }
+    env = os.environ | {"XLA_FLAGS": xla_flags(None)}  # one CPU device
     run = subprocess.run(
         [sys.executable, str(root / "examples/jepa_waves.py"), "--steps", "20"],
         capture_output=True,

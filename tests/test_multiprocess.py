@@ -105,15 +105,11 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_with_eight_devices(tmp_path):
+def test_two_processes_match_one_process_with_eight_devices(tmp_path, xla_flags):
     import jax
 
     port = free_port()
-    env = os.environ | {
-        "XLA_FLAGS": " ".join(
-            f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f
-        )
-    }
+    env = os.environ | {"XLA_FLAGS": xla_flags(None)}  # each child sets its 4
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(port), str(i), str(tmp_path / f"p{i}")],

@@ -112,14 +112,10 @@ GLOO_PIECES = (
 )
 
 
-def run_two(directory: pathlib.Path, out: pathlib.Path) -> str:
+def run_two(directory: pathlib.Path, out: pathlib.Path, flags: str) -> str:
     """Both processes on ``directory``; process 0's output (the other prints nothing)."""
     port = free_port()
-    env = os.environ | {
-        "XLA_FLAGS": " ".join(
-            f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count=" not in f
-        )
-    }
+    env = os.environ | {"XLA_FLAGS": flags}  # each child sets its 4 devices
     args = [str(port), "", str(directory), str(out)]
     procs = []
     for i in range(2):
@@ -184,9 +180,9 @@ def flip_bit(path: pathlib.Path, offset: int, bit: int = 4) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped-bit", "data-position"])
-def test_what_the_second_process_wrote_damaged_is_set_aside_on_both(tmp_path, damage):
+def test_what_the_second_process_wrote_damaged_is_set_aside_on_both(tmp_path, damage, xla_flags):
     directory = tmp_path / "checkpoints"
-    straight = run_two(directory, tmp_path / "straight")
+    straight = run_two(directory, tmp_path / "straight", xla_flags(None))
     assert "Resuming" not in straight
     from dew.train import Checkpoints
 
@@ -220,7 +216,7 @@ def test_what_the_second_process_wrote_damaged_is_set_aside_on_both(tmp_path, da
         position.write_text(position.read_text()[:5])
         why = r"it cannot be read on process 1 \(JSONDecodeError: [^\n]+\)"
 
-    resumed = run_two(directory, tmp_path / "resumed")
+    resumed = run_two(directory, tmp_path / "resumed", xla_flags(None))
     skipped = re.search(
         rf"Skipping checkpoint {re.escape(str(directory))}/4: {why}; "
         rf"kept as {re.escape(str(directory))}/4.unusable, nothing deleted",

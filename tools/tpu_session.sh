@@ -42,9 +42,11 @@ case $PART in
     # each tool's chip-sized step ("tpu"), one process each. Their compiles dominate: on
     # the chip (2026-12-07) DiT's run took 143 s, JEPA's 194-330 s, DPO's 196 s, GRPO's
     # 318 s, PPO's about 330 s, distillation's 293 s, and token diffusion and Flow-GRPO
-    # had not printed a result after 190-200 s each (their compile caches then warm); a
-    # call of 600 s holds: families-a (MDLM, BD3-LM), -b (Flow-GRPO; distillation:
-    # measured), -c (DPO, GRPO), -d (DiT, JEPA, PPO: measured); families: all, in order
+    # had not printed a result after 190-200 s each (their compile caches then warm); alone
+    # (2026-12-07, sixth) MDLM took 128 s, BD3-LM 154 s, Flow-GRPO's rollout 130 s and
+    # update 181 s, GRPO 335 s. A call of 600 s holds: families-a (MDLM, BD3-LM), -b
+    # (Flow-GRPO; distillation: measured), -c (DPO, GRPO), -d (DiT, JEPA, PPO: measured);
+    # families: all, in order
     case $PART in families | families-a)
       for o in mdlm bd3; do  # each objective its own process and timeout
         run "token_$o" 285 python -u tools/bench_token_diffusion.py --size tpu --parts train \

@@ -514,7 +514,8 @@ def test_a_reward_model_scores_rollouts_in_the_step_as_a_frozen_role(params):
         row += first["completion"][r][first["completion_mask"][r]].tolist()
         ids[r, : len(row)], real[r, : len(row)] = row, True
     want = reward_model.apply({"params": reward_params}, ids, real)
-    np.testing.assert_allclose(batch["reward"], want, rtol=1e-6)
+    # atol: a reward near 0 carries the float32 rounding of sums of size ~0.2 (as test_ppo)
+    np.testing.assert_allclose(batch["reward"], want, rtol=1e-6, atol=1e-7)
     _, metrics = jax.jit(obj.loss)(variables, batch, Step(index=jnp.int32(0), key=KEY))
     assert float(metrics["reward/reward_model"].value) == pytest.approx(
         float(np.mean(want)), rel=1e-5

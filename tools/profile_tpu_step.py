@@ -13,10 +13,11 @@ times), ``split`` (``hand_split``: the loop of blocks on stacked parameters, sli
 outside the gradient, see :func:`hand`); a ``hand_*`` run takes a guard suffix
 (``hand_loop_cond``, see :func:`hand`); a run may name a remat policy after ``@``
 (``hand_scan@minimal_with_context``); ``norms`` times ways of taking the global norm of
-the parameter tree. Prints, per run, the step time, the device's idle time between steps
-and the operations that take the most time per step; traces and each step's compiled
-HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a tiny model (a CPU check of the
-script).
+the parameter tree; a ``hand_*`` run may name compiler options after ``+``
+(``hand_scan@minimal+vmem``, :data:`OPTIONS`). Prints, per run, the step time, the
+device's idle time between steps and the operations that take the most time per step;
+traces and each step's compiled HLO go to ``$OUT`` (default /tmp/out). ``TINY=1`` runs a
+tiny model (a CPU check of the script).
 docs/performance.md, "On a TPU v5e chip"."""
 
 import itertools
@@ -73,7 +74,20 @@ def unstacked(params):
     return {**rest, **split}
 
 
-def hand(name, guard="none", split=False, auto_layout=False, **kw):
+# Compiler options a run may name after ``+`` (``hand_scan@minimal+vmem``), passed to
+# the step's compile: what MaxText and AXLearn set on TPUs (AXLearn's v6e defaults),
+# to see whether the scanned stack's separate elementwise fusions are the compiler's
+# limits rather than the program's.
+OPTIONS = {
+    "vmem": dict(xla_tpu_scoped_vmem_limit_kib=98304),
+    "sched": dict(xla_tpu_enable_all_experimental_scheduler_features="true",
+                  xla_tpu_aggressive_opt_barrier_removal="ENABLED"),
+    "nolhs": dict(xla_tpu_enable_latency_hiding_scheduler="false"),
+}  # fmt: skip
+OPTIONS["both"] = {**OPTIONS["vmem"], **OPTIONS["sched"]}
+
+
+def hand(name, guard="none", split=False, auto_layout=False, options=None, **kw):
     """guard: how the update is kept from non-finite values: ``none`` (the plain
     loop), ``cond`` (``fit``'s: the global gradient norm's finiteness, the update
     under ``lax.cond``), ``select`` (the same predicate, a select per leaf), ``loss``
@@ -86,8 +100,11 @@ def hand(name, guard="none", split=False, auto_layout=False, **kw):
     branch or copies the weight), ``select_unorm_updates`` (the branch's operand the
     updates tree, as ``fit`` had it until 2026-12-07: a buffer written every step)
     and ``select_unorm_fused`` (the same norm taken every step, free to fuse into the
-    update); ``select_ordered`` (``select`` with the optimizer state's selects
-    ordered after the weights' (``dew.train.step.after``): without the order XLA copies every
+    update); ``select_unorm_after`` (``select_unorm`` with every select ordered after the
+    norm's branch, as ``fit`` since 2026-12-07: unordered, the loop of blocks copied every
+    weight and moment the branch reads, 600 copies on a TPU v5e); ``select_ordered``
+    (``select`` with the optimizer state's selects ordered after the weights'
+    (``dew.train.step.after``): without the order XLA copies every
     state leaf the weights' fusions read, on the CPU as in ``tools/bench_ppo.py
     --hlo``; with it the copies go, and the chip says what that is worth).
 
@@ -144,8 +161,10 @@ def hand(name, guard="none", split=False, auto_layout=False, **kw):
             (new_p, new_o), unorm = apply((p, o))
             p = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_p, p)
             o = jax.tree.map(lambda a, b: jnp.where(after(ok, p), a, b), new_o, o)
-        else:
+        else:  # select_unorm_after: the selects ordered after the norm's branch (fit's)
             new, unorm = apply((p, o))
+            if guard.endswith("after"):
+                ok = after(ok, unorm)
             p, o = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (p, o))
         return p, o, loss + 0 * norm + 0 * jnp.where(ok, unorm, 0.0)
 
@@ -158,7 +177,7 @@ def hand(name, guard="none", split=False, auto_layout=False, **kw):
         auto = Format(Layout.AUTO)
         shardings = dict(in_shardings=(auto, auto, None, None), out_shardings=(auto, auto, None))
     jitted = jax.jit(step, donate_argnums=(0, 1), **shardings)
-    c = jitted.lower(params, ost, toks[0], flag).compile()
+    c = jitted.lower(params, ost, toks[0], flag).compile(compiler_options=options)
     ct = time.time() - t0
     if auto_layout:  # the state moved into the step's layouts once, as a trainer would
         (p_formats, o_formats, *_), _ = c.input_formats
@@ -254,6 +273,7 @@ for w in which:
     if w == "norms":
         norms()
         continue
+    w, _, option = w.partition("+")
     w, _, policy = w.partition("@")
     kind, stack, *guard = w.split("_", 2)
     kw = dict(use_scan=stack not in ("loop", "split"))
@@ -266,6 +286,9 @@ for w in which:
         w = f"{w}-{policy}"
     if guard:
         kw["guard"] = guard[0]
+    if option:
+        kw["options"] = OPTIONS[option]
+        w = f"{w}+{option}"
     if stack in ("scan", "straight"):
         kw["unroll_layers"] = stack == "straight"
     if stack == "unrolled":  # nn.scan unrolled num_layers times (no option names it)

@@ -5,7 +5,7 @@
 #   bash tools/tpu_session.sh PART [BUDGET_SECONDS]
 #
 # PART: table-hand | table-splash | table-dew | families | families-a | families-b |
-#   families-c | families-d | decode | profile | layout | policy | big.
+#   families-c | families-d | decode | profile | flags | context | layout | policy | big.
 # Run from the project root of the device's copy, after
 # `source .tpu/host_env.sh` (docs/performance.md, "On a TPU v5e chip"), with
 # JAX_COMPILATION_CACHE_DIR set; a machine's start costs minutes of the session's
@@ -92,6 +92,20 @@ case $PART in
     # writes its compiled HLO (SKIP=prof and the names by hand, to split it in two)
     run prof 590 python -u tools/profile_tpu_step.py hand_loop_select hand_loop_select_unorm \
       hand_loop_select_unorm_updates fit_loop hand_loop_select_unorm_fused
+    keep_hlo ;;
+  flags)  # the scanned default with the compiler options MaxText and AXLearn set on TPUs
+    # (profile_tpu_step.py OPTIONS: a larger scoped VMEM, the experimental scheduler), then
+    # fit's step beside the plain step with fit's guard and norm, each with its HLO
+    run prof_flags 300 python -u tools/profile_tpu_step.py hand_scan@minimal \
+      hand_scan@minimal+vmem hand_scan@minimal+sched hand_scan@minimal+both
+    run prof_fit 280 python -u tools/profile_tpu_step.py hand_loop_select_unorm fit_loop
+    keep_hlo ;;
+  context)  # "minimal" (the scanned default on a TPU) runs the attention's forward kernel
+    # twice a layer (twelfth session: 24 splash_mha_fwd a step, 6.7-6.9 ms each 12);
+    # "minimal_with_context" keeps its output and log-sum-exp, and its jaxpr has one a
+    # layer, yet it measured 0.5 ms faster, not 6.8 (seventh session): its trace and HLO
+    run prof 420 python -u tools/profile_tpu_step.py hand_scan@minimal_with_context \
+      hand_scan_select_unorm_after@minimal_with_context
     keep_hlo ;;
   layout)  # the scanned default's gap to the loop of blocks (0.83x the splash loop): its
     # layout copies, with the weights and optimizer state in the layouts XLA picks

@@ -349,11 +349,16 @@ def copied_arguments(compiled) -> list[str]:
 
 @pytest.mark.parametrize("rejected", [False, True])
 @pytest.mark.parametrize("clip_first", [False, True])
-def test_one_device_step_writes_the_optimizer_state_in_place(rejected, clip_first):
+@pytest.mark.parametrize("ema", [True, False])
+def test_one_device_step_writes_the_optimizer_state_in_place(rejected, clip_first, ema):
     # an AdamW state (moments read by the weights' fusions, the weights by the decay)
-    # and an EMA: unordered, the donated step copies every moment, weight and the count
-    # first (7 here); ordered, none. The values are those of the unordered selects.
-    objective = Linear(ema=EMA(decay=0.5))
+    # and an EMA: ordered, the donated step copies nothing. Unordered (a TPU's, a split
+    # mesh's), every select still waits for the updates' norm, whose branch reads the old
+    # weights and state: without that order XLA copied every moment, weight and the
+    # count first (7 here; on a TPU v5e 600 copies, 6 ms of the GPT-2's 105 ms step);
+    # what is left is the weights the EMA's fusion reads (2), none without an EMA. The
+    # values are those of the unordered selects.
+    objective = Linear(ema=EMA(decay=0.5)) if ema else Linear()
     optimizer = optax.adamw(0.1, weight_decay=0.1)
     if clip_first:  # a clip ahead of AdamW: its global norm reads every gradient first
         optimizer = optax.chain(optax.clip_by_global_norm(0.5), optimizer)
@@ -366,12 +371,13 @@ def test_one_device_step_writes_the_optimizer_state_in_place(rejected, clip_firs
     batch = batch_at(1, poison=rejected)
     compiled = built[True].lower(state, batch).compile()
     assert copied_arguments(compiled) == []
-    assert len(copied_arguments(built[False].lower(state, batch).compile())) == 7
+    unordered = copied_arguments(built[False].lower(state, batch).compile())
+    assert len(unordered) == (2 if ema else 0), unordered
     copy = jax.tree.map(jnp.copy, state)
     got, metrics = compiled(jax.tree.map(jnp.copy, state), batch)
     want, _ = built[False](copy, batch)
     assert float(metrics["accepted"]) == float(not rejected)
-    for field in ("params", "opt_state", "averaged"):
+    for field in ("params", "opt_state", "averaged")[: 3 if ema else 2]:
         for a, b in zip(
             jax.tree.leaves(getattr(got, field)), jax.tree.leaves(getattr(want, field))
         ):

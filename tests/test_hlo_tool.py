@@ -41,3 +41,11 @@ def test_a_select_of_a_donated_moment_costs_a_copy_and_the_line_says_so(hlo):
     assert guarded["flops"] > 0 and guarded["bytes_accessed"] > plain["bytes_accessed"]
     line = hlo.compare("update", update(True), update(False))
     assert "entry copies dew 1 (0.0 MiB) hand 0 (0.0 MiB)" in line
+
+
+def test_hlo_dir_keeps_both_programs_text(hlo, tmp_path, monkeypatch):
+    monkeypatch.setenv("HLO_DIR", str(tmp_path))
+    guarded, plain = update(True), update(False)
+    hlo.compare("update", guarded, plain)
+    assert (tmp_path / "update_dew.hlo.txt").read_text() == guarded.as_text()
+    assert (tmp_path / "update_hand.hlo.txt").read_text() == plain.as_text()

@@ -49,12 +49,16 @@ def test_categories_are_the_device_s_time_a_step(tmp_path, trace, capsys):
         op("jit_step", "", 10000, 7000, tid=8),
     ]
     write_trace(tmp_path, events)
-    got = trace.summarize(str(tmp_path), "step", steps=2, top=2)
+    got = trace.summarize(str(tmp_path), "step", steps=2, top=2, per_category=1)
     assert got == pytest.approx({"loop fusion": 3.0, "copy-done": 4.0})
     out = capsys.readouterr().out
     assert "module jit_step 7.00 ms, then idle 3.00 ms" in out
     assert "   ops total 7.00 ms/step" in out
     assert "copy.3" in out and "fusion.2" in out and "fusion.1 " not in out  # top 2 only
+    # then each category's longest operation, the largest category first
+    lines = [line for line in out.splitlines() if line.startswith("   [")]
+    assert [line.split()[0] for line in lines] == ["[copy-done]", "[loop"]
+    assert "4.000 ms  x1    copy.3" in lines[0] and "2.000 ms  x1    fusion.2" in lines[1]
 
 
 def test_no_trace_is_an_empty_summary(tmp_path, trace, capsys):

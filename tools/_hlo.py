@@ -10,6 +10,7 @@ over its bytes); :func:`compare` prints two programs side by side.
 
 from __future__ import annotations
 
+import os
 import re
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
@@ -57,8 +58,13 @@ def traffic(compiled) -> dict:
 
 
 def compare(name: str, dew, hand) -> str:
-    """One line: ``name``'s two compiled programs' traffic, Dew's and the hand-written's."""
+    """One line: ``name``'s two compiled programs' traffic, Dew's and the hand-written's;
+    with ``HLO_DIR`` set, their HLO texts go there (``{name}_dew.hlo.txt``, ``_hand``)."""
     d, h = traffic(dew), traffic(hand)
+    if os.environ.get("HLO_DIR"):  # each program's compiled HLO, to read where they differ
+        for side, compiled in (("dew", dew), ("hand", hand)):
+            with open(f"{os.environ['HLO_DIR']}/{name}_{side}.hlo.txt", "w") as f:
+                f.write(compiled.as_text())
     mib = 2**20
     ratio = d["bytes_accessed"] / max(h["bytes_accessed"], 1.0)
     return (

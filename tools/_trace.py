@@ -16,9 +16,12 @@ from collections import defaultdict
 import jax
 
 
-def summarize(trace_dir: str, name: str, steps: int, top: int = 45) -> dict[str, float]:
+def summarize(
+    trace_dir: str, name: str, steps: int, top: int = 45, per_category: int = 4
+) -> dict[str, float]:
     """Prints the device's time in ``trace_dir``'s trace over ``steps`` steps: per
-    thread, module, HLO category and, the ``top`` longest, operation; returns
+    thread, module, HLO category and, the ``top`` longest, operation, then each
+    category's ``per_category`` longest operations; returns
     ``{category: ms a step}`` ({} without a trace)."""
     files = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
     if not files:
@@ -38,7 +41,7 @@ def summarize(trace_dir: str, name: str, steps: int, top: int = 45) -> dict[str,
     threads = defaultdict(float)
     ops = defaultdict(lambda: [0.0, 0])
     span = [float("inf"), 0.0]
-    cats, longs = defaultdict(float), {}
+    cats, longs, op_cats = defaultdict(float), {}, {}
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in dev:
             continue
@@ -46,7 +49,9 @@ def summarize(trace_dir: str, name: str, steps: int, top: int = 45) -> dict[str,
         threads[tn] += e.get("dur", 0)
         if "Ops" in tn:
             args = e.get("args") or {}
-            cats[str(args.get("hlo_category", args.get("category", "?")))] += e.get("dur", 0)
+            cat = str(args.get("hlo_category", args.get("category", "?")))
+            cats[cat] += e.get("dur", 0)
+            op_cats[e["name"]] = cat
             longs.setdefault(e["name"], str(args.get("long_name", "")))
             o = ops[e["name"]]
             o[0] += e.get("dur", 0)
@@ -76,6 +81,14 @@ def summarize(trace_dir: str, name: str, steps: int, top: int = 45) -> dict[str,
     for k, (d, n) in sorted(ops.items(), key=lambda x: -x[1][0])[:top]:
         print(f"   {d / 1e3 / steps:8.3f} ms  x{n // steps:<4d} {k[:60]}  {longs.get(k, '')[:150]}",
               flush=True)  # fmt: skip
+    # each category's longest operations: a small category's ops fall below ``top``
+    by_cat = defaultdict(list)
+    for k, (d, n) in ops.items():
+        by_cat[op_cats[k]].append((d, n, k))
+    for c in sorted(by_cat, key=lambda c: -cats[c]):
+        for d, n, k in sorted(by_cat[c], reverse=True)[:per_category]:
+            print(f"   [{c}] {d / 1e3 / steps:8.3f} ms  x{n // steps:<4d} {k[:50]}  "
+                  f"{longs.get(k, '')[:200]}", flush=True)  # fmt: skip
     return {c: d / 1e3 / steps for c, d in cats.items()}
 
 

@@ -16,6 +16,7 @@ set -u
 PART=${1:?give a part}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/p
+export HLO_DIR=/tmp/p  # the RL benchmarks' --hlo: each update's compiled HLO (kept below)
 END=$(( $(date +%s) + ${2:-540} ))
 run() {  # run NAME MAX_SECONDS COMMAND...
   local name=$1 max=$2 left t
@@ -30,7 +31,9 @@ run() {  # run NAME MAX_SECONDS COMMAND...
   echo "$name rc=$? $(( $(date +%s) - t ))s" >> "$OUT/summary.txt"
 }
 keep_hlo() {  # the compiled programs profile_tpu_step wrote, gzipped into $OUT
-  for f in /tmp/p/*.hlo.txt; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
+  for f in /tmp/p/*.hlo.txt; do
+    [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f" | tr -c 'a-zA-Z0-9._\n' '_').gz"
+  done
 }
 B="python -u tools/bench_tpu.py --steps 20"
 case $PART in
@@ -65,7 +68,7 @@ case $PART in
     case $PART in families | families-c)
       run dpo 220 python -u tools/bench_dpo.py --size tpu --steps 5 --repeats 1 \
         --parts interleaved
-      run grpo 340 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 --hlo \
+      run grpo 400 python -u tools/bench_grpo.py --size tpu --repeats 0 --calls 6 --hlo \
         --trace /tmp/p/trace_grpo ;;
     esac
     case $PART in families | families-d)
@@ -75,7 +78,8 @@ case $PART in
         --repeats 1
       run ppo 340 python -u tools/bench_ppo.py --size tpu --repeats 0 --calls 6 --hlo \
         --trace /tmp/p/trace_ppo ;;
-    esac ;;
+    esac
+    keep_hlo ;;
   decode)
     run generate 300 python -u tools/bench_generate.py --sizes tiny,small --repeats 3 --hlo ;;
   policy)  # the scanned stack keeping what a loop of blocks keeps, against the loop

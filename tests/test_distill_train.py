@@ -107,9 +107,11 @@ def test_on_policy_on_eight_devices_equals_one(tmp_path):
 def test_accumulation_of_unequal_completions_equals_one_batch(tmp_path):
     want, want_params = fit(tmp_path / "one", beta=0.0, alpha=0.2)
     got, params = fit(tmp_path / "two", accumulate=2, beta=0.0, alpha=0.2)
-    close(got, want, ("loss", "divergence", "nll", "tokens"))
+    close(got, want, ("loss", "divergence", "nll", "tokens"))  # the weighting, to 1e-5
+    # the weights after the steps to 3e-5 of each array's scale: float32 sums in another
+    # order (an AMD EPYC put two entries near 0.087 of an array reaching 0.8 9e-6 apart)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max()),
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5 * np.abs(b).max()),
         params,
         want_params,
     )

@@ -146,10 +146,16 @@ def numpy_statistics(objective, state, pixels):
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
-    """4 steps logged every 2, with the state before every step kept (a hook)."""
+    """4 steps logged every 2, with the state before every step kept (a hook); the
+    update norm logged too (``update_norm=True``: off by default)."""
     run_dir = tmp_path_factory.mktemp("logged")
     trainer = Trainer(
-        tiny_objective(), optax.adam(1e-2), key=jax.random.key(0), run_dir=str(run_dir), **ONE
+        tiny_objective(),
+        optax.adam(1e-2),
+        key=jax.random.key(0),
+        run_dir=str(run_dir),
+        update_norm=True,
+        **ONE,
     )
 
     def host(state):  # numpy copies, the key as its data (a device key is donated)

@@ -53,7 +53,7 @@ case $PART in
     case $PART in families | families-a)
       for o in mdlm bd3; do  # each objective its own process and timeout
         run "token_$o" 285 python -u tools/bench_token_diffusion.py --size tpu --parts train \
-          --objectives "$o" --steps 8 --repeats 1
+          --objectives "$o" --steps 8 --repeats 3
       done ;;
     esac
     case $PART in families | families-b)

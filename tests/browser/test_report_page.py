@@ -61,7 +61,7 @@ def test_the_report_page_shows_its_plots_and_previews_in_a_browser(tmp_path):
 
 # The keys each family's run writes (read from tiny runs of the shipped recipes), with
 # curves of plausible shape: a loss falling over two decades, a reward rising, ...
-TRAIN_COMMON = ("grad_norm", "update_norm", "learning_rate", "rejected_fraction",
+TRAIN_COMMON = ("grad_norm", "learning_rate", "rejected_fraction",
                 "step_seconds", "examples_per_second", "mfu", "step_flops")  # fmt: skip
 DPO = ("loss", "accuracy", "margin", "reward_chosen", "reward_rejected", "logp_chosen",
        "logp_rejected", "nll_chosen", "pairs")  # fmt: skip

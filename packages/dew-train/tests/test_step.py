@@ -108,7 +108,7 @@ def test_accumulated_gradient_equals_full_batch_and_numpy():
 def test_non_finite_step_changes_nothing_but_the_step_counter():
     objective = Linear(ema=EMA(decay=0.5))
     optimizer = optax.adam(0.1)
-    step = jax.jit(build_train_step(objective, optimizer, accumulate_steps=2))
+    step = jax.jit(build_train_step(objective, optimizer, accumulate_steps=2, update_norm=True))
     state, _ = step(fresh_state(objective, optimizer), batch_at(0))
     after, metrics = step(state, batch_at(1, poison=True))
     assert float(metrics["accepted"]) == 0.0
@@ -350,20 +350,28 @@ def copied_arguments(compiled) -> list[str]:
 @pytest.mark.parametrize("rejected", [False, True])
 @pytest.mark.parametrize("clip_first", [False, True])
 @pytest.mark.parametrize("ema", [True, False])
-def test_one_device_step_writes_the_optimizer_state_in_place(rejected, clip_first, ema):
+@pytest.mark.parametrize("update_norm", [True, False])
+def test_one_device_step_writes_the_optimizer_state_in_place(
+    rejected, clip_first, ema, update_norm
+):
     # an AdamW state (moments read by the weights' fusions, the weights by the decay)
     # and an EMA: ordered, the donated step copies nothing. Unordered (a TPU's, a split
-    # mesh's), every select still waits for the updates' norm, whose branch reads the old
-    # weights and state: without that order XLA copied every moment, weight and the
-    # count first (7 here; on a TPU v5e 600 copies, 6 ms of the GPT-2's 105 ms step);
-    # what is left is the weights the EMA's fusion reads (2), none without an EMA. The
-    # values are those of the unordered selects.
+    # mesh's) with the update norm, every select still waits for the norm, whose branch
+    # reads the old weights and state: without that order XLA copied every moment,
+    # weight and the count first (7 here; on a TPU v5e 600 copies, 6 ms of the GPT-2's
+    # 105 ms step); what is left is the weights the EMA's fusion reads (2), none without
+    # an EMA. Unordered without the norm (no branch) the CPU's scheduler copies the 7
+    # again, which is why the CPU orders them; a TPU's does not (GRPO's update at the chip
+    # size: 5 entry copies, all scalars). The values are those of the unordered selects.
     objective = Linear(ema=EMA(decay=0.5)) if ema else Linear()
     optimizer = optax.adamw(0.1, weight_decay=0.1)
     if clip_first:  # a clip ahead of AdamW: its global norm reads every gradient first
         optimizer = optax.chain(optax.clip_by_global_norm(0.5), optimizer)
     built = {
-        one: jax.jit(build_train_step(objective, optimizer, one_device=one), donate_argnums=0)
+        one: jax.jit(
+            build_train_step(objective, optimizer, one_device=one, update_norm=update_norm),
+            donate_argnums=0,
+        )
         for one in (True, False)
     }
     state = fresh_state(objective, optimizer)
@@ -372,7 +380,8 @@ def test_one_device_step_writes_the_optimizer_state_in_place(rejected, clip_firs
     compiled = built[True].lower(state, batch).compile()
     assert copied_arguments(compiled) == []
     unordered = copied_arguments(built[False].lower(state, batch).compile())
-    assert len(unordered) == (2 if ema else 0), unordered
+    if update_norm:
+        assert len(unordered) == (2 if ema else 0), unordered
     copy = jax.tree.map(jnp.copy, state)
     got, metrics = compiled(jax.tree.map(jnp.copy, state), batch)
     want, _ = built[False](copy, batch)
@@ -389,7 +398,7 @@ def test_the_logged_update_norm_is_optax_s_and_an_unlogged_step_the_same_state()
     # are never written out): it must be the norm of the updates optax applies
     objective = Linear(ema=EMA(decay=0.5))
     optimizer = optax.adamw(0.1, weight_decay=0.1)
-    step = jax.jit(build_train_step(objective, optimizer, one_device=True))
+    step = jax.jit(build_train_step(objective, optimizer, one_device=True, update_norm=True))
     state, _ = step(fresh_state(objective, optimizer), batch_at(0), jnp.asarray(False))
     batch = batch_at(1)
     params = state.params_by_role
@@ -401,10 +410,16 @@ def test_the_logged_update_norm_is_optax_s_and_an_unlogged_step_the_same_state()
     np.testing.assert_allclose(float(metrics["update_norm"].total), want, rtol=1e-5)
     unlogged, metrics = step(state, batch, jnp.asarray(False))
     assert float(metrics["update_norm"].weight) == 0.0
-    for a, b in zip(
-        jax.tree.leaves(logged.params_by_role), jax.tree.leaves(unlogged.params_by_role)
+    # and by default (no update_norm: no branch) the same state, the norm not logged
+    plain, metrics = jax.jit(build_train_step(objective, optimizer, one_device=True))(state, batch)
+    assert "update_norm" not in metrics and "grad_norm" in metrics
+    for a, b, c in zip(
+        jax.tree.leaves(logged.params_by_role),
+        jax.tree.leaves(unlogged.params_by_role),
+        jax.tree.leaves(plain.params_by_role),
     ):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
 
 
 def test_the_selects_are_ordered_on_the_cpu_alone():

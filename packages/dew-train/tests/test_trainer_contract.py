@@ -62,7 +62,14 @@ def records(run_dir, kind="train"):
 def test_log_record_carries_interval_means_norms_rate_and_throughput(tmp_path):
     schedule = optax.linear_schedule(0.1, 0.0, 10)
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
-    trainer = Trainer(Linear(), optimizer, key=jax.random.key(0), mesh=ONE, run_dir=str(tmp_path))
+    trainer = Trainer(
+        Linear(),
+        optimizer,
+        key=jax.random.key(0),
+        mesh=ONE,
+        run_dir=str(tmp_path),
+        update_norm=True,
+    )
     state = trainer.fit(linear_data(), steps=4, log_every=2)
     logged = records(tmp_path)
     assert [r["step"] for r in logged] == [2, 4]
@@ -107,6 +114,8 @@ def test_learning_rate_from_a_schedule_given_to_the_trainer(tmp_path):
     assert [r["learning_rate"] for r in records(tmp_path)] == pytest.approx(
         [float(schedule(i)) for i in range(3)], rel=1e-6
     )
+    # the update norm only when asked for (Trainer(update_norm=True)); the gradients' always
+    assert all("update_norm" not in r and r["grad_norm"] > 0 for r in records(tmp_path))
 
 
 def test_model_line_and_lm_tokens_per_second(tmp_path, capsys):

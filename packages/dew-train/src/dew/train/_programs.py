@@ -112,6 +112,7 @@ class Programs:
       device's own limit (:func:`dew.train.memory.device_memory_bytes`).
     check_memory: refuse an update step that needs more than that, when it is
       compiled (:class:`dew.train.memory.StepDoesNotFit`); ``plan`` reports instead.
+    update_norm: the update step logs ``update_norm`` (as in ``Trainer``).
     """
 
     objective: Objective
@@ -122,6 +123,7 @@ class Programs:
     learning_rate: Callable | float | None = None
     device_memory_bytes: int | str | None = None
     check_memory: bool = True
+    update_norm: bool = False
     cache: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
 
     def __post_init__(self):
@@ -319,6 +321,7 @@ class Programs:
             learning_rate=self.learning_rate,
             one_device=one_device,
             ordered_selects=orders_selects(platform, whole=one_device or whole),
+            update_norm=self.update_norm,
         )
         if self.objective.has_prepare:
             step_fn = with_minibatch(minibatch_fn(self.objective.prepared_updates), step_fn)

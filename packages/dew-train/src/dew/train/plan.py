@@ -194,6 +194,7 @@ def plan(
     rules: Rules | None = None,
     accumulate: int = 1,
     device_memory_bytes: int | str | None = None,
+    update_norm: bool = False,
 ) -> Plan:
     """Compile one training step of ``objective`` with ``optimizer`` on ``mesh``
     and report its per-device memory and FLOPs; nothing is allocated or run.
@@ -201,8 +202,9 @@ def plan(
     batch: the global batch, ``{name: ShapeDtypeStruct}`` or ``{name: (shape,
       dtype)}``, e.g. ``{"text": ((256, 2049), jnp.int32)}`` for an LM with
       ``seq_len=2048``.
-    rules, accumulate, device_memory_bytes: as in :class:`Trainer` (the last: what
-      :attr:`Plan.fits` compares with; None = the device's own memory).
+    rules, accumulate, device_memory_bytes, update_norm: as in :class:`Trainer`
+      (``device_memory_bytes``: what :attr:`Plan.fits` compares with; None = the
+      device's own memory).
 
     A step that XLA refuses to compile for want of memory (on a TPU) raises
     :class:`dew.train.StepDoesNotFit`.
@@ -215,6 +217,7 @@ def plan(
         accumulate=accumulate,
         device_memory_bytes=device_memory_bytes,
         check_memory=False,
+        update_norm=update_norm,
     )
     device_mesh = programs.device_mesh
     batch = {

@@ -337,6 +337,7 @@ def build_train_step(
     learning_rate: Callable | float | None = None,
     one_device: bool = False,
     ordered_selects: bool | None = None,
+    update_norm: bool = False,
 ) -> Callable:
     """``(state, batch, is_logged=True) -> (state, metrics)``: one attempt of the
     training step.
@@ -350,9 +351,9 @@ def build_train_step(
     microbatches) plus ``loss``, ``accepted`` (1.0 when the update was
     applied), ``grad_norm`` (every step: the non-finite check reads it),
     ``update_norm`` (a ``Weighted`` of weight 1 on a logged step and 0 on any
-    other, so a log interval's mean is the logged step's value; 0 when rejected),
-    and ``learning_rate`` when it can be read (a ``learning_rate=`` schedule, or
-    ``optax.inject_hyperparams``).
+    other, so a log interval's mean is the logged step's value; 0 when rejected; only
+    with ``update_norm``), and ``learning_rate`` when it can be read (a
+    ``learning_rate=`` schedule, or ``optax.inject_hyperparams``).
 
     one_device: the step runs on one device: small trees' norms are one fused
     reduction (:func:`tree_norm`).
@@ -362,6 +363,12 @@ def build_train_step(
     only where every weight and state leaf is whole on each device (an element of a
     split leaf would be gathered). None: :func:`orders_selects` of the default
     backend and ``one_device``.
+    update_norm: log ``update_norm``. Off by default, as MaxText and the Hugging Face
+    trainer log the gradients' norm but not the updates': its branch reads the
+    gradients, so XLA writes each one out in float32 where a bfloat16 model's were
+    converted inside the update's fusions (TPU v5e, GRPO's update at the chip size:
+    0.5 ms of a 16 ms step, docs/performance.md), and orders the guard's selects after
+    it.
     """
     grads_fn = accumulate(weighted_loss_fn(objective, accumulate_steps), accumulate_steps)
     if ordered_selects is None:
@@ -385,9 +392,10 @@ def build_train_step(
         updates, new_opt_state = optimizer.update(grads, old_opt_state, old_params)
         new_params = optax.apply_updates(old_params, updates)
         new_averaged = ema_fn(old_averaged, new_params, state.updates)
-        # the same updates again, computed in the logged steps' branch only
-        again = lambda: optimizer.update(grads, old_opt_state, old_params)[0]  # noqa: E731
-        update_norm = update_norm_if(is_logged, again, fused=one_device)
+        if update_norm:
+            # the same updates again, computed in the logged steps' branch only
+            again = lambda: optimizer.update(grads, old_opt_state, old_params)[0]  # noqa: E731
+            norm = jnp.where(finite, update_norm_if(is_logged, again, fused=one_device), 0.0)
 
         # a select per leaf, not a branch: fused into each weight's update, it writes
         # the donated buffers in place, where lax.cond's operands cost copies (TPU v5e:
@@ -398,13 +406,13 @@ def build_train_step(
         # copy it first (PPO's update at the TPU size: 435 MiB of copies on the CPU).
         # Where ordered (orders_selects) they run in turn: the average, then the
         # weights, then the optimizer state.
-        update_norm = jnp.where(finite, update_norm, 0.0)
         averaged = jax.tree.map(lambda a, b: kept_if(finite, a, b), new_averaged, old_averaged)
-        # The selects run after the updates' norm on every backend: its branch reads the
-        # old weights and optimizer state, which the selects overwrite in place; with
-        # no order XLA copies every one of them first (TPU v5e, the GPT-2's loop of
-        # blocks: 600 copies, 6.2 ms of a 105 ms step). A scalar, whole on any mesh.
-        finite = after(finite, update_norm)
+        if update_norm:
+            # The selects run after the updates' norm on every backend: its branch reads
+            # the old weights and optimizer state, which the selects overwrite in place;
+            # with no order XLA copies every one of them first (TPU v5e, the GPT-2's loop
+            # of blocks: 600 copies, 6.2 ms of a 105 ms step). A scalar, whole anywhere.
+            finite = after(finite, norm)
         params_ok = after(finite, averaged) if ordered_selects else finite
         params = jax.tree.map(lambda a, b: kept_if(params_ok, a, b), new_params, old_params)
         state_ok = after(finite, params) if ordered_selects else finite
@@ -423,8 +431,9 @@ def build_train_step(
             "accepted": finite.astype(jnp.float32),
             "loss_weight": jnp.min(jnp.stack([t.weight for t in terms])),
             "grad_norm": grad_norm,
-            "update_norm": wt.Weighted(total=update_norm, weight=logged),
         }
+        if update_norm:
+            out["update_norm"] = wt.Weighted(total=norm, weight=logged)
         # inject_hyperparams stores the rate it used for this update in the new state
         lr = learning_rate_of(opt_state, learning_rate, state.updates)
         if lr is not None:

@@ -143,7 +143,8 @@ class TrainerSection:
     average of the weights (sets the objective's ``ema``), None = the objective's own;
     ema_use_warmup: cap its decay at ``(1 + u) / (10 + u)`` at update ``u``
     (``EMA(use_warmup=True)``, the families' defaults), so a short run's average
-    follows its weights; false = the decay from the first update."""
+    follows its weights; false = the decay from the first update; update_norm: also
+    log each logged step's update norm (``Trainer(update_norm=True)``)."""
 
     steps: int
     log_every: int = 10
@@ -152,6 +153,7 @@ class TrainerSection:
     checkpoint_every: int = 0
     accumulate: int = 1
     max_rejected: int = 10
+    update_norm: bool = False
     ema: float | None = None
     ema_warmup_steps: int = 0
     ema_use_warmup: bool = True

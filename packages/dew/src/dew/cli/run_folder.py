@@ -54,6 +54,7 @@ RESUMABLE = (
     "trainer.eval_batches",
     "trainer.checkpoint_every",
     "trainer.max_rejected",
+    "trainer.update_norm",
     "checkpoints.keep",
     "checkpoints.keep_best",
     "checkpoints.use_async",

@@ -67,6 +67,7 @@ def run(args) -> int:
                 built.objective,
                 built.optimizer,
                 accumulate=recipe.trainer.accumulate,
+                update_norm=recipe.trainer.update_norm,
                 **settings,
             )
     except ValueError as error:

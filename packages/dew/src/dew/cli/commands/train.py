@@ -191,6 +191,7 @@ def _train(raw: dict, args, *, unchanged: bool = False, resumed: dict | None = N
             mesh=built.mesh,
             accumulate=t.accumulate,
             max_rejected=t.max_rejected,
+            update_norm=t.update_norm,
             run_dir=run_dir,
             checkpoints=checkpoints,
             learning_rate=built.learning_rate,

@@ -39,7 +39,6 @@ import importlib.util
 import io
 import itertools
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -175,15 +174,10 @@ def dew_training(size: str, steps: int):
 
 def run_dew_training(size: str, steps: int) -> tuple[float, float]:
     """(seconds to the first step, seconds per later step) of ``Trainer.fit``."""
+    from _timing import fit_seconds  # tools/, this script's directory
+
     encoder, predictor, images, data, objective, trainer = dew_training(size, steps)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        trainer.fit(data, steps=steps, log_every=steps)
-    # "Goodput: first step after X s, Y% of the wall time in steps (S of W s; ...)"
-    line = next(x for x in out.getvalue().splitlines() if x.startswith("Goodput:"))
-    first = float(re.search(r"first step after ([\d.]+) s", line).group(1))
-    wall = float(re.search(r"of ([\d.]+) s;", line).group(1))
-    return first, (wall - first) / (steps - 1)
+    return fit_seconds(trainer, data, steps)
 
 
 def layer_norm(x, eps=1e-6):
